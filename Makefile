@@ -1,0 +1,68 @@
+# kerneleval: `make serve` starts the service, `make test` runs every check.
+# Both set up what is missing first: Debian packages, a .venv, generated code, the watchdog.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 50051
+BUILD := build
+GEN_OUT := clients/python/src
+PROTOS := $(shell find proto -name '*.proto')
+STAMPS := .stamps
+APT_PACKAGES := protobuf-compiler libprotobuf-dev libgtest-dev libgrpc++-dev protobuf-compiler-grpc pkg-config cmake g++
+
+.PHONY: setup serve test lint gen supervisor apt clean
+
+setup: $(STAMPS)/apt $(STAMPS)/venv $(STAMPS)/gen supervisor
+
+# Debian packages for the watchdog (libprotobuf, GoogleTest) and the C++ client example.
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@touch $@
+
+# torch is pinned to the CPU build that lies on this kind of machine's disk; on a GPU host
+# install your CUDA build of torch first and it is kept.
+$(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml
+	@mkdir -p $(STAMPS)
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0'
+	$(PY) -m pip install -q -e clients/python -e '.[dev]'
+	@touch $@
+
+# Python code generated from proto/ (never edited by hand).
+$(STAMPS)/gen: $(PROTOS) $(STAMPS)/venv
+	rm -rf $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$(GEN_OUT) --pyi_out=$(GEN_OUT) \
+	  --grpc_python_out=$(GEN_OUT) $(PROTOS)
+	for d in $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal $(GEN_OUT)/kerneleval/internal/v1; do touch $$d/__init__.py; done
+	@touch $@
+
+gen: $(STAMPS)/gen
+
+supervisor: $(STAMPS)/apt
+	cmake -S supervisor -B $(BUILD)/supervisor -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(BUILD)/supervisor -j2
+
+lint: setup
+	$(VENV)/bin/ruff check server clients/python tests bench
+	$(VENV)/bin/mypy server/kerneleval_server clients/python/src/kerneleval
+	cd proto && ../$(VENV)/bin/buf lint
+
+serve: setup
+	KERNELEVAL_WATCHDOG=$(BUILD)/supervisor/kerneleval-watchdog \
+	  $(VENV)/bin/kerneleval serve --host $(HOST) --port $(PORT)
+
+test: setup lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(BUILD) $(STAMPS) $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal

@@ -1,0 +1,1 @@
+"""kerneleval: client library for the kerneleval gRPC service."""

@@ -1,0 +1,1 @@
+"""kerneleval server: front end, job store, scheduler, worker runtime and kernel backends."""
