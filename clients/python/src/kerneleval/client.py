@@ -1,0 +1,712 @@
+"""Sync (`Client`) and asyncio (`AsyncClient`) clients of KernelEvalService and OperationsService.
+
+    with Client("127.0.0.1:50051") as c:
+        job = c.evaluate(job_from_files("model_new.py", "model.py"))
+        for event in c.run(spec):          # typed JobEvents, the last one `finished`
+            ...
+
+Streams that follow a job (`run`, `watch`) re-attach after a dropped connection with
+`Watch(after_sequence=last seen)`, so no event is lost or repeated. Every failed call raises a
+typed `kerneleval.errors.KernelEvalError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+from google.protobuf import duration_pb2
+
+from kerneleval import errors
+from kerneleval.v1 import (
+    job_pb2,
+    kernel_eval_service_pb2,
+    kernel_eval_service_pb2_grpc,
+    kernel_pb2,
+    operations_service_pb2,
+    operations_service_pb2_grpc,
+)
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+ADDRESS_ENV = "KERNELEVAL_ADDRESS"
+ADMIN_TOKEN_ENV = "KERNELEVAL_ADMIN_TOKEN"
+
+# Codes after which a stream that follows a job is re-attached: the connection dropped or the
+# server went away, not a refusal of the request.
+_REATTACH_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+)
+# Large sources and results: raise gRPC's 4 MiB default.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+Event = job_pb2.JobEvent
+JobSpecLike = kernel_pb2.JobSpec | kernel_pb2.KernelSource
+BatchItem = kernel_pb2.JobSpec | tuple[str, kernel_pb2.JobSpec]
+
+
+def resolve_address(address: str | None = None) -> str:
+    """The address to use: the argument, else $KERNELEVAL_ADDRESS, else 127.0.0.1:50051.
+
+    `unix:/path/to.sock` reaches a unix socket."""
+    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def resolve_admin_token(token: str | None = None) -> str | None:
+    return token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def is_terminal(event: job_pb2.JobEvent) -> bool:
+    """Whether this is the job's last event."""
+    return event.WhichOneof("kind") == "finished"
+
+
+def event_kind(event: job_pb2.JobEvent) -> str:
+    """ "queued", "started", "phase", "progress", "log", "fault" or "finished"."""
+    return event.WhichOneof("kind") or ""
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """One response of `run_batch`: an event of a job, or the refusal of a submission."""
+
+    request_tag: str
+    event: job_pb2.JobEvent | None = None
+    error: kernel_eval_service_pb2.SubmissionError | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.event.job_id if self.event is not None else ""
+
+    @property
+    def done(self) -> bool:
+        """The submission is over: its job finished or it was refused."""
+        return self.error is not None or (self.event is not None and is_terminal(self.event))
+
+    def raise_for_error(self) -> None:
+        """Raise the typed exception of a refused submission."""
+        if self.error is None:
+            return
+        code = _status_code(self.error.code)
+        cls = errors._BY_CODE.get(code, errors.KernelEvalError)
+        raise cls(
+            self.error.message,
+            code=code,
+            field_violations=[
+                errors.FieldViolation(v.field, v.description) for v in self.error.field_violations
+            ],
+        )
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def _as_spec(spec: JobSpecLike, options: kernel_pb2.EvalOptions | None) -> kernel_pb2.JobSpec:
+    out = kernel_pb2.JobSpec()
+    if isinstance(spec, kernel_pb2.KernelSource):
+        out.kernel.CopyFrom(spec)
+    else:
+        out.CopyFrom(spec)
+    if options is not None:
+        out.options.CopyFrom(options)
+    return out
+
+
+def _duration(seconds: float | None) -> duration_pb2.Duration | None:
+    if seconds is None:
+        return None
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def _batch_request(index: int, item: BatchItem) -> kernel_eval_service_pb2.RunBatchRequest:
+    tag, spec = item if isinstance(item, tuple) else (str(index), item)
+    return kernel_eval_service_pb2.RunBatchRequest(spec=spec, request_tag=tag)
+
+
+def _reattachable(error: grpc.RpcError) -> bool:
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code in _REATTACH_CODES:
+        return True
+    details = (error.details() if callable(getattr(error, "details", None)) else "") or ""
+    return code == grpc.StatusCode.INTERNAL and "RST_STREAM" in details
+
+
+class _Follow:
+    """Book-keeping of a followed job: the last sequence seen and the re-attach budget."""
+
+    def __init__(self, job_id: str, after_sequence: int, reconnect_timeout: float) -> None:
+        self.job_id = job_id
+        self.last = after_sequence
+        self.reconnect_timeout = reconnect_timeout
+        self._deadline: float | None = None
+        self._backoff = 0.05
+
+    def accept(self, event: job_pb2.JobEvent) -> bool:
+        """Whether the event is new (re-attached streams replay nothing twice)."""
+        if not self.job_id:
+            self.job_id = event.job_id
+        if event.sequence <= self.last:
+            return False
+        self.last = event.sequence
+        self._deadline = None
+        self._backoff = 0.05
+        return True
+
+    def next_delay(self, cause: BaseException | None) -> float:
+        """Seconds to wait before re-attaching; raises Unavailable when the budget is spent."""
+        if not self.job_id:
+            # Nothing was received, so there is no job to re-attach to.
+            if isinstance(cause, grpc.RpcError):
+                raise errors.from_rpc_error(cause)
+            raise errors.Unavailable("the stream ended before the job was known")
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self.reconnect_timeout
+        if now >= self._deadline:
+            raise errors.Unavailable(
+                f"lost the stream of job {self.job_id} after sequence {self.last} and could not "
+                f"re-attach within {self.reconnect_timeout:g} s"
+            ) from cause
+        delay = min(self._backoff, self._deadline - now)
+        self._backoff = min(self._backoff * 2, 2.0)
+        return delay
+
+    def watch_request(self) -> kernel_eval_service_pb2.WatchRequest:
+        return kernel_eval_service_pb2.WatchRequest(job_id=self.job_id, after_sequence=self.last)
+
+
+class _Base:
+    def __init__(
+        self,
+        address: str | None,
+        timeout: float | None,
+        admin_token: str | None,
+        reconnect_timeout: float,
+    ) -> None:
+        self.address = resolve_address(address)
+        self.timeout = timeout
+        self.admin_token = resolve_admin_token(admin_token)
+        self.reconnect_timeout = reconnect_timeout
+
+    def _admin_metadata(self) -> list[tuple[str, str]]:
+        if not self.admin_token:
+            raise errors.Unauthenticated(
+                f"operations calls need an admin token (argument or ${ADMIN_TOKEN_ENV})"
+            )
+        return [("authorization", f"Bearer {self.admin_token}")]
+
+
+class Client(_Base):
+    """Blocking client. Thread-safe; close it (or use `with`) to release the channel."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        admin_token: str | None = None,
+        reconnect_timeout: float = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        super().__init__(address, timeout, admin_token, reconnect_timeout)
+        if channel is not None:
+            self.channel = channel
+        elif credentials is not None:
+            self.channel = grpc.secure_channel(self.address, credentials, _CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(self.address, _CHANNEL_OPTIONS)
+        self._stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(self.channel)
+        self._ops = operations_service_pb2_grpc.OperationsServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, **kwargs)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+
+    # --- KernelEvalService ---------------------------------------------------------------
+
+    def evaluate(
+        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        """Evaluates (or compares, when spec.reference is set) and returns the finished job."""
+        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options))
+        return self._call(self._stub.Evaluate, req).job
+
+    def compare(
+        self, spec: kernel_pb2.JobSpec, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        """Compares spec.kernel with spec.reference and returns the finished job."""
+        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options))
+        return self._call(self._stub.Compare, req).job
+
+    def submit(
+        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        """Queues a job and returns it at once (QUEUED)."""
+        req = kernel_eval_service_pb2.SubmitRequest(spec=_as_spec(spec, options))
+        return self._call(self._stub.Submit, req).job
+
+    def run(
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        keep_on_disconnect: bool = False,
+        reconnect: bool = True,
+    ) -> Iterator[job_pb2.JobEvent]:
+        """Submits a job and yields its events to the last (`finished`)."""
+        req = kernel_eval_service_pb2.RunRequest(
+            spec=_as_spec(spec, options), keep_on_disconnect=keep_on_disconnect
+        )
+        follow = _Follow("", 0, self.reconnect_timeout)
+        opener = lambda: self._stub.Run(req, timeout=self.timeout)  # noqa: E731
+        yield from self._follow(follow, opener, reconnect)
+
+    def watch(
+        self, job_id: str, after_sequence: int = 0, *, reconnect: bool = True
+    ) -> Iterator[job_pb2.JobEvent]:
+        """Yields a job's events after `after_sequence` (0: all) to the last (`finished`)."""
+        follow = _Follow(job_id, after_sequence, self.reconnect_timeout)
+        yield from self._follow(follow, None, reconnect)
+
+    def _follow(self, follow: _Follow, first: Any, reconnect: bool) -> Iterator[job_pb2.JobEvent]:
+        opener = first
+        while True:
+            if opener is not None:
+                call = opener()
+            else:
+                call = self._stub.Watch(
+                    follow.watch_request(), timeout=self.timeout, wait_for_ready=True
+                )
+            opener = None
+            cause: BaseException | None = None
+            try:
+                for response in call:
+                    event = response.event
+                    if follow.accept(event):
+                        yield event
+                        if is_terminal(event):
+                            return
+            except grpc.RpcError as e:
+                if not reconnect or not _reattachable(e):
+                    raise errors.from_rpc_error(e) from e
+                cause = e
+            finally:
+                call.cancel()
+            if not reconnect:
+                raise errors.Unavailable(f"the stream of job {follow.job_id} ended early")
+            time.sleep(follow.next_delay(cause))
+
+    def get_job(self, job_id: str) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.GetJobRequest(job_id=job_id)
+        return self._call(self._stub.GetJob, req).job
+
+    def list_jobs_page(
+        self, request: kernel_eval_service_pb2.ListJobsRequest
+    ) -> kernel_eval_service_pb2.ListJobsResponse:
+        return self._call(self._stub.ListJobs, request)
+
+    def list_jobs(
+        self,
+        *,
+        state: int = job_pb2.JOB_STATE_UNSPECIFIED,
+        client_tag: str = "",
+        include_spec: bool = False,
+        page_size: int = 100,
+        limit: int | None = None,
+    ) -> Iterator[job_pb2.Job]:
+        """Jobs, newest first, fetched page by page; at most `limit` of them."""
+        req = kernel_eval_service_pb2.ListJobsRequest(
+            page_size=page_size,
+            state=state,  # type: ignore[arg-type]
+            client_tag=client_tag,
+            include_spec=include_spec,
+        )
+        count = 0
+        while True:
+            page = self.list_jobs_page(req)
+            for job in page.jobs:
+                if limit is not None and count >= limit:
+                    return
+                count += 1
+                yield job
+            if not page.next_page_token:
+                return
+            req.page_token = page.next_page_token
+
+    def cancel_job(self, job_id: str) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.CancelJobRequest(job_id=job_id)
+        return self._call(self._stub.CancelJob, req).job
+
+    def run_batch(
+        self, jobs: Iterable[BatchItem], *, max_in_flight: int | None = None
+    ) -> Iterator[BatchEvent]:
+        """Runs many jobs on one stream, yielding every event tagged with its request tag.
+
+        Items are JobSpecs (tagged "0", "1", ... by position) or (tag, JobSpec) pairs. With
+        `max_in_flight`, the next job is sent only when one of those in flight is done."""
+        slots = threading.Semaphore(max_in_flight) if max_in_flight else None
+        stop = threading.Event()
+
+        def requests() -> Iterator[kernel_eval_service_pb2.RunBatchRequest]:
+            for i, item in enumerate(jobs):
+                if slots is not None:
+                    while not slots.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                if stop.is_set():
+                    return
+                yield _batch_request(i, item)
+
+        call = self._stub.RunBatch(requests(), timeout=self.timeout)
+        try:
+            for response in call:
+                if response.HasField("error"):
+                    out = BatchEvent(response.request_tag, error=response.error)
+                else:
+                    out = BatchEvent(response.request_tag, event=response.event)
+                if out.done and slots is not None:
+                    slots.release()
+                yield out
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+        finally:
+            stop.set()
+            call.cancel()
+
+    # --- OperationsService (admin token) --------------------------------------------------
+
+    def _ops_call(self, method: Any, request: Any) -> Any:
+        return self._call(method, request, metadata=self._admin_metadata())
+
+    def list_devices(self) -> list[operations_service_pb2.Device]:
+        resp = self._ops_call(self._ops.ListDevices, operations_service_pb2.ListDevicesRequest())
+        return list(resp.devices)
+
+    def watch_events(self, replay_count: int = 0) -> Iterator[operations_service_pb2.OpsEvent]:
+        """Operations events (XIDs, worker exits, resets, health) as they happen."""
+        req = operations_service_pb2.WatchEventsRequest(replay_count=replay_count)
+        call = self._ops.WatchEvents(req, timeout=self.timeout, metadata=self._admin_metadata())
+        try:
+            for response in call:
+                yield response.event
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+        finally:
+            call.cancel()
+
+    def reset_gpu(
+        self, device_index: int, *, grace_period: float | None = None
+    ) -> operations_service_pb2.ResetGpuResponse:
+        req = operations_service_pb2.ResetGpuRequest(
+            device_index=device_index, grace_period=_duration(grace_period)
+        )
+        return self._ops_call(self._ops.ResetGpu, req)
+
+    def restart_workers(self, device_index: int | None = None) -> int:
+        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index)
+        return self._ops_call(self._ops.RestartWorkers, req).restarted_count
+
+    def cleanup(self, older_than: float | None = None) -> operations_service_pb2.CleanupResponse:
+        req = operations_service_pb2.CleanupRequest(older_than=_duration(older_than))
+        return self._ops_call(self._ops.Cleanup, req)
+
+    def get_stats(self) -> operations_service_pb2.GetStatsResponse:
+        return self._ops_call(self._ops.GetStats, operations_service_pb2.GetStatsRequest())
+
+    # --- grpc.health.v1 -------------------------------------------------------------------
+
+    def health(self, service: str = "") -> str:
+        """The health status name ("SERVING", "NOT_SERVING", ...) from grpc.health.v1."""
+        check = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+        return self._call(check, service)
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio); the same calls as `Client`, awaited or async-iterated."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = None,
+        admin_token: str | None = None,
+        reconnect_timeout: float = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        super().__init__(address, timeout, admin_token, reconnect_timeout)
+        if channel is not None:
+            self.channel = channel
+        elif credentials is not None:
+            self.channel = grpc.aio.secure_channel(self.address, credentials, _CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.address, _CHANNEL_OPTIONS)
+        self._stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(self.channel)
+        self._ops = operations_service_pb2_grpc.OperationsServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close(None)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout, **kwargs)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+
+    async def evaluate(
+        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options))
+        return (await self._call(self._stub.Evaluate, req)).job
+
+    async def compare(
+        self, spec: kernel_pb2.JobSpec, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options))
+        return (await self._call(self._stub.Compare, req)).job
+
+    async def submit(
+        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+    ) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.SubmitRequest(spec=_as_spec(spec, options))
+        return (await self._call(self._stub.Submit, req)).job
+
+    def run(
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        keep_on_disconnect: bool = False,
+        reconnect: bool = True,
+    ) -> AsyncIterator[job_pb2.JobEvent]:
+        req = kernel_eval_service_pb2.RunRequest(
+            spec=_as_spec(spec, options), keep_on_disconnect=keep_on_disconnect
+        )
+        follow = _Follow("", 0, self.reconnect_timeout)
+        return self._follow(follow, lambda: self._stub.Run(req, timeout=self.timeout), reconnect)
+
+    def watch(
+        self, job_id: str, after_sequence: int = 0, *, reconnect: bool = True
+    ) -> AsyncIterator[job_pb2.JobEvent]:
+        follow = _Follow(job_id, after_sequence, self.reconnect_timeout)
+        return self._follow(follow, None, reconnect)
+
+    async def _follow(
+        self, follow: _Follow, first: Any, reconnect: bool
+    ) -> AsyncIterator[job_pb2.JobEvent]:
+        opener = first
+        while True:
+            if opener is not None:
+                call = opener()
+            else:
+                call = self._stub.Watch(
+                    follow.watch_request(), timeout=self.timeout, wait_for_ready=True
+                )
+            opener = None
+            cause: BaseException | None = None
+            try:
+                async for response in call:
+                    event = response.event
+                    if follow.accept(event):
+                        yield event
+                        if is_terminal(event):
+                            return
+            except grpc.RpcError as e:
+                if not reconnect or not _reattachable(e):
+                    raise errors.from_rpc_error(e) from e
+                cause = e
+            finally:
+                call.cancel()
+            if not reconnect:
+                raise errors.Unavailable(f"the stream of job {follow.job_id} ended early")
+            await asyncio.sleep(follow.next_delay(cause))
+
+    async def get_job(self, job_id: str) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.GetJobRequest(job_id=job_id)
+        return (await self._call(self._stub.GetJob, req)).job
+
+    async def list_jobs(
+        self,
+        *,
+        state: int = job_pb2.JOB_STATE_UNSPECIFIED,
+        client_tag: str = "",
+        include_spec: bool = False,
+        page_size: int = 100,
+        limit: int | None = None,
+    ) -> AsyncIterator[job_pb2.Job]:
+        req = kernel_eval_service_pb2.ListJobsRequest(
+            page_size=page_size,
+            state=state,  # type: ignore[arg-type]
+            client_tag=client_tag,
+            include_spec=include_spec,
+        )
+        count = 0
+        while True:
+            page = await self._call(self._stub.ListJobs, req)
+            for job in page.jobs:
+                if limit is not None and count >= limit:
+                    return
+                count += 1
+                yield job
+            if not page.next_page_token:
+                return
+            req.page_token = page.next_page_token
+
+    async def cancel_job(self, job_id: str) -> job_pb2.Job:
+        req = kernel_eval_service_pb2.CancelJobRequest(job_id=job_id)
+        return (await self._call(self._stub.CancelJob, req)).job
+
+    async def run_batch(
+        self,
+        jobs: Iterable[BatchItem] | AsyncIterable[BatchItem],
+        *,
+        max_in_flight: int | None = None,
+    ) -> AsyncIterator[BatchEvent]:
+        """As `Client.run_batch`; `jobs` may be an async iterable."""
+        slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+
+        async def items() -> AsyncIterator[BatchItem]:
+            if isinstance(jobs, AsyncIterable):
+                async for item in jobs:
+                    yield item
+            else:
+                for item in jobs:
+                    yield item
+
+        async def requests() -> AsyncIterator[kernel_eval_service_pb2.RunBatchRequest]:
+            i = 0
+            async for item in items():
+                if slots is not None:
+                    await slots.acquire()
+                yield _batch_request(i, item)
+                i += 1
+
+        call = self._stub.RunBatch(requests(), timeout=self.timeout)
+        try:
+            async for response in call:
+                if response.HasField("error"):
+                    out = BatchEvent(response.request_tag, error=response.error)
+                else:
+                    out = BatchEvent(response.request_tag, event=response.event)
+                if out.done and slots is not None:
+                    slots.release()
+                yield out
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+        finally:
+            call.cancel()
+
+    async def list_devices(self) -> list[operations_service_pb2.Device]:
+        resp = await self._call(
+            self._ops.ListDevices,
+            operations_service_pb2.ListDevicesRequest(),
+            metadata=self._admin_metadata(),
+        )
+        return list(resp.devices)
+
+    async def watch_events(
+        self, replay_count: int = 0
+    ) -> AsyncIterator[operations_service_pb2.OpsEvent]:
+        req = operations_service_pb2.WatchEventsRequest(replay_count=replay_count)
+        call = self._ops.WatchEvents(req, timeout=self.timeout, metadata=self._admin_metadata())
+        try:
+            async for response in call:
+                yield response.event
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from e
+        finally:
+            call.cancel()
+
+    async def reset_gpu(
+        self, device_index: int, *, grace_period: float | None = None
+    ) -> operations_service_pb2.ResetGpuResponse:
+        req = operations_service_pb2.ResetGpuRequest(
+            device_index=device_index, grace_period=_duration(grace_period)
+        )
+        return await self._call(self._ops.ResetGpu, req, metadata=self._admin_metadata())
+
+    async def restart_workers(self, device_index: int | None = None) -> int:
+        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index)
+        resp = await self._call(self._ops.RestartWorkers, req, metadata=self._admin_metadata())
+        return resp.restarted_count
+
+    async def cleanup(
+        self, older_than: float | None = None
+    ) -> operations_service_pb2.CleanupResponse:
+        req = operations_service_pb2.CleanupRequest(older_than=_duration(older_than))
+        return await self._call(self._ops.Cleanup, req, metadata=self._admin_metadata())
+
+    async def get_stats(self) -> operations_service_pb2.GetStatsResponse:
+        return await self._call(
+            self._ops.GetStats,
+            operations_service_pb2.GetStatsRequest(),
+            metadata=self._admin_metadata(),
+        )
+
+
+# grpc.health.v1 without grpcio-health-checking: HealthCheckRequest {string service = 1},
+# HealthCheckResponse {ServingStatus status = 1}.
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def _encode_health_request(service: str) -> bytes:
+    raw = service.encode()
+    if not raw:
+        return b""
+    return b"\x0a" + _varint(len(raw)) + raw
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _decode_health_response(raw: bytes) -> str:
+    # Field 1, varint: tag byte 0x08 then the value (small enum, one byte).
+    if len(raw) >= 2 and raw[0] == 0x08:
+        return _HEALTH_STATUS.get(raw[1], str(raw[1]))
+    return "UNKNOWN"
