@@ -1,0 +1,338 @@
+"""The `kerneleval` command.
+
+Exit codes: 0 success (verdict OK), 1 the job finished without verdict OK (or was cancelled
+or failed), 2 usage error, 3 the service refused or could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from kerneleval import errors, render
+from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, Client, resolve_address
+from kerneleval.doctor import run_doctor
+from kerneleval.kernelbench import TYPE_NAMES, job_from_files
+from kerneleval.v1 import job_pb2, kernel_pb2
+
+EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE = 0, 1, 2, 3
+STATES = {n.removeprefix("JOB_STATE_").lower(): v for n, v in job_pb2.JobState.items()}
+
+
+def _to_json(message: Any) -> str:
+    return json_format.MessageToJson(message, indent=2)
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job")
+    g.add_argument("--type", choices=[*TYPE_NAMES, "auto"], default="auto",
+                   help="kernel type (default: detected from the source)")
+    g.add_argument("--entry-point", default="", help="class or kernel to run")
+    g.add_argument("--io", metavar="JSON|FILE",
+                   help="IOContract as JSON (proto3 JSON mapping), inline or in a file")
+    g.add_argument("--correct-trials", type=int, help="correctness trials (default 5)")
+    g.add_argument("--perf-trials", type=int, help="timed trials (default 100; 0 skips timing)")
+    g.add_argument("--warmup", type=int, help="warm-up runs before timing (default 10)")
+    g.add_argument("--atol", type=float)
+    g.add_argument("--rtol", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", type=int, help="GPU index (default: the scheduler picks)")
+    g.add_argument("--job-timeout", type=float, metavar="S", help="job wall-clock limit")
+    g.add_argument("--no-flush-l2", action="store_true", help="keep the L2 cache warm")
+    g.add_argument("--launch-blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1")
+    g.add_argument("--dsa", action="store_true", help="device-side assertions")
+    g.add_argument("--sanitize", action="store_true", help="compute-sanitizer memcheck")
+    g.add_argument("--device-metrics", action="store_true", help="Nsight Compute metrics")
+    g.add_argument("--tag", default="", help="client tag")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the finished job as JSON")
+    o.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    o.add_argument("--detach", action="store_true", help="submit, print the job id, exit")
+
+
+def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
+    o = kernel_pb2.EvalOptions()
+    for attr, fld in (
+        ("correct_trials", "correct_trial_count"),
+        ("perf_trials", "perf_trial_count"),
+        ("warmup", "warmup_count"),
+        ("atol", "atol"),
+        ("rtol", "rtol"),
+        ("seed", "seed"),
+        ("device", "device_index"),
+    ):
+        value = getattr(a, attr)
+        if value is not None:
+            setattr(o, fld, value)
+    if a.job_timeout is not None:
+        o.timeout.FromNanoseconds(int(a.job_timeout * 1e9))
+    if a.no_flush_l2:
+        o.flush_l2 = False
+    o.launch_blocking = a.launch_blocking
+    o.device_side_assertions = a.dsa
+    o.sanitize = a.sanitize
+    o.device_metrics = a.device_metrics
+    return o
+
+
+def _io(value: str | None) -> kernel_pb2.IOContract | None:
+    if not value:
+        return None
+    text = value
+    if not value.lstrip().startswith("{"):
+        text = Path(value).read_text(encoding="utf-8")
+    return json_format.Parse(text, kernel_pb2.IOContract())
+
+
+def _spec(a: argparse.Namespace, kernel: str, reference: str | None) -> kernel_pb2.JobSpec:
+    return job_from_files(
+        kernel,
+        reference,
+        options=_options(a),
+        client_tag=a.tag,
+        kernel_type=a.type,
+        io=_io(a.io),
+        entry_point=a.entry_point,
+    )
+
+
+def _follow(a: argparse.Namespace, events: Iterator[job_pb2.JobEvent]) -> int:
+    """Shows the events, then the result; the exit code follows the verdict."""
+    progress = None
+    if not a.no_progress and not a.json:
+        progress = render.Progress(sys.stderr, sys.stderr.isatty())
+    job: job_pb2.Job | None = None
+    for event in events:
+        if progress is not None:
+            progress.event(event)
+        if event.HasField("finished"):
+            job = event.finished
+    if job is None:
+        print("error: the stream ended without a result", file=sys.stderr)
+        return EXIT_SERVICE
+    return _show_job(a, job)
+
+
+def _show_job(a: argparse.Namespace, job: job_pb2.Job) -> int:
+    print(_to_json(job) if a.json else render.result_table(job))
+    ok = job.state == job_pb2.JOB_STATE_DONE and job.result.verdict == job_pb2.VERDICT_OK
+    return EXIT_OK if ok else EXIT_VERDICT
+
+
+def _run_spec(a: argparse.Namespace, c: Client, spec: kernel_pb2.JobSpec) -> int:
+    if a.detach:
+        job = c.submit(spec)
+        print(_to_json(job) if a.json else job.job_id)
+        return EXIT_OK
+    return _follow(a, c.run(spec))
+
+
+def cmd_evaluate(a: argparse.Namespace, c: Client) -> int:
+    return _run_spec(a, c, _spec(a, a.file, a.reference))
+
+
+def cmd_compare(a: argparse.Namespace, c: Client) -> int:
+    return _run_spec(a, c, _spec(a, a.file, a.reference))
+
+
+def cmd_watch(a: argparse.Namespace, c: Client) -> int:
+    return _follow(a, c.watch(a.job, a.after))
+
+
+def cmd_get(a: argparse.Namespace, c: Client) -> int:
+    return _show_job(a, c.get_job(a.job))
+
+
+def cmd_cancel(a: argparse.Namespace, c: Client) -> int:
+    job = c.cancel_job(a.job)
+    print(_to_json(job) if a.json else f"{job.job_id}: {render.state_name(job.state)}")
+    return EXIT_OK
+
+
+def cmd_jobs(a: argparse.Namespace, c: Client) -> int:
+    jobs = list(
+        c.list_jobs(state=STATES[a.state], client_tag=a.tag, limit=a.limit, page_size=a.limit)
+    )
+    if a.json:
+        print(json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2))
+    else:
+        print(render.jobs_table(jobs))
+    return EXIT_OK
+
+
+def cmd_devices(a: argparse.Namespace, c: Client) -> int:
+    devices = c.list_devices()
+    if a.json:
+        print(json.dumps([json_format.MessageToDict(d) for d in devices], indent=2))
+    else:
+        print(render.devices_table(devices))
+        for d in devices:
+            for x in d.recent_xids:
+                who = f" job {x.job_id}" if x.job_id else ""
+                print(f"  gpu {d.index}: XID {x.xid} ({x.category}) -> {x.action}{who} "
+                      f"at {render.fmt_time(x.time)}  {x.message}".rstrip())
+    return EXIT_OK
+
+
+def cmd_events(a: argparse.Namespace, c: Client) -> int:
+    for ev in c.watch_events(a.replay):
+        if a.json:
+            print(json_format.MessageToJson(ev, indent=None), flush=True)
+        else:
+            print(render.ops_event_line(ev), flush=True)
+    return EXIT_OK
+
+
+def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
+    if not c.admin_token:
+        print(f"error: reset-gpu needs --admin-token or ${ADMIN_TOKEN_ENV}", file=sys.stderr)
+        return EXIT_USAGE
+    if not a.yes:
+        if not sys.stdin.isatty():
+            print("error: not a terminal; pass --yes to reset without asking", file=sys.stderr)
+            return EXIT_USAGE
+        answer = input(
+            f"Reset GPU {a.index} at {c.address}? Its jobs get {a.grace:g} s to finish, then its "
+            "workers are stopped. Type 'yes': "
+        )
+        if answer.strip().lower() != "yes":
+            print("not reset", file=sys.stderr)
+            return EXIT_USAGE
+    resp = c.reset_gpu(a.index, grace_period=a.grace)
+    if a.json:
+        print(_to_json(resp))
+    else:
+        for s in resp.steps:
+            print(f"{render.fmt_time(s.time)}  {s.step:<16} {'ok' if s.ok else 'FAILED'}  "
+                  f"{s.message}".rstrip())
+        print("GPU healthy again" if resp.success else "reset FAILED")
+    return EXIT_OK if resp.success else EXIT_VERDICT
+
+
+def cmd_doctor(a: argparse.Namespace, c: Client) -> int:
+    report = run_doctor(c.address, c.admin_token, a.service_timeout)
+    print(json.dumps(report.as_dict(), indent=2) if a.json else report.text(), end="")
+    return EXIT_OK
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    try:
+        from kerneleval_server.main import main as server_main  # type: ignore[import-not-found]
+    except ImportError as e:
+        print(
+            "kerneleval serve needs the server package (kerneleval-server), which is not "
+            f"installed here ({e}).\nInstall it from the repository root: pip install -e . "
+            "(or run `make serve`).",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    result = server_main(list(argv))
+    return int(result or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kerneleval", description="Compile, check and time GPU kernels on a kerneleval server."
+    )
+    p.add_argument("--address", default=None,
+                   help=f"server address, host:port or unix:PATH (env {ADDRESS_ENV}, "
+                        "default 127.0.0.1:50051)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="deadline of each call in seconds (default: none)")
+    p.add_argument("--admin-token", default=None,
+                   help=f"token for the operations calls (env {ADMIN_TOKEN_ENV})")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="start the server (needs kerneleval-server)",
+                       add_help=False)
+    s.add_argument("args", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("evaluate", help="evaluate a kernel file (compare with --reference)")
+    s.add_argument("file")
+    s.add_argument("--reference", help="reference file (e.g. a KernelBench problem)")
+    _add_job_options(s)
+    s.set_defaults(func=cmd_evaluate)
+
+    s = sub.add_parser("compare", help="compare a kernel file with a reference file")
+    s.add_argument("reference")
+    s.add_argument("file")
+    _add_job_options(s)
+    s.set_defaults(func=cmd_compare)
+
+    for name, helptext, func in (
+        ("watch", "follow a job's events to its result", cmd_watch),
+        ("get", "show a job", cmd_get),
+        ("cancel", "cancel a job", cmd_cancel),
+    ):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("job")
+        s.add_argument("--json", action="store_true")
+        if name == "watch":
+            s.add_argument("--after", type=int, default=0, help="replay after this sequence")
+            s.add_argument("--no-progress", action="store_true")
+        s.set_defaults(func=func)
+
+    s = sub.add_parser("jobs", help="list jobs, newest first")
+    s.add_argument("--state", choices=list(STATES), default="unspecified")
+    s.add_argument("--tag", default="")
+    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser("devices", help="GPUs, their health and recent XIDs (admin token)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_devices)
+
+    s = sub.add_parser("events", help="follow operations events (admin token)")
+    s.add_argument("--replay", type=int, default=0, help="replay this many recent events")
+    s.add_argument("--json", action="store_true", help="one JSON object per line")
+    s.set_defaults(func=cmd_events)
+
+    s = sub.add_parser("reset-gpu", help="drain and reset a GPU (admin token)")
+    s.add_argument("index", type=int)
+    s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    s.add_argument("--grace", type=float, default=30.0, metavar="S",
+                   help="seconds running jobs get to finish (default 30)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_reset_gpu)
+
+    s = sub.add_parser("doctor", help="print a diagnostics report to paste into an issue")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--service-timeout", type=float, default=5.0, metavar="S",
+                   help="deadline of the calls to the service (default 5)")
+    s.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # `serve` hands every argument after it to the server's own parser.
+    if "serve" in args_list:
+        i = args_list.index("serve")
+        head = parser.parse_args([*args_list[:i], "serve"])
+        if head.command == "serve":
+            return cmd_serve(args_list[i + 1 :])
+    a = parser.parse_args(args_list)
+    try:
+        with Client(resolve_address(a.address), timeout=a.timeout,
+                    admin_token=a.admin_token) as c:
+            return int(a.func(a, c))
+    except errors.KernelEvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SERVICE
+    except (OSError, ValueError, json_format.ParseError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

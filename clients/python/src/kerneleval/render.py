@@ -1,0 +1,322 @@
+"""Terminal output of the CLI: live progress per phase, result tables, device tables."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Sequence
+from typing import TextIO
+
+from google.protobuf import timestamp_pb2
+
+from kerneleval.v1 import job_pb2, operations_service_pb2
+
+PHASE_NAMES: dict[int, str] = {
+    job_pb2.PHASE_COMPILING: "compiling",
+    job_pb2.PHASE_VALIDATING: "validating",
+    job_pb2.PHASE_PROFILING: "profiling",
+}
+BAR_WIDTH = 28
+
+
+def enum_name(value: int, enum: object, prefix: str) -> str:
+    """"OK" for Verdict VERDICT_OK, etc."""
+    try:
+        return str(enum.Name(value)).removeprefix(prefix)  # type: ignore[attr-defined]
+    except ValueError:
+        return str(value)
+
+
+def verdict_name(value: int) -> str:
+    return enum_name(value, job_pb2.Verdict, "VERDICT_")
+
+
+def state_name(value: int) -> str:
+    return enum_name(value, job_pb2.JobState, "JOB_STATE_")
+
+
+def health_name(value: int) -> str:
+    return enum_name(value, operations_service_pb2.DeviceHealth, "DEVICE_HEALTH_")
+
+
+def fmt_time(ts: timestamp_pb2.Timestamp) -> str:
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    t = ts.ToDatetime(tzinfo=_dt.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def device_label(index: int) -> str:
+    return "cpu" if index < 0 else f"gpu {index}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain aligned table (no colour), easy to paste."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+class Progress:
+    """Shows a job's events: on a TTY one live bar per phase, elsewhere one line per step."""
+
+    def __init__(self, out: TextIO, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self._live = ""  # the line being redrawn (TTY only)
+        self._phase = 0
+
+    def _print(self, text: str) -> None:
+        if self._live:
+            self.out.write("\r\x1b[2K")
+        self.out.write(text + "\n")
+        if self._live:
+            self.out.write(self._live)
+        self.out.flush()
+
+    def _redraw(self, line: str) -> None:
+        self._live = line
+        self.out.write("\r\x1b[2K" + line)
+        self.out.flush()
+
+    def _settle(self) -> None:
+        """Leave the live line on screen and start a new one."""
+        if self._live:
+            self.out.write("\n")
+            self.out.flush()
+            self._live = ""
+
+    def _bar(self, phase: int, done: int, total: int) -> str:
+        name = PHASE_NAMES.get(phase, "working").ljust(10)
+        if total <= 0:
+            return f"  {name} ..."
+        filled = min(BAR_WIDTH, BAR_WIDTH * done // total)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        return f"  {name} [{bar}] {done}/{total}"
+
+    def event(self, event: job_pb2.JobEvent) -> None:
+        kind = event.WhichOneof("kind")
+        if kind == "queued":
+            self._print(f"job {event.job_id} queued (position {event.queued.position})")
+        elif kind == "started":
+            s = event.started
+            attempt = f", attempt {s.attempt}" if s.attempt > 1 else ""
+            self._print(f"started on {device_label(s.device_index)}, worker {s.worker_id}{attempt}")
+        elif kind == "phase":
+            self._settle()
+            self._phase = event.phase.phase
+            if self.tty:
+                self._redraw(self._bar(self._phase, 0, 0))
+            else:
+                self._print(f"  {PHASE_NAMES.get(self._phase, 'phase')}")
+        elif kind == "progress":
+            p = event.progress
+            if self.tty:
+                self._redraw(self._bar(p.phase, p.done_count, p.total_count))
+            elif p.done_count == p.total_count:
+                self._print(f"  {PHASE_NAMES.get(p.phase, 'phase')} {p.done_count}/{p.total_count}")
+        elif kind == "log":
+            for line in event.log.text.rstrip("\n").splitlines():
+                self._print(f"  | {line}")
+        elif kind == "fault":
+            self._print(f"  fault: {fault_text(event.fault)}")
+        elif kind == "finished":
+            self._settle()
+            job = event.finished
+            self.out.write(
+                f"finished: {state_name(job.state)} {verdict_name(job.result.verdict)}\n"
+            )
+            self.out.flush()
+
+
+def fault_text(f: job_pb2.FaultInfo) -> str:
+    parts = []
+    if f.description:
+        parts.append(f.description)
+    if f.xid:
+        parts.append(f"XID {f.xid}" + (f" ({f.xid_category})" if f.xid_category else ""))
+    if f.signal:
+        parts.append(f"signal {f.signal}")
+    if f.HasField("exit_code"):
+        parts.append(f"exit code {f.exit_code}")
+    if f.worker_pid:
+        parts.append(f"worker pid {f.worker_pid}")
+    if f.worker_restarted:
+        parts.append("worker replaced")
+    if f.gpu_reset:
+        parts.append("GPU reset started")
+    return "; ".join(parts) or "-"
+
+
+def _stats(r: job_pb2.RuntimeStats) -> str:
+    source = enum_name(r.source, job_pb2.TimingSource, "TIMING_SOURCE_").lower()
+    flushed = ", L2 flushed" if r.l2_flushed else ""
+    return (
+        f"median {r.median_ms:.4f} ms  mean {r.mean_ms:.4f}  std {r.std_ms:.4f}  "
+        f"min {r.min_ms:.4f}  max {r.max_ms:.4f}  p95 {r.p95_ms:.4f}  "
+        f"({r.trial_count} trials, {source}{flushed})"
+    )
+
+
+def _indent(text: str, limit: int = 40) -> str:
+    lines = text.rstrip().splitlines()
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... ({len(lines) - limit} more lines)"]
+    return "\n".join("             " + line for line in lines).lstrip()
+
+
+def result_table(job: job_pb2.Job) -> str:
+    """The result of a finished job as `key  value` rows."""
+    r = job.result
+    rows: list[tuple[str, str]] = []
+    where = device_label(job.device_index) if job.worker_id else "-"
+    if r.device.name:
+        where += f" ({r.device.name})"
+    attempts = f", {job.attempt_count} attempts" if job.attempt_count > 1 else ""
+    rows.append(("job", f"{job.job_id}  {state_name(job.state)} on {where}{attempts}"))
+    if job.state_reason:
+        rows.append(("reason", job.state_reason))
+    rows.append(("verdict", verdict_name(r.verdict)))
+    rows.append(("compiled", "yes" if r.compiled else "no"))
+    v = r.validation
+    correct = "yes" if r.correctness else "no"
+    if v.trial_count:
+        correct += (
+            f"  ({v.trials_passed}/{v.trial_count} trials, max abs err {v.max_abs_error:.3g}, "
+            f"max rel err {v.max_rel_error:.3g}, atol {v.atol:g}, rtol {v.rtol:g})"
+        )
+    rows.append(("correct", correct))
+    if r.validation_error:
+        rows.append(("mismatch", r.validation_error))
+    if r.runtime.trial_count or r.runtime.median_ms:
+        rows.append(("runtime", _stats(r.runtime)))
+    if r.reference_runtime.trial_count or r.reference_runtime.median_ms:
+        rows.append(("reference", _stats(r.reference_runtime)))
+    if r.speedup:
+        flag = "  (suspicious: over 10x, check for a timing hack)" if r.speedup_suspicious else ""
+        rows.append(("speedup", f"{r.speedup:.2f}x{flag}"))
+    if r.compilation_error:
+        rows.append(("compile log", _indent(r.compilation_error)))
+    if r.error.message or r.error.exception_type:
+        e = r.error
+        text = f"{e.exception_type}: {e.message}" if e.exception_type else e.message
+        if e.cuda_error_name:
+            text += f"  [{e.cuda_error_name} ({e.cuda_error_code})]"
+        rows.append(("error", text))
+        if e.traceback:
+            rows.append(("traceback", _indent(e.traceback)))
+    if r.HasField("fault") and r.fault.ByteSize():
+        rows.append(("fault", fault_text(r.fault)))
+    if r.device.torch_version or r.device.triton_version:
+        rows.append(
+            (
+                "software",
+                f"torch {r.device.torch_version or '-'}, triton {r.device.triton_version or '-'}"
+                + (f", CUDA {r.device.cuda_version}" if r.device.cuda_version else "")
+                + (f", driver {r.device.driver_version}" if r.device.driver_version else ""),
+            )
+        )
+    if r.device_metrics.values:
+        metrics = ", ".join(f"{k}={v:g}" for k, v in sorted(r.device_metrics.values.items()))
+        rows.append(("ncu", f"{r.device_metrics.kernel_name}: {metrics}"))
+    if r.sanitizer_report:
+        rows.append(("sanitizer", _indent(r.sanitizer_report)))
+    for note in r.notes:
+        rows.append(("note", note))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {val}" for k, val in rows)
+
+
+def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
+    rows = []
+    for j in jobs:
+        median = f"{j.result.runtime.median_ms:.4f}" if j.result.runtime.median_ms else "-"
+        speedup = f"{j.result.speedup:.2f}x" if j.result.speedup else "-"
+        verdict = verdict_name(j.result.verdict) if j.result.verdict else "-"
+        rows.append(
+            [
+                j.job_id,
+                state_name(j.state),
+                verdict,
+                median,
+                speedup,
+                device_label(j.device_index) if j.worker_id else "-",
+                fmt_time(j.create_time),
+                j.spec.client_tag or "-",
+            ]
+        )
+    return table(
+        ["JOB", "STATE", "VERDICT", "MEDIAN MS", "SPEEDUP", "DEVICE", "CREATED (UTC)", "TAG"], rows
+    )
+
+
+def devices_table(devices: Sequence[operations_service_pb2.Device]) -> str:
+    rows = []
+    for d in devices:
+        mem = (
+            f"{fmt_bytes(d.memory_used_bytes)} / {fmt_bytes(d.memory_total_bytes)}"
+            if d.memory_total_bytes
+            else "-"
+        )
+        spare = sum(1 for w in d.workers if w.spare)
+        workers = f"{len(d.workers) - spare}+{spare} spare" if spare else str(len(d.workers))
+        xids = ", ".join(f"{x.xid}({x.action or x.category})" for x in d.recent_xids[-5:]) or "-"
+        health = health_name(d.health)
+        if d.health_reason:
+            health += f": {d.health_reason}"
+        rows.append(
+            [
+                "cpu" if d.index < 0 else str(d.index),
+                d.name or "-",
+                health,
+                mem,
+                f"{d.temperature_celsius} C" if d.temperature_celsius else "-",
+                f"{d.utilization_percent}%" if d.memory_total_bytes else "-",
+                workers,
+                xids,
+            ]
+        )
+    headers = ["GPU", "NAME", "HEALTH", "MEMORY", "TEMP", "UTIL", "WORKERS", "RECENT XIDS"]
+    return table(headers, rows)
+
+
+def ops_event_line(ev: operations_service_pb2.OpsEvent) -> str:
+    head = f"{fmt_time(ev.time)}  #{ev.sequence}  {device_label(ev.device_index)}  "
+    kind = ev.WhichOneof("kind")
+    if kind == "xid":
+        x = ev.xid
+        who = f" pid {x.pid}" if x.pid else ""
+        who += f" worker {x.worker_id}" if x.worker_id else ""
+        who += f" job {x.job_id}" if x.job_id else ""
+        return head + f"XID {x.xid} ({x.category}) -> {x.action}{who}  {x.message}".rstrip()
+    if kind == "worker_started":
+        w = ev.worker_started.worker
+        return head + f"worker {w.worker_id} started (pid {w.pid}{', spare' if w.spare else ''})"
+    if kind == "worker_exited":
+        e = ev.worker_exited
+        how = f"signal {e.signal}" if e.signal else f"exit {e.exit_code}"
+        again = ", restarting" if e.restarting else ""
+        return head + f"worker {e.worker.worker_id} exited ({e.reason}, {how}{again})"
+    if kind == "reset_step":
+        s = ev.reset_step
+        return head + f"reset step {s.step}: {'ok' if s.ok else 'FAILED'} {s.message}".rstrip()
+    if kind == "health_changed":
+        h = ev.health_changed
+        return head + f"health -> {health_name(h.health)} {h.reason}".rstrip()
+    if kind == "warning":
+        return head + f"warning: {ev.warning}"
+    return head + "(unknown event)"
