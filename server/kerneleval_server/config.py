@@ -1,0 +1,122 @@
+"""Service settings: every one is a command-line flag and an environment variable.
+
+A flag `--foo-bar` is also `KERNELEVAL_FOO_BAR`; the flag wins over the variable, the variable
+over the default. `python -m kerneleval_server serve --help` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+def default_state_dir() -> Path:
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return Path(xdg) / "kerneleval" if xdg else Path("state")
+
+
+def default_watchdog_binary() -> str:
+    """build/supervisor/kerneleval-watchdog of the checkout, else one on PATH."""
+    here = Path(__file__).resolve().parents[2] / "build" / "supervisor" / "kerneleval-watchdog"
+    if here.exists():
+        return str(here)
+    return shutil.which("kerneleval-watchdog") or str(here)
+
+
+@dataclass
+class Config:
+    host: str = field(default="127.0.0.1", metadata={"help": "TCP address to listen on"})
+    port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one, -1 = none"})
+    unix_socket: str = field(default="", metadata={"help": "also listen on this unix socket"})
+    port_file: str = field(default="", metadata={"help": "write the bound TCP port here"})
+    devices: str = field(default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all"})
+    workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
+    warm_spare: bool = field(default=True, metadata={"help": "keep a warm spare worker per GPU"})
+    state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
+    database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
+    admin_token: str = field(default="", metadata={"help": "OperationsService token"})
+    max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
+    max_attempts: int = field(default=2, metadata={"help": "starts of one job at most"})
+    retention_hours: float = field(default=168.0, metadata={"help": "keep finished jobs this long"})
+    sweep_interval_s: float = field(default=600.0, metadata={"help": "retention sweep period"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"help": "running jobs' grace on stop"})
+    xid_wait_s: float = field(
+        default=-1.0, metadata={"help": "wait for an XID after a device fault; -1 = auto"}
+    )
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
+    log_file: str = field(default="", metadata={"help": "JSON-lines log file (default stderr)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus HTTP port; 0 = off"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus HTTP address"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate (TLS on TCP)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key"})
+    keepalive_time_s: float = field(default=30.0, metadata={"help": "HTTP/2 keepalive ping"})
+    keepalive_timeout_s: float = field(default=10.0, metadata={"help": "keepalive ack timeout"})
+    max_message_mb: int = field(default=64, metadata={"help": "largest gRPC message"})
+    watchdog: str = field(default="", metadata={"help": "watchdog binary path"})
+    nvml: str = field(default="auto", metadata={"help": "auto, real, fake or none"})
+    fake_nvml_path: str = field(default="", metadata={"help": "fake NVML input (tests)"})
+    kmsg_path: str = field(default="", metadata={"help": "kernel log for XID pids"})
+    reset_command: str = field(default="", metadata={"help": "GPU reset command ({index})"})
+    auto_reset: bool = field(default=False, metadata={"help": "reset GPUs on reset-class XIDs"})
+    health_interval_s: int = field(default=5, metadata={"help": "NVML reading period"})
+    isolate_network: bool = field(default=True, metadata={"help": "workers without network"})
+    worker_user: str = field(default="", metadata={"help": "user for workers when root"})
+    engine: str = field(default="", metadata={"help": "engine module for workers (default)"})
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_dir()
+
+    def database_path(self) -> Path:
+        return Path(self.database) if self.database else self.state_path() / "jobs.db"
+
+    def device_list(self) -> list[int]:
+        return [int(d) for d in self.devices.replace(" ", "").split(",") if d]
+
+    def watchdog_binary(self) -> str:
+        return self.watchdog or default_watchdog_binary()
+
+    def effective_xid_wait_s(self) -> float:
+        if self.xid_wait_s >= 0:
+            return self.xid_wait_s
+        return 2.5 if self.nvml in ("auto", "real") else 0.0
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        env = "KERNELEVAL_" + f.name.upper()
+        kind: Any = {bool: _parse_bool, int: int, float: float}.get(type(f.default), str)
+        help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})"
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+
+
+def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(Config):
+        given = getattr(ns, f.name, None)
+        if given is None:
+            raw = env.get("KERNELEVAL_" + f.name.upper())
+            if raw is None:
+                continue
+            kind: Any = {bool: _parse_bool, int: int, float: float}.get(type(f.default), str)
+            try:
+                given = kind(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                sys.exit(f"KERNELEVAL_{f.name.upper()}: {exc}")
+        values[f.name] = given
+    return Config(**values)

@@ -1,0 +1,658 @@
+"""The job life cycle: queue, start on a worker, follow, finish with a verdict.
+
+Every state change is written to the store before anyone hears of it. The manager also turns
+the watchdog's events (workers, XIDs, device readings, resets) into worker state, job verdicts
+and operations events. It all runs on the event loop; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kerneleval.internal.v1 import supervisor_pb2, worker_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
+from kerneleval.v1 import operations_service_pb2 as ops_pb2
+
+from . import faults
+from .config import Config
+from .events import EventHub, OpsLog
+from .metrics import Metrics
+from .scheduler import FairQueue, ProfilingGate, QueuedJob
+from .store import TERMINAL, Store
+from .workers import WorkerState, WorkerTable
+
+log = logging.getLogger("kerneleval.jobs")
+
+DEFAULT_TIMEOUT_S = 120.0
+KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
+LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
+RECENT_XIDS = 32
+
+
+class QueueFull(Exception):
+    pass
+
+
+class WatchdogLike(Protocol):
+    async def kill_worker(self, worker_id: str, reason: str) -> None: ...
+    async def set_job(self, worker_id: str, job_id: str) -> None: ...
+    async def restart_workers(self, device_index: int = -2) -> None: ...
+    async def reset_gpu(
+        self, device_index: int, grace_ms: int
+    ) -> tuple[bool, list[supervisor_pb2.ResetStepReport]]: ...
+    async def status(self) -> supervisor_pb2.StatusReport: ...
+    async def shutdown(self, grace_ms: int = 2000) -> None: ...
+
+
+@dataclass
+class Running:
+    job: job_pb2.Job
+    worker: WorkerState
+    timeout_s: float
+    phase: int = 0
+    pending: str = ""  # what the front end asked of the worker: "timeout" or "cancel"
+    xid: faults.XidSeen | None = None
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    outcome_wait: asyncio.TimerHandle | None = None
+    outcome: worker_pb2.JobOutcome | None = None
+
+
+@dataclass
+class DeviceState:
+    index: int
+    status: supervisor_pb2.DeviceStatus
+    xids: deque[ops_pb2.XidRecord] = field(default_factory=lambda: deque(maxlen=RECENT_XIDS))
+
+    @property
+    def takes_jobs(self) -> bool:
+        return self.status.health in (
+            supervisor_pb2.HEALTH_UNSPECIFIED,
+            supervisor_pb2.HEALTH_HEALTHY,
+        )
+
+
+def _stamp(ts: Any) -> None:
+    ts.FromNanoseconds(time.time_ns())
+
+
+def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
+    t = spec.options.timeout
+    seconds = t.seconds + t.nanos / 1e9
+    return min(seconds if seconds > 0 else DEFAULT_TIMEOUT_S, max_timeout_s)
+
+
+class JobManager:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        hub: EventHub,
+        ops: OpsLog,
+        metrics: Metrics,
+        max_timeout_s: float,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.hub = hub
+        self.ops = ops
+        self.metrics = metrics
+        self.max_timeout_s = max_timeout_s
+        self.queue = FairQueue()
+        self.gate = ProfilingGate(self._grant)
+        self.workers = WorkerTable()
+        self.devices: dict[int, DeviceState] = {}
+        self.running: dict[str, Running] = {}
+        self.watchdog: WatchdogLike | None = None
+        self.draining = False
+        self.on_health_change: Callable[[], None] = lambda: None
+        self.started_at = time.time()
+        self.counters = {"faults": 0, "restarts": 0, "resets": 0, "xids": 0}
+        self.queue_latency: deque[float] = deque(maxlen=2000)
+        self.run_latency: deque[float] = deque(maxlen=2000)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._finished: dict[str, asyncio.Event] = {}
+
+    # ---- submission -------------------------------------------------------------------
+
+    def submit(self, spec: kernel_pb2.JobSpec) -> job_pb2.Job:
+        """Persists a new QUEUED job and queues it. Raises QueueFull past the queue limit."""
+        if len(self.queue) >= self.config.max_queue:
+            raise QueueFull(
+                f"the queue holds {len(self.queue)} jobs (limit {self.config.max_queue})"
+            )
+        job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED)
+        job.spec.CopyFrom(spec)
+        job.device_index = (
+            spec.options.device_index if spec.options.HasField("device_index") else -1
+        )
+        _stamp(job.create_time)
+        event = self.hub.next_event(job.job_id)
+        event.queued.position = len(self.queue)
+        self.store.insert(job, event)
+        self.hub.publish(event, persisted=True)
+        self._enqueue(job)
+        log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
+        self.dispatch()
+        return job
+
+    def _enqueue(self, job: job_pb2.Job) -> None:
+        spec = job.spec
+        device = spec.options.device_index if spec.options.HasField("device_index") else None
+        self.queue.push(QueuedJob(job.job_id, spec.client_tag, device))
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def recover(self) -> None:
+        """After a restart: queued jobs queue again; running ones re-run once or fail."""
+        for job in self.store.unfinished():
+            if job.state == job_pb2.JOB_STATE_QUEUED:
+                self._enqueue(job)
+                continue
+            fault = job_pb2.FaultInfo(
+                description=f"the front end restarted while the job ran on {job.worker_id}"
+            )
+            self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED)
+        self.dispatch()
+
+    # ---- dispatch ---------------------------------------------------------------------
+
+    def device_takes_jobs(self, index: int) -> bool:
+        dev = self.devices.get(index)
+        return dev is None or dev.takes_jobs
+
+    def dispatch(self) -> None:
+        if self.draining:
+            return
+        for worker in list(self.workers.by_id.values()):
+            if not len(self.queue):
+                break
+            if worker.ready and self.device_takes_jobs(worker.device_index):
+                queued = self.queue.pop_for(worker.device_index)
+                if queued is not None:
+                    self._start(queued.job_id, worker)
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _start(self, job_id: str, worker: WorkerState) -> None:
+        job = self.store.get(job_id)
+        if job is None or job.state in TERMINAL:
+            return
+        job.state = job_pb2.JOB_STATE_RUNNING
+        job.attempt_count += 1
+        job.worker_id = worker.worker_id
+        job.device_index = worker.device_index
+        _stamp(job.start_time)
+        event = self.hub.next_event(job_id)
+        event.started.worker_id = worker.worker_id
+        event.started.device_index = worker.device_index
+        event.started.attempt = job.attempt_count
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
+        run = Running(job=job, worker=worker, timeout_s=timeout_of(job.spec, self.max_timeout_s))
+        self.running[job_id] = run
+        worker.job_id = job_id
+        self.metrics.running.set(len(self.running))
+        loop = asyncio.get_running_loop()
+        run.timers.append(loop.call_later(run.timeout_s, self._on_deadline, job_id))
+        sent = worker.send(
+            worker_pb2.FrontendMessage(
+                assign=worker_pb2.AssignJob(job_id=job_id, spec=job.spec, attempt=job.attempt_count)
+            )
+        )
+        log.info(
+            "job started",
+            extra={
+                "job_id": job_id,
+                "worker_id": worker.worker_id,
+                "device_index": worker.device_index,
+            },
+        )
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
+        if not sent:
+            self._worker_lost(worker)
+
+    # ---- worker channel ---------------------------------------------------------------
+
+    def on_worker_ready(self, worker: WorkerState) -> None:
+        self.on_health_change()
+        self.dispatch()
+
+    def on_worker_message(self, worker: WorkerState, msg: worker_pb2.WorkerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "outcome":
+            self._on_outcome(worker, msg.outcome)
+            return
+        sub = getattr(msg, kind) if kind else None
+        run = self.running.get(sub.job_id) if sub is not None else None
+        if run is None or run.worker is not worker or run.outcome is not None:
+            return
+        event = self.hub.next_event(run.job.job_id)
+        if kind == "phase":
+            run.phase = msg.phase.phase
+            event.phase.phase = msg.phase.phase
+            self.hub.publish(event)
+            if msg.phase.phase == job_pb2.PHASE_PROFILING:
+                self.gate.request(worker.device_index, worker.worker_id)
+        elif kind == "progress":
+            p = msg.progress
+            event.progress.phase = p.phase
+            event.progress.done_count = p.done_count
+            event.progress.total_count = p.total_count
+            self.hub.publish(event)
+        elif kind == "log":
+            event.log.text = msg.log.text
+            self.hub.publish(event)
+
+    def _grant(self, worker_id: str) -> None:
+        worker = self.workers.by_id.get(worker_id)
+        if worker is not None and worker.job_id:
+            worker.send(
+                worker_pb2.FrontendMessage(grant=worker_pb2.ProfilingGrant(job_id=worker.job_id))
+            )
+
+    def _on_outcome(self, worker: WorkerState, outcome: worker_pb2.JobOutcome) -> None:
+        run = self.running.get(outcome.job_id)
+        if run is None or run.worker is not worker:
+            return
+        run.outcome = outcome
+        self._free_worker(worker, completed=True)
+        if outcome.context_poisoned:
+            worker.gone = True  # it exits now; the watchdog promotes the spare
+        result = outcome.result
+        wait = self.config.effective_xid_wait_s()
+        if (
+            outcome.context_poisoned
+            and result.verdict == job_pb2.VERDICT_DEVICE_FAULT
+            and run.xid is None
+            and wait > 0
+        ):
+            # NVML reports the XID up to ~2 s after the fault: give the result a chance to
+            # carry it. The worker is already out of the pool, so no other job waits on this.
+            run.outcome_wait = asyncio.get_running_loop().call_later(
+                wait, self._finish_outcome, outcome.job_id
+            )
+        else:
+            self._finish_outcome(outcome.job_id)
+        self.dispatch()
+
+    def _finish_outcome(self, job_id: str) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.outcome is None:
+            return
+        result = job_pb2.EvalResult()
+        result.CopyFrom(run.outcome.result)
+        if run.xid is not None:
+            result.fault.xid = run.xid.xid
+            result.fault.xid_category = run.xid.category
+            if result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RUNTIME_ERROR):
+                result.verdict = job_pb2.VERDICT_DEVICE_FAULT
+        if run.outcome.context_poisoned:
+            result.fault.worker_restarted = True
+            result.fault.worker_pid = run.worker.pid
+            if not result.fault.description:
+                result.fault.description = (
+                    f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
+                    "it exited and was replaced"
+                )
+        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+
+    def on_worker_disconnected(self, worker: WorkerState) -> None:
+        worker.gone = True
+        self.on_health_change()
+        run = self.running.get(worker.job_id) if worker.job_id else None
+        if run is not None and run.outcome is None:
+            # The watchdog's WorkerExited says why; this only guards against never hearing.
+            run.timers.append(
+                asyncio.get_running_loop().call_later(
+                    LOST_FALLBACK_S, self._lost_fallback, run.job.job_id, worker.worker_id
+                )
+            )
+
+    def _lost_fallback(self, job_id: str, worker_id: str) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.worker.worker_id != worker_id:
+            return
+        exited = supervisor_pb2.WorkerExited(exit_code=-1, reason="lost")
+        exited.worker.worker_id = worker_id
+        exited.worker.pid = run.worker.pid
+        exited.worker.device_index = run.worker.device_index
+        self._job_worker_exited(run, exited)
+
+    def _worker_lost(self, worker: WorkerState) -> None:
+        worker.gone = True
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.kill_worker(worker.worker_id, "lost"))
+
+    def _free_worker(self, worker: WorkerState, completed: bool) -> None:
+        self.gate.release(worker.device_index, worker.worker_id)
+        if worker.job_id:
+            if completed:
+                worker.completed += 1
+            if self.watchdog is not None and not worker.gone:
+                self._spawn(self.watchdog.set_job(worker.worker_id, ""))
+        worker.job_id = ""
+
+    # ---- deadlines and cancels --------------------------------------------------------
+
+    def _on_deadline(self, job_id: str) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.outcome is not None:
+            return
+        run.pending = "timeout"
+        self._kill(run, "timeout")
+
+    def _kill(self, run: Running, reason: str) -> None:
+        run.worker.gone = True
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                KILL_FALLBACK_S, self._lost_fallback, run.job.job_id, run.worker.worker_id
+            )
+        )
+
+    async def cancel(self, job_id: str) -> job_pb2.Job | None:
+        """Cancels a queued or running job; returns it (as it ended), or None if unknown."""
+        job = self.store.get(job_id)
+        if job is None:
+            return None
+        if job.state in TERMINAL:
+            return job
+        if self.queue.remove(job_id):
+            self.metrics.queue_depth.set(len(self.queue))
+            self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+        else:
+            run = self.running.get(job_id)
+            if run is not None and run.outcome is None and not run.pending:
+                run.pending = "cancel"
+                self._kill(run, "cancel")
+            await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
+        return self.store.get(job_id)
+
+    async def wait_finished(self, job_id: str, timeout: float | None = None) -> None:
+        job = self.store.get(job_id, include_spec=False)
+        if job is None or job.state in TERMINAL:
+            return
+        event = self._finished.setdefault(job_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    # ---- finishing --------------------------------------------------------------------
+
+    def _finish(
+        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+    ) -> None:
+        run = self.running.pop(job.job_id, None)
+        if run is not None:
+            for timer in run.timers:
+                timer.cancel()
+            if run.outcome_wait is not None:
+                run.outcome_wait.cancel()
+            if run.worker.job_id == job.job_id:
+                self._free_worker(run.worker, completed=False)
+            self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
+            self.metrics.job_seconds.observe(self.run_latency[-1])
+        job.state = state  # type: ignore[assignment]
+        job.result.CopyFrom(result)
+        job.state_reason = reason
+        _stamp(job.end_time)
+        event = self.hub.next_event(job.job_id)
+        event.finished.CopyFrom(job)
+        event.finished.ClearField("spec")
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        done = self._finished.pop(job.job_id, None)
+        if done is not None:
+            done.set()
+        state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
+        verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
+        self.metrics.jobs.labels(state_name).inc()
+        self.metrics.running.set(len(self.running))
+        if result.verdict:
+            self.metrics.verdicts.labels(verdict).inc()
+        if result.verdict in (
+            job_pb2.VERDICT_DEVICE_FAULT,
+            job_pb2.VERDICT_CRASHED,
+            job_pb2.VERDICT_TIMEOUT,
+        ):
+            self.counters["faults"] += 1
+        log.info(
+            "job finished",
+            extra={"job_id": job.job_id, "verdict": verdict, "event": state_name},
+        )
+        self.dispatch()
+
+    def _retry_or_fail(self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int) -> None:
+        """An ambiguous loss: run the job again while attempts remain."""
+        if job.attempt_count < self.config.max_attempts:
+            self.running.pop(job.job_id, None)
+            fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
+            event = self.hub.next_event(job.job_id)
+            event.fault.CopyFrom(fault)
+            self.hub.publish(event)
+            job.state = job_pb2.JOB_STATE_QUEUED
+            job.ClearField("start_time")
+            event = self.hub.next_event(job.job_id)
+            event.queued.position = len(self.queue)
+            self.store.update(job, event)
+            self.hub.publish(event, persisted=True)
+            self._enqueue(job)
+            return
+        result = job_pb2.EvalResult()
+        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
+        result.fault.CopyFrom(fault)
+        result.fault.description += f"; not retried after {job.attempt_count} attempts"
+        self._finish(job, job_pb2.JOB_STATE_DONE, result)
+
+    def _job_worker_exited(self, run: Running, exited: supervisor_pb2.WorkerExited) -> None:
+        if run.outcome is not None:
+            return  # the result is in; the exit is the poisoned worker leaving
+        if run.pending == "cancel":
+            result = job_pb2.EvalResult()
+            result.fault.worker_restarted = exited.restarting
+            result.fault.description = f"cancelled; worker {run.worker.worker_id} was replaced"
+            self._finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
+            return
+        decision = faults.classify_exit(
+            exited, pending=run.pending, xid=run.xid, phase=run.phase, timeout_s=run.timeout_s
+        )
+        if decision.verdict == job_pb2.VERDICT_UNSPECIFIED:
+            for timer in run.timers:
+                timer.cancel()
+            if run.worker.job_id == run.job.job_id:
+                self._free_worker(run.worker, completed=False)
+            self._retry_or_fail(run.job, decision.fault, job_pb2.VERDICT_CRASHED)
+            self.metrics.running.set(len(self.running))
+            self.dispatch()
+            return
+        result = job_pb2.EvalResult(fault=decision.fault)
+        result.verdict = decision.verdict  # type: ignore[assignment]
+        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+        event = self.hub.next_event(run.job.job_id)
+        event.fault.CopyFrom(decision.fault)
+        self.hub.publish(event)
+        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+
+    # ---- watchdog events --------------------------------------------------------------
+
+    def on_supervisor_event(self, ev: supervisor_pb2.SupervisorEvent) -> None:
+        kind = ev.WhichOneof("kind")
+        if kind == "worker_started":
+            w = ev.worker_started.worker
+            self.workers.announce(w)
+            self.ops.emit(
+                w.device_index,
+                worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
+            )
+        elif kind == "worker_promoted":
+            worker = self.workers.by_id.get(ev.worker_promoted.worker_id)
+            if worker is not None:
+                worker.spare = False
+                self.dispatch()
+        elif kind == "worker_exited":
+            self._on_worker_exited(ev.worker_exited)
+        elif kind == "xid":
+            self._on_xid(ev.xid)
+        elif kind == "device":
+            self._on_device(ev.device.device)
+        elif kind == "status":
+            for status in ev.status.devices:
+                self._on_device(status)
+            for w in ev.status.workers:
+                self.workers.announce(w)
+        elif kind == "reset_step":
+            step = ev.reset_step
+            rs = ops_pb2.ResetStep(step=step.step, ok=step.ok, message=step.message)
+            _stamp(rs.time)
+            self.ops.emit(step.device_index, reset_step=rs)
+        elif kind == "reset_finished":
+            rf = ev.reset_finished
+            self.counters["resets"] += 1
+            self.metrics.gpu_resets.labels(str(rf.device_index), str(rf.success).lower()).inc()
+        elif kind == "warning":
+            self.ops.emit(-1, warning=f"{ev.warning.feature}: {ev.warning.message}")
+            log.warning("watchdog: %s: %s", ev.warning.feature, ev.warning.message)
+
+    def _worker_info(self, w: supervisor_pb2.Worker) -> ops_pb2.WorkerInfo:
+        info = ops_pb2.WorkerInfo(
+            worker_id=w.worker_id, pid=w.pid, device_index=w.device_index, spare=w.spare
+        )
+        info.start_time.FromMilliseconds(w.start_time_ms)
+        state = self.workers.by_id.get(w.worker_id)
+        if state is not None:
+            info.job_id = state.job_id
+            info.completed_job_count = state.completed
+            info.spare = state.spare
+        return info
+
+    def _on_worker_exited(self, exited: supervisor_pb2.WorkerExited) -> None:
+        w = exited.worker
+        info = self._worker_info(w)
+        worker = self.workers.remove(w.worker_id)
+        self.counters["restarts"] += 1
+        self.metrics.worker_restarts.labels(str(w.device_index), exited.reason or "exit").inc()
+        ex = ops_pb2.WorkerExitedEvent(
+            worker=info,
+            signal=max(exited.signal, 0),
+            reason=exited.reason,
+            restarting=exited.restarting,
+        )
+        if exited.signal <= 0:
+            ex.exit_code = exited.exit_code
+        self.ops.emit(w.device_index, worker_exited=ex)
+        log.info(
+            "worker exited: %s (code %d, signal %d)",
+            exited.reason,
+            exited.exit_code,
+            exited.signal,
+            extra={"worker_id": w.worker_id},
+        )
+        if worker is not None:
+            worker.gone = True
+            self.gate.release(worker.device_index, worker.worker_id)
+            for run in list(self.running.values()):
+                if run.worker is worker:
+                    self._job_worker_exited(run, exited)
+            if worker.writer is not None:
+                worker.writer.close()
+        self.on_health_change()
+        self.dispatch()
+
+    def _on_xid(self, x: supervisor_pb2.XidObserved) -> None:
+        self.counters["xids"] += 1
+        self.metrics.xids.labels(str(x.device_index), str(x.xid)).inc()
+        record = ops_pb2.XidRecord(
+            xid=x.xid,
+            category=x.category,
+            action=x.action,
+            pid=x.pid,
+            worker_id=x.worker_ids[0] if x.worker_ids else "",
+            job_id=x.job_ids[0] if x.job_ids else "",
+            message=x.message,
+        )
+        if x.time_ms:
+            record.time.FromMilliseconds(x.time_ms)
+        else:
+            _stamp(record.time)
+        dev = self.devices.get(x.device_index)
+        if dev is None:
+            dev = self.devices[x.device_index] = DeviceState(
+                x.device_index, supervisor_pb2.DeviceStatus(device_index=x.device_index)
+            )
+        dev.xids.append(record)
+        self.ops.emit(x.device_index, xid=record)
+        seen = faults.XidSeen(x.xid, x.category, x.message)
+        job_ids = set(x.job_ids)
+        for run in list(self.running.values()):
+            named = run.job.job_id in job_ids or run.worker.worker_id in x.worker_ids
+            if named or (
+                not job_ids and not x.worker_ids and run.worker.device_index == x.device_index
+            ):
+                run.xid = seen
+                if run.outcome is not None:
+                    self._finish_outcome(run.job.job_id)
+        log.warning("XID %d on device %d: %s", x.xid, x.device_index, x.message)
+
+    def _on_device(self, status: supervisor_pb2.DeviceStatus) -> None:
+        dev = self.devices.get(status.device_index)
+        old = dev.status.health if dev is not None else None
+        if dev is None:
+            dev = self.devices[status.device_index] = DeviceState(status.device_index, status)
+        else:
+            dev.status = status
+        if old is not None and old != status.health:
+            self.ops.emit(
+                status.device_index,
+                health_changed=ops_pb2.DeviceHealthChangedEvent(
+                    health=status.health,  # type: ignore[arg-type]
+                    reason=status.health_reason,
+                ),
+            )
+        self.on_health_change()
+        self.dispatch()
+
+    def watchdog_lost(self) -> None:
+        """The watchdog died: its workers are gone with it (parent-death signal)."""
+        for worker in list(self.workers.by_id.values()):
+            exited = supervisor_pb2.WorkerExited(
+                exit_code=-1, signal=9, reason="stopped", restarting=True
+            )
+            exited.worker.worker_id = worker.worker_id
+            exited.worker.pid = worker.pid
+            exited.worker.device_index = worker.device_index
+            self._on_worker_exited(exited)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def serving(self) -> bool:
+        """A device that takes jobs has a connected worker."""
+        if self.draining:
+            return False
+        return any(
+            w.connected and self.device_takes_jobs(w.device_index)
+            for w in self.workers.by_id.values()
+        )
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as exc:  # noqa: BLE001 - a failed command is logged, not fatal
+                log.warning("watchdog command failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def device_indices(self) -> list[int]:
+        known = set(self.devices) | {w.device_index for w in self.workers.by_id.values()}
+        return sorted(known)

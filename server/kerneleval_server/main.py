@@ -1,0 +1,309 @@
+"""`python -m kerneleval_server serve`: the front end process.
+
+Start-up: open the store, pick up unfinished jobs, open the worker socket, start the watchdog
+(restarted if it dies), then listen. SIGTERM/SIGINT: health flips to NOT_SERVING, new jobs are
+refused, running jobs get --shutdown-grace-s to finish, then workers stop; queued jobs stay in
+the store for the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.v1 import (
+    kernel_eval_service_pb2,
+    kernel_eval_service_pb2_grpc,
+    operations_service_pb2,
+    operations_service_pb2_grpc,
+)
+
+from . import config as config_mod
+from . import logs, validation
+from .config import Config
+from .events import EventHub, OpsLog
+from .jobs import JobManager
+from .metrics import Metrics, MetricsInterceptor
+from .ops import OperationsService
+from .service import KernelEvalService
+from .store import Store
+from .workers import WorkerChannel
+
+log = logging.getLogger("kerneleval.main")
+
+WATCHDOG_RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+SERVICES = (
+    "kerneleval.v1.KernelEvalService",
+    "kerneleval.v1.OperationsService",
+)
+
+
+def admin_token(cfg: Config, state: Path) -> str:
+    """The configured token, or the one in <state>/admin_token (made on first start)."""
+    if cfg.admin_token:
+        return cfg.admin_token
+    path = state / "admin_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    log.warning("generated an admin token; it is in %s", path)
+    return token
+
+
+def limits_from(cfg: Config, environ: dict[str, str] | os._Environ[str]) -> validation.Limits:
+    """validation.Limits with KERNELEVAL_LIMIT_<FIELD> overrides."""
+    values: dict[str, Any] = {}
+    for f in fields(validation.Limits):
+        raw = environ.get("KERNELEVAL_LIMIT_" + f.name.upper())
+        if raw:
+            values[f.name] = type(getattr(validation.Limits(), f.name))(float(raw))
+    return validation.Limits(**values)
+
+
+def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Configure:
+    src = Path(__file__).resolve().parents[1]  # server/
+    gen = src.parent / "clients" / "python" / "src"
+    env = {
+        "KERNELEVAL_FRONTEND_SOCKET": channel.socket_path,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(src), str(gen), os.environ.get("PYTHONPATH", "")) if p
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if cfg.engine:
+        env["KERNELEVAL_ENGINE"] = cfg.engine
+    nvml = {
+        "auto": supervisor_pb2.NVML_SOURCE_UNSPECIFIED,
+        "real": supervisor_pb2.NVML_SOURCE_REAL,
+        "fake": supervisor_pb2.NVML_SOURCE_FAKE,
+        "none": supervisor_pb2.NVML_SOURCE_NONE,
+    }[cfg.nvml]
+    workers_dir = channel.runtime_dir / "workers"
+    workers_dir.mkdir(exist_ok=True)
+    os.chmod(workers_dir, 0o711)
+    return supervisor_pb2.Configure(
+        worker_command=[sys.executable, "-m", "kerneleval_server.worker"],
+        worker_env=env,
+        workers_per_device=cfg.workers_per_device,
+        warm_spare=cfg.warm_spare,
+        device_indices=cfg.device_list(),
+        state_dir=str(workers_dir),
+        reset_command=cfg.reset_command,
+        auto_reset=cfg.auto_reset,
+        nvml_source=nvml,
+        fake_nvml_path=cfg.fake_nvml_path,
+        kmsg_path=cfg.kmsg_path,
+        sandbox=supervisor_pb2.SandboxConfig(
+            isolate_network=cfg.isolate_network, user=cfg.worker_user
+        ),
+        health_interval_seconds=cfg.health_interval_s,
+    )
+
+
+class Server:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.state = cfg.state_path()
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.store = Store(cfg.database_path())
+        os.chmod(cfg.database_path(), 0o600)
+        self.metrics = Metrics()
+        self.limits = limits_from(cfg, os.environ)
+        self.manager = JobManager(
+            cfg,
+            self.store,
+            EventHub(self.store),
+            OpsLog(),
+            self.metrics,
+            max_timeout_s=float(self.limits.max_timeout_seconds),
+        )
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.manager.on_health_change = self._update_health
+        self.channel = WorkerChannel(self.manager.workers, self.manager)
+        self.stopping = asyncio.Event()
+        self._supervise_task: asyncio.Task[None] | None = None
+        self._serving: bool | None = None
+
+    def _update_health(self) -> None:
+        serving = self.manager.serving()
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+        for name in ("", *SERVICES):
+            asyncio.get_running_loop().create_task(self.health.set(name, status))
+
+    async def _supervise_watchdog(self) -> None:
+        from .watchdog import Watchdog
+
+        binary = self.cfg.watchdog_binary()
+        failures = 0
+        while not self.stopping.is_set():
+            configure = build_configure(self.cfg, self.channel)
+            try:
+                wd = await Watchdog.start(binary, configure, self.manager.on_supervisor_event)
+            except Exception as exc:  # noqa: BLE001 - keep trying; health says NOT_SERVING
+                log.error("cannot start the watchdog %s: %s", binary, exc)
+                wd = None
+            if wd is not None:
+                self.manager.watchdog = wd
+                try:
+                    status = await wd.status()
+                    self.manager.on_supervisor_event(supervisor_pb2.SupervisorEvent(status=status))
+                except Exception as exc:  # noqa: BLE001 - readings come with events too
+                    log.warning("watchdog status: %s", exc)
+                started = time.monotonic()
+                code = await wd.wait()
+                self.manager.watchdog = None
+                if self.stopping.is_set():
+                    return
+                log.error("the watchdog exited with %s; restarting it", code)
+                self.manager.watchdog_lost()
+                if time.monotonic() - started > 60:
+                    failures = 0
+            delay = WATCHDOG_RESTART_BACKOFF_S[min(failures, len(WATCHDOG_RESTART_BACKOFF_S) - 1)]
+            failures += 1
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _sweep(self, ops: OperationsService) -> None:
+        while not self.stopping.is_set():
+            try:
+                ops.cleanup(self.cfg.retention_hours * 3600.0)
+            except Exception:  # noqa: BLE001 - a failed sweep is retried next period
+                log.exception("retention sweep failed")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), self.cfg.sweep_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        cfg = self.cfg
+        size = cfg.max_message_mb * 1024 * 1024
+        options = [
+            ("grpc.max_receive_message_length", size),
+            ("grpc.max_send_message_length", size),
+            ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        return grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)], options=options)
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        token = admin_token(cfg, self.state)
+        server = self._grpc_server()
+        kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
+            KernelEvalService(self.manager, self.limits), server
+        )
+        ops = OperationsService(self.manager, token, self.channel.runtime_dir / "workers")
+        operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (
+            kernel_eval_service_pb2.DESCRIPTOR.services_by_name["KernelEvalService"].full_name,
+            operations_service_pb2.DESCRIPTOR.services_by_name["OperationsService"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        port = self._listen(server)
+        self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        self.manager.recover()
+        await self.channel.start()
+        await server.start()
+        if cfg.port_file:
+            Path(cfg.port_file).write_text(f"{port}\n")
+        log.info(
+            "kerneleval serving on %s:%s%s",
+            cfg.host,
+            port,
+            f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self._supervise_task = loop.create_task(self._supervise_watchdog())
+        sweep = loop.create_task(self._sweep(ops))
+        await self.stopping.wait()
+        await self._shutdown(server)
+        sweep.cancel()
+        return 0
+
+    def _listen(self, server: grpc.aio.Server) -> int:
+        cfg = self.cfg
+        port = 0
+        if cfg.port >= 0:
+            address = f"{cfg.host}:{cfg.port}"
+            if cfg.tls_cert:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+                )
+                port = server.add_secure_port(address, creds)
+            else:
+                port = server.add_insecure_port(address)
+        if cfg.unix_socket:
+            server.add_insecure_port(f"unix:{cfg.unix_socket}")
+        return port
+
+    async def _shutdown(self, server: grpc.aio.Server) -> None:
+        log.info("shutting down: draining")
+        self.manager.draining = True
+        self._update_health()
+        deadline = time.monotonic() + self.cfg.shutdown_grace_s
+        while self.manager.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.manager.running:
+            log.warning(
+                "%d jobs still running; they re-run at the next start", len(self.manager.running)
+            )
+        wd = self.manager.watchdog
+        self.stopping.set()
+        if wd is not None:
+            try:
+                await asyncio.wait_for(wd.shutdown(2000), 10)
+            except Exception as exc:  # noqa: BLE001 - exiting anyway
+                log.warning("watchdog shutdown: %s", exc)
+        if self._supervise_task is not None:
+            self._supervise_task.cancel()
+        await server.stop(grace=2)
+        await self.channel.close()
+        self.store.close()
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kerneleval_server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gRPC service")
+    config_mod.add_arguments(serve)
+    ns = parser.parse_args(argv)
+    cfg = config_mod.from_args(ns)
+    logs.setup(cfg.log_level, cfg.log_file)
+    return asyncio.run(Server(cfg).run())

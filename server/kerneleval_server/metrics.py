@@ -1,0 +1,158 @@
+"""Prometheus metrics, served over HTTP on --metrics-port (0 = off).
+
+Names follow go-grpc-prometheus (grpc_server_handled_total, grpc_server_handling_seconds) so
+the usual dashboards work. A private registry keeps tests that start several servers apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.handled = Counter(
+            "grpc_server_handled_total",
+            "RPCs completed, by method and status code.",
+            ["grpc_service", "grpc_method", "grpc_code"],
+            registry=r,
+        )
+        self.handling = Histogram(
+            "grpc_server_handling_seconds",
+            "RPC handling time.",
+            ["grpc_service", "grpc_method"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
+            registry=r,
+        )
+        self.jobs = Counter("kerneleval_jobs_total", "Jobs by final state.", ["state"], registry=r)
+        self.verdicts = Counter(
+            "kerneleval_verdicts_total", "Finished jobs by verdict.", ["verdict"], registry=r
+        )
+        self.queue_depth = Gauge("kerneleval_queue_depth", "Jobs waiting.", registry=r)
+        self.running = Gauge("kerneleval_running_jobs", "Jobs on a worker.", registry=r)
+        self.job_seconds = Histogram(
+            "kerneleval_job_run_seconds",
+            "Time from start to end of a job.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 600),
+            registry=r,
+        )
+        self.worker_restarts = Counter(
+            "kerneleval_worker_restarts_total", "Worker exits.", ["device", "reason"], registry=r
+        )
+        self.xids = Counter("kerneleval_xids_total", "XIDs seen.", ["device", "xid"], registry=r)
+        self.gpu_resets = Counter(
+            "kerneleval_gpu_resets_total", "GPU resets.", ["device", "success"], registry=r
+        )
+
+    def serve(self, host: str, port: int) -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)
+
+
+def _split(method: str) -> tuple[str, str]:
+    service, _, name = method.lstrip("/").partition("/")
+    return service, name
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every RPC with its final status code and times it."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        service, method = _split(details.method)
+        m = self._m
+
+        def done(context: Any, start: float, exc: BaseException | None) -> None:
+            code = _code_of(context, exc)
+            m.handled.labels(service, method, code).inc()
+            m.handling.labels(service, method).observe(time.monotonic() - start)
+
+        if handler.unary_unary or handler.stream_unary:
+            inner: Any = handler.unary_unary or handler.stream_unary
+
+            async def unary(request: Any, context: Any) -> Any:
+                start = time.monotonic()
+                try:
+                    resp = await inner(request, context)
+                except BaseException as exc:
+                    done(context, start, exc)
+                    raise
+                done(context, start, None)
+                return resp
+
+            make = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary
+                else grpc.stream_unary_rpc_method_handler
+            )
+            return make(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+        inner_stream: Any = handler.unary_stream or handler.stream_stream
+
+        async def streaming(request: Any, context: Any) -> Any:
+            start = time.monotonic()
+            try:
+                async for item in inner_stream(request, context):
+                    yield item
+            except BaseException as exc:
+                done(context, start, exc)
+                raise
+            done(context, start, None)
+
+        make_stream = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.stream_stream_rpc_method_handler
+        )
+        return make_stream(
+            streaming,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _code_of(context: Any, exc: BaseException | None) -> str:
+    import asyncio
+
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpcio: no code() on aio contexts
+        code = None
+    if code is None or code == 0:
+        if exc is not None:
+            return "UNKNOWN"
+        return "OK"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    try:
+        return grpc.StatusCode(code).name if not isinstance(code, int) else _int_code(code)
+    except ValueError:
+        return str(code)
+
+
+def _int_code(code: int) -> str:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status.name
+    return str(code)

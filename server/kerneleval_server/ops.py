@@ -1,0 +1,198 @@
+"""OperationsService: devices, workers, faults, resets; behind the admin token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
+from kerneleval.v1 import operations_service_pb2 as pb
+
+from .jobs import JobManager
+
+log = logging.getLogger("kerneleval.ops")
+
+DEFAULT_RESET_GRACE_S = 30.0
+
+
+def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
+    if not samples:
+        return pb.LatencySummary()
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+    return pb.LatencySummary(
+        p50_ms=at(0.5), p90_ms=at(0.9), p99_ms=at(0.99), sample_count=len(ordered)
+    )
+
+
+class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
+    def __init__(self, manager: JobManager, admin_token: str, workers_dir: Path | None) -> None:
+        self.m = manager
+        self._token = admin_token.encode()
+        self._workers_dir = workers_dir
+
+    async def _auth(self, context: Any) -> None:
+        for key, value in context.invocation_metadata() or ():
+            if key.lower() == "authorization":
+                scheme, _, token = str(value).partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(
+                    token.strip().encode(), self._token
+                ):
+                    return
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "OperationsService needs the metadata 'authorization: Bearer <admin token>'",
+        )
+
+    def devices(self) -> list[pb.Device]:
+        out: dict[int, pb.Device] = {}
+        for index, dev in sorted(self.m.devices.items()):
+            s = dev.status
+            out[index] = pb.Device(
+                index=index,
+                name=s.name or ("cpu" if index < 0 else ""),
+                uuid=s.uuid,
+                health=s.health or pb.DEVICE_HEALTH_HEALTHY,  # type: ignore[arg-type]
+                health_reason=s.health_reason,
+                memory_total_bytes=s.memory_total_bytes,
+                memory_used_bytes=s.memory_used_bytes,
+                temperature_celsius=s.temperature_celsius,
+                utilization_percent=s.utilization_percent,
+                remapped_row_count=s.remapped_row_count,
+                remap_pending=s.remap_pending,
+                recovery_action=s.recovery_action,
+                recent_xids=list(dev.xids),
+                driver_version=s.driver_version,
+            )
+        for w in self.m.workers.by_id.values():
+            if w.gone:
+                continue
+            dev_pb = out.get(w.device_index)
+            if dev_pb is None:
+                dev_pb = out[w.device_index] = pb.Device(
+                    index=w.device_index,
+                    name="cpu" if w.device_index < 0 else "",
+                    health=pb.DEVICE_HEALTH_HEALTHY,
+                )
+            info = dev_pb.workers.add(
+                worker_id=w.worker_id,
+                pid=w.pid,
+                device_index=w.device_index,
+                spare=w.spare,
+                job_id=w.job_id,
+                completed_job_count=w.completed,
+            )
+            info.start_time.FromMilliseconds(w.start_time_ms)
+        if not out:
+            out[-1] = pb.Device(index=-1, name="cpu", health=pb.DEVICE_HEALTH_UNSPECIFIED)
+        return [out[i] for i in sorted(out)]
+
+    async def ListDevices(
+        self, request: pb.ListDevicesRequest, context: Any
+    ) -> pb.ListDevicesResponse:
+        await self._auth(context)
+        return pb.ListDevicesResponse(devices=self.devices())
+
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: Any
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        await self._auth(context)
+        async for event in self.m.ops.watch(request.replay_count):
+            yield pb.WatchEventsResponse(event=event)
+
+    async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
+        await self._auth(context)
+        known = self.m.device_indices()
+        if request.device_index < 0 or (known and request.device_index not in known):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"device_index: no GPU {request.device_index} here (devices: {known})",
+            )
+        if self.m.watchdog is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the watchdog is not running")
+        assert self.m.watchdog is not None
+        grace = request.grace_period
+        grace_s = (
+            grace.seconds + grace.nanos / 1e9
+            if request.HasField("grace_period")
+            else (DEFAULT_RESET_GRACE_S)
+        )
+        log.warning("GPU reset requested", extra={"device_index": request.device_index})
+        try:
+            ok, reports = await self.m.watchdog.reset_gpu(request.device_index, int(grace_s * 1000))
+        except Exception as exc:  # noqa: BLE001 - the watchdog refused: tell the operator why
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"reset refused: {exc}")
+            raise
+        steps = []
+        for r in reports:
+            step = pb.ResetStep(step=r.step, ok=r.ok, message=r.message)
+            step.time.FromNanoseconds(time.time_ns())
+            steps.append(step)
+        return pb.ResetGpuResponse(steps=steps, success=ok)
+
+    async def RestartWorkers(
+        self, request: pb.RestartWorkersRequest, context: Any
+    ) -> pb.RestartWorkersResponse:
+        await self._auth(context)
+        device = request.device_index if request.HasField("device_index") else -2
+        if self.m.watchdog is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the watchdog is not running")
+        assert self.m.watchdog is not None
+        count = sum(
+            1
+            for w in self.m.workers.by_id.values()
+            if not w.gone and (device == -2 or w.device_index == device)
+        )
+        await self.m.watchdog.restart_workers(device)
+        return pb.RestartWorkersResponse(restarted_count=count)
+
+    def cleanup(self, older_than_s: float) -> tuple[int, int]:
+        deleted = self.m.store.delete_finished_before(time.time() - older_than_s)
+        removed = 0
+        if self._workers_dir is not None and self._workers_dir.is_dir():
+            live = set(self.m.workers.by_id)
+            for folder in self._workers_dir.iterdir():
+                if folder.is_dir() and folder.name not in live:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed += 1
+        if deleted or removed:
+            log.info("cleanup: %d jobs, %d worker folders", deleted, removed)
+        return deleted, removed
+
+    async def Cleanup(self, request: pb.CleanupRequest, context: Any) -> pb.CleanupResponse:
+        await self._auth(context)
+        if request.HasField("older_than"):
+            d = request.older_than
+            older = d.seconds + d.nanos / 1e9
+            if older < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "older_than: must be >= 0")
+        else:
+            older = self.m.config.retention_hours * 3600.0
+        deleted, removed = self.cleanup(older)
+        return pb.CleanupResponse(deleted_job_count=deleted, removed_folder_count=removed)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
+        await self._auth(context)
+        by_state, by_verdict = self.m.store.counts()
+        resp = pb.GetStatsResponse(
+            jobs_by_state={job_pb2.JobState.Name(k): v for k, v in by_state.items()},
+            jobs_by_verdict={job_pb2.Verdict.Name(k): v for k, v in by_verdict.items()},
+            queue_depth=len(self.m.queue),
+            queue_latency=percentiles(self.m.queue_latency),
+            run_latency=percentiles(self.m.run_latency),
+            fault_count=self.m.counters["faults"],
+            worker_restart_count=self.m.counters["restarts"],
+            gpu_reset_count=self.m.counters["resets"],
+            xid_count=self.m.counters["xids"],
+        )
+        resp.uptime.FromNanoseconds(int((time.time() - self.m.started_at) * 1e9))
+        return resp

@@ -1,0 +1,282 @@
+"""KernelEvalService: the evaluation API over the job manager."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+
+from . import validation
+from .jobs import JobManager, QueueFull
+
+log = logging.getLogger("kerneleval.service")
+
+DEFAULT_PAGE = 50
+_BROKEN = pb.RunBatchResponse()  # sentinel: the request stream failed
+MAX_PAGE = 1000
+
+
+class Refused(Exception):
+    """A submission refused before it was queued."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, violations: list[validation.FieldViolation]
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations = violations
+
+    def status(self) -> grpc.Status:
+        detail = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
+                for v in self.violations
+            ]
+        )
+        st = status_pb2.Status(code=self.code.value[0], message=self.message)
+        if self.violations:
+            st.details.add().Pack(detail)
+        return rpc_status.to_status(st)
+
+    def submission_error(self) -> pb.SubmissionError:
+        return pb.SubmissionError(
+            code=self.code.value[0],
+            message=self.message,
+            field_violations=[
+                pb.FieldViolation(field=v.field, description=v.description) for v in self.violations
+            ],
+        )
+
+
+def invalid(field: str, description: str) -> Refused:
+    return Refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{field}: {description}",
+        [validation.FieldViolation(field, description)],
+    )
+
+
+async def abort(context: Any, err: Refused) -> NoReturn:
+    await context.abort_with_status(err.status())
+    raise AssertionError("unreachable")
+
+
+class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
+    def __init__(self, manager: JobManager, limits: validation.Limits) -> None:
+        self.m = manager
+        self.limits = limits
+
+    # ---- submission -------------------------------------------------------------------
+
+    def _submit(self, spec: kernel_pb2.JobSpec, require_reference: bool = False) -> job_pb2.Job:
+        """Validates and queues; raises Refused."""
+        if self.m.draining:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
+        violations = validation.validate_spec(
+            spec, self.limits, require_reference=require_reference
+        )
+        known = self.m.device_indices()
+        if spec.options.HasField("device_index") and known and spec.options.device_index >= 0:
+            if spec.options.device_index not in known:
+                violations.append(
+                    validation.FieldViolation(
+                        "spec.options.device_index",
+                        f"no device {spec.options.device_index} here (devices: {known})",
+                    )
+                )
+        if violations:
+            summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"invalid JobSpec: {summary}", violations
+            )
+        try:
+            return self.m.submit(spec)
+        except QueueFull as exc:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), []) from exc
+
+    async def _submit_or_abort(
+        self,
+        spec: kernel_pb2.JobSpec,
+        context: grpc.aio.ServicerContext,
+        require_reference: bool = False,
+    ) -> job_pb2.Job:
+        try:
+            return self._submit(spec, require_reference)
+        except Refused as err:
+            await abort(context, err)
+
+    async def _run_to_end(self, job_id: str) -> job_pb2.Job:
+        await self.m.wait_finished(job_id)
+        job = self.m.store.get(job_id)
+        assert job is not None
+        return job
+
+    async def Evaluate(self, request: pb.EvaluateRequest, context: Any) -> pb.EvaluateResponse:
+        job = await self._submit_or_abort(request.spec, context)
+        try:
+            return pb.EvaluateResponse(job=await self._run_to_end(job.job_id))
+        except asyncio.CancelledError:
+            await self._cancel_quietly(job.job_id)
+            raise
+
+    async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
+        job = await self._submit_or_abort(request.spec, context, require_reference=True)
+        try:
+            return pb.CompareResponse(job=await self._run_to_end(job.job_id))
+        except asyncio.CancelledError:
+            await self._cancel_quietly(job.job_id)
+            raise
+
+    async def _cancel_quietly(self, job_id: str) -> None:
+        log.info("client went away: cancelling", extra={"job_id": job_id})
+        task = asyncio.get_running_loop().create_task(self.m.cancel(job_id))
+        self.m._tasks.add(task)
+        task.add_done_callback(self.m._tasks.discard)
+
+    async def Run(self, request: pb.RunRequest, context: Any) -> AsyncIterator[pb.RunResponse]:
+        job = await self._submit_or_abort(request.spec, context)
+        finished = False
+        try:
+            async for event in self.m.hub.watch(job.job_id, 0):
+                finished = event.HasField("finished")
+                yield pb.RunResponse(event=event)
+        finally:
+            if not finished and not request.keep_on_disconnect:
+                await self._cancel_quietly(job.job_id)
+
+    async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
+        job = await self._submit_or_abort(request.spec, context)
+        return pb.SubmitResponse(job=job)
+
+    async def _job_or_abort(
+        self, job_id: str, context: Any, include_spec: bool = True
+    ) -> job_pb2.Job:
+        if not job_id:
+            await abort(context, invalid("job_id", "required"))
+        job = self.m.store.get(job_id, include_spec=include_spec)
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+        assert job is not None
+        return job
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: Any
+    ) -> AsyncIterator[pb.WatchResponse]:
+        await self._job_or_abort(request.job_id, context, include_spec=False)
+        async for event in self.m.hub.watch(request.job_id, request.after_sequence):
+            yield pb.WatchResponse(event=event)
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
+        return pb.GetJobResponse(job=await self._job_or_abort(request.job_id, context))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+        if request.page_size < 0:
+            await abort(context, invalid("page_size", "must be >= 0"))
+        size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
+        before = None
+        if request.page_token:
+            before = _decode_token(request.page_token)
+            if before is None:
+                await abort(context, invalid("page_token", "not a token from ListJobs"))
+        if request.state and request.state not in job_pb2.JobState.values():
+            await abort(context, invalid("state", f"unknown JobState {request.state}"))
+        rows = self.m.store.list(
+            limit=size + 1,
+            before_rowid=before,
+            state=request.state,
+            client_tag=request.client_tag,
+            include_spec=request.include_spec,
+        )
+        resp = pb.ListJobsResponse(jobs=[job for _, job in rows[:size]])
+        if len(rows) > size:
+            resp.next_page_token = _encode_token(rows[size - 1][0])
+        return resp
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.CancelJobResponse:
+        await self._job_or_abort(request.job_id, context, include_spec=False)
+        job = await self.m.cancel(request.job_id)
+        assert job is not None
+        return pb.CancelJobResponse(job=job)
+
+    async def RunBatch(
+        self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: Any
+    ) -> AsyncIterator[pb.RunBatchResponse]:
+        out: asyncio.Queue[pb.RunBatchResponse | None] = asyncio.Queue()
+        followers: set[asyncio.Task[None]] = set()
+        unfinished: set[str] = set()
+
+        async def follow(job_id: str, tag: str) -> None:
+            async for event in self.m.hub.watch(job_id, 0):
+                if event.HasField("finished"):
+                    unfinished.discard(job_id)
+                await out.put(pb.RunBatchResponse(event=event, request_tag=tag))
+
+        async def read() -> None:
+            async for req in request_iterator:
+                try:
+                    job = self._submit(req.spec)
+                except Refused as err:
+                    await out.put(
+                        pb.RunBatchResponse(
+                            request_tag=req.request_tag, error=err.submission_error()
+                        )
+                    )
+                    continue
+                unfinished.add(job.job_id)
+                followers.add(
+                    asyncio.get_running_loop().create_task(follow(job.job_id, req.request_tag))
+                )
+
+        async def close_when_done() -> None:
+            try:
+                await read()
+            except Exception as exc:  # noqa: BLE001 - a broken request stream ends the batch
+                log.info("RunBatch request stream ended: %s", exc)
+                await out.put(_BROKEN)
+                return
+            if followers:
+                await asyncio.gather(*followers)
+            await out.put(None)
+
+        closer = asyncio.get_running_loop().create_task(close_when_done())
+        clean = False
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    clean = True
+                    break
+                if item is _BROKEN:
+                    break
+                yield item
+        finally:
+            closer.cancel()
+            for task in followers:
+                task.cancel()
+            if not clean:
+                # The client dropped the stream: its jobs would run for nobody.
+                for job_id in list(unfinished):
+                    await self._cancel_quietly(job_id)
+
+
+def _encode_token(rowid: int) -> str:
+    return base64.urlsafe_b64encode(f"r{rowid}".encode()).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> int | None:
+    try:
+        text = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        return int(text[1:]) if text.startswith("r") else None
+    except (ValueError, UnicodeDecodeError):
+        return None
