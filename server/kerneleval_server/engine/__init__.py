@@ -1,0 +1,42 @@
+"""The evaluation engine: runs one JobSpec inside a worker and returns an Outcome.
+
+    from kerneleval_server.engine import EngineConfig, run_job, configure_process_environment
+    configure_process_environment()          # once, at worker start, before triton is imported
+    outcome = run_job(spec, reporter, EngineConfig(work_dir=Path(...)))
+
+See runner.py for the defaults and docs/INTERNALS.md for the seam.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def configure_process_environment() -> None:
+    """Call at worker start, before triton is imported: without a GPU, Triton kernels run
+    under its interpreter (TRITON_INTERPRET=1); caches go to the worker's private folder."""
+    worker_dir = os.environ.get("KERNELEVAL_WORKER_DIR")
+    if worker_dir:
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(worker_dir, "triton_cache"))
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(worker_dir, "torch_extensions"))
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+from .device import DeviceLimits  # noqa: E402
+from .runner import Options, run_job  # noqa: E402
+from .types import EngineConfig, NullReporter, Outcome, Reporter  # noqa: E402
+
+__all__ = [
+    "DeviceLimits",
+    "EngineConfig",
+    "NullReporter",
+    "Options",
+    "Outcome",
+    "Reporter",
+    "configure_process_environment",
+    "run_job",
+]

@@ -1,0 +1,146 @@
+"""Correctness: outputs against the reference with atol/rtol by dtype (NaN never passes), and
+the anti-cheat helpers (poisoned outputs and allocator memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Default tolerance (used for both atol and rtol) by output dtype; 0 means exact.
+DEFAULT_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-4,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
+}
+
+
+def tolerances(dtype: torch.dtype, atol: float | None, rtol: float | None) -> tuple[float, float]:
+    default = DEFAULT_TOLERANCE.get(dtype, 0.0)
+    return (default if atol is None else atol, default if rtol is None else rtol)
+
+
+@dataclass
+class TrialCheck:
+    """The comparison of one trial's outputs."""
+
+    ok: bool = True
+    message: str = ""
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    mismatches: int = 0
+    elements: int = 0
+    first_index: list[int] = field(default_factory=list)
+    output_name: str = ""
+    atol: float = 0.0
+    rtol: float = 0.0
+
+
+def compare_outputs(
+    cand: list[Any], ref: list[Any], names: list[str], atol: float | None, rtol: float | None
+) -> TrialCheck:
+    check = TrialCheck()
+    if len(cand) != len(ref):
+        check.ok = False
+        check.message = f"the kernel returned {len(cand)} outputs, the reference {len(ref)}"
+        return check
+    for i, (c, r) in enumerate(zip(cand, ref, strict=False)):
+        name = names[i] if i < len(names) else f"output[{i}]"
+        if not isinstance(r, torch.Tensor):
+            r = torch.as_tensor(r)
+        if not isinstance(c, torch.Tensor):
+            try:
+                c = torch.as_tensor(c)
+            except Exception:
+                return _fail(check, name, f"{name}: the kernel returned a {type(c).__name__}")
+        a, rt = tolerances(r.dtype, atol, rtol)
+        check.atol, check.rtol = a, rt
+        if tuple(c.shape) != tuple(r.shape):
+            return _fail(
+                check,
+                name,
+                f"{name}: shape {tuple(c.shape)} differs from the reference's {tuple(r.shape)}",
+            )
+        if c.dtype != r.dtype:
+            return _fail(
+                check, name, f"{name}: dtype {c.dtype} differs from the reference's {r.dtype}"
+            )
+        _compare_tensor(check, name, c.detach(), r.detach(), a, rt)
+    return check
+
+
+def _fail(check: TrialCheck, name: str, message: str) -> TrialCheck:
+    check.ok = False
+    check.output_name = check.output_name or name
+    check.message = check.message or message
+    return check
+
+
+def _compare_tensor(
+    check: TrialCheck, name: str, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
+) -> None:
+    if c.device != r.device:
+        c = c.to(r.device)
+    if r.dtype == torch.bool:
+        cf, rf = c.to(torch.float64), r.to(torch.float64)
+    else:
+        cf, rf = c.to(torch.float64), r.to(torch.float64)
+    diff = (cf - rf).abs()
+    # Equal infinities pass; NaN on either side never does.
+    ok = (cf == rf) | (diff <= atol + rtol * rf.abs())
+    finite = torch.isfinite(diff)
+    if finite.any():
+        check.max_abs = max(check.max_abs, float(diff[finite].max()))
+        nz = finite & (rf != 0)
+        if nz.any():
+            check.max_rel = max(check.max_rel, float((diff[nz] / rf[nz].abs()).max()))
+    bad = int((~ok).sum())
+    if bad and check.ok:
+        check.ok = False
+        check.output_name = name
+        check.mismatches = bad
+        check.elements = r.numel()
+        flat = int((~ok).reshape(-1).nonzero()[0, 0])
+        check.first_index = [int(i) for i in _unravel(flat, tuple(r.shape))]
+        where = check.first_index
+        check.message = (
+            f"{name}: {bad} of {r.numel()} elements differ (atol={atol:g}, rtol={rtol:g}); "
+            f"first at {where}: got {c.reshape(-1)[flat].item()!r}, "
+            f"expected {r.reshape(-1)[flat].item()!r}"
+        )
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        out.append(flat % d if d else 0)
+        flat //= d if d else 1
+    return list(reversed(out))
+
+
+def poison(t: torch.Tensor, trial: int) -> None:
+    """Fills an output with a value no correct kernel leaves there: NaN, or for integers one
+    of two patterns that alternate by trial (so a constant that happens to match still fails)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(trial % 2 == 0)
+    else:
+        info = torch.iinfo(t.dtype)
+        t.fill_(info.min + 0x25 if trial % 2 == 0 else info.max - 0x5A)
+
+
+def poison_free_memory(nbytes: int, device: torch.device) -> None:
+    """Fills memory the allocator will hand out next with NaN bytes (0xFF), so a kernel that
+    returns an unwritten torch.empty() does not find the reference's old result there."""
+    if nbytes <= 0:
+        return
+    blob = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    blob.fill_(0xFF)
+    del blob
+
+
+def nbytes_of(values: list[Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))

@@ -1,0 +1,478 @@
+"""run_job: compile, check and time one JobSpec, reporting phases as it goes.
+
+Defaults (EvalOptions fields left unset): correct_trial_count 5, perf_trial_count 100 (0 skips
+timing), warmup_count 10, atol/rtol 1e-4 for float32/float64 and 1e-2 for float16/bfloat16,
+exact for integers and booleans, seed 42, flush_l2 true. The timeout (120 s) is enforced by
+the front end, which kills the worker.
+
+Compare runs `correct_trial_count` trials on fresh inputs; trial 0 (and every even trial) runs
+the candidate before the reference. Evaluate runs the kernel once (correctness = it ran), then
+times it. An INCORRECT kernel is not timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kerneleval.v1 import job_pb2, kernel_pb2
+
+from .. import validation
+from . import compare, device, errors, loader, preflight, timing
+from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
+from .backends.base import LaunchProgram
+from .backends.model import to_device
+from .backends.triton_launch import TritonLaunch
+from .inputs import TrialArgs, build_args, mix_seed
+from .types import EngineConfig, Outcome, Reporter
+
+DEFAULT_CORRECT_TRIALS = 5
+DEFAULT_PERF_TRIALS = 100
+DEFAULT_WARMUP = 10
+DEFAULT_SEED = 42
+DEFAULT_FLUSH_L2 = True
+SUSPICIOUS_SPEEDUP = 10.0
+
+
+@dataclass(frozen=True)
+class Options:
+    correct_trials: int
+    perf_trials: int
+    warmup: int
+    atol: float | None
+    rtol: float | None
+    seed: int
+    flush_l2: bool
+
+    @classmethod
+    def of(cls, o: kernel_pb2.EvalOptions) -> Options:
+        return cls(
+            correct_trials=o.correct_trial_count
+            if o.HasField("correct_trial_count")
+            else (DEFAULT_CORRECT_TRIALS),
+            perf_trials=o.perf_trial_count
+            if o.HasField("perf_trial_count")
+            else (DEFAULT_PERF_TRIALS),
+            warmup=o.warmup_count if o.HasField("warmup_count") else DEFAULT_WARMUP,
+            atol=o.atol if o.HasField("atol") else None,
+            rtol=o.rtol if o.HasField("rtol") else None,
+            seed=o.seed if o.HasField("seed") else DEFAULT_SEED,
+            flush_l2=o.flush_l2 if o.HasField("flush_l2") else DEFAULT_FLUSH_L2,
+        )
+
+
+class _Stop(Exception):
+    """Ends the job early with the result as filled so far."""
+
+
+class _ReporterError(Exception):
+    """The reporter failed (e.g. the job was cancelled): not the kernel's doing, re-raised."""
+
+
+class _SafeReporter:
+    def __init__(self, inner: Reporter) -> None:
+        self.inner = inner
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:
+            raise _ReporterError() from e
+
+    def phase(self, phase: int) -> None:
+        self._call(lambda: self.inner.phase(phase))
+
+    def progress(self, phase: int, done: int, total: int) -> None:
+        self._call(lambda: self.inner.progress(phase, done, total))
+
+    def log(self, text: str) -> None:
+        self._call(lambda: self.inner.log(text))
+
+
+def run_job(spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig) -> Outcome:
+    """Evaluates (no reference) or compares (reference set) one job; never raises for anything
+    the kernel does: every failure is a verdict in the returned Outcome."""
+    from . import isolated
+
+    job = _Job(spec, _SafeReporter(reporter), config)
+    try:
+        isolated_outcome = isolated.maybe_run_isolated(spec, config, job.result, job.reporter)
+        if isolated_outcome is not None:
+            return isolated_outcome
+        job.run()
+    except _Stop:
+        pass
+    except _ReporterError as e:
+        raise (e.__cause__ or e) from None
+    except Exception as e:  # a bug in the engine: still a result, with the traceback
+        job.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+        job.result.error.CopyFrom(
+            job_pb2.ErrorInfo(
+                message=f"internal engine error: {e}",
+                exception_type=type(e).__name__,
+                traceback=traceback.format_exc()[-8000:],
+            )
+        )
+        job.poisoned = job.poisoned or errors.context_dead()
+    if job.notes:
+        job.result.notes.extend(job.notes)
+    return Outcome(result=job.result, context_poisoned=job.poisoned)
+
+
+class _Job:
+    def __init__(self, spec: kernel_pb2.JobSpec, reporter: _SafeReporter, config: EngineConfig):
+        self.spec = spec
+        self.reporter = reporter
+        self.config = config
+        self.result = job_pb2.EvalResult(device=device.device_info())
+        self.poisoned = False
+        self.notes: list[str] = []
+        self.opts = Options.of(spec.options)
+        self.dev = device.device()
+        self.compare_mode = spec.HasField("reference")
+        self.nvtx = os.environ.get("KERNELEVAL_NVTX") == "1"
+
+    # -- the steps -----------------------------------------------------------------------
+    def run(self) -> None:
+        violations = validation.validate_spec(self.spec, self.config.limits)
+        if violations:
+            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.error.exception_type = "InvalidArgument"
+            self.result.error.message = "invalid job: " + "; ".join(
+                f"{v.field}: {v.description}" for v in violations
+            )
+            raise _Stop
+        self.reporter.phase(job_pb2.PHASE_COMPILING)
+        ctx = self._context()
+        cand = self._build(self.spec.kernel, "kernel", ctx)
+        ref = self._build(self.spec.reference, "reference", ctx) if self.compare_mode else None
+        self.result.compiled = True
+        self.notes.extend(ctx.notes)
+        self.source_files = tuple(ctx.source_files)
+        make_args = self._input_source(cand, ref)
+        self._preflight_triton(cand, ref, make_args, ctx)
+
+        self.reporter.phase(job_pb2.PHASE_VALIDATING)
+        if ref is None:
+            self._run_once(cand, make_args)
+        else:
+            self._validate(cand, ref, make_args)
+        if self.opts.perf_trials > 0:
+            self._time(cand, ref, make_args)
+        else:
+            self.notes.append("perf_trial_count is 0: not timed")
+        self.result.verdict = job_pb2.VERDICT_OK
+
+    def _context(self) -> BuildContext:
+        limits = self.config.device_limits or device.gpu_limits()
+        return BuildContext(
+            work_dir=self.config.work_dir,
+            seed=self.opts.seed,
+            device=self.dev,
+            limits=limits,
+            log=self.reporter.log,
+        )
+
+    def _build(self, k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> Program:
+        who = "" if role == "kernel" else "reference: "
+        try:
+            with self._cpu_shim():
+                return build(k, role, ctx)
+        except loader.CompileError as e:
+            self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+            self.result.compiled = False
+            log = e.log if e.log != str(e) else ""
+            self.result.compilation_error = (who + str(e) + ("\n" + log if log else ""))[-32000:]
+        except NoDeviceError as e:
+            self.result.compiled = True
+            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.error.message = who + str(e)
+            self.result.error.exception_type = "NoDeviceError"
+            self.notes.extend(ctx.notes)
+            self.notes.append("no CUDA device on this worker: the kernel compiled but cannot run")
+        except preflight.ResourceLimitError as e:
+            self._resource_limit(who + str(e))
+        except Exception as e:
+            if type(e).__name__ == "CompilationError":
+                self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+                self.result.compilation_error = who + str(e)[-32000:]
+            else:
+                self.result.compiled = True
+                self._fail(errors.classify(e, tuple(ctx.source_files)), who)
+        raise _Stop
+
+    def _resource_limit(self, message: str) -> None:
+        self.result.compiled = True
+        self.result.verdict = job_pb2.VERDICT_RESOURCE_LIMIT
+        self.result.error.message = message
+        self.result.error.exception_type = "ResourceLimit"
+
+    def _fail(self, f: errors.Failure, who: str = "") -> None:
+        self.result.verdict = f.verdict
+        f.error.message = who + f.error.message
+        self.result.error.CopyFrom(f.error)
+        self.poisoned = self.poisoned or f.context_poisoned
+
+    @contextlib.contextmanager
+    def _guard(self, who: str = "") -> Iterator[None]:
+        """Runs kernel code: any exception becomes the job's verdict."""
+        try:
+            with self._cpu_shim():
+                yield
+        except (_Stop, _ReporterError):
+            raise
+        except preflight.ResourceLimitError as e:
+            self._resource_limit(who + str(e))
+            raise _Stop from None
+        except NoDeviceError as e:
+            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.error.message = who + str(e)
+            self.result.error.exception_type = "NoDeviceError"
+            raise _Stop from None
+        except Exception as e:
+            if type(e).__name__ == "CompilationError":  # Triton compiles at the first launch
+                self.result.compiled = False
+                self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+                self.result.compilation_error = who + str(e)[-32000:]
+            else:
+                self._fail(errors.classify(e, getattr(self, "source_files", ())), who)
+            raise _Stop from None
+
+    def _cpu_shim(self) -> contextlib.AbstractContextManager[None]:
+        return loader.cpu_as_device() if self.dev.type == "cpu" else contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- inputs --------------------------------------------------------------------------
+    def _input_source(self, cand: Program, ref: Program | None) -> Callable[[int], TrialArgs]:
+        io = None
+        if len(self.spec.kernel.io.args) > 0:
+            io = self.spec.kernel.io
+        elif ref is not None and len(self.spec.reference.io.args) > 0:
+            io = self.spec.reference.io
+        if io is not None:
+            contract = io
+            seed = self.opts.seed
+
+            def from_contract(trial: int) -> TrialArgs:
+                with self._guard("inputs: "):
+                    return build_args(contract, seed, trial, self.dev)
+                raise AssertionError("unreachable")
+
+            return from_contract
+        module = (ref.module if ref is not None else None) or cand.module
+        get_inputs = getattr(module, "get_inputs", None)
+        if not callable(get_inputs):
+            self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+            self.result.compiled = False
+            self.result.compilation_error = (
+                "no function get_inputs() in the source and no IOContract args: the inputs "
+                "are unknown"
+            )
+            raise _Stop
+
+        def from_get_inputs(trial: int) -> TrialArgs:
+            with self._guard("get_inputs(): "):
+                torch.manual_seed(mix_seed(self.opts.seed, trial))
+                values = [to_device(v, self.dev) for v in get_inputs()]
+            n = len(values)
+            roles = [int(kernel_pb2.ARG_ROLE_INPUT)] * n
+            return TrialArgs(values, [f"input[{i}]" for i in range(n)], roles, [False] * n, True)
+
+        return from_get_inputs
+
+    def _preflight_triton(
+        self,
+        cand: Program,
+        ref: Program | None,
+        make_args: Callable[[int], TrialArgs],
+        ctx: BuildContext,
+    ) -> None:
+        for prog, who in ((cand, ""), (ref, "reference: ")):
+            launch = getattr(prog, "launch", None)
+            if isinstance(launch, TritonLaunch) and self.dev.type == "cuda":
+                with self._guard(who):
+                    launch.compile_and_check(make_args(0), ctx)
+
+    # -- correctness ---------------------------------------------------------------------
+    def _run(self, prog: Program, args: TrialArgs, who: str) -> list[Any]:
+        with self._guard(who):
+            if self.nvtx and who == "":
+                torch.cuda.nvtx.range_push("kerneleval_kernel")
+            out = prog.run(args)
+            self._sync()
+            if self.nvtx and who == "":
+                torch.cuda.nvtx.range_pop()
+            return out
+        raise AssertionError("unreachable")
+
+    def _run_once(self, cand: Program, make_args: Callable[[int], TrialArgs]) -> None:
+        args = make_args(0)
+        self._poison_outputs(args, 0)
+        out = self._run(cand, args, "")
+        self.result.correctness = True
+        self.result.validation.trial_count = 1
+        self.result.validation.trials_passed = 1
+        nan_outputs = [
+            i
+            for i, t in enumerate(out)
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and bool(t.isnan().any())
+        ]
+        if nan_outputs:
+            self.notes.append(f"outputs {nan_outputs} contain NaN")
+        self.reporter.progress(job_pb2.PHASE_VALIDATING, 1, 1)
+
+    def _poison_outputs(self, args: TrialArgs, trial: int) -> None:
+        for i, r in enumerate(args.roles):
+            if r == kernel_pb2.ARG_ROLE_OUTPUT and isinstance(args.values[i], torch.Tensor):
+                compare.poison(args.values[i], trial)
+
+    def _validate(self, cand: Program, ref: Program, make_args: Callable[[int], TrialArgs]) -> None:
+        report = self.result.validation
+        trials = self.opts.correct_trials
+        first_failure: compare.TrialCheck | None = None
+        out_bytes = 0
+        wrote_inputs = False
+        for t in range(trials):
+            pristine = make_args(t)
+            cand_args, ref_args = pristine.clone(), pristine.clone()
+            self._poison_outputs(cand_args, t)
+            ref_out: list[Any] | None = None
+            if t % 2 == 1:  # reference first; its outputs stay alive while the kernel runs
+                ref_out = self._run(ref, ref_args, "reference: ")
+                out_bytes = compare.nbytes_of(ref_out)
+            if cand.kind == "model":
+                with self._guard("anti-cheat: "):
+                    compare.poison_free_memory(
+                        out_bytes or compare.nbytes_of(pristine.values), self.dev
+                    )
+            cand_out = self._run(cand, cand_args, "")
+            if ref_out is None:
+                ref_out = self._run(ref, ref_args, "reference: ")
+                out_bytes = compare.nbytes_of(ref_out)
+            names = self._output_names(cand, ref, pristine)
+            check = compare.compare_outputs(
+                cand_out, ref_out, names, self.opts.atol, self.opts.rtol
+            )
+            written = self._written_inputs(pristine, cand_args)
+            if written and cand.kind == "launch" and check.ok:
+                check.ok = False
+                check.message = (
+                    f"the kernel wrote its input {written[0]!r} (declared ARG_ROLE_INPUT)"
+                )
+                check.output_name = written[0]
+            elif written and cand.kind == "model":
+                wrote_inputs = True
+            report.trial_count = t + 1
+            report.max_abs_error = max(report.max_abs_error, check.max_abs)
+            report.max_rel_error = max(report.max_rel_error, check.max_rel)
+            report.atol, report.rtol = check.atol, check.rtol
+            if check.ok:
+                report.trials_passed += 1
+            elif first_failure is None:
+                first_failure = check
+            self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, trials)
+        if wrote_inputs:
+            self.notes.append("the kernel modified its input tensors in place")
+        if first_failure is not None:
+            report.mismatch_count = first_failure.mismatches
+            report.element_count = first_failure.elements
+            report.first_mismatch_index.extend(first_failure.first_index)
+            report.output_name = first_failure.output_name
+            self.result.validation_error = (
+                f"{report.trials_passed} of {report.trial_count} trials passed; "
+                f"{first_failure.message}"
+            )
+            self.result.verdict = job_pb2.VERDICT_INCORRECT
+            self.result.correctness = False
+            self.notes.append("incorrect: not timed")
+            raise _Stop
+        self.result.correctness = True
+
+    @staticmethod
+    def _output_names(cand: Program, ref: Program, args: TrialArgs) -> list[str]:
+        if cand.kind == "launch" or ref.kind == "launch":
+            return [args.names[i] for i in args.output_indices()]
+        return []
+
+    @staticmethod
+    def _written_inputs(pristine: TrialArgs, after: TrialArgs) -> list[str]:
+        out = []
+        for name, role, a, b in zip(
+            pristine.names, pristine.roles, pristine.values, after.values, strict=False
+        ):
+            if role == kernel_pb2.ARG_ROLE_INPUT and isinstance(a, torch.Tensor):
+                if (
+                    isinstance(b, torch.Tensor)
+                    and not torch.equal(a, b)
+                    and not (
+                        a.dtype.is_floating_point
+                        and torch.equal(a.isnan(), b.isnan())
+                        and torch.equal(a.nan_to_num(), b.nan_to_num())
+                    )
+                ):
+                    out.append(name)
+        return out
+
+    # -- timing --------------------------------------------------------------------------
+    def _time(
+        self, cand: Program, ref: Program | None, make_args: Callable[[int], TrialArgs]
+    ) -> None:
+        total = self.opts.perf_trials * (2 if ref is not None else 1)
+        cand_args = make_args(0)
+        ref_args = cand_args.clone() if ref is not None else None
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
+        stats = self._measure(cand, cand_args, "", lambda d: self._progress(d, total))
+        self.result.runtime.CopyFrom(stats)
+        if ref is not None and ref_args is not None:
+            n = self.opts.perf_trials
+            rstats = self._measure(
+                ref, ref_args, "reference: ", lambda d: self._progress(n + d, total)
+            )
+            self.result.reference_runtime.CopyFrom(rstats)
+            if stats.median_ms > 0:
+                self.result.speedup = rstats.median_ms / stats.median_ms
+                self.result.speedup_suspicious = self.result.speedup > SUSPICIOUS_SPEEDUP
+                if self.result.speedup_suspicious:
+                    self.notes.append(
+                        f"speedup {self.result.speedup:.1f}x is over {SUSPICIOUS_SPEEDUP:g}x: "
+                        "worth a second look"
+                    )
+        if self.dev.type == "cpu":
+            self.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+
+    def _progress(self, done: int, total: int) -> None:
+        self.reporter.progress(job_pb2.PHASE_PROFILING, done, total)
+
+    def _measure(
+        self, prog: Program, args: TrialArgs, who: str, progress: Callable[[int], None]
+    ) -> job_pb2.RuntimeStats:
+        with self._guard(who):
+            t = timing.measure(
+                lambda: prog.run(args),
+                trials=self.opts.perf_trials,
+                warmup=self.opts.warmup,
+                flush_l2=self.opts.flush_l2,
+                device=self.dev,
+                progress=lambda done, _total: progress(done),
+            )
+            if t.side_stream_trials:
+                self.notes.append(
+                    f"{who or 'kernel: '}work on another stream outlasted the launching stream "
+                    f"in {t.side_stream_trials} trials; counted up to a device-wide synchronize"
+                )
+            if not math.isfinite(t.stats.median_ms):
+                self.notes.append(f"{who}timing produced no finite median")
+            return t.stats
+        raise AssertionError("unreachable")
+
+
+__all__ = ["LaunchProgram", "Options", "is_triton_launch", "run_job"]

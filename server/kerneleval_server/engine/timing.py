@@ -1,0 +1,124 @@
+"""Timing as do_bench does it (CUDA events, warm-ups, L2 flushed before each trial), plus a
+device-wide synchronize after each trial so work hidden on another stream is counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kerneleval.v1 import job_pb2
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than any L2
+_IDLE_CYCLES = 100_000  # without a flush, a short spin hides the host's launch latency
+
+
+@dataclass
+class Timing:
+    stats: job_pb2.RuntimeStats
+    side_stream_trials: int = 0  # trials whose work finished after the launching stream
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    trials: int,
+    warmup: int,
+    flush_l2: bool,
+    device: torch.device,
+    progress: Callable[[int, int], None] | None = None,
+) -> Timing:
+    every = max(1, trials // 10)
+
+    def tick(done: int) -> None:
+        if progress is not None and (done % every == 0 or done == trials):
+            progress(done, trials)
+
+    if device.type != "cuda":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for i in range(trials):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+            tick(i + 1)
+        return Timing(stats(times, job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK, flushed=False))
+    return _measure_cuda(fn, trials, warmup, flush_l2, tick)
+
+
+def _measure_cuda(
+    fn: Callable[[], object], trials: int, warmup: int, flush_l2: bool, tick: Callable[[int], None]
+) -> Timing:
+    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    baseline = _sync_gap_ms()
+
+    def ev() -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    start, end, after = (
+        [ev() for _ in range(trials)],
+        [ev() for _ in range(trials)],
+        [ev() for _ in range(trials)],
+    )
+    for i in range(trials):
+        if cache is not None:
+            cache.zero_()
+        else:
+            torch.cuda._sleep(_IDLE_CYCLES)
+        start[i].record()
+        fn()
+        end[i].record()
+        torch.cuda.synchronize()  # every stream: work on side streams ends before `after`
+        after[i].record()
+        tick(i + 1)
+    torch.cuda.synchronize()
+    gap_limit = baseline * 2 + 0.02
+    times, hidden = [], 0
+    for s, e, a in zip(start, end, after, strict=False):
+        t = s.elapsed_time(e)
+        gap = e.elapsed_time(a)
+        if gap > gap_limit:  # something ran after the launching stream finished
+            hidden += 1
+            t = max(t, s.elapsed_time(a) - baseline)
+        times.append(t)
+    return Timing(stats(times, job_pb2.TIMING_SOURCE_CUDA_EVENTS, flushed=flush_l2), hidden)
+
+
+def _sync_gap_ms(samples: int = 21) -> float:
+    """Median time from an idle stream's last event to an event recorded after a device-wide
+    synchronize: the cost of the check itself, not of any kernel."""
+    gaps = []
+    for _ in range(samples):
+        e, a = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e.record()
+        torch.cuda.synchronize()
+        a.record()
+        torch.cuda.synchronize()
+        gaps.append(e.elapsed_time(a))
+    return float(np.median(gaps))
+
+
+def stats(
+    times_ms: list[float], source: job_pb2.TimingSource, *, flushed: bool
+) -> job_pb2.RuntimeStats:
+    a = np.asarray(times_ms, dtype=np.float64)
+    if a.size == 0:
+        return job_pb2.RuntimeStats(source=source, l2_flushed=flushed)
+    return job_pb2.RuntimeStats(
+        mean_ms=float(a.mean()),
+        median_ms=float(np.median(a)),
+        std_ms=float(a.std(ddof=1)) if a.size > 1 else 0.0,
+        min_ms=float(a.min()),
+        max_ms=float(a.max()),
+        p95_ms=float(np.percentile(a, 95)),
+        p99_ms=float(np.percentile(a, 99)),
+        trial_count=int(a.size),
+        source=source,
+        l2_flushed=flushed,
+    )

@@ -1,0 +1,47 @@
+"""The engine's seams (docs/INTERNALS.md): Reporter, EngineConfig, Outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from kerneleval.v1 import job_pb2
+
+from .. import validation
+from .device import DeviceLimits
+
+
+class Reporter(Protocol):
+    def phase(self, phase: int) -> None: ...  # job_pb2.Phase; PROFILING may block
+
+    def progress(self, phase: int, done: int, total: int) -> None: ...
+
+    def log(self, text: str) -> None: ...
+
+
+@dataclass
+class EngineConfig:
+    work_dir: Path  # private and writable: sources, Triton files, extension builds
+    limits: validation.Limits = field(default_factory=validation.Limits)
+    # Pre-flight limits instead of the GPU's own (tests use fake ones; None asks the GPU).
+    device_limits: DeviceLimits | None = None
+
+
+@dataclass
+class Outcome:
+    result: job_pb2.EvalResult
+    context_poisoned: bool  # sticky CUDA error: the worker must exit after reporting
+
+
+class NullReporter:
+    """Drops every event (the isolated child, scripts)."""
+
+    def phase(self, phase: int) -> None:
+        pass
+
+    def progress(self, phase: int, done: int, total: int) -> None:
+        pass
+
+    def log(self, text: str) -> None:
+        pass

@@ -1,0 +1,296 @@
+"""JobSpec checks, shared by the front end (INVALID_ARGUMENT with google.rpc.BadRequest) and
+the engine (which re-checks before it runs anything).
+
+Every violation names the exact field path, e.g. "spec.kernel.io.args[0].tensor.shape[1]".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from kerneleval.v1 import dtype_pb2, kernel_pb2
+
+# Bytes per element of every DType the API knows.
+ITEMSIZE: dict[int, int] = {
+    dtype_pb2.DTYPE_FLOAT16: 2,
+    dtype_pb2.DTYPE_BFLOAT16: 2,
+    dtype_pb2.DTYPE_FLOAT32: 4,
+    dtype_pb2.DTYPE_FLOAT64: 8,
+    dtype_pb2.DTYPE_INT8: 1,
+    dtype_pb2.DTYPE_INT16: 2,
+    dtype_pb2.DTYPE_INT32: 4,
+    dtype_pb2.DTYPE_INT64: 8,
+    dtype_pb2.DTYPE_UINT8: 1,
+    dtype_pb2.DTYPE_BOOL: 1,
+}
+
+_KERNEL_TYPES = {
+    kernel_pb2.KERNEL_TYPE_TORCH,
+    kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
+    kernel_pb2.KERNEL_TYPE_TRITON,
+    kernel_pb2.KERNEL_TYPE_CUDA,
+}
+_ROLES = {
+    kernel_pb2.ARG_ROLE_UNSPECIFIED,
+    kernel_pb2.ARG_ROLE_INPUT,
+    kernel_pb2.ARG_ROLE_OUTPUT,
+    kernel_pb2.ARG_ROLE_INOUT,
+}
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one job may ask for. The defaults suit a GPU with tens of GiB."""
+
+    max_source_bytes: int = 1 << 20  # 1 MiB per source
+    max_tensor_elements: int = 1 << 31  # elements of one tensor
+    max_total_tensor_bytes: int = 16 << 30  # all tensors of one kernel's IOContract
+    max_rank: int = 8
+    max_args: int = 64
+    max_trial_count: int = 10_000  # correct_trial_count and perf_trial_count
+    max_warmup_count: int = 10_000
+    max_timeout_seconds: float = 600.0
+    min_timeout_seconds: float = 1.0
+    max_launch_dim: int = 2**31 - 1
+    max_entry_point_length: int = 256
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+
+def validate_spec(
+    spec: kernel_pb2.JobSpec, limits: Limits = Limits(), *, require_reference: bool = False
+) -> list[FieldViolation]:
+    """Every problem with `spec`, or an empty list. Never raises."""
+    out: list[FieldViolation] = []
+    if not spec.HasField("kernel"):
+        out.append(FieldViolation("spec.kernel", "required"))
+    else:
+        _check_kernel("spec.kernel", spec.kernel, limits, out)
+    if spec.HasField("reference"):
+        _check_kernel("spec.reference", spec.reference, limits, out)
+    elif require_reference:
+        out.append(FieldViolation("spec.reference", "required by Compare"))
+    _check_options("spec.options", spec.options, limits, out)
+    return out
+
+
+def _check_kernel(
+    path: str, k: kernel_pb2.KernelSource, limits: Limits, out: list[FieldViolation]
+) -> None:
+    if k.type not in _KERNEL_TYPES:
+        what = "required" if k.type == 0 else f"unknown kernel type {k.type}"
+        out.append(FieldViolation(f"{path}.type", what))
+    size = len(k.source_code.encode("utf-8"))
+    if size == 0:
+        out.append(FieldViolation(f"{path}.source_code", "required"))
+    elif size > limits.max_source_bytes:
+        out.append(
+            FieldViolation(
+                f"{path}.source_code",
+                f"{size} bytes is over the limit of {limits.max_source_bytes} bytes",
+            )
+        )
+    if k.entry_point and (
+        len(k.entry_point) > limits.max_entry_point_length or not _IDENTIFIER.match(k.entry_point)
+    ):
+        out.append(
+            FieldViolation(f"{path}.entry_point", f"{k.entry_point!r} is not a valid identifier")
+        )
+    has_args = len(k.io.args) > 0
+    if k.type == kernel_pb2.KERNEL_TYPE_CUDA and not has_args:
+        out.append(
+            FieldViolation(f"{path}.io.args", "a CUDA kernel is launched from its IOContract")
+        )
+    if (
+        k.type == kernel_pb2.KERNEL_TYPE_TRITON
+        and not has_args
+        and "ModelNew" not in (k.source_code)
+    ):
+        out.append(
+            FieldViolation(
+                f"{path}.io.args",
+                "a TRITON source without a ModelNew class is launched from its IOContract",
+            )
+        )
+    if k.type in (kernel_pb2.KERNEL_TYPE_CUDA, kernel_pb2.KERNEL_TYPE_TRITON) and has_args:
+        launch_needed = k.type == kernel_pb2.KERNEL_TYPE_CUDA or "ModelNew" not in k.source_code
+        if launch_needed and not k.io.launch.HasField("grid"):
+            out.append(FieldViolation(f"{path}.io.launch.grid", "required to launch the kernel"))
+    _check_io(f"{path}.io", k.io, limits, out)
+
+
+def _check_io(
+    path: str, io: kernel_pb2.IOContract, limits: Limits, out: list[FieldViolation]
+) -> None:
+    if len(io.args) > limits.max_args:
+        out.append(
+            FieldViolation(f"{path}.args", f"{len(io.args)} args; at most {limits.max_args}")
+        )
+    names: set[str] = set()
+    total_bytes = 0
+    for i, arg in enumerate(io.args):
+        ap = f"{path}.args[{i}]"
+        if arg.name:
+            if not _IDENTIFIER.match(arg.name):
+                out.append(FieldViolation(f"{ap}.name", f"{arg.name!r} is not a valid identifier"))
+            elif arg.name in names:
+                out.append(FieldViolation(f"{ap}.name", f"duplicate argument name {arg.name!r}"))
+            names.add(arg.name)
+        if arg.role not in _ROLES:
+            out.append(FieldViolation(f"{ap}.role", f"unknown role {arg.role}"))
+        which = arg.WhichOneof("value")
+        if which is None:
+            out.append(FieldViolation(f"{ap}.value", "required: a tensor or a scalar"))
+            continue
+        if which == "tensor":
+            if arg.meta:
+                out.append(FieldViolation(f"{ap}.meta", "only scalar arguments can be meta"))
+            total_bytes += _check_tensor(f"{ap}.tensor", arg.tensor, limits, out)
+        else:
+            if arg.role in (kernel_pb2.ARG_ROLE_OUTPUT, kernel_pb2.ARG_ROLE_INOUT):
+                out.append(FieldViolation(f"{ap}.role", "a scalar can only be an input"))
+            if which == "float_value" and not math.isfinite(arg.float_value) and arg.meta:
+                out.append(FieldViolation(f"{ap}.float_value", "a meta value must be finite"))
+    if total_bytes > limits.max_total_tensor_bytes:
+        out.append(
+            FieldViolation(
+                f"{path}.args",
+                f"tensors take {total_bytes} bytes, over the limit of "
+                f"{limits.max_total_tensor_bytes} bytes",
+            )
+        )
+    launch = io.launch
+    for dim_name in ("grid", "block"):
+        d = getattr(launch, dim_name)
+        for axis in ("x", "y", "z"):
+            v = getattr(d, axis)
+            if v > limits.max_launch_dim:
+                out.append(
+                    FieldViolation(
+                        f"{path}.launch.{dim_name}.{axis}", f"{v} is over {limits.max_launch_dim}"
+                    )
+                )
+    if launch.num_warps < 0 or launch.num_warps > 64:
+        out.append(FieldViolation(f"{path}.launch.num_warps", "must be in [0, 64]"))
+    elif launch.num_warps & (launch.num_warps - 1):
+        out.append(FieldViolation(f"{path}.launch.num_warps", "must be a power of two"))
+    if launch.num_stages < 0 or launch.num_stages > 16:
+        out.append(FieldViolation(f"{path}.launch.num_stages", "must be in [0, 16]"))
+    if launch.shared_memory_bytes < 0:
+        out.append(FieldViolation(f"{path}.launch.shared_memory_bytes", "must be >= 0"))
+
+
+def _check_tensor(
+    path: str, t: kernel_pb2.TensorSpec, limits: Limits, out: list[FieldViolation]
+) -> int:
+    """Checks one tensor; returns its size in bytes (0 when the size is unknown)."""
+    itemsize = ITEMSIZE.get(t.dtype)
+    if itemsize is None:
+        what = "required" if t.dtype == 0 else f"unknown dtype {t.dtype}"
+        out.append(FieldViolation(f"{path}.dtype", what))
+    if len(t.shape) > limits.max_rank:
+        out.append(
+            FieldViolation(f"{path}.shape", f"rank {len(t.shape)} is over {limits.max_rank}")
+        )
+        return 0
+    bad_shape = False
+    for j, d in enumerate(t.shape):
+        if d < 0:
+            out.append(FieldViolation(f"{path}.shape[{j}]", f"{d} is negative"))
+            bad_shape = True
+    if bad_shape:
+        return 0
+    elements = math.prod(t.shape)
+    if elements > limits.max_tensor_elements:
+        out.append(
+            FieldViolation(
+                f"{path}.shape",
+                f"{elements} elements is over the limit of {limits.max_tensor_elements}",
+            )
+        )
+        return 0
+    which = t.WhichOneof("source")
+    if which == "data" and itemsize is not None:
+        want = elements * itemsize
+        if len(t.data) != want:
+            out.append(
+                FieldViolation(
+                    f"{path}.data",
+                    f"{len(t.data)} bytes, but shape {list(t.shape)} of "
+                    f"{dtype_pb2.DType.Name(t.dtype)} needs {want} bytes",
+                )
+            )
+    elif which == "init":
+        init = t.init
+        kind = init.WhichOneof("kind")
+        if kind == "randint" and init.randint.high <= init.randint.low:
+            out.append(
+                FieldViolation(
+                    f"{path}.init.randint.high",
+                    f"high ({init.randint.high}) must be greater than low ({init.randint.low})",
+                )
+            )
+        if kind == "uniform" and init.uniform.high < init.uniform.low:
+            out.append(FieldViolation(f"{path}.init.uniform.high", "must be >= low"))
+        if kind == "randn" and init.randn.std < 0:
+            out.append(FieldViolation(f"{path}.init.randn.std", "must be >= 0"))
+        for name, v in _init_floats(init):
+            if not math.isfinite(v):
+                out.append(FieldViolation(f"{path}.init.{kind}.{name}", "must be finite"))
+    return elements * (itemsize or 0)
+
+
+def _init_floats(init: kernel_pb2.TensorInit) -> list[tuple[str, float]]:
+    kind = init.WhichOneof("kind")
+    if kind == "randn":
+        return [("mean", init.randn.mean), ("std", init.randn.std)]
+    if kind == "uniform":
+        return [("low", init.uniform.low), ("high", init.uniform.high)]
+    if kind == "arange":
+        return [("start", init.arange.start), ("step", init.arange.step)]
+    return []
+
+
+def _check_options(
+    path: str, o: kernel_pb2.EvalOptions, limits: Limits, out: list[FieldViolation]
+) -> None:
+    if o.HasField("correct_trial_count") and not 1 <= o.correct_trial_count <= (
+        limits.max_trial_count
+    ):
+        out.append(
+            FieldViolation(
+                f"{path}.correct_trial_count", f"must be in [1, {limits.max_trial_count}]"
+            )
+        )
+    if o.HasField("perf_trial_count") and not 0 <= o.perf_trial_count <= limits.max_trial_count:
+        out.append(
+            FieldViolation(f"{path}.perf_trial_count", f"must be in [0, {limits.max_trial_count}]")
+        )
+    if o.HasField("warmup_count") and not 0 <= o.warmup_count <= limits.max_warmup_count:
+        out.append(
+            FieldViolation(f"{path}.warmup_count", f"must be in [0, {limits.max_warmup_count}]")
+        )
+    for name in ("atol", "rtol"):
+        if o.HasField(name):
+            v = getattr(o, name)
+            if not (math.isfinite(v) and v >= 0):
+                out.append(FieldViolation(f"{path}.{name}", "must be a finite number >= 0"))
+    if o.HasField("timeout"):
+        secs = o.timeout.seconds + o.timeout.nanos / 1e9
+        if not limits.min_timeout_seconds <= secs <= limits.max_timeout_seconds:
+            out.append(
+                FieldViolation(
+                    f"{path}.timeout",
+                    f"{secs:g} s is outside [{limits.min_timeout_seconds:g}, "
+                    f"{limits.max_timeout_seconds:g}] s",
+                )
+            )
+    if o.HasField("device_index") and o.device_index < 0:
+        out.append(FieldViolation(f"{path}.device_index", "must be >= 0"))
