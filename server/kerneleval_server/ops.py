@@ -19,6 +19,7 @@ from .jobs import JobManager
 log = logging.getLogger("kerneleval.ops")
 
 DEFAULT_RESET_GRACE_S = 30.0
+STALE_FOLDER_S = 600.0
 
 
 def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
@@ -161,7 +162,9 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         if self._workers_dir is not None and self._workers_dir.is_dir():
             live = set(self.m.workers.by_id)
             for folder in self._workers_dir.iterdir():
-                if folder.is_dir() and folder.name not in live:
+                # Young folders may belong to a worker that is starting right now.
+                age = time.time() - folder.stat().st_mtime
+                if folder.is_dir() and folder.name not in live and age > STALE_FOLDER_S:
                     shutil.rmtree(folder, ignore_errors=True)
                     removed += 1
         if deleted or removed:

@@ -34,7 +34,7 @@ def _configure_environment(engine_name: str) -> None:
     if configure is not None:
         configure()
         return
-    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") or not os.path.exists("/dev/nvidiactl"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
