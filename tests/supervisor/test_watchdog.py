@@ -1,0 +1,460 @@
+"""Integration tests: the real kerneleval-watchdog binary, driven through
+kerneleval_server.watchdog, with stand-in workers, a fake NVML and a kernel log file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import subprocess
+import time
+
+import pytest
+from conftest import BUILD, Harness, pid_alive
+
+from kerneleval.internal.v1 import supervisor_pb2 as pb
+from kerneleval_server.watchdog import Watchdog, WatchdogError, encode_frame, find_watchdog_binary
+
+HEALTHY, UNHEALTHY = pb.HEALTH_HEALTHY, pb.HEALTH_UNHEALTHY
+
+
+def run(coro: object) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_find_watchdog_binary(monkeypatch: pytest.MonkeyPatch, watchdog_binary: str) -> None:
+    monkeypatch.setenv("KERNELEVAL_WATCHDOG", "/opt/x/kerneleval-watchdog")
+    assert find_watchdog_binary() == "/opt/x/kerneleval-watchdog"
+    monkeypatch.delenv("KERNELEVAL_WATCHDOG")
+    assert find_watchdog_binary() == str(BUILD / "kerneleval-watchdog")
+
+
+def test_workers_start_in_sandbox_and_shutdown_cleans_up(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(gpus=2, warm_spare=True,
+                                sandbox=pb.SandboxConfig(isolate_network=True))
+        wd = await harness.start(cfg)
+        workers = await harness.started(4)
+        assert sorted((w.device_index, w.spare) for w in workers) == [
+            (0, False), (0, True), (1, False), (1, True)]
+        assert len({w.token for w in workers}) == 4
+        warnings = {e.warning.feature for e in harness.of("warning")}
+        for w in workers:
+            info = await harness.report(w.worker_id)
+            assert info["pid"] == w.pid == info["pgid"] == info["sid"]  # own session and group
+            env = info["env"]
+            assert env["KERNELEVAL_WORKER_ID"] == w.worker_id
+            assert env["KERNELEVAL_WORKER_TOKEN"] == w.token
+            assert env["KERNELEVAL_DEVICE_INDEX"] == str(w.device_index)
+            assert env["CUDA_VISIBLE_DEVICES"] == str(w.device_index)
+            assert env["STANDIN_MODE"] == "idle"  # Configure.worker_env
+            wdir = harness.state_dir / "workers" / w.worker_id
+            assert env["KERNELEVAL_WORKER_DIR"] == str(wdir)
+            assert env["TMPDIR"] == str(wdir / "tmp") and info["tmpdir_writable"]
+            assert env["TRITON_CACHE_DIR"].startswith(str(wdir))
+            assert env["TORCH_EXTENSIONS_DIR"].startswith(str(wdir))
+            assert info["no_new_privs"] == "1"
+            assert info["rlimit_core"] == 0
+            assert info["rlimit_nofile"] == 4096
+            assert info["stdin_is_devnull"]
+            if "network_namespace" not in warnings:
+                assert info["netns"] != os.readlink("/proc/self/ns/net")
+            if os.geteuid() == 0 and "unprivileged_user" not in warnings:
+                assert info["uid"] == 65534  # nobody
+        status = await wd.status()
+        assert {w.worker_id for w in status.workers} == {w.worker_id for w in workers}
+        assert [d.device_index for d in status.devices] == [0, 1]
+        assert all(d.health == HEALTHY for d in status.devices)
+        await wd.shutdown(grace_ms=1000)
+        assert await wd.wait() == 0
+        exits = [e.worker_exited for e in harness.of("worker_exited")]
+        assert sorted(x.worker.worker_id for x in exits) == sorted(w.worker_id for w in workers)
+        assert all(x.reason == "shutdown" and not x.restarting for x in exits)
+        assert not any(pid_alive(w.pid) for w in workers)
+        assert list((harness.state_dir / "workers").iterdir()) == []  # private folders removed
+
+    run(body())
+
+
+def test_segfault_promotes_spare_and_starts_a_new_one(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(warm_spare=True))
+        workers = await harness.started(2)
+        taker = next(w for w in workers if not w.spare)
+        spare = next(w for w in workers if w.spare)
+        assert taker.device_index == -1 and taker.worker_id.startswith("cpu-")
+        await harness.report(taker.worker_id)
+        await wd.set_job(taker.worker_id, "job-7")
+        harness.command(taker.worker_id, "segv")
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == taker.worker_id
+        assert ex.signal == 11 and ex.exit_code == -1 and ex.reason == "crashed"
+        assert ex.worker.job_id == "job-7" and ex.restarting
+        promoted = harness.of("worker_promoted")
+        assert [p.worker_promoted.worker_id for p in promoted] == [spare.worker_id]
+        # promotion comes right after the exit, before any replacement starts
+        kinds = [e.WhichOneof("kind") for e in harness.events]
+        assert kinds.index("worker_promoted") == kinds.index("worker_exited") + 1
+        new = (await harness.started(3))[2]
+        assert new.spare and new.device_index == -1
+        status = await wd.status()
+        assert {(w.worker_id, w.spare) for w in status.workers} == {
+            (spare.worker_id, False), (new.worker_id, True)}
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_exit_codes_and_clean_exit(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure())
+        (first,) = await harness.started(1)
+        await harness.report(first.worker_id)
+        harness.command(first.worker_id, "exit 3")
+        (ex,) = await harness.exited(1)
+        assert (ex.exit_code, ex.signal, ex.reason, ex.restarting) == (3, 0, "exited", True)
+        assert ex.backoff_ms == 20  # first failure: backoff_initial_ms
+        second = (await harness.started(2))[1]
+        await harness.report(second.worker_id)
+        harness.command(second.worker_id, "exit 0")  # a worker retiring itself: no failure
+        ex2 = (await harness.exited(2))[1]
+        assert (ex2.exit_code, ex2.reason, ex2.restarting, ex2.backoff_ms) == (0, "exited", True, 0)
+        await harness.started(3)
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_hung_worker_killed_on_request_with_its_process_group(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(worker_env={"STANDIN_CHILD": "1"}))
+        (w,) = await harness.started(1)
+        info = await harness.report(w.worker_id)
+        assert pid_alive(info["child_pid"])
+        harness.command(w.worker_id, "hang")  # ignores SIGTERM from now on
+        await wd.set_job(w.worker_id, "job-hung")
+        await asyncio.sleep(0.1)
+        await wd.kill_worker(w.worker_id, "deadline")
+        (ex,) = await harness.exited(1)
+        assert ex.reason == "killed:deadline" and ex.signal == 9
+        assert ex.worker.job_id == "job-hung" and ex.restarting and ex.backoff_ms == 0
+        await harness.wait_for(lambda: not pid_alive(info["child_pid"]), 2, "grandchild gone")
+        await harness.started(2)
+        with pytest.raises(WatchdogError, match="no worker"):
+            await wd.kill_worker("no-such-worker", "x")
+        with pytest.raises(WatchdogError, match="no worker"):
+            await wd.set_job("no-such-worker", "j")
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_crash_flood_trips_restart_intensity(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(mode="crash", max_restarts=3, restart_window_seconds=30,
+                                backoff_initial_ms=10, backoff_max_ms=40)
+        wd = await harness.start(cfg)
+        await harness.wait_for(
+            lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
+            10, "device unhealthy")
+        exits = [e.worker_exited for e in harness.of("worker_exited")]
+        assert len(exits) == 4  # more than max_restarts = 3
+        assert all(x.signal == 11 for x in exits)
+        assert [x.restarting for x in exits] == [True, True, True, False]
+        assert [x.backoff_ms for x in exits[:3]] == [10, 20, 40]
+        await asyncio.sleep(0.5)
+        assert len(harness.of("worker_started")) == 4  # no more restarts
+        status = await wd.status()
+        assert status.devices[0].health == UNHEALTHY
+        assert "restart intensity" in status.devices[0].health_reason
+        assert list(status.workers) == []
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=2, workers_per_device=2))
+        workers = await harness.started(4)
+        for w in workers:
+            await harness.report(w.worker_id)
+        d0 = [w for w in workers if w.device_index == 0]
+        d1 = [w for w in workers if w.device_index == 1]
+        await wd.set_job(d0[0].worker_id, "job-bad")
+        await wd.set_job(d0[1].worker_id, "job-good")
+        # NVML names no pid; the kernel log does.
+        harness.kernel_log(f"4,99,123,-;NVRM: Xid (PCI:0000:00:06): 31, pid={d0[0].pid}, "
+                           "name=python3, Ch 00000008, intr 00000000. MMU Fault")
+        harness.nvml("xid 0 31")
+        xid = (await harness.wait_for(lambda: harness.of("xid"), 5, "xid")).pop().xid  # type: ignore[attr-defined]
+        assert (xid.device_index, xid.xid, xid.pid) == (0, 31, d0[0].pid)
+        assert (xid.category, xid.action) == ("application", "restart_worker")
+        assert list(xid.worker_ids) == [d0[0].worker_id] and list(xid.job_ids) == ["job-bad"]
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == d0[0].worker_id and ex.reason == "xid" and ex.restarting
+        assert ex.worker.job_id == "job-bad"
+        await harness.started(5)
+        await asyncio.sleep(0.2)
+        status = await wd.status()
+        live = {w.worker_id: w.pid for w in status.workers}
+        for w in [d0[1], *d1]:  # same GPU's other worker and the other GPU: untouched
+            assert live[w.worker_id] == w.pid and pid_alive(w.pid)
+        assert all(d.health == HEALTHY for d in status.devices)
+        assert len(harness.of("worker_exited")) == 1
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_xid_without_pid_hits_the_workers_running_jobs(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(gpus=1, workers_per_device=2, kmsg_path="/nonexistent/kmsg")
+        wd = await harness.start(cfg)
+        workers = await harness.started(2)
+        assert [e.warning.feature for e in harness.of("warning")].count("kmsg") == 1
+        await wd.set_job(workers[1].worker_id, "job-1")
+        harness.nvml(f"xid 0 13 pid={workers[1].pid + 100000}")  # a pid that is no worker
+        harness.nvml("xid 0 43")
+        await harness.wait_for(lambda: len(harness.of("xid")) == 2, 5, "two xids")
+        named, anonymous = (e.xid for e in harness.of("xid"))
+        assert list(named.worker_ids) == []  # not ours: nobody is killed
+        assert list(anonymous.worker_ids) == [workers[1].worker_id]
+        assert list(anonymous.job_ids) == ["job-1"]
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == workers[1].worker_id
+        assert pid_alive(workers[0].pid)
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_xid79_auto_reset_runs_every_step_and_brings_workers_back(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=2, auto_reset=True, warm_spare=True))
+        workers = await harness.started(4)
+        d1 = [w for w in workers if w.device_index == 1]
+        harness.nvml("xid 0 79")
+        await harness.wait_for(lambda: harness.of("reset_finished"), 10, "reset finished")
+        (xid,) = [e.xid for e in harness.of("xid")]
+        assert (xid.xid, xid.category, xid.action) == (79, "reset", "reset_gpu")
+        steps = [e.reset_step for e in harness.of("reset_step")]
+        assert [s.step for s in steps] == ["drain", "stop_workers", "check_processes", "reset",
+                                           "check_health", "start_workers"]
+        assert all(s.ok and s.device_index == 0 for s in steps)
+        assert "recorded reset of GPU 0" in steps[3].message
+        fin = harness.of("reset_finished")[0]
+        assert fin.command_id == 0 and fin.reset_finished.success
+        assert harness.reset_record.read_text() == "0\n"
+        healths = [e.device.device.health for e in harness.of("device")
+                   if e.device.device.device_index == 0]
+        for h in (UNHEALTHY, pb.HEALTH_DRAINING, pb.HEALTH_RESETTING):
+            assert h in healths
+        assert healths[-1] == HEALTHY
+        exits = [x for x in await harness.exited(2) if x.worker.device_index == 0]
+        assert {x.reason for x in exits} == {"reset"} and not any(x.restarting for x in exits)
+        await harness.started(6)
+        status = await wd.status()
+        assert {w.worker_id for w in status.workers if w.device_index == 1} == {
+            w.worker_id for w in d1}
+        assert len([w for w in status.workers if w.device_index == 0]) == 2
+        assert all(d.health == HEALTHY for d in status.devices)
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_xid79_without_auto_reset_waits_for_reset_gpu(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1))
+        await harness.started(1)
+        harness.nvml("xid 0 79")
+        await harness.wait_for(
+            lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
+            5, "unhealthy")
+        await asyncio.sleep(0.3)
+        assert not harness.reset_record.exists() and not harness.of("reset_step")
+        with pytest.raises(WatchdogError, match="needs ResetGpu"):
+            await wd.restart_workers(0)
+        # A process still holds the GPU: the reset stops before running the command.
+        harness.nvml("processes 0 4242")
+        ok, steps = await wd.reset_gpu(0, grace_ms=0)
+        assert not ok and steps[-1].step == "check_processes" and "4242" in steps[-1].message
+        assert not harness.reset_record.exists()
+        harness.nvml("processes 0")
+        ok, steps = await wd.reset_gpu(0, grace_ms=0)
+        assert ok and [s.step for s in steps][-3:] == ["reset", "check_health", "start_workers"]
+        assert harness.reset_record.read_text() == "0\n"
+        await harness.started(2)
+        assert (await wd.status()).devices[0].health == HEALTHY
+        with pytest.raises(WatchdogError, match="no GPU"):
+            await wd.reset_gpu(7, 0)
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_channel_close_kills_every_process_group(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=2, warm_spare=True,
+                                                   worker_env={"STANDIN_CHILD": "1"}))
+        workers = await harness.started(4)
+        pids = [w.pid for w in workers]
+        for w in workers:
+            pids.append((await harness.report(w.worker_id))["child_pid"])
+        assert all(pid_alive(p) for p in pids)
+        t0 = time.monotonic()
+        await wd.close()
+        code = await asyncio.wait_for(wd.wait(), 1.0)
+        await harness.wait_for(lambda: not any(pid_alive(p) for p in pids), 1.0, "all gone")
+        assert time.monotonic() - t0 < 1.0
+        assert code != 0  # the front end vanished: not a clean shutdown
+        with pytest.raises(WatchdogError):
+            await wd.status()
+
+    run(body())
+
+
+def test_garbage_on_the_channel_is_rejected_and_logged(harness: Harness,
+                                                       watchdog_binary: str) -> None:
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([watchdog_binary, "--control-fd", str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE)
+    theirs.close()
+    ours.settimeout(5)
+    buf = b""
+
+    def read_event() -> pb.SupervisorEvent:
+        nonlocal buf
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            buf += ours.recv(65536)
+        n = struct.unpack(">I", buf[:4])[0]
+        ev = pb.SupervisorEvent.FromString(buf[4:4 + n])
+        buf = buf[4 + n:]
+        return ev
+
+    try:
+        before = pb.SupervisorCommand(command_id=1, get_status=pb.GetStatus())
+        ours.sendall(encode_frame(before))
+        ev = read_event()
+        assert ev.command_id == 1 and not ev.ack.ok and "Configure" in ev.ack.message
+        ours.sendall(struct.pack(">I", 7) + b"\xff\xff\xff\xff\xff\xff\xff")  # not protobuf
+        ev = read_event()
+        assert ev.warning.feature == "protocol" and "malformed" in ev.warning.message
+        big = 16 * 1024 * 1024 + 1
+        ours.sendall(struct.pack(">I", big) + b"\0" * big)  # oversized: skipped whole
+        ev = read_event()
+        assert ev.warning.feature == "protocol" and "exceeds" in ev.warning.message
+        cfg = harness.configure()
+        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=2, configure=cfg)))
+        assert read_event().ack.ok
+        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=3, configure=cfg)))
+        while (ev := read_event()).command_id != 3:
+            pass
+        assert not ev.ack.ok and "already configured" in ev.ack.message
+        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=4, get_status=pb.GetStatus())))
+        while (ev := read_event()).WhichOneof("kind") != "status":
+            pass
+        assert ev.command_id == 4 and len(ev.status.devices) == 1
+        assert proc.poll() is None  # still up
+        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=5, shutdown=pb.Shutdown())))
+        assert proc.wait(5) == 0
+        assert proc.stderr is not None
+        log = proc.stderr.read().decode()
+        assert "malformed command frame" in log and "exceeds" in log
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_configure_is_refused(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(gpus=1)
+        cfg.fake_nvml_path = "/nonexistent/fake"
+        with pytest.raises(WatchdogError, match="fake NVML"):
+            await Watchdog.start(harness.binary, cfg, harness.events.append)
+        cfg = harness.configure(xid_policy=[pb.XidPolicyEntry(xid=31, action="explode")])
+        with pytest.raises(WatchdogError, match="unknown action"):
+            await Watchdog.start(harness.binary, cfg, harness.events.append)
+
+    run(body())
+
+
+def test_policy_override_and_stop_start(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(gpus=1, xid_policy=[
+            pb.XidPolicyEntry(xid=31, category="custom", action="ignore")])
+        wd = await harness.start(cfg)
+        (w,) = await harness.started(1)
+        harness.nvml(f"xid 0 31 pid={w.pid}")
+        await harness.wait_for(lambda: harness.of("xid"), 5, "xid")
+        xid = harness.of("xid")[0].xid
+        assert (xid.category, xid.action) == ("custom", "ignore")
+        await wd.stop_workers(0, grace_ms=500)
+        (ex,) = await harness.exited(1)
+        assert ex.reason == "stopped" and not ex.restarting and ex.signal == 15
+        await wd.start_workers(0)
+        await harness.started(2)
+        await wd.restart_workers()
+        ex2 = (await harness.exited(2))[1]
+        assert ex2.reason == "restart" and not ex2.restarting
+        await harness.started(3)
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_health_readings_and_recovery_action(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1, health_interval_seconds=1))
+        harness.nvml("health 0 temperature=66 utilization=12 memory_used=1000 remapped_rows=2")
+        await harness.wait_for(
+            lambda: any(e.device.device.temperature_celsius == 66 for e in harness.of("device")),
+            3, "periodic reading")
+        d = [e.device.device for e in harness.of("device")][-1]
+        assert (d.utilization_percent, d.memory_used_bytes, d.remapped_row_count) == (12, 1000, 2)
+        harness.nvml("health 0 recovery_action=node_reboot")
+        await harness.wait_for(
+            lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
+            3, "unhealthy from recovery action")
+        status = await wd.status()
+        assert "node_reboot" in status.devices[0].health_reason
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_unusable_worker_user_is_reported_not_silent(harness: Harness) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (user switching)")
+
+    async def body() -> None:
+        cfg = harness.configure(sandbox=pb.SandboxConfig(user="no-such-user-kew"))
+        wd = await harness.start(cfg)
+        (w,) = await harness.started(1)
+        info = await harness.report(w.worker_id)
+        warning = [e.warning for e in harness.of("warning") if e.warning.feature ==
+                   "unprivileged_user"]
+        assert len(warning) == 1 and "no-such-user-kew" in warning[0].message
+        assert info["uid"] == 0
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_ctest_unit_tests_pass(watchdog_binary: str) -> None:
+    r = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tests passed" in r.stdout
+
+
+def test_binary_links_only_libc_level_libraries(watchdog_binary: str) -> None:
+    out = subprocess.run(["ldd", watchdog_binary], capture_output=True, text=True).stdout
+    libs = {line.split()[0] for line in out.splitlines() if line.strip()}
+    allowed = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "/lib64/ld-linux",
+               "ld-linux")
+    assert libs and all(lib.startswith(allowed) for lib in libs), libs
