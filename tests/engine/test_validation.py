@@ -1,0 +1,129 @@
+"""validate_spec: every kind of bad input gives a violation naming the exact field."""
+
+from __future__ import annotations
+
+from engine_helpers import ADD_MODEL, CUDA, INOUT, OUT, TORCH, TRITON, job, scalar, source, tensor
+from google.protobuf.duration_pb2 import Duration
+from kerneleval.v1 import dtype_pb2, kernel_pb2
+
+from kerneleval_server.validation import Limits, validate_spec
+
+
+def fields(spec: kernel_pb2.JobSpec, **kw: object) -> dict[str, str]:
+    return {v.field: v.description for v in validate_spec(spec, **kw)}  # type: ignore[arg-type]
+
+
+def test_valid_specs_have_no_violations() -> None:
+    assert validate_spec(job(source(TORCH, ADD_MODEL))) == []
+    io = [tensor("x", [4]), tensor("y", [4], role=OUT), scalar("n", 4), scalar("B", 4, meta=True)]
+    triton = source(TRITON, "@triton.jit\ndef k(): pass", io, grid=(1, 1, 1))
+    assert validate_spec(job(triton, source(TORCH, ADD_MODEL)), require_reference=True) == []
+
+
+def test_kernel_and_reference_are_required_where_needed() -> None:
+    assert fields(kernel_pb2.JobSpec())["spec.kernel"] == "required"
+    f = fields(job(source(TORCH, ADD_MODEL)), require_reference=True)
+    assert f == {"spec.reference": "required by Compare"}
+    f = fields(job(kernel_pb2.KernelSource(source_code="x")))
+    assert f["spec.kernel.type"] == "required"
+    f = fields(job(kernel_pb2.KernelSource(type=TORCH)))
+    assert f["spec.kernel.source_code"] == "required"
+    f = fields(job(kernel_pb2.KernelSource(type=77, source_code="x")))
+    assert "unknown kernel type 77" in f["spec.kernel.type"]
+
+
+def test_shapes_dtypes_and_data() -> None:
+    args = [
+        tensor("a", [4, -2]),
+        kernel_pb2.ArgSpec(name="b", tensor=kernel_pb2.TensorSpec(shape=[2])),  # no dtype
+        tensor("c", [3], dtype=dtype_pb2.DTYPE_FLOAT16, data=b"\x00" * 4),  # needs 6 bytes
+        tensor("d", [1] * 9),
+        kernel_pb2.ArgSpec(name="e", tensor=kernel_pb2.TensorSpec(shape=[1], dtype=99)),
+    ]
+    f = fields(job(source(TORCH, ADD_MODEL, args)))
+    assert f["spec.kernel.io.args[0].tensor.shape[1]"] == "-2 is negative"
+    assert f["spec.kernel.io.args[1].tensor.dtype"] == "required"
+    assert f["spec.kernel.io.args[2].tensor.data"] == (
+        "4 bytes, but shape [3] of DTYPE_FLOAT16 needs 6 bytes"
+    )
+    assert "rank 9" in f["spec.kernel.io.args[3].tensor.shape"]
+    assert "unknown dtype 99" in f["spec.kernel.io.args[4].tensor.dtype"]
+
+
+def test_element_and_byte_limits() -> None:
+    limits = Limits(max_tensor_elements=1_000_000, max_total_tensor_bytes=6_000_000)
+    big = job(source(TORCH, ADD_MODEL, [tensor("x", [10_000, 1_000])]))
+    f = fields(big, limits=limits)
+    assert f["spec.kernel.io.args[0].tensor.shape"] == (
+        "10000000 elements is over the limit of 1000000"
+    )
+    two = job(source(TORCH, ADD_MODEL, [tensor("x", [1_000_000]), tensor("y", [1_000_000])]))
+    assert "over the limit of 6000000 bytes" in fields(two, limits=limits)["spec.kernel.io.args"]
+
+
+def test_init_arguments() -> None:
+    bad_randint = kernel_pb2.TensorInit(randint=kernel_pb2.RandintInit(low=5, high=5))
+    bad_std = kernel_pb2.TensorInit(randn=kernel_pb2.RandnInit(std=-1))
+    nan_start = kernel_pb2.TensorInit(arange=kernel_pb2.ArangeInit(start=float("nan")))
+    args = [
+        tensor("a", [2], init=bad_randint),
+        tensor("b", [2], init=bad_std),
+        tensor("c", [2], init=nan_start),
+    ]
+    f = fields(job(source(TORCH, ADD_MODEL, args)))
+    assert "must be greater than low" in f["spec.kernel.io.args[0].tensor.init.randint.high"]
+    assert f["spec.kernel.io.args[1].tensor.init.randn.std"] == "must be >= 0"
+    assert f["spec.kernel.io.args[2].tensor.init.arange.start"] == "must be finite"
+
+
+def test_arg_names_roles_and_meta() -> None:
+    meta_tensor = tensor("t", [2])
+    meta_tensor.meta = True
+    out_scalar = scalar("n", 3)
+    out_scalar.role = OUT
+    args = [
+        tensor("x", [2]),
+        tensor("x", [2], role=INOUT),
+        tensor("bad name", [2]),
+        meta_tensor,
+        out_scalar,
+        kernel_pb2.ArgSpec(name="empty"),
+    ]
+    f = fields(job(source(TORCH, ADD_MODEL, args)))
+    assert f["spec.kernel.io.args[1].name"] == "duplicate argument name 'x'"
+    assert "not a valid identifier" in f["spec.kernel.io.args[2].name"]
+    assert f["spec.kernel.io.args[3].meta"] == "only scalar arguments can be meta"
+    assert f["spec.kernel.io.args[4].role"] == "a scalar can only be an input"
+    assert "required" in f["spec.kernel.io.args[5].value"]
+
+
+def test_contract_requirements_by_kernel_type() -> None:
+    f = fields(job(source(CUDA, "__global__ void k() {}")))
+    assert "launched from its IOContract" in f["spec.kernel.io.args"]
+    f = fields(job(source(TRITON, "@triton.jit\ndef k(x): pass")))
+    assert "without a ModelNew" in f["spec.kernel.io.args"]
+    f = fields(job(source(CUDA, "__global__ void k(float* x) {}", [tensor("x", [2])])))
+    assert f["spec.kernel.io.launch.grid"] == "required to launch the kernel"
+    f = fields(job(source(TORCH, ADD_MODEL, entry="not valid!")))
+    assert "not a valid identifier" in f["spec.kernel.entry_point"]
+
+
+def test_source_size_and_options() -> None:
+    spec = job(source(TORCH, "x" * 2000), correct_trial_count=0, perf_trial_count=-1)
+    spec.options.timeout.CopyFrom(Duration(seconds=100_000))
+    spec.options.atol = -1
+    f = fields(spec, limits=Limits(max_source_bytes=1000))
+    assert f["spec.kernel.source_code"] == "2000 bytes is over the limit of 1000 bytes"
+    assert "must be in [1," in f["spec.options.correct_trial_count"]
+    assert "must be in [0," in f["spec.options.perf_trial_count"]
+    assert "100000 s is outside" in f["spec.options.timeout"]
+    assert f["spec.options.atol"] == "must be a finite number >= 0"
+
+
+def test_launch_config_checks() -> None:
+    k = source(TRITON, "@triton.jit\ndef k(x): pass", [tensor("x", [2])], grid=(1, 1, 1))
+    k.io.launch.num_warps = 3
+    k.io.launch.shared_memory_bytes = -1
+    f = fields(job(k))
+    assert f["spec.kernel.io.launch.num_warps"] == "must be a power of two"
+    assert f["spec.kernel.io.launch.shared_memory_bytes"] == "must be >= 0"
