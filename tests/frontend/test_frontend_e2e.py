@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import fe_kernels as k
 import grpc
 import pytest
+from conftest import ServiceProcess
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -18,8 +19,6 @@ from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
-
-from conftest import ServiceProcess
 
 TERMINAL = (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_CANCELLED, job_pb2.JOB_STATE_FAILED)
 
@@ -229,12 +228,12 @@ def test_bad_input_of_every_kind(stub) -> None:  # type: ignore[no-untyped-def]
     cases.append((s, "spec.options.device_index"))
     for spec, field in cases:
         for call in (
-            lambda: stub.Submit(pb.SubmitRequest(spec=spec)),
-            lambda: stub.Evaluate(pb.EvaluateRequest(spec=spec)),
-            lambda: list(stub.Run(pb.RunRequest(spec=spec))),
+            lambda s: stub.Submit(pb.SubmitRequest(spec=s)),
+            lambda s: stub.Evaluate(pb.EvaluateRequest(spec=s)),
+            lambda s: list(stub.Run(pb.RunRequest(spec=s))),
         ):
             with pytest.raises(grpc.RpcError) as info:
-                call()
+                call(spec)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
             fields = violations(info.value)
             assert any(f == field or f.startswith(field) for f in fields), (field, fields)
@@ -436,3 +435,14 @@ def test_metrics_endpoint(svc: ServiceProcess, stub) -> None:  # type: ignore[no
     assert 'grpc_server_handled_total{grpc_code="NOT_FOUND",grpc_method="GetJob"' in text
     assert "grpc_server_handling_seconds_bucket" in text
     assert "kerneleval_queue_depth" in text
+
+
+def test_triton_oob_crashes_worker_and_next_job_runs(stub) -> None:  # type: ignore[no-untyped-def]
+    job = evaluate(stub, k.spec(k.TRITON_OOB, kernel_pb2.KERNEL_TYPE_TRITON))
+    assert job.result.verdict == job_pb2.VERDICT_CRASHED, job.result
+    assert job.result.fault.signal in (11, 7), job.result.fault  # SIGSEGV or SIGBUS
+    assert job.result.fault.worker_restarted
+    start = time.monotonic()
+    nxt = evaluate(stub, k.spec())
+    assert nxt.result.verdict == job_pb2.VERDICT_OK, nxt.result
+    assert time.monotonic() - start < 20
