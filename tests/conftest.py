@@ -22,7 +22,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WATCHDOG_BINARY = REPO / "build" / "supervisor" / "kerneleval-watchdog"
-FRONTEND_TESTS = REPO / "tests" / "frontend"
 
 
 def free_port() -> int:
@@ -34,11 +33,6 @@ def free_port() -> int:
 def real_watchdog_available() -> bool:
     client = REPO / "server" / "kerneleval_server" / "watchdog.py"
     return WATCHDOG_BINARY.exists() and client.exists()
-
-
-def real_engine_available() -> bool:
-    init = REPO / "server" / "kerneleval_server" / "engine" / "__init__.py"
-    return init.exists() and "run_job" in init.read_text()
 
 
 class ServiceProcess:
@@ -67,12 +61,11 @@ class ServiceProcess:
     def command(self) -> list[str]:
         port_file = self.state_dir / "port"
         port_file.unlink(missing_ok=True)
-        if real_watchdog_available():
-            head = [sys.executable, "-m", "kerneleval_server", "serve"]
-        else:  # until the watchdog lands: a Python stand-in (tests/frontend/standin_serve.py)
-            head = [sys.executable, str(FRONTEND_TESTS / "standin_serve.py"), "serve"]
         return [
-            *head,
+            sys.executable,
+            "-m",
+            "kerneleval_server",
+            "serve",
             "--port",
             str(self.port or 0),
             "--port-file",
@@ -87,11 +80,10 @@ class ServiceProcess:
         ]
 
     def start(self, timeout: float = 90.0, wait_serving: bool = True) -> None:
+        if not real_watchdog_available():
+            pytest.skip(f"the watchdog is not built ({WATCHDOG_BINARY}): run `make supervisor`")
         env = dict(os.environ)
         env.pop("KERNELEVAL_ADMIN_TOKEN", None)
-        if not real_engine_available():
-            env["KERNELEVAL_ENGINE"] = "standin_engine"
-            env["PYTHONPATH"] = os.pathsep.join([str(FRONTEND_TESTS), env.get("PYTHONPATH", "")])
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, env=env, cwd=REPO)
         log.close()

@@ -1,0 +1,202 @@
+"""The front end's parts alone: scheduler, store, event fan-out, fault mapping, config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.v1 import job_pb2
+from kerneleval_server import config as config_mod
+from kerneleval_server import faults
+from kerneleval_server.events import EventHub, OpsLog
+from kerneleval_server.scheduler import FairQueue, ProfilingGate, QueuedJob
+from kerneleval_server.store import Store
+
+
+def test_fair_queue_round_robin_and_devices() -> None:
+    q = FairQueue()
+    for i in range(3):
+        q.push(QueuedJob(f"a{i}", "alice", None))
+    q.push(QueuedJob("b0", "bob", None))
+    q.push(QueuedJob("b1", "bob", 1))
+    q.push(QueuedJob("c0", "carol", None))
+    order = []
+    while (j := q.pop_for(0)) is not None:
+        order.append(j.job_id)
+    # Clients take turns; the job pinned to device 1 waits for that device.
+    assert order == ["a0", "b0", "c0", "a1", "a2"]
+    assert "b1" in q and len(q) == 1
+    popped = q.pop_for(1)
+    assert popped is not None and popped.job_id == "b1"
+    q.push(QueuedJob("x", "t", None))
+    assert q.remove("x") and not q.remove("x") and len(q) == 0
+
+
+def test_profiling_gate_one_at_a_time_per_device() -> None:
+    granted: list[str] = []
+    gate = ProfilingGate(granted.append)
+    gate.request(0, "w1")
+    gate.request(0, "w2")
+    gate.request(1, "w3")  # another device times at the same time
+    assert granted == ["w1", "w3"]
+    gate.release(0, "w2")  # a waiter that leaves is dropped
+    gate.request(0, "w4")
+    gate.release(0, "w1")
+    assert granted == ["w1", "w3", "w4"] and gate.holder(0) == "w4"
+    gate.release(0, "w4")
+    assert gate.holder(0) is None
+
+
+def _job(store: Store, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job:
+    job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_QUEUED)
+    job.spec.client_tag = tag
+    job.spec.kernel.source_code = "src"
+    job.create_time.GetCurrentTime()
+    event = hub.next_event(job_id)
+    event.queued.position = 0
+    store.insert(job, event)
+    hub.publish(event, persisted=True)
+    return job
+
+
+def test_store_pages_filters_and_survives_reopen(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db.sqlite")
+    hub = EventHub(store)
+    for i in range(5):
+        _job(store, hub, f"j{i}", "even" if i % 2 == 0 else "odd")
+    page = store.list(limit=2)
+    assert [j.job_id for _, j in page] == ["j4", "j3"]
+    nxt = store.list(limit=2, before_rowid=page[-1][0])
+    assert [j.job_id for _, j in nxt] == ["j2", "j1"]
+    assert [j.job_id for _, j in store.list(limit=9, client_tag="odd")] == ["j3", "j1"]
+    assert not store.list(limit=1)[0][1].HasField("spec")
+    done = store.get("j0")
+    assert done is not None and done.spec.kernel.source_code == "src"
+    done.state = job_pb2.JOB_STATE_DONE
+    done.end_time.FromSeconds(1000)
+    store.update(done)
+    store.close()
+
+    store = Store(tmp_path / "db.sqlite")
+    assert [j.job_id for j in store.unfinished()] == ["j1", "j2", "j3", "j4"]
+    assert EventHub(store).next_event("j1").sequence == 2  # numbering continues
+    assert store.delete_finished_before(2000) == 1
+    assert store.get("j0") is None and store.events_after("j0", 0) == []
+    by_state, _ = store.counts()
+    assert by_state == {job_pb2.JOB_STATE_QUEUED: 4}
+
+
+def test_event_hub_replay_then_live_without_gaps(tmp_path: Path) -> None:
+    async def scenario() -> list[int]:
+        store = Store(tmp_path / "db.sqlite")
+        hub = EventHub(store)
+        _job(store, hub, "j", "")
+        for _ in range(3):
+            ev = hub.next_event("j")
+            ev.log.text = "x"
+            hub.publish(ev)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            async for ev in hub.watch("j", 1):
+                seen.append(ev.sequence)
+                await asyncio.sleep(0)  # let the publisher run between replayed events
+
+        task = asyncio.create_task(watch())
+        for _ in range(5):
+            await asyncio.sleep(0)
+            ev = hub.next_event("j")
+            ev.log.text = "y"
+            hub.publish(ev)
+        ev = hub.next_event("j")
+        ev.finished.job_id = "j"
+        hub.publish(ev)
+        await asyncio.wait_for(task, 5)
+        return seen
+
+    assert asyncio.run(scenario()) == list(range(2, 11))
+
+
+def test_ops_log_replay_and_live() -> None:
+    async def scenario() -> list[int]:
+        log = OpsLog(keep=3)
+        for _ in range(5):
+            log.emit(-1, warning="w")
+        out: list[int] = []
+
+        async def watch() -> None:
+            async for ev in log.watch(2):
+                out.append(ev.sequence)
+                if ev.sequence == 6:
+                    return
+
+        task = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        log.emit(0, warning="live")
+        await asyncio.wait_for(task, 5)
+        return out
+
+    assert asyncio.run(scenario()) == [4, 5, 6]
+
+
+def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> supervisor_pb2.WorkerExited:
+    ex = supervisor_pb2.WorkerExited(exit_code=code if not sig else -1, signal=sig, reason=reason)
+    ex.worker.worker_id, ex.worker.pid, ex.restarting = "d0-w1", 1234, True
+    return ex
+
+
+@pytest.mark.parametrize(
+    ("exited", "pending", "xid", "verdict"),
+    [
+        (_exited(sig=signal.SIGSEGV), "", None, job_pb2.VERDICT_CRASHED),
+        (_exited(code=3, reason="exited"), "", None, job_pb2.VERDICT_CRASHED),
+        (
+            _exited(sig=signal.SIGKILL, reason="killed:timeout"),
+            "timeout",
+            None,
+            job_pb2.VERDICT_TIMEOUT,
+        ),
+        (
+            _exited(sig=signal.SIGKILL),
+            "",
+            faults.XidSeen(31, "application", ""),
+            job_pb2.VERDICT_DEVICE_FAULT,
+        ),
+        (_exited(sig=signal.SIGKILL, reason="crashed"), "", None, job_pb2.VERDICT_UNSPECIFIED),
+        (_exited(sig=signal.SIGTERM, reason="reset"), "", None, job_pb2.VERDICT_UNSPECIFIED),
+    ],
+)
+def test_classify_exit(
+    exited: supervisor_pb2.WorkerExited, pending: str, xid: faults.XidSeen | None, verdict: int
+) -> None:
+    d = faults.classify_exit(
+        exited, pending=pending, xid=xid, phase=job_pb2.PHASE_VALIDATING, timeout_s=5
+    )
+    assert d.verdict == verdict
+    assert d.fault.worker_pid == 1234 and d.fault.description
+    if exited.signal:
+        assert d.fault.signal == exited.signal and not d.fault.HasField("exit_code")
+    else:
+        assert d.fault.exit_code == exited.exit_code
+    if xid is not None:
+        assert d.fault.xid == 31 and d.fault.xid_category == "application"
+
+
+def test_config_flags_over_env_over_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    config_mod.add_arguments(parser)
+    env = {
+        "KERNELEVAL_PORT": "6000",
+        "KERNELEVAL_WARM_SPARE": "false",
+        "KERNELEVAL_HOST": "0.0.0.0",
+    }
+    cfg = config_mod.from_args(parser.parse_args(["--port", "7000"]), env)
+    assert cfg.port == 7000 and cfg.warm_spare is False and cfg.host == "0.0.0.0"
+    assert cfg.workers_per_device == 1 and cfg.database_path().name == "jobs.db"
+    cfg = config_mod.from_args(parser.parse_args([]), {"XDG_STATE_HOME": "/x"})
+    assert cfg.port == 50051 and cfg.host == "127.0.0.1"
+    assert cfg.device_list() == [] and cfg.effective_xid_wait_s() == 2.5
