@@ -33,5 +33,3 @@ def run(engine_dir: Path) -> RunFn:
         return run_job(spec, rep, cfg), rep
 
     return _run
-
-
