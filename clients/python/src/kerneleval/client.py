@@ -186,6 +186,12 @@ class _Follow:
         self._backoff = min(self._backoff * 2, 2.0)
         return delay
 
+    def remaining(self) -> float:
+        """Seconds left of the re-attach budget (its clock starts at the first trouble)."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.reconnect_timeout
+        return max(0.0, self._deadline - time.monotonic())
+
     def watch_request(self) -> kernel_eval_service_pb2.WatchRequest:
         return kernel_eval_service_pb2.WatchRequest(job_id=self.job_id, after_sequence=self.last)
 
@@ -298,14 +304,19 @@ class Client(_Base):
     def _follow(self, follow: _Follow, first: Any, reconnect: bool) -> Iterator[job_pb2.JobEvent]:
         opener = first
         while True:
+            cause: BaseException | None = None
             if opener is not None:
                 call = opener()
             else:
-                call = self._stub.Watch(
-                    follow.watch_request(), timeout=self.timeout, wait_for_ready=True
-                )
+                # Wait for the server within the re-attach budget (a Watch with
+                # wait_for_ready would wait forever).
+                try:
+                    grpc.channel_ready_future(self.channel).result(timeout=follow.remaining())
+                except grpc.FutureTimeoutError as e:
+                    time.sleep(follow.next_delay(e))
+                    continue
+                call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
-            cause: BaseException | None = None
             try:
                 for response in call:
                     event = response.event
@@ -533,14 +544,17 @@ class AsyncClient(_Base):
     ) -> AsyncIterator[job_pb2.JobEvent]:
         opener = first
         while True:
+            cause: BaseException | None = None
             if opener is not None:
                 call = opener()
             else:
-                call = self._stub.Watch(
-                    follow.watch_request(), timeout=self.timeout, wait_for_ready=True
-                )
+                try:
+                    await asyncio.wait_for(self.channel.channel_ready(), follow.remaining())
+                except asyncio.TimeoutError as e:
+                    await asyncio.sleep(follow.next_delay(e))
+                    continue
+                call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
-            cause: BaseException | None = None
             try:
                 async for response in call:
                     event = response.event

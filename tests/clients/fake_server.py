@@ -1,0 +1,441 @@
+"""An in-process KernelEvalService/OperationsService with canned jobs, for client tests.
+
+It speaks real gRPC on a real socket; jobs finish with a scripted event sequence. Knobs let
+tests drop streams (UNAVAILABLE mid-stream) and check what the client sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+from kerneleval.v1 import (
+    job_pb2,
+    kernel_eval_service_pb2,
+    kernel_eval_service_pb2_grpc,
+    kernel_pb2,
+    operations_service_pb2,
+    operations_service_pb2_grpc,
+)
+
+ADMIN_TOKEN = "s3cret"
+PROGRESS_STEPS = 3
+
+
+def violations(spec: kernel_pb2.JobSpec, require_reference: bool = False) -> list[tuple[str, str]]:
+    out = []
+    if not spec.kernel.source_code:
+        out.append(("spec.kernel.source_code", "must not be empty"))
+    if spec.kernel.type == kernel_pb2.KERNEL_TYPE_UNSPECIFIED:
+        out.append(("spec.kernel.type", "must be set"))
+    for i, arg in enumerate(spec.kernel.io.args):
+        for j, d in enumerate(arg.tensor.shape):
+            if d < 0:
+                out.append((f"spec.kernel.io.args[{i}].tensor.shape[{j}]", "must be >= 0"))
+    if require_reference and not spec.HasField("reference"):
+        out.append(("spec.reference", "required by Compare"))
+    return out
+
+
+def bad_request(context: grpc.ServicerContext, bad: list[tuple[str, str]]) -> None:
+    detail = any_pb2.Any()
+    detail.Pack(
+        error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in bad
+            ]
+        )
+    )
+    status = status_pb2.Status(
+        code=code_pb2.INVALID_ARGUMENT, message="invalid job spec", details=[detail]
+    )
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+def verdict_for(spec: kernel_pb2.JobSpec) -> int:
+    """Scripted outcome: sources containing "COMPILE_ERROR" or "INCORRECT" get that verdict."""
+    if "COMPILE_ERROR" in spec.kernel.source_code:
+        return job_pb2.VERDICT_COMPILE_ERROR
+    if "INCORRECT" in spec.kernel.source_code:
+        return job_pb2.VERDICT_INCORRECT
+    return job_pb2.VERDICT_OK
+
+
+@dataclass
+class FakeJob:
+    job: job_pb2.Job
+    events: list[job_pb2.JobEvent] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class FakeState:
+    """Jobs shared by every servicer instance (it survives a server restart)."""
+
+    def __init__(self, event_delay: float = 0.0) -> None:
+        self.jobs: dict[str, FakeJob] = {}
+        self.order: list[str] = []
+        self.lock = threading.Lock()
+        self.event_delay = event_delay
+        self.drop_after: int | None = None  # abort the next stream after this many events
+        self.received: list[Any] = []  # requests, for assertions
+        self.metadata: list[dict[str, str]] = []
+        self.reset_calls: list[int] = []
+
+    def new_job(self, spec: kernel_pb2.JobSpec) -> FakeJob:
+        with self.lock:
+            job_id = f"job-{len(self.order) + 1:04d}"
+            job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_QUEUED, spec=spec)
+            job.create_time.GetCurrentTime()
+            fj = FakeJob(job)
+            self.jobs[job_id] = fj
+            self.order.append(job_id)
+        self._emit(fj, queued=job_pb2.JobQueued(position=0))
+        return fj
+
+    def _emit(self, fj: FakeJob, **kind: Any) -> None:
+        with fj.cond:
+            ev = job_pb2.JobEvent(job_id=fj.job.job_id, sequence=len(fj.events) + 1, **kind)
+            ev.time.GetCurrentTime()
+            fj.events.append(ev)
+            fj.cond.notify_all()
+
+    def execute(self, fj: FakeJob) -> None:
+        """Runs the scripted life of a job (in its own thread)."""
+        spec = fj.job.spec
+        if fj.job.state == job_pb2.JOB_STATE_CANCELLED:
+            return
+        self._sleep()
+        fj.job.state = job_pb2.JOB_STATE_RUNNING
+        fj.job.worker_id = "w0"
+        fj.job.device_index = -1
+        fj.job.attempt_count = 1
+        self._emit(fj, started=job_pb2.JobStarted(worker_id="w0", device_index=-1, attempt=1))
+        verdict = verdict_for(spec)
+        result = job_pb2.EvalResult(verdict=verdict)
+        result.device.name = "cpu"
+        result.device.index = -1
+        for phase in (job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
+            if fj.job.state == job_pb2.JOB_STATE_CANCELLED:
+                return
+            self._sleep()
+            self._emit(fj, phase=job_pb2.JobPhase(phase=phase))
+            if phase == job_pb2.PHASE_COMPILING and verdict == job_pb2.VERDICT_COMPILE_ERROR:
+                self._emit(fj, log=job_pb2.JobLog(text="error: expected ';'"))
+                result.compilation_error = "error: expected ';'"
+                break
+            if phase != job_pb2.PHASE_COMPILING:
+                for done in range(1, PROGRESS_STEPS + 1):
+                    self._sleep()
+                    self._emit(
+                        fj,
+                        progress=job_pb2.JobProgress(
+                            phase=phase, done_count=done, total_count=PROGRESS_STEPS
+                        ),
+                    )
+            if phase == job_pb2.PHASE_VALIDATING and verdict == job_pb2.VERDICT_INCORRECT:
+                result.compiled = True
+                result.validation_error = "output 0: 12 of 1024 elements differ"
+                result.validation.max_abs_error = 0.5
+                result.validation.trial_count = 1
+                break
+        else:
+            result.compiled = True
+            result.correctness = True
+            result.runtime.median_ms = 1.25
+            result.runtime.mean_ms = 1.3
+            result.runtime.min_ms = 1.2
+            result.runtime.max_ms = 1.6
+            result.runtime.p95_ms = 1.5
+            result.runtime.trial_count = 100
+            result.runtime.source = job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
+            if spec.HasField("reference"):
+                result.reference_runtime.median_ms = 2.5
+                result.speedup = 2.0
+        fj.job.result.CopyFrom(result)
+        self._finish(fj, job_pb2.JOB_STATE_DONE)
+
+    def _finish(self, fj: FakeJob, state: int, reason: str = "") -> None:
+        fj.job.state = state  # type: ignore[assignment]
+        fj.job.state_reason = reason
+        fj.job.end_time.GetCurrentTime()
+        self._emit(fj, finished=fj.job)
+
+    def cancel(self, fj: FakeJob) -> None:
+        if fj.job.state in (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING):
+            self._finish(fj, job_pb2.JOB_STATE_CANCELLED, "cancelled by a client")
+
+    def start(self, fj: FakeJob) -> None:
+        threading.Thread(target=self.execute, args=(fj,), daemon=True).start()
+
+    def _sleep(self) -> None:
+        if self.event_delay:
+            time.sleep(self.event_delay)
+
+    def follow(self, fj: FakeJob, after: int, context: grpc.ServicerContext) -> Any:
+        """Yields events after `after` until the finished one; honours drop_after."""
+        sent = 0
+        drop, self.drop_after = self.drop_after, None
+        i = after
+        while context.is_active():
+            with fj.cond:
+                while len(fj.events) <= i:
+                    fj.cond.wait(0.1)
+                    if not context.is_active():
+                        return
+                ev = fj.events[i]
+            if drop is not None and sent >= drop:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection dropped (test)")
+            yield ev
+            sent += 1
+            i += 1
+            if ev.HasField("finished"):
+                return
+
+
+class FakeEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
+    def __init__(self, state: FakeState) -> None:
+        self.s = state
+
+    def _accept(
+        self, request: Any, context: grpc.ServicerContext, compare: bool = False
+    ) -> FakeJob:
+        self.s.received.append(request)
+        bad = violations(request.spec, require_reference=compare)
+        if bad:
+            bad_request(context, bad)
+        return self.s.new_job(request.spec)
+
+    def _wait(self, fj: FakeJob) -> job_pb2.Job:
+        self.s.execute(fj)
+        return fj.job
+
+    def Evaluate(self, request, context):  # noqa: N802
+        fj = self._accept(request, context)
+        return kernel_eval_service_pb2.EvaluateResponse(job=self._wait(fj))
+
+    def Compare(self, request, context):  # noqa: N802
+        fj = self._accept(request, context, compare=True)
+        return kernel_eval_service_pb2.CompareResponse(job=self._wait(fj))
+
+    def Run(self, request, context):  # noqa: N802
+        fj = self._accept(request, context)
+        self.s.start(fj)
+        for ev in self.s.follow(fj, 0, context):
+            yield kernel_eval_service_pb2.RunResponse(event=ev)
+
+    def Submit(self, request, context):  # noqa: N802
+        fj = self._accept(request, context)
+        job = job_pb2.Job()
+        job.CopyFrom(fj.job)
+        self.s.start(fj)
+        return kernel_eval_service_pb2.SubmitResponse(job=job)
+
+    def _get(self, job_id: str, context: grpc.ServicerContext) -> FakeJob:
+        fj = self.s.jobs.get(job_id)
+        if fj is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}")
+        assert fj is not None
+        return fj
+
+    def Watch(self, request, context):  # noqa: N802
+        self.s.received.append(request)
+        fj = self._get(request.job_id, context)
+        for ev in self.s.follow(fj, request.after_sequence, context):
+            yield kernel_eval_service_pb2.WatchResponse(event=ev)
+
+    def GetJob(self, request, context):  # noqa: N802
+        return kernel_eval_service_pb2.GetJobResponse(job=self._get(request.job_id, context).job)
+
+    def ListJobs(self, request, context):  # noqa: N802
+        self.s.received.append(request)
+        ids = list(reversed(self.s.order))
+        jobs = [self.s.jobs[i].job for i in ids]
+        if request.state:
+            jobs = [j for j in jobs if j.state == request.state]
+        if request.client_tag:
+            jobs = [j for j in jobs if j.spec.client_tag == request.client_tag]
+        start = int(request.page_token or 0)
+        size = request.page_size or 50
+        page = jobs[start : start + size]
+        out = kernel_eval_service_pb2.ListJobsResponse()
+        for j in page:
+            c = out.jobs.add()
+            c.CopyFrom(j)
+            if not request.include_spec:
+                c.ClearField("spec")
+        if start + size < len(jobs):
+            out.next_page_token = str(start + size)
+        return out
+
+    def CancelJob(self, request, context):  # noqa: N802
+        fj = self._get(request.job_id, context)
+        self.s.cancel(fj)
+        return kernel_eval_service_pb2.CancelJobResponse(job=fj.job)
+
+    def RunBatch(self, request_iterator, context):  # noqa: N802
+        out: list[kernel_eval_service_pb2.RunBatchResponse] = []
+        cond = threading.Condition()
+        pending = [0]
+        done_reading = [False]
+
+        def pump(fj: FakeJob, tag: str) -> None:
+            self.s.execute(fj)
+            with cond:
+                for ev in fj.events:
+                    out.append(kernel_eval_service_pb2.RunBatchResponse(event=ev, request_tag=tag))
+                pending[0] -= 1
+                cond.notify_all()
+
+        def reader() -> None:
+            for req in request_iterator:
+                self.s.received.append(req)
+                bad = violations(req.spec)
+                with cond:
+                    if bad:
+                        err = kernel_eval_service_pb2.SubmissionError(
+                            code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="invalid"
+                        )
+                        for f, d in bad:
+                            err.field_violations.add(field=f, description=d)
+                        out.append(
+                            kernel_eval_service_pb2.RunBatchResponse(
+                                error=err, request_tag=req.request_tag
+                            )
+                        )
+                        cond.notify_all()
+                        continue
+                    pending[0] += 1
+                fj = self.s.new_job(req.spec)
+                threading.Thread(target=pump, args=(fj, req.request_tag), daemon=True).start()
+            with cond:
+                done_reading[0] = True
+                cond.notify_all()
+
+        threading.Thread(target=reader, daemon=True).start()
+        sent = 0
+        while context.is_active():
+            with cond:
+                while sent >= len(out) and not (done_reading[0] and pending[0] == 0):
+                    cond.wait(0.1)
+                batch = out[sent:]
+                sent = len(out)
+                finished = done_reading[0] and pending[0] == 0
+            yield from batch
+            if finished and sent == len(out):
+                return
+
+
+class FakeOpsService(operations_service_pb2_grpc.OperationsServiceServicer):
+    def __init__(self, state: FakeState) -> None:
+        self.s = state
+
+    def _auth(self, context: grpc.ServicerContext) -> None:
+        md = dict(context.invocation_metadata())
+        self.s.metadata.append(md)  # type: ignore[arg-type]
+        if md.get("authorization") != f"Bearer {ADMIN_TOKEN}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token required")
+
+    def ListDevices(self, request, context):  # noqa: N802
+        self._auth(context)
+        gpu = operations_service_pb2.Device(
+            index=0,
+            name="NVIDIA H200",
+            uuid="GPU-1234",
+            health=operations_service_pb2.DEVICE_HEALTH_HEALTHY,
+            memory_total_bytes=141 * 2**30,
+            memory_used_bytes=2 * 2**30,
+            temperature_celsius=35,
+            utilization_percent=7,
+            driver_version="570.86",
+        )
+        gpu.recent_xids.add(xid=31, category="application", action="restart_worker", pid=684)
+        gpu.workers.add(worker_id="w0", pid=1000, device_index=0)
+        gpu.workers.add(worker_id="w1", pid=1001, device_index=0, spare=True)
+        bad = operations_service_pb2.Device(
+            index=1,
+            name="NVIDIA H200",
+            health=operations_service_pb2.DEVICE_HEALTH_UNHEALTHY,
+            health_reason="XID 79: fell off the bus",
+        )
+        return operations_service_pb2.ListDevicesResponse(devices=[gpu, bad])
+
+    def WatchEvents(self, request, context):  # noqa: N802
+        self._auth(context)
+        ev1 = operations_service_pb2.OpsEvent(sequence=1, device_index=0)
+        ev1.xid.xid = 31
+        ev1.xid.category = "application"
+        ev1.xid.action = "restart_worker"
+        ev2 = operations_service_pb2.OpsEvent(sequence=2, device_index=0)
+        ev2.worker_exited.worker.worker_id = "w0"
+        ev2.worker_exited.reason = "poisoned_context"
+        ev2.worker_exited.restarting = True
+        for ev in (ev1, ev2)[-request.replay_count :] if request.replay_count else (ev1, ev2):
+            yield operations_service_pb2.WatchEventsResponse(event=ev)
+
+    def ResetGpu(self, request, context):  # noqa: N802
+        self._auth(context)
+        self.s.reset_calls.append(request.device_index)
+        resp = operations_service_pb2.ResetGpuResponse(success=True)
+        for step in ("drain", "stop_workers", "reset", "check_health", "start_workers"):
+            resp.steps.add(step=step, ok=True, message="recorded")
+        return resp
+
+    def RestartWorkers(self, request, context):  # noqa: N802
+        self._auth(context)
+        return operations_service_pb2.RestartWorkersResponse(restarted_count=2)
+
+    def Cleanup(self, request, context):  # noqa: N802
+        self._auth(context)
+        return operations_service_pb2.CleanupResponse(deleted_job_count=request.older_than.seconds)
+
+    def GetStats(self, request, context):  # noqa: N802
+        self._auth(context)
+        resp = operations_service_pb2.GetStatsResponse(queue_depth=0, fault_count=1, xid_count=1)
+        resp.jobs_by_state["JOB_STATE_DONE"] = len(self.s.jobs)
+        return resp
+
+
+class FakeServer:
+    """A real grpc.server on 127.0.0.1 (a fixed port survives restart())."""
+
+    def __init__(self, state: FakeState | None = None, port: int = 0) -> None:
+        self.state = state or FakeState()
+        self.port = port
+        self.server: grpc.Server | None = None
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
+            FakeEvalService(self.state), server
+        )
+        operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(
+            FakeOpsService(self.state), server
+        )
+        hs = health.HealthServicer()
+        hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
+        server.start()
+        self.server = server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(None).wait()
+            self.server = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
