@@ -7,7 +7,6 @@ import pytest
 import torch
 from engine_helpers import IN, OUT, scalar, tensor
 from kerneleval.v1 import dtype_pb2, kernel_pb2
-
 from kerneleval_server.engine.inputs import TORCH_DTYPE, build_args, make_tensor
 
 CPU = torch.device("cpu")

@@ -16,7 +16,6 @@ from engine_helpers import (
     tensor,
 )
 from kerneleval.v1 import job_pb2
-
 from kerneleval_server.engine import DeviceLimits
 from kerneleval_server.validation import Limits
 

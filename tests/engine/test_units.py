@@ -1,0 +1,159 @@
+"""The engine's pieces on their own: CUDA error parsing, statistics, CPU timing, kernel names,
+ncu output, pre-flight."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from kerneleval.v1 import job_pb2, kernel_pb2
+from kerneleval_server.engine import errors, preflight, timing
+from kerneleval_server.engine.backends.cuda import _static_shared, base_name, pick_kernel
+from kerneleval_server.engine.device import DeviceLimits
+from kerneleval_server.engine.isolated import parse_ncu_csv
+from kerneleval_server.engine.loader import CompileError
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("CUDA error: an illegal memory access was encountered", 700),
+        ("RuntimeError: CUDA error: misaligned address", 716),
+        ("cudaErrorLaunchFailure", 719),
+        ("CUDA driver error: CUDA_ERROR_MISALIGNED_ADDRESS", 716),
+        ("CUDA error: unknown error code 700", 700),
+        ("CUDA error: too many resources requested for launch", 701),
+    ],
+)
+def test_find_cuda_error(message: str, code: int) -> None:
+    e = errors.find_cuda_error(message)
+    assert e is not None and e.code == code
+
+
+def test_plain_python_errors_are_not_cuda_errors() -> None:
+    assert errors.find_cuda_error("invalid argument to foo()") is None
+    assert errors.find_cuda_error("error code 700 in my parser") is None
+    f = errors.classify(ValueError("bad"))
+    assert f.verdict == job_pb2.VERDICT_RUNTIME_ERROR and not f.context_poisoned
+
+
+def test_launch_out_of_resources_is_a_resource_limit() -> None:
+    f = errors.classify(RuntimeError("CUDA error: too many resources requested for launch"))
+    assert f.verdict == job_pb2.VERDICT_RESOURCE_LIMIT and f.error.cuda_error_code == 701
+
+
+def test_statistics() -> None:
+    s = timing.stats([1.0, 2.0, 3.0, 4.0, 100.0], job_pb2.TIMING_SOURCE_CUDA_EVENTS, flushed=True)
+    assert s.median_ms == 3.0 and s.mean_ms == 22.0 and s.min_ms == 1.0 and s.max_ms == 100.0
+    assert s.std_ms == pytest.approx(statistics.stdev([1.0, 2.0, 3.0, 4.0, 100.0]))
+    assert s.p95_ms == pytest.approx(80.8) and s.p99_ms == pytest.approx(96.16)
+    assert s.trial_count == 5 and s.l2_flushed and s.source == job_pb2.TIMING_SOURCE_CUDA_EVENTS
+
+
+def test_cpu_timing_measures_the_call() -> None:
+    calls: list[int] = []
+
+    def fn() -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    seen: list[tuple[int, int]] = []
+    t = timing.measure(
+        fn,
+        trials=10,
+        warmup=3,
+        flush_l2=True,
+        device=torch.device("cpu"),
+        progress=lambda d, n: seen.append((d, n)),
+    )
+    assert len(calls) == 13 and t.stats.trial_count == 10
+    assert 2.0 <= t.stats.median_ms < 20 and not t.stats.l2_flushed
+    assert t.stats.source == job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
+    assert seen[-1] == (10, 10)
+
+
+def test_kernel_names() -> None:
+    assert base_name("_Z3fooPfi") == "foo"
+    assert base_name("_ZN2ns6kernelEPKfPfi") == "kernel"
+    assert base_name("bar") == "bar"
+    assert pick_kernel(["_Z3fooPfi", "bar"], "foo") == "_Z3fooPfi"
+    assert pick_kernel(["bar"], "") == "bar"
+    with pytest.raises(CompileError, match="no __global__ function baz"):
+        pick_kernel(["_Z3fooPfi", "bar"], "baz")
+
+
+def test_static_shared_from_ptxas() -> None:
+    log = (
+        "ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90'\n"
+        "ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem\n"
+        "ptxas info    : Compiling entry function 'bar' for 'sm_90'\n"
+        "ptxas info    : Used 4 registers, used 0 barriers\n"
+    )
+    assert _static_shared(log) == {"_Z3fooPf": 8192}
+
+
+def test_preflight_limits() -> None:
+    limits = DeviceLimits(max_shared_memory_per_block_optin=232448)
+    ok = kernel_pb2.LaunchConfig(grid=kernel_pb2.Dim3(x=1 << 20), block=kernel_pb2.Dim3(x=1024))
+    preflight.check_cuda_launch(ok, limits)
+    with pytest.raises(preflight.ResourceLimitError, match="grid.y = 70000"):
+        preflight.check_cuda_launch(kernel_pb2.LaunchConfig(grid=kernel_pb2.Dim3(y=70000)), limits)
+    with pytest.raises(preflight.ResourceLimitError, match="block.z = 128"):
+        preflight.check_cuda_launch(kernel_pb2.LaunchConfig(block=kernel_pb2.Dim3(z=128)), limits)
+    with pytest.raises(preflight.ResourceLimitError, match="limit of 512 threads"):
+        preflight.check_cuda_launch(ok, limits, kernel_max_threads=512)
+    with pytest.raises(preflight.ResourceLimitError, match="required: 232449"):
+        preflight.check_cuda_launch(
+            kernel_pb2.LaunchConfig(shared_memory_bytes=232000), limits, static_shared_bytes=449
+        )
+    with pytest.raises(preflight.ResourceLimitError, match="Required|required: 1049600"):
+        preflight.check_triton_shared(1049600, limits)
+
+
+HEADER = (
+    "ID,Process ID,Process Name,Host Name,Kernel Name,Context,Stream,Block Size,Grid Size,"
+    "Device,CC,Section Name,Metric Name,Metric Unit,Metric Value"
+)
+
+
+def ncu_row(kernel_id: str, metric: str, unit: str, value: str) -> str:
+    cells = [
+        kernel_id,
+        "1234",
+        "python",
+        "host",
+        "add_kernel",
+        "1",
+        "7",
+        "(128, 1, 1)",
+        "(8, 1, 1)",
+        "0",
+        "9.0",
+        "Command line profiler metrics",
+        metric,
+        unit,
+        value,
+    ]
+    return ",".join(f'"{c}"' for c in cells)
+
+
+NCU_CSV = "\n".join(
+    [
+        "==PROF== Connected to process 1234",
+        ",".join(f'"{h}"' for h in HEADER.split(",")),
+        ncu_row("0", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "%", "12.5"),
+        ncu_row("0", "gpu__time_duration.sum", "usecond", "3.20"),
+        ncu_row("1", "gpu__time_duration.sum", "nsecond", "1,800"),
+        "==PROF== Disconnected from process 1234",
+    ]
+)
+
+
+def test_parse_ncu_csv() -> None:
+    m = parse_ncu_csv(NCU_CSV)
+    assert m is not None and m.kernel_name == "add_kernel"
+    assert m.values["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 12.5
+    assert m.values["gpu__time_duration.sum"] == pytest.approx(5000.0)  # ns, both launches
+    assert parse_ncu_csv("==PROF== no kernels were profiled") is None
