@@ -156,7 +156,9 @@ class Watchdog:
     async def shutdown(self, grace_ms: int = 2000) -> None:
         """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
-            cmd = supervisor_pb2.SupervisorCommand(shutdown=supervisor_pb2.Shutdown(grace_ms=grace_ms))
+            cmd = supervisor_pb2.SupervisorCommand(
+                shutdown=supervisor_pb2.Shutdown(grace_ms=grace_ms)
+            )
             with contextlib.suppress(WatchdogError):
                 await self._call(cmd, "ack")
         try:

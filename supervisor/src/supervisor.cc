@@ -520,8 +520,11 @@ void Supervisor::on_worker_exit(const std::string& id, int status) {
   const int sig = signaled ? WTERMSIG(status) : 0;
   const bool on_purpose = !w.exit_reason.empty();
   const std::string reason = on_purpose ? w.exit_reason : (signaled ? "crashed" : "exited");
-  // A clean exit (code 0) is a worker retiring itself, e.g. after a poisoned CUDA context.
-  const bool failure = !on_purpose && (signaled || code != 0);
+  // Code 0 or a configured retire code: the worker retired itself (e.g. after a poisoned CUDA
+  // context). That is the kernel's doing, not the GPU's, so it never trips the intensity.
+  bool retired = !signaled && code == 0;
+  for (int c : config_.retire_exit_codes()) retired = retired || (!signaled && code == c);
+  const bool failure = !on_purpose && !retired;
   const int64_t now = now_ms();
 
   Device& d = devices_[w.device];

@@ -9,12 +9,12 @@ import socket
 import struct
 import subprocess
 import time
+from collections.abc import Callable
 
 import pytest
-from conftest import BUILD, Harness, pid_alive
-
 from kerneleval.internal.v1 import supervisor_pb2 as pb
 from kerneleval_server.watchdog import Watchdog, WatchdogError, encode_frame, find_watchdog_binary
+from wd_harness import BUILD, Harness, pid_alive
 
 HEALTHY, UNHEALTHY = pb.HEALTH_HEALTHY, pb.HEALTH_UNHEALTHY
 
@@ -106,21 +106,26 @@ def test_segfault_promotes_spare_and_starts_a_new_one(harness: Harness) -> None:
     run(body())
 
 
-def test_exit_codes_and_clean_exit(harness: Harness) -> None:
+def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(harness.configure())
+        wd = await harness.start(harness.configure(retire_exit_codes=[5], max_restarts=1))
         (first,) = await harness.started(1)
         await harness.report(first.worker_id)
         harness.command(first.worker_id, "exit 3")
         (ex,) = await harness.exited(1)
         assert (ex.exit_code, ex.signal, ex.reason, ex.restarting) == (3, 0, "exited", True)
         assert ex.backoff_ms == 20  # first failure: backoff_initial_ms
-        second = (await harness.started(2))[1]
-        await harness.report(second.worker_id)
-        harness.command(second.worker_id, "exit 0")  # a worker retiring itself: no failure
-        ex2 = (await harness.exited(2))[1]
-        assert (ex2.exit_code, ex2.reason, ex2.restarting, ex2.backoff_ms) == (0, "exited", True, 0)
-        await harness.started(3)
+        # Retiring (exit 0 or a retire code, e.g. after a poisoned CUDA context) is no failure:
+        # no backoff, and max_restarts=1 is not exceeded however often it happens.
+        for n, code in enumerate(("5", "0", "5"), start=2):
+            w = (await harness.started(n))[n - 1]
+            await harness.report(w.worker_id)
+            harness.command(w.worker_id, f"exit {code}")
+            x = (await harness.exited(n))[n - 1]
+            assert (x.exit_code, x.reason, x.restarting, x.backoff_ms) == (
+                int(code), "exited", True, 0)
+        await harness.started(5)
+        assert (await wd.status()).devices[0].health == HEALTHY
         await wd.shutdown(0)
 
     run(body())
@@ -316,58 +321,102 @@ def test_channel_close_kills_every_process_group(harness: Harness) -> None:
     run(body())
 
 
-def test_garbage_on_the_channel_is_rejected_and_logged(harness: Harness,
-                                                       watchdog_binary: str) -> None:
-    ours, theirs = socket.socketpair()
-    proc = subprocess.Popen([watchdog_binary, "--control-fd", str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE)
-    theirs.close()
-    ours.settimeout(5)
-    buf = b""
+class RawChannel:
+    """The watchdog on a plain socketpair, for bytes the asyncio client would never send."""
 
-    def read_event() -> pb.SupervisorEvent:
-        nonlocal buf
-        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-            buf += ours.recv(65536)
-        n = struct.unpack(">I", buf[:4])[0]
-        ev = pb.SupervisorEvent.FromString(buf[4:4 + n])
-        buf = buf[4 + n:]
+    def __init__(self, binary: str, user: int | None = None) -> None:
+        self.sock, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([binary, "--control-fd", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE,
+                                     user=user)
+        theirs.close()
+        self.sock.settimeout(5)
+        self.buf = b""
+
+    def send(self, cmd: pb.SupervisorCommand) -> None:
+        self.sock.sendall(encode_frame(cmd))
+
+    def event(self) -> pb.SupervisorEvent:
+        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack(">I", self.buf[:4])[0]:
+            self.buf += self.sock.recv(65536)
+        n = struct.unpack(">I", self.buf[:4])[0]
+        ev = pb.SupervisorEvent.FromString(self.buf[4:4 + n])
+        self.buf = self.buf[4 + n:]
         return ev
 
+    def until(self, pred: Callable[[pb.SupervisorEvent], bool]) -> list[pb.SupervisorEvent]:
+        seen = [self.event()]
+        while not pred(seen[-1]):
+            seen.append(self.event())
+        return seen
+
+    def close(self) -> str:
+        self.sock.close()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read().decode()
+
+
+def test_garbage_on_the_channel_is_rejected_and_logged(harness: Harness,
+                                                       watchdog_binary: str) -> None:
+    ch = RawChannel(watchdog_binary)
     try:
-        before = pb.SupervisorCommand(command_id=1, get_status=pb.GetStatus())
-        ours.sendall(encode_frame(before))
-        ev = read_event()
+        ch.send(pb.SupervisorCommand(command_id=1, get_status=pb.GetStatus()))
+        ev = ch.event()
         assert ev.command_id == 1 and not ev.ack.ok and "Configure" in ev.ack.message
-        ours.sendall(struct.pack(">I", 7) + b"\xff\xff\xff\xff\xff\xff\xff")  # not protobuf
-        ev = read_event()
+        ch.sock.sendall(struct.pack(">I", 7) + b"\xff\xff\xff\xff\xff\xff\xff")  # not protobuf
+        ev = ch.event()
         assert ev.warning.feature == "protocol" and "malformed" in ev.warning.message
         big = 16 * 1024 * 1024 + 1
-        ours.sendall(struct.pack(">I", big) + b"\0" * big)  # oversized: skipped whole
-        ev = read_event()
+        ch.sock.sendall(struct.pack(">I", big) + b"\0" * big)  # oversized: skipped whole
+        ev = ch.event()
         assert ev.warning.feature == "protocol" and "exceeds" in ev.warning.message
         cfg = harness.configure()
-        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=2, configure=cfg)))
-        assert read_event().ack.ok
-        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=3, configure=cfg)))
-        while (ev := read_event()).command_id != 3:
-            pass
+        ch.send(pb.SupervisorCommand(command_id=2, configure=cfg))
+        assert ch.event().ack.ok
+        ch.send(pb.SupervisorCommand(command_id=3, configure=cfg))
+        ev = ch.until(lambda e: e.command_id == 3)[-1]
         assert not ev.ack.ok and "already configured" in ev.ack.message
-        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=4, get_status=pb.GetStatus())))
-        while (ev := read_event()).WhichOneof("kind") != "status":
-            pass
+        ch.send(pb.SupervisorCommand(command_id=4, get_status=pb.GetStatus()))
+        ev = ch.until(lambda e: e.WhichOneof("kind") == "status")[-1]
         assert ev.command_id == 4 and len(ev.status.devices) == 1
-        assert proc.poll() is None  # still up
-        ours.sendall(encode_frame(pb.SupervisorCommand(command_id=5, shutdown=pb.Shutdown())))
-        assert proc.wait(5) == 0
-        assert proc.stderr is not None
-        log = proc.stderr.read().decode()
-        assert "malformed command frame" in log and "exceeds" in log
+        assert ch.proc.poll() is None  # still up
+        ch.send(pb.SupervisorCommand(command_id=5, shutdown=pb.Shutdown()))
+        assert ch.proc.wait(5) == 0
     finally:
-        ours.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        log = ch.close()
+    assert "malformed command frame" in log and "exceeds" in log
+
+
+def test_refused_sandbox_feature_is_warned_once_and_workers_still_run(harness: Harness,
+                                                                       watchdog_binary: str
+                                                                       ) -> None:
+    """Unprivileged, the host refuses a network namespace: one Warning, workers start anyway."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the watchdog as another user")
+    os.chmod(harness.state_dir, 0o777)
+    ch = RawChannel(watchdog_binary, user=65534)
+    try:
+        cfg = harness.configure(workers_per_device=2, warm_spare=True,
+                                sandbox=pb.SandboxConfig(isolate_network=True))
+        ch.send(pb.SupervisorCommand(command_id=1, configure=cfg))
+        events = ch.until(lambda e: len(e.worker_started.worker.worker_id) > 0)
+        events += ch.until(lambda e: e.worker_started.worker.spare)  # all three started
+        assert events[0].ack.ok
+        warnings = [e.warning for e in events if e.WhichOneof("kind") == "warning"]
+        assert [w.feature for w in warnings] == ["network_namespace"]
+        assert "Operation not permitted" in warnings[0].message
+        started = [e.worker_started.worker for e in events if e.worker_started.worker.worker_id]
+        assert len(started) == 3 and all(pid_alive(w.pid) for w in started)
+        ch.send(pb.SupervisorCommand(command_id=2, shutdown=pb.Shutdown()))
+        assert ch.proc.wait(5) == 0
+    finally:
+        ch.close()
 
 
 def test_bad_configure_is_refused(harness: Harness) -> None:
