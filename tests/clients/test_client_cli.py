@@ -1,0 +1,244 @@
+"""The `kerneleval` command against the fake server: results, exit codes, JSON, progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_server import ADMIN_TOKEN, FakeServer, FakeState
+from kerneleval import cli
+from kerneleval.v1 import kernel_eval_service_pb2, kernel_pb2
+
+KERNELEVAL = Path(sys.executable).parent / "kerneleval"
+TRITON_FILE = """import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
+             mask=mask)
+"""
+IO_JSON = {
+    "args": [
+        {"name": "x", "tensor": {"shape": ["1000"], "dtype": "DTYPE_FLOAT32"}},
+        {"name": "y", "tensor": {"shape": ["1000"], "dtype": "DTYPE_FLOAT32"}},
+        {
+            "name": "out",
+            "role": "ARG_ROLE_OUTPUT",
+            "tensor": {"shape": ["1000"], "dtype": "DTYPE_FLOAT32"},
+        },
+        {"name": "n", "intValue": "1000"},
+        {"name": "BLOCK", "meta": True, "intValue": "256"},
+    ],
+    "launch": {"grid": {"x": 4}},
+}
+
+
+def run(fake: FakeServer, capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["--address", fake.address, "--timeout", "20", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def triton_file(tmp_path: Path) -> Path:
+    p = tmp_path / "add_triton.py"
+    p.write_text(TRITON_FILE)
+    return p
+
+
+def test_evaluate_prints_progress_and_a_result_table(fake, capsys, triton_file, tmp_path):
+    io_file = tmp_path / "io.json"
+    io_file.write_text(json.dumps(IO_JSON))
+    code, out, err = run(
+        fake, capsys, "evaluate", str(triton_file), "--io", str(io_file), "--perf-trials", "9"
+    )
+    assert code == 0, err
+    assert "queued" in err and "validating 3/3" in err and "profiling 3/3" in err
+    assert "verdict   OK" in out or "verdict    OK" in out
+    assert "median 1.2500 ms" in out
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    assert sent.spec.kernel.type == kernel_pb2.KERNEL_TYPE_TRITON
+    assert sent.spec.kernel.source_code == TRITON_FILE
+    assert sent.spec.kernel.io.args[4].meta and sent.spec.kernel.io.launch.grid.x == 4
+    assert sent.spec.options.perf_trial_count == 9
+    assert not sent.spec.options.HasField("flush_l2")
+
+
+def test_compare_json_and_exit_code_of_a_bad_verdict(fake, capsys, tmp_path, triton_file):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    code, out, _ = run(fake, capsys, "compare", str(ref), str(triton_file), "--json")
+    assert code == 0
+    job = json.loads(out)
+    assert job["result"]["verdict"] == "VERDICT_OK" and job["result"]["speedup"] == 2.0
+    bad = tmp_path / "bad.py"
+    bad.write_text("# INCORRECT on purpose\nimport torch\n")
+    code, out, err = run(fake, capsys, "evaluate", str(bad), "--no-flush-l2")
+    assert code == cli.EXIT_VERDICT
+    assert "INCORRECT" in out and "12 of 1024 elements differ" in out
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    assert sent.spec.options.HasField("flush_l2") and not sent.spec.options.flush_l2
+    broken = tmp_path / "broken.py"
+    broken.write_text("# COMPILE_ERROR\n")
+    code, out, err = run(fake, capsys, "evaluate", str(broken))
+    assert code == cli.EXIT_VERDICT and "expected ';'" in out and "| error" in err
+
+
+def test_invalid_argument_exit_code_and_field_violations(fake, capsys, tmp_path):
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    code, _, err = run(fake, capsys, "evaluate", str(empty))
+    assert code == cli.EXIT_SERVICE
+    assert "INVALID_ARGUMENT" in err and "spec.kernel.source_code" in err
+
+
+def test_usage_errors(fake, capsys, tmp_path):
+    code, _, err = run(fake, capsys, "evaluate", str(tmp_path / "missing.py"))
+    assert code == cli.EXIT_USAGE and "missing.py" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["evaluate"])
+    assert e.value.code == 2
+
+
+def test_detach_watch_get_cancel_and_jobs(fake, capsys, triton_file):
+    code, out, _ = run(fake, capsys, "evaluate", str(triton_file), "--detach", "--tag", "cli")
+    assert code == 0
+    job_id = out.strip()
+    code, out, err = run(fake, capsys, "watch", job_id)
+    assert code == 0 and job_id in out and "OK" in out
+    code, out, _ = run(fake, capsys, "watch", job_id, "--after", "3", "--json")
+    assert json.loads(out)["jobId"] == job_id
+    code, out, _ = run(fake, capsys, "get", job_id)
+    assert code == 0 and "verdict" in out
+    code, out, _ = run(fake, capsys, "cancel", job_id)
+    assert out.strip() == f"{job_id}: DONE"
+    code, out, _ = run(fake, capsys, "jobs", "--tag", "cli")
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["JOB", "STATE", "VERDICT"]
+    assert any(job_id in ln and "DONE" in ln and "OK" in ln for ln in lines[2:])
+    code, out, _ = run(fake, capsys, "jobs", "--state", "done", "--limit", "2", "--json")
+    assert len(json.loads(out)) == 2
+    code, _, err = run(fake, capsys, "get", "nope")
+    assert code == cli.EXIT_SERVICE and "NOT_FOUND" in err
+
+
+def test_operations_commands(fake, capsys, monkeypatch):
+    code, _, err = run(fake, capsys, "devices")
+    assert code == cli.EXIT_SERVICE and "admin token" in err
+    monkeypatch.setenv("KERNELEVAL_ADMIN_TOKEN", ADMIN_TOKEN)
+    code, out, _ = run(fake, capsys, "devices")
+    assert code == 0
+    assert "NVIDIA H200" in out and "UNHEALTHY: XID 79" in out and "31(restart_worker)" in out
+    assert "1+1 spare" in out
+    code, out, _ = run(fake, capsys, "events", "--replay", "2")
+    assert "XID 31 (application) -> restart_worker" in out
+    assert "worker w0 exited (poisoned_context" in out
+    code, out, _ = run(fake, capsys, "events", "--json")
+    assert [json.loads(line)["sequence"] for line in out.splitlines()] == ["1", "2"]
+    code, out, _ = run(fake, capsys, "reset-gpu", "0", "--yes", "--grace", "1")
+    assert code == 0 and "check_health" in out and "healthy again" in out
+    assert fake.state.reset_calls[-1] == 0
+
+
+def test_reset_gpu_asks_first(fake, capsys, monkeypatch):
+    calls = len(fake.state.reset_calls)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("builtins.input", lambda prompt: "no")
+    code, _, err = run(fake, capsys, "--admin-token", ADMIN_TOKEN, "reset-gpu", "1")
+    assert code == cli.EXIT_USAGE and "not reset" in err
+    assert len(fake.state.reset_calls) == calls
+    code, _, err = run(fake, capsys, "reset-gpu", "1", "--yes")
+    assert code == cli.EXIT_USAGE and "admin-token" in err
+    monkeypatch.setattr("builtins.input", lambda prompt: "yes")
+    code, _, _ = run(fake, capsys, "--admin-token", ADMIN_TOKEN, "reset-gpu", "1")
+    assert code == 0 and fake.state.reset_calls[-1] == 1
+
+
+def test_live_progress_bars_on_a_tty(tmp_path, triton_file):
+    """The installed command on a pseudo-terminal redraws one bar per phase."""
+    server = FakeServer(FakeState(event_delay=0.02))
+    try:
+        env = {**os.environ, "KERNELEVAL_ADDRESS": server.address}
+        primary, secondary = pty.openpty()
+        proc = subprocess.Popen(
+            [str(KERNELEVAL), "evaluate", str(triton_file)],
+            stdin=secondary,
+            stdout=secondary,
+            stderr=secondary,
+            env=env,
+            close_fds=True,
+        )
+        os.close(secondary)
+        chunks = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(primary, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=30) == 0
+        os.close(primary)
+        text = b"".join(chunks).decode()
+        assert "\r\x1b[2K  validating [" in text
+        assert "profiling  [############################] 3/3" in text
+        assert "verdict" in text
+    finally:
+        server.stop()
+
+
+def test_serve_without_the_server_package_says_so(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kerneleval_server.main", None)
+    assert cli.main(["serve", "--port", "1"]) == cli.EXIT_USAGE
+    assert "kerneleval-server" in capsys.readouterr().err
+
+
+def test_doctor_without_a_gpu(fake, capsys, tmp_path, monkeypatch):
+    """A full report with fake NVIDIA tools on PATH and the fake service's devices."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu*) echo "0, NVIDIA H200, 570.86, 143771 MiB, 31, 0 %, '
+        '00000000:00:06.0";; *) echo "| NVIDIA-SMI 570.86  Driver Version: 570.86  '
+        'CUDA Version: 12.8 |";; esac\n'
+    )
+    san = bin_dir / "compute-sanitizer"
+    san.write_text("#!/bin/sh\necho 'NVIDIA (R) Compute Sanitizer'\necho 'Version 2025.1.0'\n")
+    for p in (smi, san):
+        p.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    code, out, _ = run(fake, capsys, "--admin-token", ADMIN_TOKEN, "doctor")
+    assert code == 0
+    assert "## nvidia-smi" in out and "0, NVIDIA H200, 570.86" in out
+    assert "driver/CUDA: NVIDIA-SMI 570.86 Driver Version: 570.86 CUDA Version: 12.8" in out
+    assert "compute-sanitizer: " in out and "Version 2025.1.0" in out
+    assert "## torch and triton (child process)" in out and "triton: " in out
+    assert f"## service at {fake.address}" in out and "health: SERVING" in out
+    assert "recent XID on 0: 31 (application) -> restart_worker" in out
+    code, out, _ = run(fake, capsys, "doctor", "--json")
+    report = json.loads(out)
+    assert "devices: skipped" in " ".join(report[f"service at {fake.address}"])
+
+
+def test_doctor_with_nothing_reachable(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tools at all
+    code = cli.main(["--address", "127.0.0.1:1", "doctor", "--service-timeout", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "nvidia-smi: not found" in out and "ncu: not found" in out
+    assert "health: unreachable (UNAVAILABLE" in out

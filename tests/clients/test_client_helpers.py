@@ -1,0 +1,148 @@
+"""Contract helpers, kernel type detection on real KernelBench files, error decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from kerneleval import contracts, errors
+from kerneleval.kernelbench import detect_kernel_type, job_from_files, kernel_type
+from kerneleval.v1 import dtype_pb2, kernel_pb2
+
+
+def test_tensor_output_scalar_and_launch():
+    c = contracts.io(
+        contracts.tensor("x", (4, 8), "fp16", init=contracts.uniform(-1, 1, seed=3)),
+        contracts.output("y", [4, 8], "float16"),
+        contracts.inout("acc", 8, "float32", init=contracts.zeros()),
+        contracts.scalar("n", 32),
+        contracts.scalar("alpha", 0.5),
+        contracts.scalar("flag", True),
+        contracts.constexpr("BLOCK", 128),
+        grid=(2, 3),
+        num_warps=4,
+    )
+    x, y, acc, n, alpha, flag, block = c.args
+    assert list(x.tensor.shape) == [4, 8] and x.tensor.dtype == dtype_pb2.DTYPE_FLOAT16
+    assert x.tensor.init.uniform.low == -1 and x.tensor.init.seed == 3
+    assert y.role == kernel_pb2.ARG_ROLE_OUTPUT and not y.tensor.HasField("init")
+    assert acc.role == kernel_pb2.ARG_ROLE_INOUT and acc.tensor.init.HasField("zeros")
+    assert n.int_value == 32 and n.WhichOneof("value") == "int_value"
+    assert alpha.float_value == 0.5
+    assert flag.WhichOneof("value") == "bool_value" and flag.bool_value
+    assert block.meta and block.int_value == 128
+    assert (c.launch.grid.x, c.launch.grid.y, c.launch.grid.z) == (2, 3, 1)
+    assert c.launch.num_warps == 4
+
+
+def test_dtype_names_and_errors():
+    assert contracts.dtype("bf16") == dtype_pb2.DTYPE_BFLOAT16
+    assert contracts.dtype("DTYPE_INT8") == dtype_pb2.DTYPE_INT8
+    assert contracts.dtype("torch.float64") == dtype_pb2.DTYPE_FLOAT64
+    assert contracts.dtype_name(dtype_pb2.DTYPE_UINT8) == "uint8"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        contracts.dtype("complex64")
+    with pytest.raises(ValueError, match="negative"):
+        contracts.tensor("x", (2, -1))
+    with pytest.raises(ValueError, match="bytes"):
+        contracts.tensor("x", (2,), "int32", data=b"\0" * 4)
+    with pytest.raises(ValueError, match="high > low"):
+        contracts.randint(5, 5)
+
+
+def test_from_torch_tensors():
+    torch = pytest.importorskip("torch")
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.ones(3, dtype=torch.bfloat16)
+    c = contracts.from_tensors(a, b, 7, names=["a", "b", "k"], literal=True)
+    assert [x.name for x in c.args] == ["a", "b", "k"]
+    assert list(c.args[0].tensor.shape) == [2, 3]
+    assert c.args[1].tensor.dtype == dtype_pb2.DTYPE_BFLOAT16
+    back = torch.frombuffer(bytearray(c.args[0].tensor.data), dtype=torch.float32)
+    assert back.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(c.args[1].tensor.data) == 6
+    assert c.args[2].int_value == 7
+    generated = contracts.from_tensor("g", a, init=contracts.randn(seed=1))
+    assert not generated.tensor.data and generated.tensor.init.HasField("randn")
+
+
+def test_detection_on_kernelbench_files(kernelbench: Path):
+    ex = kernelbench / "examples"
+    expected = {
+        "model_ex_add.py": kernel_pb2.KERNEL_TYPE_TORCH,
+        "model_new_ex_add.py": kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
+        "model_new_ex_fuse_gelu.py": kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
+        "model_new_ex_tiled_matmul.py": kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
+        "model_new_ex_add_triton.py": kernel_pb2.KERNEL_TYPE_TRITON,
+    }
+    for name, want in expected.items():
+        assert detect_kernel_type((ex / name).read_text(), name) == want, name
+    for problem in sorted((kernelbench / "level1").glob("*.py")):
+        assert detect_kernel_type(problem.read_text(), problem.name) == (
+            kernel_pb2.KERNEL_TYPE_TORCH
+        ), problem.name
+
+
+def test_raw_cuda_detection_and_overrides():
+    cu = "__global__ void k(float* x) { x[threadIdx.x] = 1; }\n"
+    assert detect_kernel_type(cu) == kernel_pb2.KERNEL_TYPE_CUDA
+    assert detect_kernel_type("", "k.cu") == kernel_pb2.KERNEL_TYPE_CUDA
+    assert kernel_type("triton", cu) == kernel_pb2.KERNEL_TYPE_TRITON
+    assert kernel_type("KERNEL_TYPE_TORCH", cu) == kernel_pb2.KERNEL_TYPE_TORCH
+    with pytest.raises(ValueError):
+        kernel_type("fortran", cu)
+
+
+def test_job_from_files_keeps_sources_as_they_are(kernelbench: Path):
+    ref = kernelbench / "examples" / "model_ex_add.py"
+    new = kernelbench / "examples" / "model_new_ex_add_triton.py"
+    opts = kernel_pb2.EvalOptions(correct_trial_count=2)
+    spec = job_from_files(new, ref, options=opts, client_tag="kb")
+    assert spec.kernel.source_code == new.read_text()
+    assert spec.reference.source_code == ref.read_text()
+    assert spec.kernel.type == kernel_pb2.KERNEL_TYPE_TRITON
+    assert spec.reference.type == kernel_pb2.KERNEL_TYPE_TORCH
+    assert spec.options.correct_trial_count == 2 and spec.client_tag == "kb"
+    alone = job_from_files(ref)
+    assert not alone.HasField("reference")
+
+
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: list) -> None:
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> list:
+        return self._trailing
+
+
+def test_error_mapping_decodes_bad_request():
+    bad = error_details_pb2.BadRequest()
+    bad.field_violations.add(field="spec.options.atol", description="must be >= 0")
+    packed = any_pb2.Any()
+    packed.Pack(bad)
+    other = any_pb2.Any()
+    other.Pack(error_details_pb2.RetryInfo())
+    status = status_pb2.Status(code=3, message="bad", details=[other, packed])
+    trailing = [("grpc-status-details-bin", status.SerializeToString())]
+    e = errors.from_rpc_error(_FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad", trailing))
+    assert isinstance(e, errors.InvalidArgument)
+    assert e.field_violations == [errors.FieldViolation("spec.options.atol", "must be >= 0")]
+    garbage = [("grpc-status-details-bin", b"\xff\xff")]
+    e = errors.from_rpc_error(_FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "x", garbage))
+    assert e.field_violations == []
+    for code, cls in (
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+        (grpc.StatusCode.UNAUTHENTICATED, errors.Unauthenticated),
+        (grpc.StatusCode.DATA_LOSS, errors.KernelEvalError),
+    ):
+        e = errors.from_rpc_error(_FakeRpcError(code, "m", []))
+        assert type(e) is cls and e.code == code
