@@ -208,7 +208,7 @@ def result_table(job: job_pb2.Job) -> str:
         rows.append(("reference", _stats(r.reference_runtime)))
     if r.speedup:
         flag = "  (suspicious: over 10x, check for a timing hack)" if r.speedup_suspicious else ""
-        rows.append(("speedup", f"{r.speedup:.2f}x{flag}"))
+        rows.append(("speedup", f"{r.speedup:.3g}x{flag}"))
     if r.compilation_error:
         rows.append(("compile log", _indent(r.compilation_error)))
     if r.error.message or r.error.exception_type:
@@ -245,7 +245,7 @@ def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
     rows = []
     for j in jobs:
         median = f"{j.result.runtime.median_ms:.4f}" if j.result.runtime.median_ms else "-"
-        speedup = f"{j.result.speedup:.2f}x" if j.result.speedup else "-"
+        speedup = f"{j.result.speedup:.3g}x" if j.result.speedup else "-"
         verdict = verdict_name(j.result.verdict) if j.result.verdict else "-"
         rows.append(
             [
