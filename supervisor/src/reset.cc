@@ -18,6 +18,7 @@ namespace {
 constexpr int kStopGraceMs = 2000;
 constexpr int64_t kStopTimeoutMs = 6000;
 constexpr int64_t kCommandTimeoutMs = 120000;
+constexpr int64_t kProcessesTimeoutMs = 3000;
 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
   for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
@@ -118,12 +119,19 @@ void Supervisor::advance_reset(Device& d, int64_t now) {
         return finish_reset(d, false, "workers did not exit");
       }
       reset_step(d, "stop_workers", true, "every worker on the GPU exited");
+      r.stage = ResetRun::Stage::kCheck;
+      r.deadline_ms = now + kProcessesTimeoutMs;
+      return;
+    }
+    case ResetRun::Stage::kCheck: {
+      // The driver may list a just-killed process for a moment: retry until the deadline.
       std::vector<int> pids;
       if (!nvml_) {
         reset_step(d, "check_processes", true, "no NVML: process list not available");
       } else if (!nvml_->processes(index, pids)) {
         reset_step(d, "check_processes", true, "NVML cannot list processes on this GPU");
       } else if (!pids.empty()) {
+        if (now < r.deadline_ms) return;
         std::string list;
         for (int pid : pids) list += (list.empty() ? "" : " ") + std::to_string(pid);
         reset_step(d, "check_processes", false, "processes still hold the GPU: " + list);

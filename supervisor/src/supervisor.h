@@ -41,7 +41,7 @@ struct Worker {
 
 // One GPU reset procedure in progress (reset.cc).
 struct ResetRun {
-  enum class Stage { kDrain, kStop, kCommand, kDone };
+  enum class Stage { kDrain, kStop, kCheck, kCommand, kDone };
   uint64_t command_id = 0;
   Stage stage = Stage::kDrain;
   int64_t deadline_ms = 0;
