@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -20,6 +21,7 @@ from kerneleval.internal.v1 import supervisor_pb2
 MAX_FRAME = 16 * 1024 * 1024
 ALL_DEVICES = -2
 _HEADER = struct.Struct(">I")
+log = logging.getLogger(__name__)
 
 
 class WatchdogError(RuntimeError):
@@ -209,7 +211,10 @@ class Watchdog:
                     break
                 event = supervisor_pb2.SupervisorEvent()
                 event.ParseFromString(await self._reader.readexactly(size))
-                self._on_event(event)
+                try:
+                    self._on_event(event)
+                except Exception:  # a bug in a handler must not cut the channel
+                    log.exception("watchdog event handler failed on %s", event.WhichOneof("kind"))
                 self._dispatch(event)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass

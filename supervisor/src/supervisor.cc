@@ -488,8 +488,14 @@ Worker* Supervisor::worker_for_pid(pid_t pid) {
 
 void Supervisor::reap() {
   for (;;) {
+    // Peek first: while the exited worker is still a zombie its pid cannot be reused, so
+    // killing its process group (whatever it left behind) cannot hit a stranger.
+    siginfo_t info{};
+    if (::waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) return;
+    for (auto& [id, w] : workers_)
+      if (w.pid == info.si_pid) ::kill(-w.pid, SIGKILL);
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    const pid_t pid = ::waitpid(info.si_pid, &status, WNOHANG);
     if (pid <= 0) return;
     bool known = false;
     for (auto& [id, w] : workers_)
@@ -511,7 +517,6 @@ void Supervisor::reap() {
 void Supervisor::on_worker_exit(const std::string& id, int status) {
   Worker w = workers_.at(id);
   workers_.erase(id);
-  ::kill(-w.pid, SIGKILL);  // whatever the worker left behind in its group
   std::error_code ec;
   fs::remove_all(w.dir, ec);
 
@@ -620,7 +625,7 @@ void Supervisor::send_device_update(const Device& d) {
 }
 
 void Supervisor::require_reset(Device& d, const std::string& why, bool auto_reset) {
-  if (why.empty()) return;
+  if (why.empty() || d.reset) return;  // a reset in progress ends with its own health check
   d.needs_reset = true;
   set_health(d, pb::HEALTH_UNHEALTHY, why);
   if (auto_reset && !d.reset) begin_reset(d, kAutoResetGraceMs, 0);

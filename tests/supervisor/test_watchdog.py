@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -56,7 +57,7 @@ def test_workers_start_in_sandbox_and_shutdown_cleans_up(harness: Harness) -> No
             assert env["TORCH_EXTENSIONS_DIR"].startswith(str(wdir))
             assert info["no_new_privs"] == "1"
             assert info["rlimit_core"] == 0
-            assert info["rlimit_nofile"] == 4096
+            assert info["rlimit_nofile"] == min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
             assert info["stdin_is_devnull"]
             if "network_namespace" not in warnings:
                 assert info["netns"] != os.readlink("/proc/self/ns/net")
@@ -70,7 +71,7 @@ def test_workers_start_in_sandbox_and_shutdown_cleans_up(harness: Harness) -> No
         assert await wd.wait() == 0
         exits = [e.worker_exited for e in harness.of("worker_exited")]
         assert sorted(x.worker.worker_id for x in exits) == sorted(w.worker_id for w in workers)
-        assert all(x.reason == "shutdown" and not x.restarting for x in exits)
+        assert all(x.reason == "shutdown" and not x.restarting and x.signal == 15 for x in exits)
         assert not any(pid_alive(w.pid) for w in workers)
         assert list((harness.state_dir / "workers").iterdir()) == []  # private folders removed
 
@@ -442,9 +443,14 @@ def test_policy_override_and_stop_start(harness: Harness) -> None:
         await harness.wait_for(lambda: harness.of("xid"), 5, "xid")
         xid = harness.of("xid")[0].xid
         assert (xid.category, xid.action) == ("custom", "ignore")
-        await wd.stop_workers(0, grace_ms=500)
+        await harness.report(w.worker_id)
+        harness.command(w.worker_id, "hang")  # ignores SIGTERM: SIGKILL after the grace period
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await wd.stop_workers(0, grace_ms=300)
         (ex,) = await harness.exited(1)
-        assert ex.reason == "stopped" and not ex.restarting and ex.signal == 15
+        assert ex.reason == "stopped" and not ex.restarting and ex.signal == 9
+        assert 0.25 < time.monotonic() - t0 < 2
         await wd.start_workers(0)
         await harness.started(2)
         await wd.restart_workers()
