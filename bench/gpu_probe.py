@@ -23,7 +23,7 @@ def sh(cmd: str, timeout: float = 60) -> str:
         return "timeout"
 
 
-OOB = r'''
+OOB = r"""
 import time, torch, triton, triton.language as tl
 @triton.jit
 def k(x_ptr, n, BLOCK: tl.constexpr):
@@ -37,13 +37,14 @@ try:
 except Exception as e:
     print("EXC", type(e).__name__, repr(str(e))[:600])
 try:
-    torch.manual_seed(0); torch.zeros(1, device="cuda") + 1; torch.cuda.synchronize(); print("AFTER_OK")
+    torch.manual_seed(0); torch.zeros(1, device="cuda") + 1; torch.cuda.synchronize()
+    print("AFTER_OK")
 except Exception as e:
     print("AFTER_EXC", repr(str(e))[:300])
 print("FAULT_AT", t0)
-'''
+"""
 
-WATCH = r'''
+WATCH = r"""
 import sys, time, pynvml as n
 n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
 s = n.nvmlEventSetCreate(); n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, s)
@@ -56,20 +57,24 @@ while time.time() < end:
     except n.NVMLError as e:
         if "Timeout" not in str(e) and "TIMEOUT" not in str(e).upper():
             print("WAITERR", e, flush=True); time.sleep(0.2)
-'''
+"""
 
 
 def main() -> None:
     facts: dict[str, object] = {}
     facts["python"] = sys.version
-    facts["pip"] = sh("python3 -m pip list 2>/dev/null | grep -iE '^(torch|triton|grpcio|protobuf|nvidia-ml-py|numpy|prometheus)'")
-    facts["nvidia_smi"] = sh("nvidia-smi -L; nvidia-smi --query-gpu=driver_version,name,memory.total --format=csv")
+    names = "torch|triton|grpcio|protobuf|nvidia-ml-py|numpy|prometheus"
+    facts["pip"] = sh(f"python3 -m pip list 2>/dev/null | grep -iE '^({names})'")
+    query = "--query-gpu=driver_version,name,memory.total --format=csv"
+    facts["nvidia_smi"] = sh(f"nvidia-smi -L; nvidia-smi {query}")
     facts["glibc"] = sh("ldd --version | head -1")
     facts["os"] = sh("head -2 /etc/os-release")
-    facts["kmsg"] = sh("ls -l /dev/kmsg; timeout 2 head -c 300 /dev/kmsg | head -3; dmesg 2>&1 | tail -3")
+    facts["kmsg"] = sh("ls -l /dev/kmsg; timeout 2 head -3 /dev/kmsg; dmesg | tail -3")
     facts["nobody"] = sh("id nobody")
     facts["unshare_net"] = sh("unshare -n true && echo ok")
-    facts["tools"] = {t: shutil.which(t) for t in ("nvcc", "ncu", "compute-sanitizer", "nvidia-smi")}
+    facts["tools"] = {
+        t: shutil.which(t) for t in ("nvcc", "ncu", "compute-sanitizer", "nvidia-smi")
+    }
     facts["nvcc"] = sh("nvcc --version | tail -2")
     facts["libnvml"] = sh("ldconfig -p | grep -i nvidia-ml")
     t0 = time.time()
@@ -78,13 +83,19 @@ def main() -> None:
     t0 = time.time()
     sh("python3 -c 'import torch; torch.zeros(1, device=\"cuda\")'")
     facts["import_torch_cuda_s"] = round(time.time() - t0, 2)
-    watcher = subprocess.Popen([sys.executable, "-c", WATCH, "12"], stdout=subprocess.PIPE, text=True)
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", WATCH, "12"], stdout=subprocess.PIPE, text=True
+    )
     assert watcher.stdout is not None
     facts["watcher"] = watcher.stdout.readline().strip()
     with open("/tmp/kerneleval_probe_oob.py", "w") as f:
         f.write(OOB)  # Triton needs its kernels in a file
-    oob = subprocess.run([sys.executable, "/tmp/kerneleval_probe_oob.py"], capture_output=True,
-                         text=True, timeout=120)
+    oob = subprocess.run(
+        [sys.executable, "/tmp/kerneleval_probe_oob.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     facts["oob_stdout"] = oob.stdout[-1500:]
     facts["oob_stderr"] = oob.stderr[-800:]
     facts["oob_rc"] = oob.returncode
