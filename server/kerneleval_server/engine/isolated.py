@@ -66,8 +66,6 @@ def maybe_run_isolated(
             if getattr(o, flag):
                 result.notes.append(f"{flag} needs a CUDA GPU; this worker has none: not applied")
         return None
-    if reporter is not None:
-        reporter.phase(job_pb2.PHASE_COMPILING)
     if o.device_metrics:
         _collect_metrics(spec, config, result)
     env: dict[str, str] = {}

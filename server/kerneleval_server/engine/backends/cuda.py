@@ -131,6 +131,17 @@ class Driver:
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1")
+        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        u = ctypes.c_uint
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        self.lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(i), i, vp]
+        self.lib.cuFuncSetAttribute.argtypes = [vp, i, i]
+        self.lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), vp]
+        self.lib.cuGetErrorName.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
+        self.lib.cuGetErrorString.argtypes = [i, ctypes.POINTER(ctypes.c_char_p)]
+        if hasattr(self.lib, "cuFuncGetParamInfo"):
+            self.lib.cuFuncGetParamInfo.argtypes = [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)]
 
     def check(self, rc: int, what: str) -> None:
         if rc == 0:
@@ -226,7 +237,7 @@ class CudaLaunch:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         rc = self.driver.lib.cuLaunchKernel(
             self.func, *self.grid, *self.block, self.shared, stream, params, None
-        )
+        )  # params: void*[] of pointers to each argument's bytes
         self.driver.check(rc, f"cuLaunchKernel({base_name(self.name)})")
 
 
