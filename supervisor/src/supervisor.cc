@@ -421,6 +421,7 @@ void Supervisor::spawn(Device& d, bool spare) {
     auto eq = kv.find('=');
     if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
+  env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID";  // CUDA's numbering = NVML's (default: fastest first)
   for (const auto& [k, v] : config_.worker_env()) env[k] = v;
   env["KERNELEVAL_WORKER_ID"] = w.id;
   env["KERNELEVAL_WORKER_TOKEN"] = w.token;

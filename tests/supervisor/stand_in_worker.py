@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 
+PLAIN_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TMPDIR", "HOME", "TRITON_CACHE_DIR",
+             "TORCH_EXTENSIONS_DIR")
+
 
 def report(path: str, child_pid: int) -> None:
     with open("/proc/self/status") as f:
@@ -27,8 +30,7 @@ def report(path: str, child_pid: int) -> None:
         "uid": os.getuid(),
         "child_pid": child_pid,
         "env": {k: v for k, v in os.environ.items() if k.startswith(("KERNELEVAL_", "STANDIN_"))}
-        | {k: os.environ.get(k, "") for k in ("CUDA_VISIBLE_DEVICES", "TMPDIR", "HOME",
-                                               "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR")},
+        | {k: os.environ.get(k, "") for k in PLAIN_ENV},
         "no_new_privs": status.get("NoNewPrivs", "").strip(),
         "rlimit_core": resource.getrlimit(resource.RLIMIT_CORE)[0],
         "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],

@@ -49,6 +49,7 @@ def test_workers_start_in_sandbox_and_shutdown_cleans_up(harness: Harness) -> No
             assert env["KERNELEVAL_WORKER_TOKEN"] == w.token
             assert env["KERNELEVAL_DEVICE_INDEX"] == str(w.device_index)
             assert env["CUDA_VISIBLE_DEVICES"] == str(w.device_index)
+            assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # CUDA's numbering = NVML's
             assert env["STANDIN_MODE"] == "idle"  # Configure.worker_env
             wdir = harness.state_dir / "workers" / w.worker_id
             assert env["KERNELEVAL_WORKER_DIR"] == str(wdir)
