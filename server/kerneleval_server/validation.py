@@ -7,8 +7,11 @@ Every violation names the exact field path, e.g. "spec.kernel.io.args[0].tensor.
 from __future__ import annotations
 
 import math
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kerneleval.v1 import dtype_pb2, kernel_pb2
 
@@ -56,6 +59,18 @@ class Limits:
     min_timeout_seconds: float = 1.0
     max_launch_dim: int = 2**31 - 1
     max_entry_point_length: int = 256
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Limits:
+        """Defaults overridden by KERNELEVAL_LIMIT_<FIELD> variables (e.g.
+        KERNELEVAL_LIMIT_MAX_SOURCE_BYTES=2097152), so workers can share the front end's."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get("KERNELEVAL_LIMIT_" + f.name.upper())
+            if raw and not isinstance(getattr(cls, f.name, None), tuple):
+                values[f.name] = type(getattr(cls(), f.name))(float(raw))
+        return cls(**values)
 
 
 @dataclass(frozen=True)

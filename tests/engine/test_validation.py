@@ -126,3 +126,9 @@ def test_launch_config_checks() -> None:
     f = fields(job(k))
     assert f["spec.kernel.io.launch.num_warps"] == "must be a power of two"
     assert f["spec.kernel.io.launch.shared_memory_bytes"] == "must be >= 0"
+
+
+def test_limits_from_environment() -> None:
+    limits = Limits.from_env({"KERNELEVAL_LIMIT_MAX_SOURCE_BYTES": "2048", "OTHER": "1"})
+    assert limits.max_source_bytes == 2048 and limits.max_args == Limits().max_args
+    assert Limits.from_env({"KERNELEVAL_LIMIT_MAX_TIMEOUT_SECONDS": "30"}).max_timeout_seconds == 30

@@ -23,7 +23,8 @@ class Reporter(Protocol):
 @dataclass
 class EngineConfig:
     work_dir: Path  # private and writable: sources, Triton files, extension builds
-    limits: validation.Limits = field(default_factory=validation.Limits)
+    # Re-checked before anything runs; KERNELEVAL_LIMIT_* variables match the front end's.
+    limits: validation.Limits = field(default_factory=validation.Limits.from_env)
     # Pre-flight limits instead of the GPU's own (tests use fake ones; None asks the GPU).
     device_limits: DeviceLimits | None = None
 
