@@ -64,6 +64,10 @@ class Config:
     reset_command: str = field(default="", metadata={"help": "GPU reset command ({index})"})
     auto_reset: bool = field(default=False, metadata={"help": "reset GPUs on reset-class XIDs"})
     health_interval_s: int = field(default=5, metadata={"help": "NVML reading period"})
+    max_restarts: int = field(
+        default=0, metadata={"help": "worker failures per window before a device is unhealthy"}
+    )
+    restart_window_s: int = field(default=0, metadata={"help": "restart intensity window"})
     isolate_network: bool = field(default=True, metadata={"help": "workers without network"})
     worker_user: str = field(default="", metadata={"help": "user for workers when root"})
     engine: str = field(default="", metadata={"help": "engine module for workers (default)"})

@@ -40,6 +40,7 @@ from .metrics import Metrics, MetricsInterceptor
 from .ops import OperationsService
 from .service import KernelEvalService
 from .store import Store
+from .worker import POISONED_EXIT
 from .workers import WorkerChannel
 
 log = logging.getLogger("kerneleval.main")
@@ -113,6 +114,10 @@ def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Confi
             isolate_network=cfg.isolate_network, user=cfg.worker_user
         ),
         health_interval_seconds=cfg.health_interval_s,
+        max_restarts=cfg.max_restarts,
+        restart_window_seconds=cfg.restart_window_s,
+        # A worker leaving after its CUDA context was poisoned is the kernel's doing.
+        retire_exit_codes=[POISONED_EXIT],
     )
 
 

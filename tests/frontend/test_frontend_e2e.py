@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
-from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
@@ -208,7 +208,7 @@ def test_bad_input_of_every_kind(stub) -> None:  # type: ignore[no-untyped-def]
     s = k.spec(kind=kernel_pb2.KERNEL_TYPE_CUDA, source="__global__ void f(float* x) {}")
     arg = s.kernel.io.args.add(name="x", role=kernel_pb2.ARG_ROLE_OUTPUT)
     arg.tensor.shape.extend([4, -1])
-    arg.tensor.dtype = kernel_pb2.DTYPE_FLOAT32 if hasattr(kernel_pb2, "DTYPE_FLOAT32") else 3
+    arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
     cases.append((s, "spec.kernel.io.args[0].tensor.shape[1]"))
     s = k.spec(kind=kernel_pb2.KERNEL_TYPE_CUDA, source="__global__ void f(float* x) {}")
     arg = s.kernel.io.args.add(name="x", role=kernel_pb2.ARG_ROLE_OUTPUT)
