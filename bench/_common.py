@@ -1,0 +1,331 @@
+"""Shared helpers of the bench/ scripts: a service process, machine facts, statistics, output.
+
+Every benchmark starts its own `python -m kerneleval_server serve` on a free port in a fresh
+state folder (`Service`), states the machine and versions (`machine_info`), and writes
+<out>/<name>.json and <out>/<name>.md (`write_results`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO / "server", REPO / "clients" / "python" / "src"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import grpc  # noqa: E402
+from kerneleval.client import Client  # noqa: E402
+
+DEFAULT_OUT = REPO / "bench" / "results"
+WATCHDOG = REPO / "build" / "supervisor" / "kerneleval-watchdog"
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for Python children: the repo's server and client on PYTHONPATH."""
+    env = dict(os.environ)
+    paths = [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("KERNELEVAL_ADMIN_TOKEN", None)
+    env.update(extra or {})
+    return env
+
+
+class Service:
+    """One `kerneleval_server serve` on a free port; `client()` gives a Client with the token."""
+
+    def __init__(self, flags: Sequence[str], *, root: Path | None = None, nvml: str = "none"):
+        self.root = root or Path(tempfile.mkdtemp(prefix="kerneleval-bench-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.resets = self.root / "resets.log"
+        # Never reset a lent GPU: the reset command only records that it was called.
+        script = self.root / "record_reset.sh"
+        script.write_text(f'#!/bin/sh\necho "reset $*" >> {self.resets}\n')
+        script.chmod(0o755)
+        self.port_file = self.root / "port"
+        self.state = self.root / "state"
+        self.log = self.root / "service.log"
+        self.cmd = [
+            sys.executable, "-m", "kerneleval_server", "serve",
+            "--port", "0", "--port-file", str(self.port_file),
+            "--state-dir", str(self.state),
+            "--watchdog", str(WATCHDOG),
+            "--reset-command", f"{script} {{index}}",
+            "--nvml", nvml,
+            "--log-file", str(self.log),
+            *flags,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self.token = ""
+
+    def start(self, timeout: float = 180.0) -> Service:
+        if not WATCHDOG.exists():
+            raise SystemExit(f"the watchdog is not built ({WATCHDOG}): run `make supervisor`")
+        stderr = open(self.root / "service.stderr", "wb")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        stderr.close()
+        deadline = time.monotonic() + timeout
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            self._check(deadline)
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{self.port_file.read_text().strip()}"
+        self.token = (self.state / "admin_token").read_text().strip()
+        with self.client() as c:
+            while True:
+                try:
+                    if c.health() == "SERVING":
+                        break
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                self._check(deadline)
+                time.sleep(0.1)
+        return self
+
+    def wait_workers(self, count: int, timeout: float = 180.0) -> None:
+        """Wait until `count` job-taking workers (not spares) are up: they import torch."""
+        deadline = time.monotonic() + timeout
+        with self.client() as c:
+            while True:
+                devices = c.list_devices()
+                up = sum(1 for d in devices for w in d.workers if not w.spare and w.pid)
+                if up >= count:
+                    return
+                self._check(deadline)
+                time.sleep(0.2)
+
+    def _check(self, deadline: float) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise SystemExit(f"the service exited ({self.proc.returncode}):\n{self.tail()}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the service did not become ready:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        text = ""
+        for name in ("service.stderr", "service.log"):
+            p = self.root / name
+            if p.exists():
+                text += "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+        return text
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def client(self, timeout: float | None = None) -> Client:
+        return Client(self.address, admin_token=self.token, timeout=timeout)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def resets_recorded(self) -> int:
+        return len(self.resets.read_text().splitlines()) if self.resets.exists() else 0
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of one process, from /proc (0 if it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def child_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def gpus() -> list[dict[str, str]]:
+    """GPU name, driver and memory per GPU from nvidia-smi; [] without one."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4:
+            rows.append(
+                {"index": parts[0], "name": parts[1], "driver": parts[2], "memory": parts[3]}
+            )
+    return rows
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine, versions and date, stated in every result."""
+    g = gpus()
+    return {
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "mem_total_gib": round(mem_total_bytes() / 2**30, 1),
+        "gpus": g,
+        "gpu": f"{g[0]['name']} (driver {g[0]['driver']})" if g else "none",
+        "gpu_count": len(g),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "grpcio": _version("grpcio"),
+        "protobuf": _version("protobuf"),
+        "platform": platform.platform(),
+    }
+
+
+def mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (
+        f"{info['date_utc']}; GPU: {info['gpu']} x{info['gpu_count']}; "
+        f"{info['cpu_count']} CPUs, {info['mem_total_gib']} GiB; Python {info['python']}, "
+        f"torch {info['torch']}, triton {info['triton']}, grpcio {info['grpcio']}, "
+        f"protobuf {info['protobuf']}"
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """n, median, p99, mean, min, max of a sample (same unit as the input)."""
+    if not values:
+        return {"n": 0, "median": 0.0, "p99": 0.0, "mean": 0.0, "min": 0.0, "max": 0.0}
+    return {
+        "n": len(values),
+        "median": statistics.median(values),
+        "p99": percentile(values, 99),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 10 ** (-digits):
+            return f"{value:.2e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(str(h) for h in headers) + " |"]
+    out.append("|" + "|".join(" --- " for _ in headers) + "|")
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_results(
+    out: str | Path,
+    name: str,
+    title: str,
+    info: dict[str, Any],
+    data: dict[str, Any],
+    tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Any]]]],
+    notes: Sequence[str] = (),
+) -> None:
+    """Print the tables, write <out>/<name>.json (info + data) and <out>/<name>.md."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    md = [f"# {title}", "", f"Machine: {machine_line(info)}", ""]
+    print(f"\n== {title} ==\n{machine_line(info)}")
+    for caption, headers, rows in tables:
+        print(f"\n{caption}\n{text_table(headers, rows)}")
+        md += [f"## {caption}", "", md_table(headers, rows), ""]
+    if notes:
+        print("\n" + "\n".join(f"- {n}" for n in notes))
+        md += ["Notes:", "", *[f"- {n}" for n in notes], ""]
+    (folder / f"{name}.json").write_text(
+        json.dumps({"machine": info, **data}, indent=2, default=str) + "\n"
+    )
+    (folder / f"{name}.md").write_text("\n".join(md))
+    print(f"\nwrote {folder / name}.json and .md", flush=True)
+
+
+def ts(t: Any) -> float:
+    """A protobuf Timestamp as seconds since the epoch."""
+    return float(t.seconds) + float(t.nanos) / 1e9
+
+
+def add_common_args(ap: Any, *, smoke: bool = True) -> None:
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="results folder")
+    if smoke:
+        ap.add_argument(
+            "--cpu-smoke", action="store_true", help="no GPU: small, CPU + Triton interpreter"
+        )

@@ -1,0 +1,171 @@
+"""End-to-end latency of Evaluate on a tiny kernel, against a process per evaluation.
+
+A Triton `a + b` (ModelNew) is compared with its eager reference, through the real service
+(sequential Evaluate calls over gRPC, one GPU, one worker), with perf_trial_count=0 (the
+service's overhead alone) and with a small timing run (perf_trial_count=20). Baselines, in the
+same run, do the same evaluation (import, build, check, optionally time):
+  (a) a fresh Python process per evaluation (import torch, CUDA context, run): what isolation
+      fixes do today;
+  (b) a child forked per evaluation from a parent that has imported torch (no CUDA in it).
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_overhead.py --out DIR
+    ... --cpu-smoke       # here: CPU, Triton interpreter, few samples
+
+Results: <out>/bench_overhead.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+import _kernels as K  # noqa: E402
+from _baseline import parse_output  # noqa: E402
+from kerneleval.v1 import job_pb2  # noqa: E402
+
+BASELINE = Path(__file__).resolve().parent / "_baseline.py"
+
+
+def service_latencies(
+    svc: C.Service, n: int, count: int, perf: int, warmup_calls: int
+) -> tuple[list[float], int]:
+    """Wall seconds per Evaluate and how many came back OK."""
+    spec = K.triton_add_spec(n)
+    spec.options.CopyFrom(K.options(correct=1, perf=perf, warmup=3 if perf else 0))
+    walls: list[float] = []
+    ok = 0
+    with svc.client() as c:
+        for i in range(warmup_calls + count):
+            t = time.perf_counter()
+            job = c.evaluate(spec)
+            wall = time.perf_counter() - t
+            if i < warmup_calls:
+                continue
+            walls.append(wall)
+            ok += job.result.verdict == job_pb2.VERDICT_OK
+            if job.result.verdict != job_pb2.VERDICT_OK and ok == 0 and len(walls) == 1:
+                print("first Evaluate not OK:", job.result, flush=True)
+    return walls, ok
+
+
+def fresh_latencies(kernel: Path, ref: Path, count: int, perf: int) -> tuple[list[float], int]:
+    walls: list[float] = []
+    ok = 0
+    for _ in range(count):
+        t = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, str(BASELINE), "eval", str(kernel), str(ref), "--perf", str(perf)],
+            capture_output=True, text=True, env=C.child_env(), timeout=300,
+        )  # fmt: skip
+        walls.append(time.perf_counter() - t)
+        try:
+            ok += bool(parse_output(proc.stdout)["ok"])
+        except ValueError:
+            print("fresh baseline failed:", proc.stderr[-1500:], flush=True)
+    return walls, ok
+
+
+def forked_latencies(kernel: Path, ref: Path, count: int, perf: int) -> tuple[list[float], int]:
+    cmd = [sys.executable, str(BASELINE), "fork-server", str(count), str(kernel), str(ref)]
+    proc = subprocess.run(
+        [*cmd, "--perf", str(perf)],
+        capture_output=True, text=True, env=C.child_env(), timeout=600,
+    )  # fmt: skip
+    try:
+        res = parse_output(proc.stdout)
+    except ValueError:
+        print("fork baseline failed:", proc.stderr[-1500:], flush=True)
+        return [], 0
+    return list(res["walls_s"]), int(res["ok_count"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap)
+    ap.add_argument("--requests", type=int, default=None, help="Evaluate calls per mode (200)")
+    ap.add_argument("--fresh-count", type=int, default=None, help="fresh processes (20)")
+    ap.add_argument("--fork-count", type=int, default=None, help="forked children (50)")
+    ap.add_argument("--elements", type=int, default=None, help="tensor size (4096)")
+    ap.add_argument("--device", default="0", help="GPU index the service uses")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    requests = args.requests or (15 if smoke else 200)
+    fresh = args.fresh_count or (3 if smoke else 20)
+    forks = args.fork_count or (5 if smoke else 50)
+    n = args.elements or 4096
+    info = C.machine_info()
+
+    tmp = Path(tempfile.mkdtemp(prefix="kerneleval-overhead-"))
+    kernel, ref = tmp / "kernel.py", tmp / "reference.py"
+    kernel.write_text(K.triton_add())
+    ref.write_text(K.torch_ref(n))
+
+    flags = [] if smoke else ["--devices", args.device]
+    svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
+    rows: list[list[Any]] = []
+    data: dict[str, Any] = {"elements": n, "modes": {}}
+    try:
+        svc.wait_workers(1)
+        for perf in (0, 20):
+            walls, ok = service_latencies(svc, n, requests, perf, warmup_calls=3)
+            data["modes"][f"service_perf{perf}"] = {"ok": ok, **C.summary(walls)}
+            print(f"service perf={perf}: {ok}/{len(walls)} OK", flush=True)
+    finally:
+        svc.stop()
+    for perf, count in ((0, fresh), (20, max(3, fresh // 4))):
+        walls, ok = fresh_latencies(kernel, ref, count, perf)
+        data["modes"][f"fresh_process_perf{perf}"] = {"ok": ok, **C.summary(walls)}
+        print(f"fresh perf={perf}: {ok}/{len(walls)} OK", flush=True)
+    for perf in (0, 20):
+        walls, ok = forked_latencies(kernel, ref, forks, perf)
+        data["modes"][f"forked_perf{perf}"] = {"ok": ok, **C.summary(walls)}
+        print(f"forked perf={perf}: {ok}/{len(walls)} OK", flush=True)
+
+    labels = {
+        "service_perf0": "service Evaluate, perf_trial_count=0",
+        "service_perf20": "service Evaluate, perf_trial_count=20",
+        "fresh_process_perf0": "(a) fresh process, no timing",
+        "fresh_process_perf20": "(a) fresh process, 20 timed runs",
+        "forked_perf0": "(b) forked from torch parent, no timing",
+        "forked_perf20": "(b) forked from torch parent, 20 timed runs",
+    }
+    base = data["modes"]["service_perf0"]["median"]
+    base20 = data["modes"]["service_perf20"]["median"]
+    for key, label in labels.items():
+        m = data["modes"][key]
+        ref_median = base20 if key.endswith("perf20") else base
+        rows.append(
+            [label, m["n"], m["ok"], m["median"] * 1e3, m["p99"] * 1e3,
+             C.ratio(m["median"], ref_median)]
+        )  # fmt: skip
+    notes = [
+        f"Tiny kernel: Triton a+b over {n} float32 elements, checked against eager a+b "
+        "(1 correctness trial); sequential calls, one worker on GPU "
+        f"{'cpu' if smoke else args.device}.",
+        "x service = this median / the service's median with the same timing setting.",
+        f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh, "
+        f"{forks} forked per setting.",
+    ]
+    if smoke:
+        notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
+    C.write_results(
+        args.out, "bench_overhead", "Evaluate overhead vs a process per evaluation", info,
+        data,
+        [("Latency per evaluation (ms)",
+          ["mode", "n", "OK", "median ms", "p99 ms", "x service"], rows)],
+        notes,
+    )  # fmt: skip
+    ok_all = all(m["ok"] == m["n"] for m in data["modes"].values())
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
