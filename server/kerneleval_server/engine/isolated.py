@@ -182,6 +182,19 @@ def parse_ncu_csv(text: str) -> job_pb2.DeviceMetrics | None:
     return out
 
 
+def _import_path() -> str:
+    """PYTHONPATH for the child: where this package and the generated code were loaded from."""
+    import kerneleval
+
+    import kerneleval_server
+
+    here = [
+        str(Path(m.__file__ or "").resolve().parents[1]) for m in (kerneleval_server, kerneleval)
+    ]
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(here + rest))
+
+
 class _Child:
     def __init__(self, result: job_pb2.EvalResult, log: str) -> None:
         self.result = result
@@ -208,7 +221,7 @@ def _run_child(
         "--work-dir",
         str(folder / "work"),
     ]
-    child_env = {**os.environ, **env, CHILD_ENV: "1"}
+    child_env = {**os.environ, **env, CHILD_ENV: "1", "PYTHONPATH": _import_path()}
     timeout = spec.options.timeout.seconds or 120
     try:
         proc = subprocess.run(
