@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 import time
@@ -242,3 +243,65 @@ def test_doctor_with_nothing_reachable(capsys, monkeypatch, tmp_path):
     assert code == 0
     assert "nvidia-smi: not found" in out and "ncu: not found" in out
     assert "health: unreachable (UNAVAILABLE" in out
+
+
+def test_tls_with_a_ca_file(tmp_path, capsys, triton_file):
+    """--tls-ca reaches a TLS server whose certificate that CA signed (self-signed here)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    from concurrent import futures
+
+    import grpc
+    from fake_server import FakeEvalService
+    from kerneleval.v1 import kernel_eval_service_pb2_grpc
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
+        FakeEvalService(FakeState()), server
+    )
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        code = cli.main(
+            [
+                "--address",
+                address,
+                "--tls-ca",
+                str(cert),
+                "--timeout",
+                "20",
+                "evaluate",
+                str(triton_file),
+            ]
+        )
+        assert code == 0, capsys.readouterr().err
+        code = cli.main(["--address", address, "--timeout", "5", "evaluate", str(triton_file)])
+        assert code == cli.EXIT_SERVICE  # plaintext to a TLS port
+    finally:
+        server.stop(None)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 from google.protobuf import json_format
 
 from kerneleval import errors, render
@@ -31,11 +33,18 @@ def _to_json(message: Any) -> str:
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
-    g.add_argument("--type", choices=[*TYPE_NAMES, "auto"], default="auto",
-                   help="kernel type (default: detected from the source)")
+    g.add_argument(
+        "--type",
+        choices=[*TYPE_NAMES, "auto"],
+        default="auto",
+        help="kernel type (default: detected from the source)",
+    )
     g.add_argument("--entry-point", default="", help="class or kernel to run")
-    g.add_argument("--io", metavar="JSON|FILE",
-                   help="IOContract as JSON (proto3 JSON mapping), inline or in a file")
+    g.add_argument(
+        "--io",
+        metavar="JSON|FILE",
+        help="IOContract as JSON (proto3 JSON mapping), inline or in a file",
+    )
     g.add_argument("--correct-trials", type=int, help="correctness trials (default 5)")
     g.add_argument("--perf-trials", type=int, help="timed trials (default 100; 0 skips timing)")
     g.add_argument("--warmup", type=int, help="warm-up runs before timing (default 10)")
@@ -175,8 +184,10 @@ def cmd_devices(a: argparse.Namespace, c: Client) -> int:
         for d in devices:
             for x in d.recent_xids:
                 who = f" job {x.job_id}" if x.job_id else ""
-                print(f"  gpu {d.index}: XID {x.xid} ({x.category}) -> {x.action}{who} "
-                      f"at {render.fmt_time(x.time)}  {x.message}".rstrip())
+                print(
+                    f"  gpu {d.index}: XID {x.xid} ({x.category}) -> {x.action}{who} "
+                    f"at {render.fmt_time(x.time)}  {x.message}".rstrip()
+                )
     return EXIT_OK
 
 
@@ -209,8 +220,10 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
         print(_to_json(resp))
     else:
         for s in resp.steps:
-            print(f"{render.fmt_time(s.time)}  {s.step:<16} {'ok' if s.ok else 'FAILED'}  "
-                  f"{s.message}".rstrip())
+            print(
+                f"{render.fmt_time(s.time)}  {s.step:<16} {'ok' if s.ok else 'FAILED'}  "
+                f"{s.message}".rstrip()
+            )
         print("GPU healthy again" if resp.success else "reset FAILED")
     return EXIT_OK if resp.success else EXIT_VERDICT
 
@@ -236,21 +249,45 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return int(result or 0)
 
 
+def _credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if a.tls_ca:
+        return grpc.ssl_channel_credentials(Path(a.tls_ca).read_bytes())
+    if a.tls:
+        return grpc.ssl_channel_credentials()
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kerneleval", description="Compile, check and time GPU kernels on a kerneleval server."
     )
-    p.add_argument("--address", default=None,
-                   help=f"server address, host:port or unix:PATH (env {ADDRESS_ENV}, "
-                        "default 127.0.0.1:50051)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="deadline of each call in seconds (default: none)")
-    p.add_argument("--admin-token", default=None,
-                   help=f"token for the operations calls (env {ADMIN_TOKEN_ENV})")
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"server address, host:port or unix:PATH (env {ADDRESS_ENV}, default 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="deadline of each call in seconds (default: none)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("KERNELEVAL_TLS_CA") or None,
+        metavar="PEM",
+        help="use TLS, trusting this CA certificate (env KERNELEVAL_TLS_CA)",
+    )
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's CA roots")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"token for the operations calls (env {ADMIN_TOKEN_ENV})",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="start the server (needs kerneleval-server)",
-                       add_help=False)
+    s = sub.add_parser("serve", help="start the server (needs kerneleval-server)", add_help=False)
     s.add_argument("args", nargs=argparse.REMAINDER)
 
     s = sub.add_parser("evaluate", help="evaluate a kernel file (compare with --reference)")
@@ -297,15 +334,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("reset-gpu", help="drain and reset a GPU (admin token)")
     s.add_argument("index", type=int)
     s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    s.add_argument("--grace", type=float, default=30.0, metavar="S",
-                   help="seconds running jobs get to finish (default 30)")
+    s.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds running jobs get to finish (default 30)",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_reset_gpu)
 
     s = sub.add_parser("doctor", help="print a diagnostics report to paste into an issue")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--service-timeout", type=float, default=5.0, metavar="S",
-                   help="deadline of the calls to the service (default 5)")
+    s.add_argument(
+        "--service-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="deadline of the calls to the service (default 5)",
+    )
     s.set_defaults(func=cmd_doctor)
     return p
 
@@ -321,8 +368,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args_list[i + 1 :])
     a = parser.parse_args(args_list)
     try:
-        with Client(resolve_address(a.address), timeout=a.timeout,
-                    admin_token=a.admin_token) as c:
+        with Client(
+            resolve_address(a.address),
+            timeout=a.timeout,
+            admin_token=a.admin_token,
+            credentials=_credentials(a),
+        ) as c:
             return int(a.func(a, c))
     except errors.KernelEvalError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -210,8 +210,11 @@ def check_python_stack(r: Report, python: str = sys.executable) -> None:
         s.add("torch", f"{info['torch']} (CUDA {info.get('torch_cuda') or 'none: CPU build'})")
         s.add("cuda available", str(info.get("cuda_available")))
         if info.get("cuda_available"):
-            s.add("device", f"{info.get('device_name')} (sm {info.get('capability')}), "
-                  f"{info.get('device_count')} visible")
+            s.add(
+                "device",
+                f"{info.get('device_name')} (sm {info.get('capability')}), "
+                f"{info.get('device_count')} visible",
+            )
             s.add("tiny kernel", "ok" if info.get("kernel_ok") else "WRONG RESULT")
     if "torch_error" in info:
         s.add("torch", info["torch_error"])
@@ -279,8 +282,13 @@ def run_doctor(
     checks: Sequence[Callable[[Report], None]] | None = None,
 ) -> Report:
     r = Report()
-    for check in checks or (check_host, check_nvidia_smi, check_nvml, check_python_stack,
-                            check_tools):
+    for check in checks or (
+        check_host,
+        check_nvidia_smi,
+        check_nvml,
+        check_python_stack,
+        check_tools,
+    ):
         try:
             check(r)
         except Exception as e:  # a report with a hole beats no report

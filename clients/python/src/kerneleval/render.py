@@ -19,7 +19,7 @@ BAR_WIDTH = 28
 
 
 def enum_name(value: int, enum: object, prefix: str) -> str:
-    """"OK" for Verdict VERDICT_OK, etc."""
+    """ "OK" for Verdict VERDICT_OK, etc."""
     try:
         return str(enum.Name(value)).removeprefix(prefix)  # type: ignore[attr-defined]
     except ValueError:
