@@ -1,5 +1,6 @@
 #include "kmsg.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <fcntl.h>
@@ -52,6 +53,16 @@ std::optional<KmsgXid> parse_kmsg_line(const std::string& line) {
   return out;
 }
 
+std::string pci_key(const std::string& address) {
+  std::string a = address.substr(0, address.find('.'));  // drop the function
+  size_t last = a.rfind(':');
+  if (last == std::string::npos || last == 0) return "";
+  size_t prev = a.rfind(':', last - 1);
+  std::string key = a.substr(prev == std::string::npos ? 0 : prev + 1);
+  for (char& c : key) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return key;
+}
+
 int KmsgReader::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return errno;
@@ -89,8 +100,12 @@ void KmsgReader::consume_line(const std::string& line, int64_t now_ms) {
   if (recent_.size() > 256) recent_.pop_front();
 }
 
-std::optional<KmsgXid> KmsgReader::take(int xid, int64_t now_ms, int64_t max_age_ms) {
+std::optional<KmsgXid> KmsgReader::take(int xid, const std::string& pci, int64_t now_ms,
+                                        int64_t max_age_ms) {
+  const std::string want = pci_key(pci);
   for (auto it = recent_.rbegin(); it != recent_.rend(); ++it) {
+    const std::string have = pci_key(it->second.pci);
+    if (!want.empty() && !have.empty() && want != have) continue;
     if (it->second.xid == xid && now_ms - it->first <= max_age_ms) {
       KmsgXid out = it->second;
       recent_.erase(std::next(it).base());

@@ -1,7 +1,8 @@
 // Fake NVML for tests. Reads lines from a file or FIFO that tests append to; each line is one
 // record of whitespace-separated words ('#' starts a comment):
 //
-//   device <index> [name=<text>] [uuid=<text>] [memory_total=<bytes>]   declare a GPU
+//   device <index> [name=<text>] [uuid=<text>] [pci=<bus id>] [memory_total=<bytes>]
+//                                                                       declare a GPU
 //   xid <index> <xid> [pid=<pid>]                                       an XID event
 //   health <index> [memory_used=<bytes>] [temperature=<C>] [utilization=<%>]
 //          [remapped_rows=<n>] [remap_pending=0|1] [recovery_action=<text>] [ok=0|1]
@@ -109,6 +110,7 @@ class FakeNvml : public NvmlSource {
         d.info.name = kv.count("name") ? kv["name"] : "Fake GPU " + std::to_string(index);
         d.info.uuid = kv.count("uuid") ? kv["uuid"] : "GPU-fake-" + std::to_string(index);
         d.info.driver_version = "fake";
+        d.info.pci_bus_id = kv.count("pci") ? kv["pci"] : "";
         d.reading.memory_total_bytes =
             kv.count("memory_total") ? std::stoll(kv["memory_total"]) : (80LL << 30);
       } else if (kind == "xid") {

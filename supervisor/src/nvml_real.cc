@@ -32,6 +32,11 @@ constexpr unsigned int NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230;
 struct nvmlMemory_t {
   unsigned long long total, free, used;
 };
+struct nvmlPciInfo_t {  // nvmlPciInfo_t as filled by nvmlDeviceGetPciInfo_v3
+  char busIdLegacy[16];
+  unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+  char busId[32];
+};
 struct nvmlUtilization_t {
   unsigned int gpu, memory;
 };
@@ -75,6 +80,7 @@ struct Api {
   nvmlReturn_t (*GetHandleByIndex)(unsigned int, nvmlDevice_t*);
   nvmlReturn_t (*GetName)(nvmlDevice_t, char*, unsigned int);
   nvmlReturn_t (*GetUUID)(nvmlDevice_t, char*, unsigned int);
+  nvmlReturn_t (*GetPciInfo)(nvmlDevice_t, nvmlPciInfo_t*);
   nvmlReturn_t (*DriverVersion)(char*, unsigned int);
   nvmlReturn_t (*GetMemoryInfo)(nvmlDevice_t, nvmlMemory_t*);
   nvmlReturn_t (*GetTemperature)(nvmlDevice_t, unsigned int, unsigned int*);
@@ -134,6 +140,11 @@ class RealNvml : public NvmlSource {
       if (api_.GetName(h, buf, sizeof buf) == NVML_SUCCESS) d.name = buf;
       std::memset(buf, 0, sizeof buf);
       if (api_.GetUUID(h, buf, sizeof buf) == NVML_SUCCESS) d.uuid = buf;
+      nvmlPciInfo_t pci{};
+      if (api_.GetPciInfo && api_.GetPciInfo(h, &pci) == NVML_SUCCESS) {
+        pci.busId[sizeof pci.busId - 1] = 0;
+        d.pci_bus_id = pci.busId;  // "00000000:06:00.0"
+      }
       d.driver_version = driver;
       handles_.push_back(h);
       devices_.push_back(d);
@@ -295,6 +306,7 @@ std::unique_ptr<NvmlSource> open_real_nvml(std::string* error) {
             bind(lib, "nvmlDeviceGetHandleByIndex_v2", api.GetHandleByIndex, true, error) &&
             bind(lib, "nvmlDeviceGetName", api.GetName, true, error) &&
             bind(lib, "nvmlDeviceGetUUID", api.GetUUID, true, error) &&
+            bind(lib, "nvmlDeviceGetPciInfo_v3", api.GetPciInfo, false, error) &&
             bind(lib, "nvmlSystemGetDriverVersion", api.DriverVersion, true, error) &&
             bind(lib, "nvmlDeviceGetMemoryInfo", api.GetMemoryInfo, true, error) &&
             bind(lib, "nvmlDeviceGetTemperature", api.GetTemperature, true, error) &&

@@ -54,16 +54,46 @@ TEST(Kmsg, ReaderSeesOnlyNewLinesAndMatchesByXid) {
       << "NVRM: Xid (PCI:0000:00:06): 31, pid=43, na";
   }
   r.poll(1000);
-  EXPECT_FALSE(r.take(31, 1000, 5000));  // line not finished yet
+  EXPECT_FALSE(r.take(31, "", 1000, 5000));  // line not finished yet
   {
     std::ofstream f(path, std::ios::app);
     f << "me=b\n";
   }
   r.poll(1100);
-  auto x = r.take(31, 1100, 5000);
+  auto x = r.take(31, "", 1100, 5000);
   ASSERT_TRUE(x);
   EXPECT_EQ(x->pid, 43);
-  EXPECT_FALSE(r.take(31, 1100, 5000));  // taken once
-  EXPECT_FALSE(r.take(13, 9000, 5000));  // too old
+  EXPECT_FALSE(r.take(31, "", 1100, 5000));  // taken once
+  EXPECT_FALSE(r.take(13, "", 9000, 5000));  // too old
+  std::remove(path);
+}
+
+TEST(Kmsg, PciKeysMatchAcrossFormats) {
+  EXPECT_EQ(kew::pci_key("0000:06:00"), "06:00");
+  EXPECT_EQ(kew::pci_key("00000000:06:00.0"), "06:00");
+  EXPECT_EQ(kew::pci_key("0000:2B:00"), "2b:00");
+  EXPECT_EQ(kew::pci_key(""), "");
+}
+
+TEST(Kmsg, TakeSkipsRecordsOfOtherDevices) {
+  char path[] = "/tmp/kmsg_test_XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  kew::KmsgReader r;
+  ASSERT_EQ(r.open(path), 0);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "NVRM: Xid (PCI:0000:06:00): 31, pid=60, name=a\n"
+      << "NVRM: Xid (PCI:0000:07:00): 31, pid=70, name=b\n";
+  }
+  r.poll(0);
+  auto six = r.take(31, "00000000:06:00.0", 0, 5000);
+  ASSERT_TRUE(six);
+  EXPECT_EQ(six->pid, 60);
+  EXPECT_FALSE(r.take(31, "00000000:06:00.0", 0, 5000));
+  auto any = r.take(31, "", 0, 5000);  // no address known: any record of that XID
+  ASSERT_TRUE(any);
+  EXPECT_EQ(any->pid, 70);
   std::remove(path);
 }

@@ -183,7 +183,10 @@ def test_crash_flood_trips_restart_intensity(harness: Harness) -> None:
 
 def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(harness.configure(gpus=2, workers_per_device=2))
+        cfg = harness.configure(gpus=2, workers_per_device=2)
+        harness.fake_nvml.write_text(
+            "device 0 pci=00000000:06:00.0\ndevice 1 pci=00000000:07:00.0\n")
+        wd = await harness.start(cfg)
         workers = await harness.started(4)
         for w in workers:
             await harness.report(w.worker_id)
@@ -191,9 +194,11 @@ def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -
         d1 = [w for w in workers if w.device_index == 1]
         await wd.set_job(d0[0].worker_id, "job-bad")
         await wd.set_job(d0[1].worker_id, "job-good")
-        # NVML names no pid; the kernel log does.
-        harness.kernel_log(f"4,99,123,-;NVRM: Xid (PCI:0000:00:06): 31, pid={d0[0].pid}, "
+        # NVML names no pid; the kernel log does, matched by the GPU's PCI address.
+        harness.kernel_log(f"4,99,123,-;NVRM: Xid (PCI:0000:06:00): 31, pid={d0[0].pid}, "
                            "name=python3, Ch 00000008, intr 00000000. MMU Fault")
+        harness.kernel_log(f"4,100,124,-;NVRM: Xid (PCI:0000:07:00): 31, pid={d1[0].pid}, "
+                           "name=python3, Ch 00000008")  # another GPU's line: not this event
         harness.nvml("xid 0 31")
         xid = (await harness.wait_for(lambda: harness.of("xid"), 5, "xid")).pop().xid  # type: ignore[attr-defined]
         assert (xid.device_index, xid.xid, xid.pid) == (0, 31, d0[0].pid)
