@@ -23,6 +23,7 @@ from pathlib import Path
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 from . import device
+from .device import has_gpu
 from .types import EngineConfig, NullReporter, Outcome, Reporter
 
 NCU_METRICS = (
@@ -61,7 +62,7 @@ def maybe_run_isolated(
         return None
     if os.environ.get(CHILD_ENV) == "1":
         return None
-    if not device.has_gpu():
+    if not has_gpu():
         for flag in ("launch_blocking", "device_side_assertions", "sanitize", "device_metrics"):
             if getattr(o, flag):
                 result.notes.append(f"{flag} needs a CUDA GPU; this worker has none: not applied")
@@ -80,8 +81,10 @@ def maybe_run_isolated(
         else:
             return _sanitize(spec, config, result, sanitizer, env)
     if env:
-        if reporter is not None and (not o.HasField("perf_trial_count") or o.perf_trial_count > 0):
-            reporter.phase(job_pb2.PHASE_PROFILING)  # the child times: hold the GPU's turn
+        if reporter is not None:
+            reporter.phase(job_pb2.PHASE_COMPILING)
+            if not o.HasField("perf_trial_count") or o.perf_trial_count > 0:
+                reporter.phase(job_pb2.PHASE_PROFILING)  # the child times: hold the GPU's turn
         child = _run_child(spec, config, env, prefix=[])
         child.result.notes[:0] = list(result.notes)
         child.result.notes.append(f"ran in a process started for this job with {sorted(env)}")
