@@ -38,9 +38,12 @@ def real_watchdog_available() -> bool:
 class ServiceProcess:
     """One service process; `start()` again after `kill()` reuses the state folder."""
 
-    def __init__(self, state_dir: Path, args: list[str] | None = None) -> None:
+    def __init__(
+        self, state_dir: Path, args: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.state_dir = state_dir
         self.args = list(args or [])
+        self.env = dict(env or {})
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = state_dir / "service.log"
@@ -84,6 +87,7 @@ class ServiceProcess:
             pytest.skip(f"the watchdog is not built ({WATCHDOG_BINARY}): run `make supervisor`")
         env = dict(os.environ)
         env.pop("KERNELEVAL_ADMIN_TOKEN", None)
+        env.update(self.env)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, env=env, cwd=REPO)
         log.close()

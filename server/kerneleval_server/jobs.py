@@ -157,7 +157,7 @@ class JobManager:
             fault = job_pb2.FaultInfo(
                 description=f"the front end restarted while the job ran on {job.worker_id}"
             )
-            self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED)
+            self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED, service_fault=True)
         self.dispatch()
 
     # ---- dispatch ---------------------------------------------------------------------
@@ -431,8 +431,11 @@ class JobManager:
         )
         self.dispatch()
 
-    def _retry_or_fail(self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int) -> None:
-        """An ambiguous loss: run the job again while attempts remain."""
+    def _retry_or_fail(
+        self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int, service_fault: bool = False
+    ) -> None:
+        """An ambiguous loss: run the job again while attempts remain. Past them, the job ends
+        FAILED when the service lost it (front-end restarts), else DONE with the verdict."""
         if job.attempt_count < self.config.max_attempts:
             self.running.pop(job.job_id, None)
             fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
@@ -448,9 +451,12 @@ class JobManager:
             self._enqueue(job)
             return
         result = job_pb2.EvalResult()
-        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
         result.fault.CopyFrom(fault)
         result.fault.description += f"; not retried after {job.attempt_count} attempts"
+        if service_fault:
+            self._finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
+            return
+        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
         self._finish(job, job_pb2.JOB_STATE_DONE, result)
 
     def _job_worker_exited(self, run: Running, exited: supervisor_pb2.WorkerExited) -> None:

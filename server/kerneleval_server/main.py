@@ -16,9 +16,7 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -67,16 +65,6 @@ def admin_token(cfg: Config, state: Path) -> str:
     return token
 
 
-def limits_from(cfg: Config, environ: dict[str, str] | os._Environ[str]) -> validation.Limits:
-    """validation.Limits with KERNELEVAL_LIMIT_<FIELD> overrides."""
-    values: dict[str, Any] = {}
-    for f in fields(validation.Limits):
-        raw = environ.get("KERNELEVAL_LIMIT_" + f.name.upper())
-        if raw:
-            values[f.name] = type(getattr(validation.Limits(), f.name))(float(raw))
-    return validation.Limits(**values)
-
-
 def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Configure:
     src = Path(__file__).resolve().parents[1]  # server/
     gen = src.parent / "clients" / "python" / "src"
@@ -89,6 +77,8 @@ def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Confi
     }
     if cfg.engine:
         env["KERNELEVAL_ENGINE"] = cfg.engine
+    # Workers check against the same limits (validation.Limits.from_env).
+    env.update({k: v for k, v in os.environ.items() if k.startswith("KERNELEVAL_LIMIT_")})
     nvml = {
         "auto": supervisor_pb2.NVML_SOURCE_UNSPECIFIED,
         "real": supervisor_pb2.NVML_SOURCE_REAL,
@@ -129,7 +119,7 @@ class Server:
         self.store = Store(cfg.database_path())
         os.chmod(cfg.database_path(), 0o600)
         self.metrics = Metrics()
-        self.limits = limits_from(cfg, os.environ)
+        self.limits = validation.Limits.from_env()
         self.manager = JobManager(
             cfg,
             self.store,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import fe_kernels as k
 import grpc
@@ -95,3 +96,28 @@ def test_sigterm_keeps_queued_jobs(svc: ServiceProcess) -> None:
     jobs = wait_all_terminal(stub, [hang.job_id, queued.job_id], timeout=120)
     assert jobs[queued.job_id].result.verdict == job_pb2.VERDICT_OK
     assert jobs[hang.job_id].state in TERMINAL
+
+
+def test_watchdog_killed_is_restarted_and_its_job_rerun(svc: ServiceProcess) -> None:
+    import os
+    import signal
+
+    assert svc.proc is not None
+    stub = stub_of(svc)
+    hang = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=3))).job
+    deadline = time.monotonic() + 30
+    while stub.GetJob(pb.GetJobRequest(job_id=hang.job_id)).job.state != job_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    children = Path(f"/proc/{svc.proc.pid}/task/{svc.proc.pid}/children").read_text().split()
+    watchdogs = [
+        int(c) for c in children if "kerneleval-watchdog" in Path(f"/proc/{c}/cmdline").read_text()
+    ]
+    assert len(watchdogs) == 1
+    os.kill(watchdogs[0], signal.SIGKILL)
+    job = wait_all_terminal(stub, [hang.job_id], timeout=90)[hang.job_id]
+    assert job.attempt_count == 2, job
+    assert job.result.verdict == job_pb2.VERDICT_TIMEOUT
+    svc.wait_serving(60)
+    done = stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), timeout=120).job
+    assert done.result.verdict == job_pb2.VERDICT_OK

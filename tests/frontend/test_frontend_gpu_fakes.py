@@ -1,0 +1,101 @@
+"""GPU behaviours on the CPU: a fake engine acts out an illegal address (poisoned context,
+XID from the fake NVML) and timed phases on a fake GPU with two workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import fe_kernels as k
+import pytest
+from conftest import ServiceProcess
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval.v1 import operations_service_pb2 as ops
+from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("gpu-fakes")
+    nvml = root / "fake_nvml"
+    nvml.write_text("device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n")
+    service = ServiceProcess(
+        root / "state",
+        [
+            "--nvml", "fake", "--fake-nvml-path", str(nvml),
+            "--engine", "fe_fake_engine",
+            "--workers-per-device", "2",
+            "--xid-wait-s", "5",
+        ],
+        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    service.fake_nvml = nvml  # type: ignore[attr-defined]
+    service.root = root  # type: ignore[attr-defined]
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+
+
+def command_spec(cmd: dict[str, object]) -> kernel_pb2.JobSpec:
+    return k.spec(json.dumps(cmd))
+
+
+def test_illegal_address_carries_the_xid_and_does_not_hold_up_the_next_job(
+    svc: ServiceProcess,
+) -> None:
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    spec = command_spec({"do": "illegal_address", "nvml": str(svc.fake_nvml), "xid_delay": 1.0})  # type: ignore[attr-defined]
+    fut_fault = ThreadPoolExecutor(1).submit(
+        lambda: stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=60).job
+    )
+    time.sleep(0.3)
+    log = svc.root / "timing.log"  # type: ignore[attr-defined]
+    start = time.monotonic()
+    nxt = stub.Evaluate(
+        pb.EvaluateRequest(spec=command_spec({"do": "time", "log": str(log), "seconds": 0.05})),
+        timeout=60,
+    ).job
+    assert nxt.result.verdict == job_pb2.VERDICT_OK
+    assert time.monotonic() - start < 3  # not held up by the wait for the XID
+    job = fut_fault.result()
+    assert job.result.verdict == job_pb2.VERDICT_DEVICE_FAULT
+    assert job.result.error.cuda_error_code == 700
+    assert job.result.fault.xid == 31, job.result.fault
+    assert job.result.fault.worker_restarted
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    devices = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+    assert any(x.xid == 31 for x in devices[0].recent_xids)
+    stats = opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth())
+    assert stats.xid_count >= 1 and stats.fault_count >= 1
+
+
+def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    log = svc.root / "gate.log"  # type: ignore[attr-defined]
+    spec = command_spec({"do": "time", "log": str(log), "seconds": 0.6})
+    with ThreadPoolExecutor(4) as pool:
+        jobs = list(
+            pool.map(
+                lambda _: stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=60).job, range(4)
+            )
+        )
+    assert all(j.result.verdict == job_pb2.VERDICT_OK for j in jobs)
+    rows = [line.split() for line in log.read_text().splitlines()]
+    profile = sorted((float(a), float(b)) for p, a, b, _ in rows if p == "profile")
+    prepare = sorted((float(a), float(b)) for p, a, b, _ in rows if p == "prepare")
+    assert len(profile) == 4
+    for (_, end), (start, _) in zip(profile, profile[1:], strict=False):
+        assert start >= end - 0.01, profile  # never two timings at once on one device
+    # ... while the other worker kept compiling/validating: some preparation overlapped a timing.
+    assert any(ps < pe and qs < ps + 0.6 and qe > ps for ps, pe in profile for qs, qe in prepare)
+    assert len({pid for *_, pid in rows}) == 2
