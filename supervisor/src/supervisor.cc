@@ -13,11 +13,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <algorithm>
 #include <filesystem>
+#include <random>
 
 #include "log.h"
 
@@ -44,10 +45,20 @@ constexpr int kAllDevices = -2;
 constexpr int kAutoResetGraceMs = 1000;
 constexpr int64_t kKmsgWaitMs = 1500;  // how long an XID waits for its kernel log line
 
+// 128 random bits in hex: the secret a worker shows the front end.
 std::string random_token() {
   unsigned char raw[16] = {0};
-  ssize_t n = ::getrandom(raw, sizeof raw, 0);
-  (void)n;
+  size_t got = 0;
+  while (got < sizeof raw) {
+    ssize_t n = ::getrandom(raw + got, sizeof raw - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got < sizeof raw) {  // no getrandom (old kernel, seccomp): the C++ library's source
+    std::random_device rd;
+    for (auto& b : raw) b = static_cast<unsigned char>(rd());
+  }
   static const char* hex = "0123456789abcdef";
   std::string out;
   for (unsigned char c : raw) {
@@ -437,7 +448,10 @@ void Supervisor::spawn(Device& d, bool spare) {
   SpawnResult r = spawn_sandboxed(spec);
   for (const auto& [feature, err] : r.refused)
     warn_once(feature, "the host refused " + feature + " (" + err + "); workers run without it");
-  if (!r.error.empty()) log_line("worker " + w.id + ": " + r.error);
+  if (!r.error.empty()) {  // e.g. exec failed: the child exits 127 and counts as a failure
+    log_line("worker " + w.id + ": " + r.error);
+    warn_once("worker_command", "cannot start " + sandbox_.argv[0] + ": " + r.error);
+  }
   if (r.pid < 0) {  // fork failed: count it like a crash so a broken host trips the intensity
     fs::remove_all(dir, ec);
     if (d.intensity.record_failure(now_ms())) {

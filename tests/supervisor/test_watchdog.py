@@ -519,3 +519,21 @@ def test_binary_links_only_libc_level_libraries(watchdog_binary: str) -> None:
     allowed = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "/lib64/ld-linux",
                "ld-linux")
     assert libs and all(lib.startswith(allowed) for lib in libs), libs
+
+
+def test_missing_worker_command_is_reported_and_trips_the_intensity(harness: Harness) -> None:
+    async def body() -> None:
+        cfg = harness.configure(max_restarts=2, backoff_initial_ms=10)
+        cfg.worker_command[:] = ["/nonexistent/worker"]
+        wd = await harness.start(cfg)
+        await harness.wait_for(
+            lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
+            5, "unhealthy")
+        exits = [e.worker_exited for e in harness.of("worker_exited")]
+        assert len(exits) == 3 and all(x.exit_code == 127 for x in exits)
+        warnings = [e.warning for e in harness.of("warning")
+                    if e.warning.feature == "worker_command"]
+        assert len(warnings) == 1 and "No such file" in warnings[0].message
+        await wd.shutdown(0)
+
+    run(body())
