@@ -312,3 +312,28 @@ def test_reporter_failures_propagate(engine_dir) -> None:
 
     with pytest.raises(Cancelled):
         run_job(job(source(TORCH, ADD_MODEL)), Rep(), EngineConfig(work_dir=engine_dir))
+
+
+def test_sys_exit_in_kernel_code_is_a_runtime_error(run) -> None:
+    out, _ = run(job(source(TORCH, model("__import__('sys').exit(3)"))))
+    assert out.result.verdict == V.VERDICT_RUNTIME_ERROR
+    assert out.result.error.exception_type == "SystemExit"
+
+
+def test_global_torch_settings_do_not_leak_into_the_next_job(run) -> None:
+    import sys
+
+    import torch
+
+    body = "(torch.set_default_dtype(torch.float64), a + b)[1]"
+    before = torch.get_default_dtype()
+    out, _ = run(job(source(TORCH, model(body))))
+    assert out.result.verdict == V.VERDICT_OK
+    assert torch.get_default_dtype() == before
+    assert not [m for m in sys.modules if m.startswith("ke_kernel_")]  # modules are dropped
+
+
+def test_kernels_run_without_autograd(run) -> None:
+    cand = model("a + b if not torch.is_grad_enabled() else a - b")
+    out, _ = run(job(source(TORCH, cand), source(TORCH, ADD_MODEL)))
+    assert out.result.verdict == V.VERDICT_OK

@@ -21,6 +21,22 @@ import torch
 _counter = itertools.count()
 
 
+_loaded: list[str] = []
+
+
+@contextlib.contextmanager
+def forgetting_modules() -> Iterator[None]:
+    """Drops the job's modules from sys.modules afterwards, so that what they hold (weights,
+    cached tensors) is freed rather than kept for the worker's lifetime."""
+    start = len(_loaded)
+    try:
+        yield
+    finally:
+        for name in _loaded[start:]:
+            sys.modules.pop(name, None)
+        del _loaded[start:]
+
+
 class CompileError(Exception):
     """The source did not build or lacks its entry point; the message is for the user."""
 
@@ -46,6 +62,7 @@ def import_source(work_dir: Path, role: str, source: str) -> types.ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton and dataclasses look modules up by name
+    _loaded.append(name)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:

@@ -105,7 +105,8 @@ def run_job(spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig) 
         isolated_outcome = isolated.maybe_run_isolated(spec, config, job.result, job.reporter)
         if isolated_outcome is not None:
             return isolated_outcome
-        job.run()
+        with preserved_torch_state(), loader.forgetting_modules():
+            job.run()
     except _Stop:
         pass
     except _ReporterError as e:
@@ -123,6 +124,31 @@ def run_job(spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig) 
     if job.notes:
         job.result.notes.extend(job.notes)
     return Outcome(result=job.result, context_poisoned=job.poisoned)
+
+
+@contextlib.contextmanager
+def preserved_torch_state() -> Iterator[None]:
+    """Global settings a kernel may change (TF32, cuDNN, default dtype) are restored after the
+    job, so they do not leak into the next job of this worker."""
+    cuda_matmul = torch.backends.cuda.matmul
+    cudnn = torch.backends.cudnn
+    saved = (
+        torch.get_default_dtype(),
+        torch.get_float32_matmul_precision(),
+        cuda_matmul.allow_tf32,
+        cuda_matmul.allow_fp16_reduced_precision_reduction,
+        cudnn.allow_tf32,
+        cudnn.benchmark,
+        cudnn.deterministic,
+    )
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved[0])
+        torch.set_float32_matmul_precision(saved[1])
+        cuda_matmul.allow_tf32 = saved[2]
+        cuda_matmul.allow_fp16_reduced_precision_reduction = saved[3]
+        cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = saved[4:]
 
 
 class _Job:
@@ -198,7 +224,9 @@ class _Job:
             self.notes.append("no CUDA device on this worker: the kernel compiled but cannot run")
         except preflight.ResourceLimitError as e:
             self._resource_limit(who + str(e))
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
             if type(e).__name__ == "CompilationError":
                 self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
                 self.result.compilation_error = who + str(e)[-32000:]
@@ -223,9 +251,9 @@ class _Job:
     def _guard(self, who: str = "") -> Iterator[None]:
         """Runs kernel code: any exception becomes the job's verdict."""
         try:
-            with self._cpu_shim():
+            with self._cpu_shim(), torch.no_grad():  # inference, as KernelBench evaluates
                 yield
-        except (_Stop, _ReporterError):
+        except (_Stop, _ReporterError, KeyboardInterrupt):
             raise
         except preflight.ResourceLimitError as e:
             self._resource_limit(who + str(e))
@@ -235,7 +263,7 @@ class _Job:
             self.result.error.message = who + str(e)
             self.result.error.exception_type = "NoDeviceError"
             raise _Stop from None
-        except Exception as e:
+        except BaseException as e:  # SystemExit from kernel code is its failure too
             if type(e).__name__ == "CompilationError":  # Triton compiles at the first launch
                 self.result.compiled = False
                 self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
