@@ -231,12 +231,18 @@ def test_doctor_without_a_gpu(fake, capsys, tmp_path, monkeypatch):
     assert "## torch and triton (child process)" in out and "triton: " in out
     assert f"## service at {fake.address}" in out and "health: SERVING" in out
     assert "recent XID on 0: 31 (application) -> restart_worker" in out
+    from kerneleval import doctor
+
+    monkeypatch.setattr(doctor, "check_python_stack", lambda r: r.section("torch").add("x", "y"))
     code, out, _ = run(fake, capsys, "doctor", "--json")
     report = json.loads(out)
     assert "devices: skipped" in " ".join(report[f"service at {fake.address}"])
 
 
 def test_doctor_with_nothing_reachable(capsys, monkeypatch, tmp_path):
+    from kerneleval import doctor
+
+    monkeypatch.setattr(doctor, "check_python_stack", lambda r: r.section("torch").add("x", "y"))
     monkeypatch.setenv("PATH", str(tmp_path))  # no tools at all
     code = cli.main(["--address", "127.0.0.1:1", "doctor", "--service-timeout", "1"])
     out = capsys.readouterr().out

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -78,22 +79,29 @@ class Report:
 
 
 def run_tool(argv: Sequence[str], timeout: float = TOOL_TIMEOUT_S) -> tuple[int | None, str]:
-    """(exit code, combined output); exit code None when it could not run or timed out."""
+    """(exit code, combined output); exit code None when it could not run or timed out.
+
+    The tool runs in its own session so that a timeout kills it with its children."""
     try:
-        p = subprocess.run(
+        p = subprocess.Popen(
             list(argv),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
         )
     except FileNotFoundError:
         return None, "not found"
-    except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:g} s"
     except OSError as e:
         return None, str(e)
-    return p.returncode, (p.stdout + p.stderr).strip()
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return None, f"timed out after {timeout:g} s"
+    return p.returncode, (out or "").strip()
 
 
 def find_tool(name: str) -> str | None:
