@@ -673,12 +673,15 @@ void Supervisor::poll_xids(int64_t now) {
     }
   for (size_t i = 0; i < xids_.size();) {
     PendingXid& p = xids_[i];
-    if (p.event.pid == 0 && kmsg_.is_open()) {
+    bool matched = p.event.pid != 0;
+    if (!matched && kmsg_.is_open()) {
       const Device* d = device(p.event.device_index);
-      if (auto k = kmsg_.take(p.event.xid, d ? d->info.pci_bus_id : "", now, 10000))
-        p.event.pid = k->pid;
+      if (auto k = kmsg_.take(p.event.xid, d ? d->info.pci_bus_id : "", now, 10000)) {
+        p.event.pid = k->pid;  // may stay 0: the line said pid='<unknown>'
+        matched = true;
+      }
     }
-    if (p.event.pid != 0 || now >= p.deadline_ms) {
+    if (matched || now >= p.deadline_ms) {
       XidEvent e = p.event;
       xids_.erase(xids_.begin() + static_cast<long>(i));
       handle_xid(e);
