@@ -337,3 +337,12 @@ def test_kernels_run_without_autograd(run) -> None:
     cand = model("a + b if not torch.is_grad_enabled() else a - b")
     out, _ = run(job(source(TORCH, cand), source(TORCH, ADD_MODEL)))
     assert out.result.verdict == V.VERDICT_OK
+
+
+def test_get_inputs_over_the_byte_limit_is_refused(run) -> None:
+    out, _ = run(job(source(TORCH, ADD_MODEL)), limits=Limits(max_total_tensor_bytes=1000))
+    r = out.result
+    assert r.verdict == V.VERDICT_RUNTIME_ERROR and r.error.exception_type == "InvalidArgument"
+    assert "get_inputs() made 2048 bytes of tensors, over the limit of 1000 bytes" in (
+        r.error.message
+    )

@@ -34,14 +34,25 @@ def gpu_limits() -> DeviceLimits | None:
     """Limits of the current GPU, None without one."""
     if not has_gpu():
         return None
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    idx = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _triton_max_shared(idx)
     per_block = int(getattr(props, "shared_memory_per_block", 0) or 48 * 1024)
     return DeviceLimits(
         max_threads_per_block=int(getattr(props, "max_threads_per_block", 1024) or 1024),
         max_shared_memory_per_block=per_block,
         max_shared_memory_per_block_optin=max(optin, per_block),
     )
+
+
+def _triton_max_shared(idx: int) -> int:
+    """The opt-in shared memory limit as Triton reads it (the number its own check uses)."""
+    try:
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    except Exception:  # an older torch and no Triton driver: the conservative default
+        return 0
 
 
 @functools.lru_cache(maxsize=1)

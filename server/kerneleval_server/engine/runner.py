@@ -311,11 +311,25 @@ class _Job:
             with self._guard("get_inputs(): "):
                 torch.manual_seed(mix_seed(self.opts.seed, trial))
                 values = [to_device(v, self.dev) for v in get_inputs()]
+            self._check_input_size(values)
             n = len(values)
             roles = [int(kernel_pb2.ARG_ROLE_INPUT)] * n
             return TrialArgs(values, [f"input[{i}]" for i in range(n)], roles, [False] * n, True)
 
         return from_get_inputs
+
+    def _check_input_size(self, values: list[Any]) -> None:
+        """get_inputs() sizes are only known once it ran: hold them to the same byte limit."""
+        total = compare.nbytes_of(values)
+        limit = self.config.limits.max_total_tensor_bytes
+        if total > limit:
+            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.error.exception_type = "InvalidArgument"
+            self.result.error.message = (
+                f"get_inputs() made {total} bytes of tensors, over the limit of {limit} bytes: "
+                "give smaller shapes through the IOContract"
+            )
+            raise _Stop
 
     def _preflight_triton(
         self,
