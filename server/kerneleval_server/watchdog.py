@@ -93,7 +93,9 @@ class Watchdog:
         try:
             await wd._call(supervisor_pb2.SupervisorCommand(configure=configure), "configure")
         except BaseException:
-            await wd.close()
+            await wd.close()  # the watchdog exits when its channel closes
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 2)
             raise
         return wd
 
