@@ -157,3 +157,60 @@ def test_parse_ncu_csv() -> None:
     assert m.values["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 12.5
     assert m.values["gpu__time_duration.sum"] == pytest.approx(5000.0)  # ns, both launches
     assert parse_ncu_csv("==PROF== no kernels were profiled") is None
+
+
+class SimGpu:
+    """A device timeline: the launching stream, one side stream, host sync latency (ms)."""
+
+    def __init__(self, kernel_ms: float, side_ms: float = 0.0) -> None:
+        self.now = 0.0
+        self.side_end = 0.0
+        self.kernel_ms, self.side_ms = kernel_ms, side_ms
+        self.flushes = 0
+
+    def event(self) -> SimGpu.Event:
+        return SimGpu.Event(self)
+
+    class Event:
+        def __init__(self, gpu: SimGpu) -> None:
+            self.gpu, self.t = gpu, 0.0
+
+        def record(self) -> None:
+            self.t = self.gpu.now
+
+        def elapsed_time(self, other: SimGpu.Event) -> float:
+            return other.t - self.t
+
+    def run_kernel(self) -> None:
+        launched = self.now
+        self.now += self.kernel_ms
+        if self.side_ms:
+            self.side_end = launched + self.side_ms
+
+    def synchronize(self) -> None:
+        self.now = max(self.now, self.side_end) + 0.004
+
+    def flush_buffer(self) -> object:
+        return object()
+
+    def flush(self, buffer: object) -> None:
+        self.flushes += 1
+        self.now += 0.08
+
+    def idle(self) -> None:
+        self.now += 0.05
+
+
+def test_cuda_timing_counts_the_launching_stream() -> None:
+    gpu = SimGpu(kernel_ms=0.25)
+    t = timing._measure_cuda(gpu.run_kernel, 50, 5, True, lambda d: None, ops=gpu)
+    assert t.stats.median_ms == pytest.approx(0.25) and t.side_stream_trials == 0
+    assert t.stats.source == job_pb2.TIMING_SOURCE_CUDA_EVENTS and t.stats.l2_flushed
+    assert gpu.flushes == 50  # the L2 flush before every timed trial
+
+
+def test_cuda_timing_counts_work_hidden_on_another_stream() -> None:
+    gpu = SimGpu(kernel_ms=0.01, side_ms=0.5)  # returns at once, the work runs elsewhere
+    t = timing._measure_cuda(gpu.run_kernel, 20, 2, False, lambda d: None, ops=gpu)
+    assert t.side_stream_trials == 20
+    assert t.stats.median_ms == pytest.approx(0.5, abs=0.01) and not t.stats.l2_flushed

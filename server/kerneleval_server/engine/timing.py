@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,57 +50,75 @@ def measure(
     return _measure_cuda(fn, trials, warmup, flush_l2, tick)
 
 
-def _measure_cuda(
-    fn: Callable[[], object], trials: int, warmup: int, flush_l2: bool, tick: Callable[[int], None]
-) -> Timing:
-    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush_l2 else None
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    baseline = _sync_gap_ms()
+class CudaOps:
+    """The CUDA calls timing makes; tests replace them with a simulated device."""
 
-    def ev() -> torch.cuda.Event:
+    def event(self) -> Any:
         return torch.cuda.Event(enable_timing=True)
 
-    start, end, after = (
-        [ev() for _ in range(trials)],
-        [ev() for _ in range(trials)],
-        [ev() for _ in range(trials)],
-    )
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def flush_buffer(self) -> Any:
+        return torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+
+    def flush(self, buffer: Any) -> None:
+        buffer.zero_()
+
+    def idle(self) -> None:
+        torch.cuda._sleep(_IDLE_CYCLES)
+
+
+def _measure_cuda(
+    fn: Callable[[], object],
+    trials: int,
+    warmup: int,
+    flush_l2: bool,
+    tick: Callable[[int], None],
+    ops: Any = None,
+) -> Timing:
+    ops = ops or CudaOps()
+    cache = ops.flush_buffer() if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    ops.synchronize()
+    baseline = _sync_gap_ms(ops)
+    start = [ops.event() for _ in range(trials)]
+    end = [ops.event() for _ in range(trials)]
+    after = [ops.event() for _ in range(trials)]
     for i in range(trials):
         if cache is not None:
-            cache.zero_()
+            ops.flush(cache)
         else:
-            torch.cuda._sleep(_IDLE_CYCLES)
+            ops.idle()
         start[i].record()
         fn()
         end[i].record()
-        torch.cuda.synchronize()  # every stream: work on side streams ends before `after`
+        ops.synchronize()  # every stream: work on side streams ends before `after`
         after[i].record()
         tick(i + 1)
-    torch.cuda.synchronize()
+    ops.synchronize()
     gap_limit = baseline * 2 + 0.02
     times, hidden = [], 0
-    for s, e, a in zip(start, end, after, strict=False):
+    for s, e, a in zip(start, end, after, strict=True):
         t = s.elapsed_time(e)
-        gap = e.elapsed_time(a)
-        if gap > gap_limit:  # something ran after the launching stream finished
+        if e.elapsed_time(a) > gap_limit:  # something ran after the launching stream finished
             hidden += 1
             t = max(t, s.elapsed_time(a) - baseline)
         times.append(t)
     return Timing(stats(times, job_pb2.TIMING_SOURCE_CUDA_EVENTS, flushed=flush_l2), hidden)
 
 
-def _sync_gap_ms(samples: int = 21) -> float:
+def _sync_gap_ms(ops: Any, samples: int = 21) -> float:
     """Median time from an idle stream's last event to an event recorded after a device-wide
     synchronize: the cost of the check itself, not of any kernel."""
     gaps = []
     for _ in range(samples):
-        e, a = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e, a = ops.event(), ops.event()
         e.record()
-        torch.cuda.synchronize()
+        ops.synchronize()
         a.record()
-        torch.cuda.synchronize()
+        ops.synchronize()
         gaps.append(e.elapsed_time(a))
     return float(np.median(gaps))
 
