@@ -86,6 +86,9 @@ class Watchdog:
             proc = await asyncio.create_subprocess_exec(
                 binary, "--control-fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),)
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_FRAME + 8)
