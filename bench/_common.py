@@ -141,6 +141,19 @@ class Service:
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
 
+    def warnings(self) -> list[str]:
+        """The watchdog's warnings (e.g. a sandbox feature the host refused), from the log."""
+        out: list[str] = []
+        if self.log.exists():
+            for line in self.log.read_text(errors="replace").splitlines():
+                try:
+                    msg = str(json.loads(line).get("message", ""))
+                except ValueError:
+                    continue
+                if msg.startswith("watchdog:") and msg not in out:
+                    out.append(msg)
+        return out
+
     def resets_recorded(self) -> int:
         return len(self.resets.read_text().splitlines()) if self.resets.exists() else 0
 
