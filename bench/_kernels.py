@@ -131,25 +131,30 @@ def torch_ref(n: int) -> str:
     return TORCH_ADD_REF.replace("N_ELEMS", str(n))
 
 
-def triton_add(scale: float = 1.0, block: int = 1024) -> str:
-    return TRITON_ADD.replace("SCALE", repr(float(scale))).replace("BLOCK_SIZE", str(block))
+def triton_add(scale: float = 1.0, block: int = 1024, variant: int = -1) -> str:
+    """`variant` >= 0 makes a distinct source (a new compile) with the same result."""
+    factor = repr(float(scale)) if variant < 0 else f"({float(scale)!r} + 0.0 * {variant})"
+    return TRITON_ADD.replace("SCALE", factor).replace("BLOCK_SIZE", str(block))
 
 
-def triton_add_spec(n: int, scale: float = 1.0, block: int = 1024) -> kernel_pb2.JobSpec:
+def triton_add_spec(
+    n: int, scale: float = 1.0, block: int = 1024, variant: int = -1
+) -> kernel_pb2.JobSpec:
     """A Triton `a * scale + b` compared with eager `a + b` (correct when scale is 1)."""
     spec = kernel_pb2.JobSpec(client_tag="bench-triton")
     spec.kernel.type = kernel_pb2.KERNEL_TYPE_TRITON
-    spec.kernel.source_code = triton_add(scale, block)
+    spec.kernel.source_code = triton_add(scale, block, variant)
     spec.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
     spec.reference.source_code = torch_ref(n)
     return spec
 
 
-def cuda_add_spec(n: int, scale: float = 1.0) -> kernel_pb2.JobSpec:
+def cuda_add_spec(n: int, scale: float = 1.0, variant: int = -1) -> kernel_pb2.JobSpec:
     """A raw CUDA `a * scale + b` compared with a grid-stride CUDA reference."""
     spec = kernel_pb2.JobSpec(client_tag="bench-cuda")
     spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
-    spec.kernel.source_code = CUDA_ADD.replace("SCALE", f"{float(scale)!r}f")
+    factor = f"{float(scale)!r}f" if variant < 0 else f"({float(scale)!r}f + 0.0f * {variant})"
+    spec.kernel.source_code = CUDA_ADD.replace("SCALE", factor)
     spec.kernel.io.CopyFrom(cuda_io(n))
     spec.reference.type = kernel_pb2.KERNEL_TYPE_CUDA
     spec.reference.source_code = CUDA_ADD_REF

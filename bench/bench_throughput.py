@@ -1,0 +1,196 @@
+"""Throughput of many small candidates through RunBatch, against one Evaluate at a time.
+
+--count candidates (default 500: half Triton, half raw CUDA; each a distinct source, so each
+compiles) are compared with a reference (2 correctness trials, 20 timed trials) through one
+RunBatch stream with --in-flight jobs outstanding, on one GPU with --workers-per-device
+workers (compiles and checks overlap; the timing phase is granted one job at a time per GPU).
+Reports evaluations per second and the fraction of wall time each GPU was busy timing (sum
+of PROFILING phase durations from the jobs' events / wall). Baseline in the same run: the
+first --baseline-count candidates as sequential Evaluate calls (one job in flight) through
+the same service. On two GPUs (where present) the batch runs again with --devices 0,1.
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_throughput.py --out DIR
+    ... --cpu-smoke       # here: 20 Triton candidates under the interpreter
+
+Results: <out>/bench_throughput.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+import _kernels as K  # noqa: E402
+from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
+
+
+def candidates(count: int, n: int, cuda: bool, offset: int = 0) -> list[kernel_pb2.JobSpec]:
+    out = []
+    for i in range(offset, offset + count):
+        if cuda and i % 2 == 1:
+            spec = K.cuda_add_spec(n, variant=i)
+        else:
+            spec = K.triton_add_spec(n, block=[128, 256, 512, 1024][i % 4], variant=i)
+        spec.options.CopyFrom(K.options(correct=2, perf=20, warmup=3))
+        out.append(spec)
+    return out
+
+
+def profiling_spans(events: list[job_pb2.JobEvent]) -> tuple[int, float]:
+    """(device, seconds in PROFILING): from the phase event to the next phase or the end."""
+    device, start, total = -2, 0.0, 0.0
+    for ev in events:
+        kind = ev.WhichOneof("kind")
+        t = C.ts(ev.time)
+        if kind == "started":
+            device = ev.started.device_index
+        if start and kind in ("phase", "finished"):
+            total += t - start
+            start = 0.0
+        if kind == "phase" and ev.phase.phase == job_pb2.PHASE_PROFILING:
+            start = t
+    return device, total
+
+
+def run_batch(svc: C.Service, specs: list[kernel_pb2.JobSpec], in_flight: int) -> dict[str, Any]:
+    events: dict[str, list[job_pb2.JobEvent]] = {}
+    results: dict[str, job_pb2.Job] = {}
+    refused = 0
+    t0 = time.perf_counter()
+    with svc.client() as c:
+        for be in c.run_batch(specs, max_in_flight=in_flight):
+            if be.error is not None:
+                refused += 1
+                print("refused:", be.error.message, flush=True)
+            elif be.event is not None:
+                events.setdefault(be.request_tag, []).append(be.event)
+                if be.event.HasField("finished"):
+                    results[be.request_tag] = be.event.finished
+            if len(results) + refused >= len(specs):
+                break
+    wall = time.perf_counter() - t0
+    busy: dict[int, float] = {}
+    for evs in events.values():
+        device, secs = profiling_spans(evs)
+        busy[device] = busy.get(device, 0.0) + secs
+    ok = sum(1 for j in results.values() if j.result.verdict == job_pb2.VERDICT_OK)
+    return {
+        "jobs": len(specs), "finished": len(results), "ok": ok, "refused": refused,
+        "wall_s": wall, "evals_per_s": len(results) / wall,
+        "profiling_busy_s": {str(d): s for d, s in busy.items()},
+        "profiling_busy_fraction": {str(d): s / wall for d, s in busy.items()},
+        "verdicts": _verdicts(results.values()),
+    }  # fmt: skip
+
+
+def _verdicts(jobs: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for j in jobs:
+        name = job_pb2.Verdict.Name(j.result.verdict)
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def sequential(svc: C.Service, specs: list[kernel_pb2.JobSpec]) -> dict[str, Any]:
+    jobs = []
+    busy = 0.0
+    t0 = time.perf_counter()
+    with svc.client() as c:
+        for spec in specs:
+            jobs.append(c.evaluate(spec))
+    wall = time.perf_counter() - t0
+    with svc.client() as c:
+        for j in jobs:
+            busy += profiling_spans(list(c.watch(j.job_id)))[1]
+    ok = sum(1 for j in jobs if j.result.verdict == job_pb2.VERDICT_OK)
+    return {"jobs": len(specs), "finished": len(jobs), "ok": ok, "wall_s": wall,
+            "evals_per_s": len(jobs) / wall, "profiling_busy_fraction": {"0": busy / wall},
+            "verdicts": _verdicts(jobs)}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap)
+    ap.add_argument("--count", type=int, default=None, help="candidates (500; 20 smoke)")
+    ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
+    ap.add_argument("--in-flight", type=int, default=64)
+    ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
+    ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    count = args.count or (20 if smoke else 500)
+    base_count = args.baseline_count or (6 if smoke else 60)
+    wpd = args.workers_per_device or (1 if smoke else 4)
+    n = args.elements or (4096 if smoke else 1 << 20)
+    info = C.machine_info()
+    cuda = not smoke
+    wflags = ["--workers-per-device", str(wpd)]
+    data: dict[str, Any] = {"count": count, "workers_per_device": wpd, "elements": n}
+
+    svc = C.Service(wflags + ([] if smoke else ["--devices", "0"]),
+                    nvml="none" if smoke else "real").start()  # fmt: skip
+    try:
+        svc.wait_workers(wpd)
+        # Sequential first, on candidates of their own (no compile cache shared with the batch).
+        data["sequential"] = sequential(svc, candidates(base_count, n, cuda, offset=100_000))
+        print(f"sequential: {data['sequential']['evals_per_s']:.2f}/s", flush=True)
+        data["batch_1gpu"] = run_batch(svc, candidates(count, n, cuda), args.in_flight)
+        print(f"batch on one GPU: {data['batch_1gpu']['evals_per_s']:.2f}/s", flush=True)
+    finally:
+        svc.stop()
+    two = info["gpu_count"] >= 2 and not smoke
+    if two:
+        svc = C.Service(wflags + ["--devices", "0,1"], nvml="real").start()
+        try:
+            svc.wait_workers(2 * wpd)
+            data["batch_2gpu"] = run_batch(
+                svc, candidates(count, n, cuda, offset=200_000), args.in_flight
+            )
+        finally:
+            svc.stop()
+
+    seq = data["sequential"]
+    rows: list[list[Any]] = [
+        [f"sequential Evaluate, one at a time ({base_count})", seq["finished"], seq["ok"],
+         seq["wall_s"], seq["evals_per_s"], seq["profiling_busy_fraction"].get("0", 0.0), 1.0],
+    ]  # fmt: skip
+    for key, label in (("batch_1gpu", "RunBatch, one GPU"), ("batch_2gpu", "RunBatch, two GPUs")):
+        b = data.get(key)
+        if b is None:
+            rows.append([label, "not run: one GPU", "", "", "", "", ""])
+            continue
+        frac = ", ".join(f"GPU {d}: {f:.2f}" for d, f in sorted(b["profiling_busy_fraction"].items()))
+        rows.append([f"{label} ({count}, {args.in_flight} in flight)", b["finished"], b["ok"],
+                     b["wall_s"], b["evals_per_s"], frac,
+                     C.ratio(b["evals_per_s"], seq["evals_per_s"])])  # fmt: skip
+    notes = [
+        f"Candidates: {'Triton only' if smoke else 'alternating Triton and raw CUDA'} "
+        f"`a*1+b` over {n} float32 elements, each a distinct source (compiled), compared "
+        "with a reference: 2 correctness trials, 3 warm-ups, 20 timed trials.",
+        f"Service: {wpd} workers per GPU and a warm spare; the timing phase is exclusive per "
+        "GPU. The baseline is sequential Evaluate calls through the same service (fewer "
+        f"candidates: {base_count}); x = evaluations/s over the baseline's.",
+        "GPU busy timing = sum of PROFILING phase durations (phase event -> next phase or "
+        "finished) over wall time.",
+        f"Verdicts: batch {data['batch_1gpu']['verdicts']}, sequential {seq['verdicts']}.",
+    ]
+    if smoke:
+        notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
+    C.write_results(
+        args.out, "bench_throughput", "Throughput of small candidates", info, data,
+        [("Throughput", ["mode", "finished", "OK", "wall s", "evals/s", "GPU busy timing",
+                         "x sequential"], rows)],
+        notes,
+    )  # fmt: skip
+    b1 = data["batch_1gpu"]
+    return 0 if b1["ok"] == count and seq["ok"] == base_count else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
