@@ -311,3 +311,11 @@ def test_tls_with_a_ca_file(tmp_path, capsys, triton_file):
         assert code == cli.EXIT_SERVICE  # plaintext to a TLS port
     finally:
         server.stop(None)
+
+
+def test_serve_hands_its_arguments_to_the_server():
+    p = subprocess.run(
+        [str(KERNELEVAL), "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0
+    assert "usage: kerneleval_server serve" in p.stdout and "--state-dir" in p.stdout

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,48 @@ def test_cli_devices_and_jobs(svc):
         timeout=60,
     )
     assert p.returncode == 0 and "JOB" in p.stdout, p.stderr
+
+
+def test_kerneleval_serve_starts_a_working_server(tmp_path):
+    """`kerneleval serve` (what `make serve` runs) starts the real service."""
+    watchdog = Path(__file__).resolve().parents[2] / "build" / "supervisor" / "kerneleval-watchdog"
+    if not watchdog.exists():
+        pytest.skip("the watchdog is not built")
+    port_file = tmp_path / "port"
+    env = {k: v for k, v in os.environ.items() if k != "KERNELEVAL_ADMIN_TOKEN"}
+    env["KERNELEVAL_WATCHDOG"] = str(watchdog)
+    proc = subprocess.Popen(
+        [
+            str(KERNELEVAL),
+            "serve",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--workers-per-device",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with Client(f"127.0.0.1:{int(port_file.read_text())}", timeout=5) as c:
+            while True:
+                try:
+                    if c.health() == "SERVING":
+                        break
+                except errors.Unavailable:
+                    pass
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert list(c.list_jobs()) == []
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0

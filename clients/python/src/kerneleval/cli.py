@@ -245,7 +245,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    result = server_main(list(argv))
+    result = server_main(["serve", *argv])  # the server's own `serve` subcommand
     return int(result or 0)
 
 
