@@ -9,7 +9,7 @@ from pathlib import Path
 import fe_kernels as k
 import grpc
 import pytest
-from conftest import ServiceProcess
+from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
