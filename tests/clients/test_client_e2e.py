@@ -255,3 +255,18 @@ def test_kerneleval_serve_starts_a_working_server(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
+
+
+def test_unix_socket_address(svc):
+    if not getattr(svc, "unix_socket", ""):
+        pytest.skip("the shared service has no unix socket")
+    address = f"unix:{svc.unix_socket}"
+    with Client(address, timeout=30) as c:
+        assert c.health() == "SERVING"
+    p = subprocess.run(
+        [str(KERNELEVAL), "--address", address, "jobs", "--limit", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0 and p.stdout.startswith("JOB"), p.stderr
