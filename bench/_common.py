@@ -281,11 +281,14 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def fmt(value: Any, digits: int = 2) -> str:
+def fmt(value: Any) -> str:
+    """Floats with 4 significant digits below 1, 2 decimals below 100, 1 decimal above."""
     if isinstance(value, float):
-        if value != 0 and abs(value) < 10 ** (-digits):
-            return f"{value:.2e}"
-        return f"{value:.{digits}f}"
+        if value == 0 or abs(value) >= 100:
+            return f"{value:.1f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.4g}"
     return str(value)
 
 

@@ -165,7 +165,8 @@ def main() -> int:
         if b is None:
             rows.append([label, "not run: one GPU", "", "", "", "", ""])
             continue
-        frac = ", ".join(f"GPU {d}: {f:.2f}" for d, f in sorted(b["profiling_busy_fraction"].items()))
+        fracs = sorted(b["profiling_busy_fraction"].items())
+        frac = ", ".join(f"GPU {d}: {f:.2f}" for d, f in fracs)
         rows.append([f"{label} ({count}, {args.in_flight} in flight)", b["finished"], b["ok"],
                      b["wall_s"], b["evals_per_s"], frac,
                      C.ratio(b["evals_per_s"], seq["evals_per_s"])])  # fmt: skip
