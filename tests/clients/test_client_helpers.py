@@ -146,3 +146,17 @@ def test_error_mapping_decodes_bad_request():
     ):
         e = errors.from_rpc_error(_FakeRpcError(code, "m", []))
         assert type(e) is cls and e.code == code
+
+
+def test_package_exports_load_lazily():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kerneleval.v1.job_pb2\n"
+        "assert 'kerneleval.client' not in sys.modules and 'grpc' not in sys.modules\n"
+        "import kerneleval\n"
+        "assert kerneleval.Client.__name__ == 'Client'\n"
+        "assert kerneleval.job_from_files.__module__ == 'kerneleval.kernelbench'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
