@@ -214,3 +214,18 @@ def test_cuda_timing_counts_work_hidden_on_another_stream() -> None:
     t = timing._measure_cuda(gpu.run_kernel, 20, 2, False, lambda d: None, ops=gpu)
     assert t.side_stream_trials == 20
     assert t.stats.median_ms == pytest.approx(0.5, abs=0.01) and not t.stats.l2_flushed
+
+
+def test_documented_defaults() -> None:
+    from kerneleval_server.engine import Options
+
+    o = Options.of(kernel_pb2.EvalOptions())
+    assert (o.correct_trials, o.perf_trials, o.warmup, o.seed, o.flush_l2) == (5, 100, 10, 42, True)
+    assert o.atol is None and o.rtol is None  # by output dtype, see compare.DEFAULT_TOLERANCE
+    z = Options.of(kernel_pb2.EvalOptions(perf_trial_count=0, flush_l2=False, atol=0.0, seed=0))
+    assert (z.perf_trials, z.flush_l2, z.atol, z.seed) == (0, False, 0.0, 0)
+    from kerneleval_server.engine.compare import tolerances
+
+    assert tolerances(torch.float32, None, None) == (1e-4, 1e-4)
+    assert tolerances(torch.bfloat16, None, 0.5) == (1e-2, 0.5)
+    assert tolerances(torch.int32, None, None) == (0.0, 0.0)

@@ -52,18 +52,17 @@ class Options:
 
     @classmethod
     def of(cls, o: kernel_pb2.EvalOptions) -> Options:
+        def get(name: str, default: Any) -> Any:
+            return getattr(o, name) if o.HasField(name) else default
+
         return cls(
-            correct_trials=o.correct_trial_count
-            if o.HasField("correct_trial_count")
-            else (DEFAULT_CORRECT_TRIALS),
-            perf_trials=o.perf_trial_count
-            if o.HasField("perf_trial_count")
-            else (DEFAULT_PERF_TRIALS),
-            warmup=o.warmup_count if o.HasField("warmup_count") else DEFAULT_WARMUP,
-            atol=o.atol if o.HasField("atol") else None,
-            rtol=o.rtol if o.HasField("rtol") else None,
-            seed=o.seed if o.HasField("seed") else DEFAULT_SEED,
-            flush_l2=o.flush_l2 if o.HasField("flush_l2") else DEFAULT_FLUSH_L2,
+            correct_trials=get("correct_trial_count", DEFAULT_CORRECT_TRIALS),
+            perf_trials=get("perf_trial_count", DEFAULT_PERF_TRIALS),
+            warmup=get("warmup_count", DEFAULT_WARMUP),
+            atol=get("atol", None),
+            rtol=get("rtol", None),
+            seed=get("seed", DEFAULT_SEED),
+            flush_l2=get("flush_l2", DEFAULT_FLUSH_L2),
         )
 
 
