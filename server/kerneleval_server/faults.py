@@ -40,6 +40,7 @@ class XidSeen:
     xid: int
     category: str
     message: str
+    named: bool = True  # the watchdog tied it to this job's worker (pid or SetJob)
 
 
 def signal_name(signum: int) -> str:

@@ -60,6 +60,8 @@ class Running:
     pending: str = ""  # what the front end asked of the worker: "timeout" or "cancel"
     xid: faults.XidSeen | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    deadline: asyncio.TimerHandle | None = None
+    grant_asked_at: float = 0.0  # loop time of a pending timing request
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: worker_pb2.JobOutcome | None = None
 
@@ -199,7 +201,7 @@ class JobManager:
         worker.job_id = job_id
         self.metrics.running.set(len(self.running))
         loop = asyncio.get_running_loop()
-        run.timers.append(loop.call_later(run.timeout_s, self._on_deadline, job_id))
+        run.deadline = loop.call_later(run.timeout_s, self._on_deadline, job_id)
         sent = worker.send(
             worker_pb2.FrontendMessage(
                 assign=worker_pb2.AssignJob(job_id=job_id, spec=job.spec, attempt=job.attempt_count)
@@ -239,6 +241,7 @@ class JobManager:
             event.phase.phase = msg.phase.phase
             self.hub.publish(event)
             if msg.phase.phase == job_pb2.PHASE_PROFILING:
+                run.grant_asked_at = asyncio.get_running_loop().time()
                 self.gate.request(worker.device_index, worker.worker_id)
         elif kind == "progress":
             p = msg.progress
@@ -252,19 +255,32 @@ class JobManager:
 
     def _grant(self, worker_id: str) -> None:
         worker = self.workers.by_id.get(worker_id)
-        if worker is not None and worker.job_id:
-            worker.send(
-                worker_pb2.FrontendMessage(grant=worker_pb2.ProfilingGrant(job_id=worker.job_id))
-            )
+        if worker is None or not worker.job_id:
+            return
+        run = self.running.get(worker.job_id)
+        if run is not None and run.deadline is not None and run.grant_asked_at:
+            # Waiting for another job's timing is not this job's time: push its deadline.
+            loop = asyncio.get_running_loop()
+            waited = loop.time() - run.grant_asked_at
+            if waited > 0.001:
+                when = run.deadline.when() + waited
+                run.deadline.cancel()
+                run.deadline = loop.call_at(when, self._on_deadline, run.job.job_id)
+            run.grant_asked_at = 0.0
+        worker.send(
+            worker_pb2.FrontendMessage(grant=worker_pb2.ProfilingGrant(job_id=worker.job_id))
+        )
 
     def _on_outcome(self, worker: WorkerState, outcome: worker_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
         if run is None or run.worker is not worker:
             return
         run.outcome = outcome
-        self._free_worker(worker, completed=True)
         if outcome.context_poisoned:
-            worker.gone = True  # it exits now; the watchdog promotes the spare
+            # It exits now and the watchdog promotes the spare. Until then the watchdog keeps
+            # it as the job's worker, so that the XID to come names this job.
+            worker.gone = True
+        self._free_worker(worker, completed=True)
         result = outcome.result
         wait = self.config.effective_xid_wait_s()
         if (
@@ -288,7 +304,7 @@ class JobManager:
             return
         result = job_pb2.EvalResult()
         result.CopyFrom(run.outcome.result)
-        if run.xid is not None:
+        if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
             result.fault.xid = run.xid.xid
             result.fault.xid_category = run.xid.category
             if result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RUNTIME_ERROR):
@@ -395,6 +411,8 @@ class JobManager:
         if run is not None:
             for timer in run.timers:
                 timer.cancel()
+            if run.deadline is not None:
+                run.deadline.cancel()
             if run.outcome_wait is not None:
                 run.outcome_wait.cancel()
             if run.worker.job_id == job.job_id:
@@ -474,6 +492,8 @@ class JobManager:
         if decision.verdict == job_pb2.VERDICT_UNSPECIFIED:
             for timer in run.timers:
                 timer.cancel()
+            if run.deadline is not None:
+                run.deadline.cancel()
             if run.worker.job_id == run.job.job_id:
                 self._free_worker(run.worker, completed=False)
             self._retry_or_fail(run.job, decision.fault, job_pb2.VERDICT_CRASHED)
@@ -596,16 +616,19 @@ class JobManager:
             )
         dev.xids.append(record)
         self.ops.emit(x.device_index, xid=record)
-        seen = faults.XidSeen(x.xid, x.category, x.message)
         job_ids = set(x.job_ids)
-        for run in list(self.running.values()):
-            named = run.job.job_id in job_ids or run.worker.worker_id in x.worker_ids
-            if named or (
-                not job_ids and not x.worker_ids and run.worker.device_index == x.device_index
-            ):
-                run.xid = seen
-                if run.outcome is not None:
-                    self._finish_outcome(run.job.job_id)
+        on_device = [r for r in self.running.values() if r.worker.device_index == x.device_index]
+        named = [
+            r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in x.worker_ids
+        ]
+        # Without names, a job whose worker reported a poisoned context is the likely cause;
+        # failing that, every job on the device may be (a guess that never turns OK into a
+        # fault: see _finish_outcome).
+        waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
+        for run in named or waiting or on_device:
+            run.xid = faults.XidSeen(x.xid, x.category, x.message, named=bool(named))
+            if run.outcome is not None:
+                self._finish_outcome(run.job.job_id)
         log.warning("XID %d on device %d: %s", x.xid, x.device_index, x.message)
 
     def _on_device(self, status: supervisor_pb2.DeviceStatus) -> None:

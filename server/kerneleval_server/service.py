@@ -139,6 +139,8 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             raise
 
     async def _cancel_quietly(self, job_id: str) -> None:
+        if self.m.draining:
+            return  # the service is stopping, not the client: the job runs after the restart
         log.info("client went away: cancelling", extra={"job_id": job_id})
         task = asyncio.get_running_loop().create_task(self.m.cancel(job_id))
         self.m._tasks.add(task)
