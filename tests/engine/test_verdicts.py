@@ -241,6 +241,7 @@ def test_cuda_compiles_then_says_it_cannot_run_without_a_gpu(run) -> None:
     assert r.compiled and r.verdict == V.VERDICT_RUNTIME_ERROR
     assert r.error.message.startswith("no CUDA device: copy compiled for sm_")
     assert any("compiled but cannot run" in n for n in r.notes)
+    assert any(n.startswith("ptxas (copy, sm_") and "registers" in n for n in r.notes)
     assert any(e[0] == "log" and "ptxas" in e[1] for e in rep.events)  # the compile log
 
 

@@ -87,6 +87,17 @@ def _static_shared(log: str) -> dict[str, int]:
     return out
 
 
+def resource_line(log: str, kernel: str) -> str:
+    """ptxas's register and shared memory line for one kernel ("Used 10 registers, ...")."""
+    current = ""
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = m.group(1)
+        elif current == kernel and "Used" in line:
+            return line.split(":", 1)[-1].strip()
+    return ""
+
+
 def base_name(mangled: str) -> str:
     """foo from _Z3fooPfi, bar from _ZN2ns3barEv, extern "C" names unchanged."""
     if not mangled.startswith("_Z"):
@@ -244,6 +255,8 @@ class CudaLaunch:
 def build_cuda(k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> LaunchProgram:
     compiled = compile_cuda(k.source_code, ctx)
     name = pick_kernel(compiled.kernels, k.entry_point)
+    if used := resource_line(compiled.log, name):
+        ctx.notes.append(f"ptxas ({base_name(name)}, {target_arch()}): {used}")
     if ctx.limits is not None:  # checks that need no GPU (fake limits on CPU)
         preflight.check_cuda_launch(
             k.io.launch, ctx.limits, static_shared_bytes=compiled.static_shared.get(name, 0)
