@@ -187,6 +187,7 @@ class JobRecord:
     attempts: int = 0
     submit_time: float = 0.0
     start_time: float = 0.0
+    fault_time: float = 0.0  # the job's `fault` event: when the service learned of the fault
     end_time: float = 0.0
     error: str = ""
 
@@ -287,6 +288,8 @@ def run_job(stub: Any, rec: JobRecord, spec: kernel_pb2.JobSpec) -> None:
             rec.job_id = ev.job_id
             if ev.HasField("started"):
                 rec.start_time = ts(ev.time)
+            if ev.HasField("fault") and not rec.fault_time:
+                rec.fault_time = ts(ev.time)
             if ev.HasField("finished"):
                 job = ev.finished
                 rec.state = job_pb2.JobState.Name(job.state)
@@ -305,22 +308,6 @@ def run_job(stub: Any, rec: JobRecord, spec: kernel_pb2.JobSpec) -> None:
                     )[:300]  # fmt: skip
     except grpc.RpcError as exc:
         rec.error = f"{exc.code().name}: {exc.details()}"
-
-
-def watch_ops(channel: grpc.Channel, token: str, exits: list[tuple[float, str, int]],
-              stop: threading.Event) -> None:  # fmt: skip
-    stub = ops_grpc.OperationsServiceStub(channel)
-    call = stub.WatchEvents(
-        ops.WatchEventsRequest(replay_count=0), metadata=[("authorization", f"Bearer {token}")]
-    )
-    threading.Thread(target=lambda: (stop.wait(), call.cancel()), daemon=True).start()
-    try:
-        for resp in call:
-            ev = resp.event
-            if ev.HasField("worker_exited"):
-                exits.append((ts(ev.time), ev.worker_exited.worker.worker_id, ev.device_index))
-    except grpc.RpcError:
-        pass
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -366,10 +353,6 @@ def main() -> int:
     print("devices:", ", ".join(f"{d.index}:{d.name}" for d in devices), flush=True)
     restarts_before = opstub.GetStats(ops.GetStatsRequest(), metadata=auth).worker_restart_count
 
-    exits: list[tuple[float, str, int]] = []
-    stop_ops = threading.Event()
-    threading.Thread(target=watch_ops, args=(svc.channel, svc.token, exits, stop_ops),
-                     daemon=True).start()  # fmt: skip
     records: list[JobRecord] = []
     lock = threading.Lock()
     counter = [0]
@@ -398,8 +381,6 @@ def main() -> int:
         print(f"  {len(records)} submitted, {done} finished", flush=True)
     for t in threads:
         t.join()
-    time.sleep(1)
-    stop_ops.set()
 
     # Nothing lost: every accepted job is in the store, finished.
     lost = 0
@@ -416,16 +397,20 @@ def main() -> int:
             lost += 1
     stats = opstub.GetStats(ops.GetStatsRequest(), metadata=auth)
 
-    # Fault -> next start: the exit of a bad job's worker to the next job start on that device.
-    starts = sorted((r.start_time, r.device_index) for r in records if r.start_time)
+    # Fault -> next start: a bad job's `fault` event (the poisoned worker's report, or its
+    # exit) to the next job start on that device. Only faults with a job waiting count.
+    starts = sorted((r.start_time, r.submit_time, r.device_index) for r in records if r.start_time)
     latencies = []
-    bad_workers = {r.worker_id for r in records if r.bad and r.worker_id}
-    for t_exit, worker_id, device in exits:
-        if worker_id not in bad_workers:
+    for b in records:
+        if not (b.bad and b.fault_time):
             continue
-        nxt = next((s for s, d in starts if d == device and s >= t_exit - 0.001), None)
+        nxt = next(
+            (s for s, sub, d in starts if d == b.device_index and s >= b.fault_time - 0.001
+             and sub < b.fault_time),
+            None,
+        )  # fmt: skip
         if nxt is not None:
-            latencies.append(max(0.0, nxt - t_exit) * 1000.0)
+            latencies.append(max(0.0, nxt - b.fault_time) * 1000.0)
 
     good = [r for r in records if not r.bad]
     bad = [r for r in records if r.bad]

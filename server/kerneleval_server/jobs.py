@@ -280,6 +280,14 @@ class JobManager:
             # It exits now and the watchdog promotes the spare. Until then the watchdog keeps
             # it as the job's worker, so that the XID to come names this job.
             worker.gone = True
+            event = self.hub.next_event(outcome.job_id)
+            event.fault.worker_pid = worker.pid
+            event.fault.worker_restarted = True
+            event.fault.description = (
+                f"{outcome.result.error.cuda_error_name or 'a sticky CUDA error'} poisoned the "
+                f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
+            )
+            self.hub.publish(event)
         self._free_worker(worker, completed=True)
         result = outcome.result
         wait = self.config.effective_xid_wait_s()

@@ -11,7 +11,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+except ImportError:  # a host without it (e.g. a bare GPU box) still serves; --metrics-port fails
+    from ._nometrics import (  # type: ignore[assignment]
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
+        start_http_server,
+    )
 
 
 class Metrics:
