@@ -10,6 +10,8 @@
         time `import torch` and the creation of a CUDA context; prints JSON.
     python bench/_baseline.py eager PROBLEM.py [--trials N] [--scale S]
         a KernelBench problem's eager time: CUDA events (L2 flushed) and do_bench medians.
+    python bench/_baseline.py eager-many PROBLEM.py... [--trials N] [--no-do-bench]
+        the same for many problems in this one process (inputs made on the device).
     python bench/_baseline.py launch PROBLEM.py [--forwards N]
         run forward N times and nothing else on the GPU (for ncu).
 """
@@ -162,7 +164,7 @@ def _problem(path: str, scale: float) -> tuple[Any, list[Any]]:
     return model, inputs
 
 
-def eager(path: str, trials: int, scale: float) -> dict[str, Any]:
+def eager(path: str, trials: int, scale: float, use_do_bench: bool = True) -> dict[str, Any]:
     """The usual eager timing: CUDA events around each call, the L2 flushed before each."""
     import torch
 
@@ -184,11 +186,12 @@ def eager(path: str, trials: int, scale: float) -> dict[str, Any]:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
-            import triton.testing
+            if use_do_bench:
+                import triton.testing
 
-            out["do_bench_median_ms"] = float(
-                triton.testing.do_bench(lambda: model(*inputs), return_mode="median")
-            )
+                out["do_bench_median_ms"] = float(
+                    triton.testing.do_bench(lambda: model(*inputs), return_mode="median")
+                )
         else:
             for _ in range(trials):
                 t = time.perf_counter()
@@ -196,6 +199,25 @@ def eager(path: str, trials: int, scale: float) -> dict[str, Any]:
                 times.append((time.perf_counter() - t) * 1e3)
     out["events_median_ms"] = statistics.median(times)
     out["trials"] = trials
+    return out
+
+
+def eager_many(paths: list[str], trials: int, use_do_bench: bool) -> dict[str, Any]:
+    """Each problem's eager time in this one process; a failing problem is reported."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for path in paths:
+        t = time.perf_counter()
+        try:
+            with torch.device(device()):
+                res = eager(path, trials, 1.0, use_do_bench)
+        except Exception as e:  # noqa: BLE001 - reported per problem
+            res = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        res["wall_s"] = time.perf_counter() - t
+        out[path] = res
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
 
 
@@ -227,6 +249,10 @@ def main() -> None:
     g.add_argument("problem")
     g.add_argument("--trials", type=int, default=20)
     g.add_argument("--scale", type=float, default=1.0)
+    m = sub.add_parser("eager-many")
+    m.add_argument("problems", nargs="+")
+    m.add_argument("--trials", type=int, default=20)
+    m.add_argument("--no-do-bench", action="store_true")
     la = sub.add_parser("launch")
     la.add_argument("problem")
     la.add_argument("--forwards", type=int, default=3)
@@ -238,6 +264,8 @@ def main() -> None:
         res = fork_server(a.count, a.kernel, a.reference, a.perf)
     elif a.cmd == "cuda-init":
         res = cuda_init()
+    elif a.cmd == "eager-many":
+        res = eager_many(a.problems, a.trials, not a.no_do_bench)
     elif a.cmd == "eager":
         res = eager(a.problem, a.trials, a.scale)
     else:

@@ -1,0 +1,245 @@
+"""KernelBench level 1 through the service: every problem with Evaluate, the examples with Compare.
+
+Every level-1 `Model` of a KernelBench folder (--kernelbench) goes through Evaluate on one GPU
+(--in-flight jobs at a time, 20 timed trials), and the example pairs (examples/model_ex_X.py
+with model_new_ex_X.py, and model_ex_add.py with model_new_ex_add_triton.py) through Compare.
+Reported per problem: the verdict (OK expected), the end-to-end time (call -> result at the
+client) and the job's run time (start -> end), and the engine's median next to the eager
+PyTorch median measured the usual way (CUDA events with the L2 flushed, and do_bench) by a
+plain script in a separate process, after the service has stopped. A failing problem is
+reported, not fatal.
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_kernelbench.py \
+        --kernelbench ../shared/kernelbench --out DIR
+    ... --cpu-smoke     # here: a handful of problems with their shapes scaled down
+
+Results: <out>/bench_kernelbench.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+from _baseline import parse_output  # noqa: E402
+from kerneleval.kernelbench import job_from_files  # noqa: E402
+from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
+
+BASELINE = Path(__file__).resolve().parent / "_baseline.py"
+SMOKE_PROBLEMS = ("1_", "19_", "23_", "40_", "100_")
+_TOP_SIZE = re.compile(r"^([A-Za-z_]\w*)\s*=\s*([\d\s*+(),]+?)\s*(#.*)?$", re.MULTILINE)
+
+
+def _cap(value: object, cap: int) -> object:
+    if isinstance(value, int):
+        return min(value, cap)
+    if isinstance(value, tuple):
+        return tuple(_cap(v, cap) for v in value)
+    return value
+
+
+def scaled(source: str, cap: int) -> str:
+    """Top-level sizes (`N = 2048 * 2`, `shape = (32768,)`) capped at `cap` (CPU smoke)."""
+
+    def sub(m: re.Match[str]) -> str:
+        try:
+            value = eval(m.group(2), {"__builtins__": {}})  # noqa: S307 - digits and * + ( ) only
+        except SyntaxError:
+            return m.group(0)
+        return f"{m.group(1)} = {_cap(value, cap)!r}"
+
+    return _TOP_SIZE.sub(sub, source)
+
+
+def problem_key(path: Path) -> tuple[int, str]:
+    head = path.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else 10**6, path.name)
+
+
+def options(trials: int, timeout_s: int) -> kernel_pb2.EvalOptions:
+    o = kernel_pb2.EvalOptions(correct_trial_count=1, perf_trial_count=trials, warmup_count=3)
+    o.timeout.seconds = timeout_s
+    return o
+
+
+def run_all(
+    svc: C.Service, jobs: list[tuple[str, kernel_pb2.JobSpec, bool]], in_flight: int
+) -> dict[str, dict[str, Any]]:
+    """Runs (name, spec, compare) jobs, `in_flight` at a time; per-job result rows."""
+    out: dict[str, dict[str, Any]] = {}
+    lock = threading.Lock()
+    queue = list(jobs)
+
+    def worker() -> None:
+        with svc.client(timeout=900) as c:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    name, spec, compare = queue.pop(0)
+                t = time.perf_counter()
+                row: dict[str, Any] = {}
+                try:
+                    job = c.compare(spec) if compare else c.evaluate(spec)
+                    r = job.result
+                    row = {
+                        "verdict": job_pb2.Verdict.Name(r.verdict),
+                        "run_s": C.ts(job.end_time) - C.ts(job.start_time),
+                        "engine_median_ms": r.runtime.median_ms,
+                        "reference_median_ms": r.reference_runtime.median_ms,
+                        "speedup": r.speedup,
+                        "message": (r.compilation_error or r.validation_error or r.error.message
+                                    or r.fault.description)[:300],
+                    }  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - reported per problem
+                    row = {"verdict": "RPC_ERROR", "message": repr(e)[:300]}
+                row["e2e_s"] = time.perf_counter() - t
+                with lock:
+                    out[name] = row
+                print(f"  {name}: {row['verdict']} {row['e2e_s']:.1f} s", flush=True)
+
+    threads = [threading.Thread(target=worker) for _ in range(in_flight)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap)
+    ap.add_argument("--kernelbench", default=str(C.REPO.parent / "shared" / "kernelbench"))
+    ap.add_argument("--trials", type=int, default=20, help="timed trials")
+    ap.add_argument("--in-flight", type=int, default=2, help="jobs at a time")
+    ap.add_argument("--workers-per-device", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=0, help="first N level-1 problems (0: all)")
+    ap.add_argument("--timeout", type=int, default=120, help="per-job timeout, s")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager baseline")
+    ap.add_argument("--no-do-bench", action="store_true", help="eager: CUDA events only")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    kb = Path(args.kernelbench)
+    if not (kb / "level1").is_dir():
+        raise SystemExit(f"no level1/ under {kb}: pass --kernelbench")
+    info = C.machine_info()
+    tmp = Path(tempfile.mkdtemp(prefix="kerneleval-kb-"))
+    problems = sorted((kb / "level1").glob("*.py"), key=problem_key)
+    if smoke:
+        problems = [p for p in problems if p.name.startswith(SMOKE_PROBLEMS)]
+    if args.limit:
+        problems = problems[: args.limit]
+    files: dict[str, Path] = {}
+    jobs: list[tuple[str, kernel_pb2.JobSpec, bool]] = []
+    for p in problems:
+        f = tmp / p.name
+        f.write_text(scaled(p.read_text(), 64) if smoke else p.read_text())
+        files[p.stem] = f
+        spec = job_from_files(f, options=options(args.trials, args.timeout), client_tag="kb-l1")
+        jobs.append((p.stem, spec, False))
+    pairs = []
+    for new in sorted((kb / "examples").glob("model_new_ex_*.py")):
+        stem = new.stem.removeprefix("model_new_ex_")
+        ref = kb / "examples" / f"model_ex_{stem}.py"
+        if not ref.exists():
+            ref = kb / "examples" / f"model_ex_{stem.split('_')[0]}.py"
+        if ref.exists():
+            pairs.append((new, ref))
+    for new, ref in pairs:
+        spec = job_from_files(new, ref, options=options(args.trials, args.timeout),
+                              client_tag="kb-examples")  # fmt: skip
+        jobs.append((f"example {new.name} vs {ref.name}", spec, True))
+
+    flags = ["--workers-per-device", str(args.workers_per_device)]
+    svc = C.Service(flags + ([] if smoke else ["--devices", "0"]),
+                    nvml="none" if smoke else "real").start()  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        svc.wait_workers(args.workers_per_device)
+        results = run_all(svc, jobs, args.in_flight)
+    finally:
+        svc.stop()
+    service_wall = time.perf_counter() - t0
+
+    eager: dict[str, Any] = {}
+    if not args.no_eager and files:
+        cmd = [sys.executable, str(BASELINE), "eager-many", *map(str, files.values()),
+               "--trials", str(args.trials)]  # fmt: skip
+        if args.no_do_bench:
+            cmd.append("--no-do-bench")
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=C.child_env(), timeout=1800)
+        try:
+            raw = parse_output(proc.stdout)
+            eager = {Path(k).stem: v for k, v in raw.items()}
+        except ValueError:
+            print("eager baseline failed:", proc.stderr[-1500:], flush=True)
+        print(f"eager baseline: {time.perf_counter() - t:.0f} s", flush=True)
+
+    rows: list[list[Any]] = []
+    for name, _spec, compare in jobs:
+        r = results.get(name, {"verdict": "NOT_RUN", "e2e_s": 0.0})
+        e = eager.get(name, {})
+        eng = r.get("engine_median_ms", 0.0)
+        ev = e.get("events_median_ms", 0.0)
+        rows.append([
+            name, r["verdict"].removeprefix("VERDICT_"), r["e2e_s"], r.get("run_s", 0.0), eng,
+            ev if e else ("-" if compare else e.get("error", "not run")[:60]),
+            e.get("do_bench_median_ms", "-"), C.ratio(eng, ev) if ev else "-",
+        ])  # fmt: skip
+    l1 = [results.get(p.stem, {}) for p in problems]
+    ex = [results.get(n, {}) for n, _s, c in jobs if c]
+    l1_ok = sum(1 for r in l1 if r.get("verdict") == "VERDICT_OK")
+    l1_ran = sum(1 for r in l1 if r.get("verdict") not in (None, "RPC_ERROR"))
+    ex_ok = sum(1 for r in ex if r.get("verdict") == "VERDICT_OK")
+    ratios = [
+        results[p.stem]["engine_median_ms"] / eager[p.stem]["events_median_ms"]
+        for p in problems
+        if results.get(p.stem, {}).get("engine_median_ms") and
+        eager.get(p.stem, {}).get("events_median_ms")
+    ]  # fmt: skip
+    med_ratio = C.summary(ratios)["median"]
+    data = {"problems": len(problems), "level1_ok": l1_ok, "level1_ran": l1_ran,
+            "examples": len(ex), "examples_ok": ex_ok, "service_wall_s": service_wall,
+            "results": results, "eager": eager,
+            "engine_over_eager_median": med_ratio}  # fmt: skip
+    summary_rows = [
+        ["level-1 problems (Evaluate)", len(problems), l1_ran, l1_ok],
+        ["example pairs (Compare)", len(ex), sum(1 for r in ex if r.get("verdict")), ex_ok],
+    ]
+    notes = [
+        f"Service: one GPU, {args.workers_per_device} workers + warm spare, {args.in_flight} jobs "
+        f"in flight, {args.trials} timed trials, 3 warm-ups, 1 correctness trial; all jobs "
+        f"took {service_wall:.0f} s of wall time.",
+        "e2e = Evaluate/Compare call -> result at the client (includes queueing behind the "
+        "other job in flight); run = the job's start -> end.",
+        "eager = the problem's Model timed by a plain script in a separate process after the "
+        "service stopped: CUDA events around each call with the L2 flushed (median of "
+        f"{args.trials}), and do_bench median; engine/eager is the median of the ratio: "
+        f"{med_ratio:.3f} over {len(ratios)} problems.",
+    ]
+    if smoke:
+        notes.append("CPU smoke run: problems scaled down (top-level ints capped at 64), "
+                     "CPU timings; CUDA/Triton examples cannot run on the CPU.")  # fmt: skip
+    C.write_results(
+        args.out, "bench_kernelbench", "KernelBench level 1 through the service", info, data,
+        [("Summary", ["set", "jobs", "ran", "OK"], summary_rows),
+         ("Per problem", ["problem", "verdict", "e2e s", "run s", "engine ms", "eager ms",
+                          "do_bench ms", "engine/eager"], rows)],
+        notes,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
