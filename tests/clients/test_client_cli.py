@@ -319,3 +319,31 @@ def test_serve_hands_its_arguments_to_the_server():
     )
     assert p.returncode == 0
     assert "usage: kerneleval_server serve" in p.stdout and "--state-dir" in p.stdout
+
+
+def test_several_files_run_as_one_batch(fake, capsys, tmp_path, triton_file):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("# INCORRECT on purpose\nimport torch\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    files = [str(triton_file), str(bad), str(empty)]
+    code, out, err = run(fake, capsys, "compare", str(ref), *files, "--max-in-flight", "2")
+    assert code == cli.EXIT_VERDICT
+    assert err.count("[") >= 3 and "/3] " in err
+    lines = out.splitlines()
+    assert lines[0].split() == ["FILE", "JOB", "VERDICT", "MEDIAN", "MS", "SPEEDUP", "DETAIL"]
+    rows = {ln.split()[0]: ln for ln in lines[2:]}
+    assert "OK" in rows[str(triton_file)] and "2x" in rows[str(triton_file)]
+    assert "INCORRECT" in rows[str(bad)] and "12 of 1024 elements differ" in rows[str(bad)]
+    assert "REFUSED" in rows[str(empty)] and "spec.kernel.source_code" in rows[str(empty)]
+    batch = [
+        r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunBatchRequest)
+    ]
+    assert {r.request_tag for r in batch[-3:]} == set(files)
+    assert all(r.spec.reference.source_code for r in batch[-3:])
+    code, out, _ = run(fake, capsys, "evaluate", str(triton_file), str(triton_file), "--json")
+    assert (
+        code == 0 and [e["job"]["result"]["verdict"] for e in json.loads(out)] == ["VERDICT_OK"] * 2
+    )

@@ -270,3 +270,36 @@ def test_unix_socket_address(svc):
         timeout=60,
     )
     assert p.returncode == 0 and p.stdout.startswith("JOB"), p.stderr
+
+
+def test_cli_compares_several_files_in_one_batch(svc, tmp_path):
+    ref = tmp_path / "model.py"
+    ref.write_text(TORCH_REF)
+    good = tmp_path / "model_new.py"
+    good.write_text(TRITON_MODEL_NEW)
+    broken = tmp_path / "model_new_broken.py"
+    broken.write_text(TRITON_MODEL_NEW.replace("class ModelNew", "class ModelNew("))
+    p = subprocess.run(
+        [
+            str(KERNELEVAL),
+            "--timeout",
+            "240",
+            "compare",
+            str(ref),
+            str(good),
+            str(broken),
+            "--perf-trials",
+            "5",
+            "--warmup",
+            "1",
+            "--correct-trials",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(svc),
+        timeout=300,
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = {ln.split()[0]: ln.split()[2] for ln in p.stdout.splitlines()[2:]}
+    assert rows == {str(good): "OK", str(broken): "COMPILE_ERROR"}, p.stdout

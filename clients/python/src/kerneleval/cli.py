@@ -63,6 +63,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the finished job as JSON")
     o.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     o.add_argument("--detach", action="store_true", help="submit, print the job id, exit")
+    o.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=16,
+        metavar="N",
+        help="with several files: jobs in flight at once (default 16)",
+    )
 
 
 def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
@@ -142,12 +149,68 @@ def _run_spec(a: argparse.Namespace, c: Client, spec: kernel_pb2.JobSpec) -> int
     return _follow(a, c.run(spec))
 
 
+def _run_files(a: argparse.Namespace, c: Client) -> int:
+    specs = [(f, _spec(a, f, a.reference)) for f in a.files]
+    if len(specs) == 1:
+        return _run_spec(a, c, specs[0][1])
+    if a.detach:
+        for name, spec in specs:
+            job = c.submit(spec)
+            print(f"{job.job_id}  {name}")
+        return EXIT_OK
+    return _run_batch(a, c, specs)
+
+
+def _run_batch(
+    a: argparse.Namespace, c: Client, specs: list[tuple[str, kernel_pb2.JobSpec]]
+) -> int:
+    """Several files on one RunBatch stream: a line per finished job, then a summary."""
+    results: dict[str, job_pb2.Job | str] = {}
+    quiet = a.no_progress or a.json
+    for out in c.run_batch(specs, max_in_flight=a.max_in_flight):
+        if not out.done:
+            continue
+        if out.error is not None:
+            results[out.request_tag] = f"refused: {out.error.message}" + "".join(
+                f"; {v.field}: {v.description}" for v in out.error.field_violations
+            )
+        else:
+            assert out.event is not None
+            results[out.request_tag] = out.event.finished
+        if not quiet:
+            got = results[out.request_tag]
+            what = got if isinstance(got, str) else render.job_summary(got)
+            print(f"[{len(results)}/{len(specs)}] {out.request_tag}: {what}", file=sys.stderr)
+    ordered = [(name, results.get(name, "no result")) for name, _ in specs]
+    if a.json:
+        print(
+            json.dumps(
+                [
+                    {"file": n, "job": json_format.MessageToDict(r)}
+                    if isinstance(r, job_pb2.Job)
+                    else {"file": n, "error": r}
+                    for n, r in ordered
+                ],
+                indent=2,
+            )
+        )
+    else:
+        print(render.batch_table(ordered))
+    ok = all(
+        isinstance(r, job_pb2.Job)
+        and r.state == job_pb2.JOB_STATE_DONE
+        and r.result.verdict == job_pb2.VERDICT_OK
+        for _, r in ordered
+    )
+    return EXIT_OK if ok else EXIT_VERDICT
+
+
 def cmd_evaluate(a: argparse.Namespace, c: Client) -> int:
-    return _run_spec(a, c, _spec(a, a.file, a.reference))
+    return _run_files(a, c)
 
 
 def cmd_compare(a: argparse.Namespace, c: Client) -> int:
-    return _run_spec(a, c, _spec(a, a.file, a.reference))
+    return _run_files(a, c)
 
 
 def cmd_watch(a: argparse.Namespace, c: Client) -> int:
@@ -166,7 +229,9 @@ def cmd_cancel(a: argparse.Namespace, c: Client) -> int:
 
 def cmd_jobs(a: argparse.Namespace, c: Client) -> int:
     jobs = list(
-        c.list_jobs(state=STATES[a.state], client_tag=a.tag, limit=a.limit, page_size=a.limit)
+        c.list_jobs(
+            state=STATES[a.state], client_tag=a.tag, limit=a.limit, page_size=min(a.limit, 1000)
+        )
     )
     if a.json:
         print(json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2))
@@ -290,15 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the server (needs kerneleval-server)", add_help=False)
     s.add_argument("args", nargs=argparse.REMAINDER)
 
-    s = sub.add_parser("evaluate", help="evaluate a kernel file (compare with --reference)")
-    s.add_argument("file")
+    s = sub.add_parser(
+        "evaluate", help="evaluate kernel files (compare with --reference); several run at once"
+    )
+    s.add_argument("files", nargs="+", metavar="FILE")
     s.add_argument("--reference", help="reference file (e.g. a KernelBench problem)")
     _add_job_options(s)
     s.set_defaults(func=cmd_evaluate)
 
-    s = sub.add_parser("compare", help="compare a kernel file with a reference file")
+    s = sub.add_parser("compare", help="compare kernel files with a reference file")
     s.add_argument("reference")
-    s.add_argument("file")
+    s.add_argument("files", nargs="+", metavar="FILE")
     _add_job_options(s)
     s.set_defaults(func=cmd_compare)
 

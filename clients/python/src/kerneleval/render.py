@@ -241,6 +241,45 @@ def result_table(job: job_pb2.Job) -> str:
     return "\n".join(f"{k.ljust(width)}  {val}" for k, val in rows)
 
 
+def job_summary(job: job_pb2.Job) -> str:
+    """One line: state, verdict, median and speedup."""
+    r = job.result
+    text = f"{state_name(job.state)} {verdict_name(r.verdict)}"
+    if r.runtime.median_ms:
+        text += f"  median {r.runtime.median_ms:.4f} ms"
+    if r.speedup:
+        text += f"  speedup {r.speedup:.3g}x"
+    reason = r.compilation_error or r.validation_error or r.error.message or r.fault.description
+    if reason and r.verdict != job_pb2.VERDICT_OK:
+        text += "  " + reason.strip().splitlines()[0][:120]
+    return text
+
+
+def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
+    """A row per file of a batch: its job and result, or why it was refused."""
+    out = []
+    for name, r in rows:
+        if isinstance(r, str):
+            out.append([name, "-", "REFUSED", "-", "-", r[:100]])
+            continue
+        res = r.result
+        why = res.compilation_error or res.validation_error or res.error.message
+        why = why or res.fault.description or r.state_reason
+        out.append(
+            [
+                name,
+                r.job_id,
+                verdict_name(res.verdict) if res.verdict else state_name(r.state),
+                f"{res.runtime.median_ms:.4f}" if res.runtime.median_ms else "-",
+                f"{res.speedup:.3g}x" if res.speedup else "-",
+                why.strip().splitlines()[0][:100]
+                if why and res.verdict != job_pb2.VERDICT_OK
+                else "",
+            ]
+        )
+    return table(["FILE", "JOB", "VERDICT", "MEDIAN MS", "SPEEDUP", "DETAIL"], out)
+
+
 def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
     rows = []
     for j in jobs:
