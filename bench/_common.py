@@ -47,6 +47,16 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the service's child: SIGTERM when the benchmark dies (even by SIGKILL), so that no
+    service outlives its benchmark and holds the GPU into the next one."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class Service:
     """One `kerneleval_server serve` on a free port; `client()` gives a Client with the token."""
 
@@ -80,8 +90,9 @@ class Service:
             raise SystemExit(f"the watchdog is not built ({WATCHDOG}): run `make supervisor`")
         stderr = open(self.root / "service.stderr", "wb")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
-            self.cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=stderr
-        )
+            self.cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=stderr,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
         stderr.close()
         deadline = time.monotonic() + timeout
         while not (self.port_file.exists() and self.port_file.read_text().strip()):

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Runs one stage of the GPU benchmarks, each script under its own time limit, writing every
+# result (JSON, markdown, a log per script) into $OUT; a failing script does not stop the rest.
+#
+#   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
+#   OUT=/some/dir bench/run_gpu.sh throughput   # 500 candidates via RunBatch (~7 min)
+#   OUT=/some/dir bench/run_gpu.sh kernelbench  # KernelBench level 1 + examples (~6 min)
+#   OUT=/some/dir bench/run_gpu.sh soak         # fault soak, 480 s (~9 min)
+#   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
+#
+# Needs build/supervisor/kerneleval-watchdog (make supervisor) and the generated code under
+# clients/python/src (make gen). KERNELBENCH (default ../shared/kernelbench) for kernelbench.
+set -u
+cd "$(dirname "$0")/.."
+STAGE="${1:-}"
+OUT="${OUT:-bench/results}"
+PY="${PYTHON:-python3}"
+KERNELBENCH="${KERNELBENCH:-../shared/kernelbench}"
+export PYTHONPATH="server:clients/python/src${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+STATUS=0
+
+# run LIMIT_S NAME ARGS...: SIGINT at the limit (the script stops its service), SIGKILL 20 s on.
+run() {
+  local limit="$1" name="$2"
+  shift 2
+  echo "=== $name (limit ${limit} s) $(date -u +%H:%M:%S)"
+  local start=$SECONDS
+  timeout -s INT -k 20 "$limit" "$PY" "bench/$name.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || STATUS=1
+}
+
+case "$STAGE" in
+  bench)
+    run 200 bench_overhead
+    run 150 bench_recovery --faults 10
+    run 150 bench_timing_fidelity
+    ;;
+  throughput)
+    run 500 bench_throughput --count "${COUNT:-500}"
+    ;;
+  kernelbench)
+    run 500 bench_kernelbench --kernelbench "$KERNELBENCH"
+    ;;
+  soak)
+    run 560 fault_soak --duration-s "${DURATION_S:-480}"
+    ;;
+  cpu)
+    run 300 bench_frontend_scale
+    ;;
+  *)
+    echo "usage: OUT=DIR $0 bench|throughput|kernelbench|soak|cpu" >&2
+    exit 2
+    ;;
+esac
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
+echo "stage $STAGE done (status $STATUS); results in $OUT"
+exit "$STATUS"
