@@ -1,19 +1,19 @@
 """The baselines, each run in a process of its own: what users do today without the service.
 
-    python bench/_baseline.py eval KERNEL.py REFERENCE.py [--perf N]
-        import torch (and triton), build ModelNew/Model from the files, check against the
-        reference on one set of inputs, optionally time N runs; prints one JSON line.
-    python bench/_baseline.py fork-server COUNT KERNEL.py REFERENCE.py [--perf N]
-        import torch once (no CUDA in this parent), then fork one child per evaluation;
-        prints the wall time of each child (fork to reaped) as JSON.
-    python bench/_baseline.py cuda-init
-        time `import torch` and the creation of a CUDA context; prints JSON.
-    python bench/_baseline.py eager PROBLEM.py [--trials N] [--scale S]
-        a KernelBench problem's eager time: CUDA events (L2 flushed) and do_bench medians.
-    python bench/_baseline.py eager-many PROBLEM.py... [--trials N] [--no-do-bench]
-        the same for many problems in this one process (inputs made on the device).
-    python bench/_baseline.py launch PROBLEM.py [--forwards N]
-        run forward N times and nothing else on the GPU (for ncu).
+python bench/_baseline.py eval KERNEL.py REFERENCE.py [--perf N]
+    import torch (and triton), build ModelNew/Model from the files, check against the
+    reference on one set of inputs, optionally time N runs; prints one JSON line.
+python bench/_baseline.py fork-server COUNT KERNEL.py REFERENCE.py [--perf N]
+    import torch once (no CUDA in this parent), then fork one child per evaluation;
+    prints the wall time of each child (fork to reaped) as JSON.
+python bench/_baseline.py cuda-init
+    time `import torch` and the creation of a CUDA context; prints JSON.
+python bench/_baseline.py eager PROBLEM.py [--trials N] [--scale S]
+    a KernelBench problem's eager time: CUDA events (L2 flushed) and do_bench medians.
+python bench/_baseline.py eager-many PROBLEM.py... [--trials N] [--no-do-bench]
+    the same for many problems in this one process (inputs made on the device).
+python bench/_baseline.py launch PROBLEM.py [--forwards N]
+    run forward N times and nothing else on the GPU (for ncu).
 """
 
 from __future__ import annotations

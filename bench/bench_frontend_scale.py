@@ -158,7 +158,7 @@ async def watch_round(
         call.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for ch in channels:
-        await ch.close()
+        await ch.close(grace=None)
     await asyncio.sleep(2.0)
     return {
         "streams": len(job_ids),

@@ -215,9 +215,7 @@ def main() -> int:
         cv = statistics.pstdev(medians) / mean if mean else 0.0
         data["spread"][name] = {"medians_ms": medians, "cv": cv}
         span = (max(medians) - min(medians)) / mean * 100 if mean else 0.0
-        spread_rows.append(
-            [name, len(medians), min(medians), max(medians), mean, cv * 100.0, span]
-        )
+        spread_rows.append([name, len(medians), min(medians), max(medians), mean, cv * 100.0, span])
     notes = [
         f"Engine: run_job in-process, {args.trials} timed trials, 10 warm-ups, L2 flushed; "
         "do_bench: triton.testing.do_bench(return_mode='median'); ncu: per-forward sum of "

@@ -293,7 +293,12 @@ def watch_ops(svc: C.Service, exits: list[dict[str, Any]], stop: threading.Event
     try:
         with svc.client() as c:
             stream = c.watch_events()
-            threading.Thread(target=lambda: (stop.wait(), c.close()), daemon=True).start()
+
+            def closer() -> None:
+                stop.wait()
+                c.close()
+
+            threading.Thread(target=closer, daemon=True).start()
             for ev in stream:
                 if ev.HasField("worker_exited"):
                     w = ev.worker_exited
@@ -398,8 +403,8 @@ def main() -> int:
     by_job = {r.job_id: r for r in records if r.job_id}
     exits_by_kind: dict[str, int] = {}
     for e in exits:
-        r = by_job.get(e["job_id"])
-        k = r.kind if r else "(no job)"
+        owner = by_job.get(e["job_id"])
+        k = owner.kind if owner else "(no job)"
         exits_by_kind[k] = exits_by_kind.get(k, 0) + 1
     kinds = soak.good + soak.bad
     rows: list[list[Any]] = []
@@ -407,9 +412,7 @@ def main() -> int:
     for kind in kinds:
         rs = [r for r in records if r.kind == kind]
         exp = soak.expected(kind)
-        as_expected = sum(
-            1 for r in rs if r.verdict in exp and (kind not in GOOD or r.correct)
-        )
+        as_expected = sum(1 for r in rs if r.verdict in exp and (kind not in GOOD or r.correct))
         lost = sum(1 for r in rs if not r.job_id or r.job_id in lost_ids or not r.verdict)
         gaps = []
         for r in rs:
