@@ -133,8 +133,11 @@ def torch_ref(n: int) -> str:
 
 def triton_add(scale: float = 1.0, block: int = 1024, variant: int = -1) -> str:
     """`variant` >= 0 makes a distinct source (a new compile) with the same result."""
-    factor = repr(float(scale)) if variant < 0 else f"({float(scale)!r} + 0.0 * {variant})"
-    return TRITON_ADD.replace("SCALE", factor).replace("BLOCK_SIZE", str(block))
+    source = TRITON_ADD.replace("SCALE", repr(float(scale))).replace("BLOCK_SIZE", str(block))
+    if variant >= 0:  # a comment in the kernel's body changes Triton's cache key
+        line = "    mask = offs < n"
+        source = source.replace(line, f"    # candidate {variant}\n{line}")
+    return source
 
 
 def triton_add_spec(
