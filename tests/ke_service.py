@@ -37,6 +37,7 @@ class ServiceProcess:
         self.state_dir = state_dir
         self.args = list(args or [])
         self.env = dict(env or {})
+        self.tls_root: bytes | None = None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = state_dir / "service.log"
@@ -118,6 +119,9 @@ class ServiceProcess:
             raise RuntimeError(f"service exited with {self.proc.returncode}:\n{self.log_tail()}")
 
     def channel(self) -> grpc.Channel:
+        if self.tls_root is not None:  # a test CA: the certificate names 127.0.0.1
+            creds = grpc.ssl_channel_credentials(root_certificates=self.tls_root)
+            return grpc.secure_channel(self.address, creds)
         return grpc.insecure_channel(self.address)
 
     def log_tail(self, lines: int = 60) -> str:

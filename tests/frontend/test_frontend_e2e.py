@@ -113,6 +113,13 @@ def test_evaluate_and_get(stub) -> None:  # type: ignore[no-untyped-def]
     assert got.result == job.result and got.spec.kernel.source_code == k.GOOD
 
 
+def test_device_index_is_honoured(stub) -> None:  # type: ignore[no-untyped-def]
+    spec = k.spec()
+    spec.options.device_index = 0
+    job = evaluate(stub, spec)
+    assert job.device_index == 0 and job.result.verdict == job_pb2.VERDICT_OK
+
+
 def test_compare_needs_reference_and_runs(stub) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as info:
         stub.Compare(pb.CompareRequest(spec=k.spec()))

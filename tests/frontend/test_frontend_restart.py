@@ -88,6 +88,7 @@ def test_sigkill_with_20_queued_jobs_then_restart(svc: ServiceProcess) -> None:
 
 def test_sigterm_keeps_queued_jobs(svc: ServiceProcess) -> None:
     stub = stub_of(svc)
+    before = stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), timeout=120).job
     hang = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=3))).job
     queued = stub.Submit(pb.SubmitRequest(spec=k.spec())).job
     assert svc.stop(timeout=60) == 0
@@ -96,6 +97,8 @@ def test_sigterm_keeps_queued_jobs(svc: ServiceProcess) -> None:
     jobs = wait_all_terminal(stub, [hang.job_id, queued.job_id], timeout=120)
     assert jobs[queued.job_id].result.verdict == job_pb2.VERDICT_OK
     assert jobs[hang.job_id].state in TERMINAL
+    # Results from before the restart stay readable.
+    assert stub.GetJob(pb.GetJobRequest(job_id=before.job_id)).job == before
 
 
 def test_watchdog_killed_is_restarted_and_its_job_rerun(svc: ServiceProcess) -> None:
@@ -121,3 +124,43 @@ def test_watchdog_killed_is_restarted_and_its_job_rerun(svc: ServiceProcess) -> 
     svc.wait_serving(60)
     done = stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), timeout=120).job
     assert done.result.verdict == job_pb2.VERDICT_OK
+
+
+def test_tls_listener(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    service = ServiceProcess(
+        tmp_path / "state",
+        ["--nvml", "none", "--warm-spare", "false",
+         "--tls-cert", str(cert), "--tls-key", str(key)],
+    )  # fmt: skip
+    service.tls_root = cert.read_bytes()
+    try:
+        service.start(wait_serving=False)
+        with service.channel() as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True
+            )
+            assert resp.status in (
+                health_pb2.HealthCheckResponse.SERVING,
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+        with grpc.insecure_channel(service.address) as plain:
+            with pytest.raises(grpc.RpcError):
+                kernel_eval_service_pb2_grpc.KernelEvalServiceStub(plain).GetJob(
+                    pb.GetJobRequest(job_id="x"), timeout=5
+                )
+    finally:
+        service.stop()
