@@ -69,6 +69,8 @@ def main() -> None:
             sys.exit(int(cmd[1]))
         elif cmd[:1] == ["hang"]:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            with open(base + ".hanging", "w"):
+                pass
 
 
 if __name__ == "__main__":

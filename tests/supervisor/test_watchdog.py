@@ -139,9 +139,8 @@ def test_hung_worker_killed_on_request_with_its_process_group(harness: Harness) 
         (w,) = await harness.started(1)
         info = await harness.report(w.worker_id)
         assert pid_alive(info["child_pid"])
-        harness.command(w.worker_id, "hang")  # ignores SIGTERM from now on
+        await harness.hang(w.worker_id)  # ignores SIGTERM from now on
         await wd.set_job(w.worker_id, "job-hung")
-        await asyncio.sleep(0.1)
         await wd.kill_worker(w.worker_id, "deadline")
         (ex,) = await harness.exited(1)
         assert ex.reason == "killed:deadline" and ex.signal == 9
@@ -450,8 +449,7 @@ def test_policy_override_and_stop_start(harness: Harness) -> None:
         xid = harness.of("xid")[0].xid
         assert (xid.category, xid.action) == ("custom", "ignore")
         await harness.report(w.worker_id)
-        harness.command(w.worker_id, "hang")  # ignores SIGTERM: SIGKILL after the grace period
-        await asyncio.sleep(0.2)
+        await harness.hang(w.worker_id)  # ignores SIGTERM: SIGKILL after the grace period
         t0 = time.monotonic()
         await wd.stop_workers(0, grace_ms=300)
         (ex,) = await harness.exited(1)

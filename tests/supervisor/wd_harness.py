@@ -113,6 +113,12 @@ class Harness:
     def command(self, worker_id: str, text: str) -> None:
         (self.standin_dir / f"{worker_id}.cmd").write_text(text)
 
+    async def hang(self, worker_id: str) -> None:
+        """Makes the stand-in ignore SIGTERM, and waits until it does."""
+        self.command(worker_id, "hang")
+        marker = self.standin_dir / f"{worker_id}.hanging"
+        await self.wait_for(marker.exists, 5, f"{worker_id} to ignore SIGTERM")
+
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.WhichOneof("kind") == kind]
 
