@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import fe_kernels as k
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
@@ -22,7 +24,7 @@ TERMINAL = (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_CANCELLED, job_pb2.JOB_STA
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     service = ServiceProcess(
         tmp_path_factory.mktemp("restart") / "state",
-        ["--nvml", "none", "--max-queue", "20", "--shutdown-grace-s", "1"],
+        ["--nvml", "none", "--max-queue", "20", "--shutdown-grace-s", "3"],
     )
     service.start()
     yield service
@@ -91,6 +93,21 @@ def test_sigterm_keeps_queued_jobs(svc: ServiceProcess) -> None:
     before = stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), timeout=120).job
     hang = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=3))).job
     queued = stub.Submit(pb.SubmitRequest(spec=k.spec())).job
+    deadline = time.monotonic() + 30
+    while stub.GetJob(pb.GetJobRequest(job_id=hang.job_id)).job.state != job_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert svc.proc is not None
+    svc.proc.send_signal(signal.SIGTERM)
+    # Draining: health flips first, new jobs are refused, the running one gets its grace.
+    health = health_pb2_grpc.HealthStub(svc.channel())
+    deadline = time.monotonic() + 2
+    while health.Check(health_pb2.HealthCheckRequest()).status != 2:  # NOT_SERVING
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Submit(pb.SubmitRequest(spec=k.spec()))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert svc.stop(timeout=60) == 0
     svc.start()
     stub = stub_of(svc)
