@@ -31,5 +31,7 @@ def test_sanitized_watchdog_passes_unit_and_integration_tests() -> None:
          str(HERE / "test_watchdog.py"),
          "-k", "not links_only and not ctest"],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    failed = [line for line in r.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
+    summary = "\n".join(failed[:40])
+    assert r.returncode == 0, summary + "\n...\n" + r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout
