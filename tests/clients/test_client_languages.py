@@ -64,7 +64,7 @@ def test_node_client_against_the_real_service(kerneleval_service):
         )
         assert p.returncode == 0, p.stdout + p.stderr
     p = subprocess.run(
-        ["node", "--test", "test/client.test.js"],
+        ["node", "--test", "test/client.test.js", "test/reattach.test.js"],
         cwd=NODE_DIR,
         env=_env(kerneleval_service),
         capture_output=True,
