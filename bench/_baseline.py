@@ -216,6 +216,8 @@ def eager_many(paths: list[str], trials: int, use_do_bench: bool) -> dict[str, A
             res = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         res["wall_s"] = time.perf_counter() - t
         out[path] = res
+        # One line per problem, so that a caller that runs out of time keeps what is done.
+        print("BASELINE_ITEM " + json.dumps({"path": path, **res}), flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
@@ -271,6 +273,16 @@ def main() -> None:
     else:
         res = launch(a.problem, a.forwards, a.scale)
     print("BASELINE_JSON " + json.dumps(res), flush=True)
+
+
+def parse_items(stdout: str) -> dict[str, dict[str, Any]]:
+    """The per-problem lines of eager-many, by path."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("BASELINE_ITEM "):
+            item = dict(json.loads(line[len("BASELINE_ITEM ") :]))
+            out[str(item.pop("path"))] = item
+    return out
 
 
 def parse_output(stdout: str) -> dict[str, Any]:

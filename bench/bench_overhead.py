@@ -91,15 +91,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--requests", type=int, default=None, help="Evaluate calls per mode (200)")
-    ap.add_argument("--fresh-count", type=int, default=None, help="fresh processes (20)")
-    ap.add_argument("--fork-count", type=int, default=None, help="forked children (50)")
+    ap.add_argument("--fresh-count", type=int, default=None, help="fresh processes (12)")
+    ap.add_argument("--fork-count", type=int, default=None, help="forked children (20)")
     ap.add_argument("--elements", type=int, default=None, help="tensor size (4096)")
     ap.add_argument("--device", default="0", help="GPU index the service uses")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     requests = args.requests or (15 if smoke else 200)
-    fresh = args.fresh_count or (3 if smoke else 20)
-    forks = args.fork_count or (5 if smoke else 50)
+    fresh = args.fresh_count or (3 if smoke else 12)
+    forks = args.fork_count or (5 if smoke else 20)
     n = args.elements or 4096
     info = C.machine_info()
 
@@ -120,7 +120,8 @@ def main() -> int:
             print(f"service perf={perf}: {ok}/{len(walls)} OK", flush=True)
     finally:
         svc.stop()
-    for perf, count in ((0, fresh), (20, max(3, fresh // 4))):
+    timed_fresh = max(3, fresh // 4)
+    for perf, count in ((0, fresh), (20, timed_fresh)):
         walls, ok = fresh_latencies(kernel, ref, count, perf)
         data["modes"][f"fresh_process_perf{perf}"] = {"ok": ok, **C.summary(walls)}
         print(f"fresh perf={perf}: {ok}/{len(walls)} OK", flush=True)
@@ -151,8 +152,8 @@ def main() -> int:
         "(1 correctness trial); sequential calls, one worker on GPU "
         f"{'cpu' if smoke else args.device}.",
         "x service = this median / the service's median with the same timing setting.",
-        f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh, "
-        f"{forks} forked per setting.",
+        f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh processes "
+        f"without timing, {timed_fresh} with, {forks} forked children per setting.",
     ]
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
