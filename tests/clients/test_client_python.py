@@ -265,3 +265,31 @@ def test_async_client(fake: FakeServer):
             assert len(ops) == 1
 
     asyncio.run(scenario())
+
+
+def test_async_watch_survives_a_server_restart():
+    state = FakeState(event_delay=0.05)
+    server = FakeServer(state)
+
+    async def scenario() -> list[job_pb2.JobEvent]:
+        async with AsyncClient(server.address, reconnect_timeout=20) as c:
+            job = await c.submit(spec())
+            seen: list[job_pb2.JobEvent] = []
+            async for ev in c.watch(job.job_id):
+                seen.append(ev)
+                if len(seen) == 3:
+                    # Blocking on purpose: the stream breaks under the client's feet.
+                    server.stop()
+                    time.sleep(0.3)
+                    server.start()
+            return seen
+
+    try:
+        seen = asyncio.run(scenario())
+        assert_contiguous(seen)
+        assert seen[-1].finished.state == job_pb2.JOB_STATE_DONE
+        watches = [r for r in state.received if isinstance(r, kernel_eval_service_pb2.WatchRequest)]
+        assert [w.after_sequence for w in watches][:1] == [0] and len(watches) >= 2
+        assert watches[1].after_sequence >= 3
+    finally:
+        server.stop()
