@@ -206,6 +206,7 @@ class Report:
     bad_verdicts: dict[str, int] = field(default_factory=dict)
     bad_with_xid: int = 0
     good_failures: list[dict[str, Any]] = field(default_factory=list)
+    bad_misclassified: list[dict[str, Any]] = field(default_factory=list)
     jobs_lost: int = 0
     worker_restarts: int = 0
     fault_to_next_start_ms_p50: float = 0.0
@@ -425,6 +426,7 @@ def main() -> int:
     rep.bad_jobs = len(bad)
     rep.bad_expected_verdict = expected_bad
     rep.bad_classified = sum(1 for r in bad if r.verdict == expected_bad)
+    rep.bad_misclassified = [asdict(r) for r in bad if r.verdict != expected_bad][:20]
     for r in bad:
         rep.bad_verdicts[r.verdict or r.error] = rep.bad_verdicts.get(r.verdict or r.error, 0) + 1
     rep.bad_with_xid = sum(1 for r in bad if r.xid)
@@ -467,10 +469,24 @@ def main() -> int:
         "",
         f"Bad job verdicts: {rep.bad_verdicts}.",
     ]
+    if args.cpu_smoke:
+        md += [
+            "",
+            "On the CPU every planted fault is a SIGSEGV, which the watchdog counts as a worker",
+            "failure (restart backoff), and a replacement needs a fresh torch import (~2 s on a",
+            "busy 2-core box): with a fault every few seconds the spare is often not warm yet,",
+            "so the fault -> next start times here are not the GPU's.",
+        ]
     if rep.good_failures:
         md += ["", "Good jobs that failed (first 20):", ""]
         md += [
             f"- {f['kind']} {f['job_id']}: {f['verdict']} {f['error']}" for f in rep.good_failures
+        ]
+    if rep.bad_misclassified:
+        md += ["", f"Bad jobs not {expected_bad} (first 20):", ""]
+        md += [
+            f"- {f['kind']} {f['job_id']}: {f['verdict']} {f['error']}"
+            for f in rep.bad_misclassified
         ]
     (out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / stem}.json and .md")
