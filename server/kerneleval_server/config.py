@@ -84,6 +84,28 @@ class Config:
     def watchdog_binary(self) -> str:
         return self.watchdog or default_watchdog_binary()
 
+    def problems(self) -> list[str]:
+        """Settings that cannot work, as messages naming the flag."""
+        out = []
+        if self.nvml not in ("auto", "real", "fake", "none"):
+            out.append(f"--nvml {self.nvml!r}: one of auto, real, fake, none")
+        if self.nvml == "fake" and not self.fake_nvml_path:
+            out.append("--nvml fake needs --fake-nvml-path")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            out.append("--tls-cert and --tls-key go together")
+        if not -1 <= self.port <= 65535:
+            out.append(f"--port {self.port}: 0..65535, or -1 for no TCP listener")
+        if self.port < 0 and not self.unix_socket:
+            out.append("--port -1 needs --unix-socket")
+        for name in ("workers_per_device", "max_queue", "max_attempts"):
+            if getattr(self, name) < 1:
+                out.append(f"--{name.replace('_', '-')} must be >= 1")
+        try:
+            self.device_list()
+        except ValueError:
+            out.append(f"--devices {self.devices!r}: comma-separated GPU indices")
+        return out
+
     def effective_xid_wait_s(self) -> float:
         if self.xid_wait_s >= 0:
             return self.xid_wait_s

@@ -300,5 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_arguments(serve)
     ns = parser.parse_args(argv)
     cfg = config_mod.from_args(ns)
+    problems = cfg.problems()
+    if problems:
+        parser.error("; ".join(problems))
     logs.setup(cfg.log_level, cfg.log_file)
     return asyncio.run(Server(cfg).run())

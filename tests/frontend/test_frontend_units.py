@@ -200,3 +200,13 @@ def test_config_flags_over_env_over_defaults() -> None:
     cfg = config_mod.from_args(parser.parse_args([]), {"XDG_STATE_HOME": "/x"})
     assert cfg.port == 50051 and cfg.host == "127.0.0.1"
     assert cfg.device_list() == [] and cfg.effective_xid_wait_s() == 2.5
+
+
+def test_config_problems_are_reported() -> None:
+    assert config_mod.Config().problems() == []
+    bad = config_mod.Config(
+        nvml="fake", tls_cert="c", port=70000, workers_per_device=0, devices="a"
+    )
+    text = " ".join(bad.problems())
+    for flag in ("--fake-nvml-path", "--tls-key", "--port", "--workers-per-device", "--devices"):
+        assert flag in text
