@@ -66,6 +66,8 @@ def verdict_for(spec: kernel_pb2.JobSpec) -> int:
         return job_pb2.VERDICT_COMPILE_ERROR
     if "INCORRECT" in spec.kernel.source_code:
         return job_pb2.VERDICT_INCORRECT
+    if "CRASH" in spec.kernel.source_code:
+        return job_pb2.VERDICT_CRASHED
     return job_pb2.VERDICT_OK
 
 
@@ -140,6 +142,13 @@ class FakeState:
                             phase=phase, done_count=done, total_count=PROGRESS_STEPS
                         ),
                     )
+            if phase == job_pb2.PHASE_VALIDATING and verdict == job_pb2.VERDICT_CRASHED:
+                result.compiled = True
+                result.fault.signal = 11
+                result.fault.worker_restarted = True
+                result.fault.description = "worker w0 killed by SIGSEGV in PHASE_VALIDATING"
+                self._emit(fj, fault=result.fault)
+                break
             if phase == job_pb2.PHASE_VALIDATING and verdict == job_pb2.VERDICT_INCORRECT:
                 result.compiled = True
                 result.validation_error = "output 0: 12 of 1024 elements differ"

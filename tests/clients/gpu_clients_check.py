@@ -172,6 +172,10 @@ def doctor_steps(chk: Check, address: str, token: str) -> None:
         p.returncode == 0 and "## CUDA tools" in p.stdout,
         tiny_kernel=[ln for ln in p.stdout.splitlines() if "tiny kernel" in ln],
     )
+
+
+def doctor_service_step(chk: Check, address: str, token: str) -> None:
+    """After the planted fault, so that the report shows it."""
     p = cli(address, token, "doctor")
     chk.write("doctor_gpu_service.md", p.stdout + p.stderr)
     chk.record("doctor_service", p.returncode == 0 and "health: SERVING" in p.stdout)
@@ -295,6 +299,7 @@ def main() -> int:
             lambda: compare_steps(chk, address, token, a.cpu_smoke),
             lambda: fault_steps(chk, address, token, a.cpu_smoke),
             lambda: other_language_steps(chk, address, token, tmp),
+            lambda: doctor_service_step(chk, address, token),
         ):
             try:
                 step()

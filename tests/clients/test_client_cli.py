@@ -223,6 +223,10 @@ def test_doctor_without_a_gpu(fake, capsys, tmp_path, monkeypatch):
     for p in (smi, san):
         p.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    crash = tmp_path / "crash.py"
+    crash.write_text("# CRASH on purpose\nimport torch\n")
+    code, _, err = run(fake, capsys, "evaluate", str(crash))
+    assert code == cli.EXIT_VERDICT and "fault: worker w0 killed by SIGSEGV" in err
     code, out, _ = run(fake, capsys, "--admin-token", ADMIN_TOKEN, "doctor")
     assert code == 0
     assert "## nvidia-smi" in out and "0, NVIDIA H200, 570.86" in out
@@ -231,6 +235,8 @@ def test_doctor_without_a_gpu(fake, capsys, tmp_path, monkeypatch):
     assert "## torch and triton (child process)" in out and "triton: " in out
     assert f"## service at {fake.address}" in out and "health: SERVING" in out
     assert "recent XID on 0: 31 (application) -> restart_worker" in out
+    assert "faults in the last 200 jobs: 1" in out
+    assert "CRASHED" in out and "killed by SIGSEGV" in out
     from kerneleval import doctor
 
     monkeypatch.setattr(doctor, "check_python_stack", lambda r: r.section("torch").add("x", "y"))

@@ -294,7 +294,7 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
 
 
 def cmd_doctor(a: argparse.Namespace, c: Client) -> int:
-    report = run_doctor(c.address, c.admin_token, a.service_timeout)
+    report = run_doctor(c.address, c.admin_token, a.service_timeout, credentials=_credentials(a))
     print(json.dumps(report.as_dict(), indent=2) if a.json else report.text(), end="")
     return EXIT_OK
 

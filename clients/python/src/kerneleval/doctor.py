@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 CHILD_TIMEOUT_S = 90.0
 TOOL_TIMEOUT_S = 20.0
@@ -246,18 +247,40 @@ def check_tools(r: Report) -> None:
         s.add(name, f"{tool}: {_version_line(out, needle)}" if code == 0 else f"{tool}: {out}")
 
 
-def check_service(r: Report, address: str, admin_token: str | None, timeout: float) -> None:
+FAULT_VERDICTS = ("DEVICE_FAULT", "CRASHED", "TIMEOUT", "OUT_OF_MEMORY", "RESOURCE_LIMIT")
+RECENT_JOBS = 200
+
+
+def check_service(
+    r: Report,
+    address: str,
+    admin_token: str | None,
+    timeout: float,
+    credentials: Any = None,
+) -> None:
     from kerneleval import errors
     from kerneleval.client import Client
-    from kerneleval.render import devices_table
+    from kerneleval.render import devices_table, job_summary, verdict_name
 
     s = r.section(f"service at {address}")
-    with Client(address, timeout=timeout, admin_token=admin_token) as c:
+    with Client(address, timeout=timeout, admin_token=admin_token, credentials=credentials) as c:
         try:
             s.add("health", c.health())
         except errors.KernelEvalError as e:
             s.add("health", f"unreachable ({e.code.name}: {e.details})")
             return
+        # Recent faults need no token: the last jobs whose kernel took its worker or GPU down.
+        try:
+            faults = [
+                j
+                for j in c.list_jobs(limit=RECENT_JOBS, page_size=RECENT_JOBS)
+                if verdict_name(j.result.verdict) in FAULT_VERDICTS
+            ]
+            s.add(f"faults in the last {RECENT_JOBS} jobs", str(len(faults)))
+            for j in faults[:10]:
+                s.add(f"  {j.job_id}", job_summary(j))
+        except errors.KernelEvalError as e:
+            s.add("jobs", f"{e.code.name}: {e.details}")
         if not c.admin_token:
             s.add("devices", "skipped (needs --admin-token or $KERNELEVAL_ADMIN_TOKEN)")
             return
@@ -288,6 +311,7 @@ def run_doctor(
     timeout: float,
     *,
     checks: Sequence[Callable[[Report], None]] | None = None,
+    credentials: Any = None,
 ) -> Report:
     r = Report()
     for check in checks or (
@@ -303,7 +327,7 @@ def run_doctor(
             r.section(getattr(check, "__name__", "check")).add("error", repr(e))
     if address:
         try:
-            check_service(r, address, admin_token, timeout)
+            check_service(r, address, admin_token, timeout, credentials)
         except Exception as e:
             r.section(f"service at {address}").add("error", repr(e))
     return r
