@@ -643,7 +643,13 @@ void Supervisor::require_reset(Device& d, const std::string& why, bool auto_rese
   if (why.empty() || d.reset) return;  // a reset in progress ends with its own health check
   d.needs_reset = true;
   set_health(d, pb::HEALTH_UNHEALTHY, why);
-  if (auto_reset && !d.reset) begin_reset(d, kAutoResetGraceMs, 0);
+  if (!auto_reset) return;
+  if (d.auto_resets.record_failure(now_ms())) {
+    set_health(d, pb::HEALTH_UNHEALTHY, why + "; more than 3 automatic resets in an hour: "
+                                              "waiting for ResetGpu");
+    return;
+  }
+  begin_reset(d, kAutoResetGraceMs, 0);
 }
 
 void Supervisor::read_health(int64_t now) {

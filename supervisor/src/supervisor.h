@@ -57,6 +57,7 @@ struct Device {
   bool needs_reset = false;  // only ResetGpu brings it back
   bool wanted = false;       // workers should run (Configure/StartWorkers; StopWorkers clears)
   RestartIntensity intensity{5, 30000, 100, 5000};
+  RestartIntensity auto_resets{3, 3600000, 0, 0};  // a GPU that keeps failing waits for a person
   Reading reading;
   std::unique_ptr<ResetRun> reset;
 };

@@ -271,15 +271,31 @@ def test_xid79_auto_reset_runs_every_step_and_brings_workers_back(harness: Harne
             w.worker_id for w in d1}
         assert len([w for w in status.workers if w.device_index == 0]) == 2
         assert all(d.health == HEALTHY for d in status.devices)
+        # A GPU that keeps failing: three automatic resets an hour, then it waits for a person.
+        for n in (2, 3, 4):  # a kernel-log line without a pid: handled without waiting
+            harness.kernel_log("NVRM: Xid (PCI:0000:00:06): 79, GPU has fallen off the bus.")
+            harness.nvml("xid 0 79")
+            await harness.count("xid", n)
+            if n < 4:
+                await harness.count("reset_finished", n)
+        await harness.wait_for(lambda: "automatic resets" in status_reason(harness), 10, "limit")
+        assert len(harness.of("reset_finished")) == 3
+        assert harness.reset_record.read_text() == "0\n0\n0\n"
         await wd.shutdown(0)
 
     run(body())
+
+
+def status_reason(harness: Harness) -> str:
+    updates = [e.device.device for e in harness.of("device") if e.device.device.device_index == 0]
+    return updates[-1].health_reason if updates else ""
 
 
 def test_xid79_without_auto_reset_waits_for_reset_gpu(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(gpus=1))
         await harness.started(1)
+        harness.kernel_log("NVRM: Xid (PCI:0000:00:06): 79, GPU has fallen off the bus.")
         harness.nvml("xid 0 79")
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),

@@ -134,6 +134,11 @@ class Harness:
                 raise AssertionError(f"timed out waiting for {what}; events: {kinds}")
             await asyncio.sleep(0.02)
 
+    async def count(self, kind: str, n: int, timeout: float = 10.0) -> list[Event]:
+        """Waits until n events of this kind have arrived."""
+        await self.wait_for(lambda: len(self.of(kind)) >= n, timeout, f"{n} {kind} events")
+        return self.of(kind)
+
     async def report(self, worker_id: str, timeout: float = 5.0) -> dict:
         path = self.standin_dir / f"{worker_id}.json"
         await self.wait_for(path.exists, timeout, f"{worker_id} to report")
