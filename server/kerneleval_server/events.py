@@ -16,7 +16,7 @@ from typing import Any
 from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from .store import Store
+from .store import TERMINAL, Store
 
 
 def now_event(job_id: str, sequence: int) -> job_pb2.JobEvent:
@@ -54,7 +54,12 @@ class EventHub:
         self._watchers.setdefault(job_id, set()).add(queue)
         try:
             last = after_sequence
-            for event in self._store.events_after(job_id, after_sequence):
+            replay = self._store.events_after(job_id, after_sequence)
+            if not replay:
+                job = self._store.get(job_id, include_spec=False)
+                if job is None or job.state in TERMINAL:
+                    return  # the caller has seen the end already
+            for event in replay:
                 last = event.sequence
                 yield event
                 if event.HasField("finished"):

@@ -159,6 +159,9 @@ def test_watch_resumes_after_dropped_stream(stub) -> None:  # type: ignore[no-un
     again = [r.event for r in stub.Watch(pb.WatchRequest(job_id=job.job_id))]
     assert [e.sequence for e in again] == seqs
     assert [e.SerializeToString() for e in again] == [e.SerializeToString() for e in first + rest]
+    # Re-attaching after the end: nothing more, and the stream ends.
+    tail = stub.Watch(pb.WatchRequest(job_id=job.job_id, after_sequence=seqs[-1]), timeout=10)
+    assert list(tail) == []
 
 
 def test_list_jobs_pages_and_filters(stub) -> None:  # type: ignore[no-untyped-def]

@@ -120,6 +120,18 @@ def test_event_hub_replay_then_live_without_gaps(tmp_path: Path) -> None:
 
     assert asyncio.run(scenario()) == list(range(2, 11))
 
+    async def after_the_end() -> list[int]:
+        store = Store(tmp_path / "db.sqlite")
+        hub = EventHub(store)
+        job = store.get("j")
+        assert job is not None
+        job.state = job_pb2.JOB_STATE_DONE
+        store.update(job)
+        # Re-attaching after the last event ends at once instead of waiting forever.
+        return [ev.sequence async for ev in hub.watch("j", 10)]
+
+    assert asyncio.run(asyncio.wait_for(after_the_end(), 5)) == []
+
 
 def test_ops_log_replay_and_live() -> None:
     async def scenario() -> list[int]:
