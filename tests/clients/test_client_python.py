@@ -145,7 +145,7 @@ def test_watch_gives_up_when_the_server_stays_away():
     next(it)
     server.stop()
     started = time.monotonic()
-    with pytest.raises(errors.Unavailable, match="re-attach"):
+    with pytest.raises(errors.Unavailable, match="re-attach|could not reach"):
         list(it)
     assert time.monotonic() - started < 10
     c.close()
@@ -293,3 +293,11 @@ def test_async_watch_survives_a_server_restart():
         assert watches[1].after_sequence >= 3
     finally:
         server.stop()
+
+
+def test_watch_of_an_unreachable_server_gives_up_after_its_budget():
+    with Client("127.0.0.1:1", reconnect_timeout=0.5) as c:
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="could not reach the server"):
+            list(c.watch("job-x"))
+        assert time.monotonic() - started < 5

@@ -189,8 +189,16 @@ class _Follow:
     def remaining(self) -> float:
         """Seconds left of the re-attach budget (its clock starts at the first trouble)."""
         if self._deadline is None:
-            self._deadline = time.monotonic() + self.reconnect_timeout
+            return self.reconnect_timeout
         return max(0.0, self._deadline - time.monotonic())
+
+    def gave_up(self, cause: BaseException) -> errors.Unavailable:
+        exc = errors.Unavailable(
+            f"could not reach the server to follow job {self.job_id} (after sequence "
+            f"{self.last}) within {self.reconnect_timeout:g} s"
+        )
+        exc.__cause__ = cause
+        return exc
 
     def watch_request(self) -> kernel_eval_service_pb2.WatchRequest:
         return kernel_eval_service_pb2.WatchRequest(job_id=self.job_id, after_sequence=self.last)
@@ -313,8 +321,7 @@ class Client(_Base):
                 try:
                     grpc.channel_ready_future(self.channel).result(timeout=follow.remaining())
                 except grpc.FutureTimeoutError as e:
-                    time.sleep(follow.next_delay(e))
-                    continue
+                    raise follow.gave_up(e) from e
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
@@ -551,8 +558,7 @@ class AsyncClient(_Base):
                 try:
                     await asyncio.wait_for(self.channel.channel_ready(), follow.remaining())
                 except asyncio.TimeoutError as e:
-                    await asyncio.sleep(follow.next_delay(e))
-                    continue
+                    raise follow.gave_up(e) from e
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
