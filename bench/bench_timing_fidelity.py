@@ -138,7 +138,9 @@ def do_bench_median(source: str, path: Path) -> float:
     return value
 
 
-_UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+# ncu's unit names differ between versions.
+_UNITS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3,
+          "ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}  # fmt: skip
 
 
 def ncu_median(ncu: str, path: Path, forwards: int) -> tuple[float, str]:
@@ -148,9 +150,15 @@ def ncu_median(ncu: str, path: Path, forwards: int) -> tuple[float, str]:
         sys.executable, str(BASELINE), "launch", str(path), "--forwards", str(forwards),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=C.child_env(), timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('"')]
-    if not lines:
+    total, kernels = parse_ncu_csv(proc.stdout)
+    if not kernels:
         return 0.0, f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
+    return total / forwards, f"{kernels} kernel launches in {forwards} forwards"
+
+
+def parse_ncu_csv(stdout: str) -> tuple[float, int]:
+    """(sum of gpu__time_duration.sum in ms, kernel count) from `ncu --csv` output."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith('"')]
     total, kernels = 0.0, 0
     for row in csv.DictReader(io.StringIO("\n".join(lines))):
         if row.get("Metric Name") != "gpu__time_duration.sum":
@@ -158,7 +166,7 @@ def ncu_median(ncu: str, path: Path, forwards: int) -> tuple[float, str]:
         value = float(row["Metric Value"].replace(",", ""))
         total += value * _UNITS.get(row.get("Metric Unit", "nsecond"), 1e-6)
         kernels += 1
-    return total / forwards, f"{kernels} kernel launches in {forwards} forwards"
+    return total, kernels
 
 
 def main() -> int:

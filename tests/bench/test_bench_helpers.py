@@ -26,6 +26,7 @@ import _common as C  # noqa: E402
 import _kernels as K  # noqa: E402
 import bench_kernelbench  # noqa: E402
 import bench_throughput  # noqa: E402
+import bench_timing_fidelity  # noqa: E402
 import fault_soak  # noqa: E402
 from google.protobuf import timestamp_pb2  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
@@ -170,3 +171,22 @@ def test_baseline_cuda_init_runs_as_a_process() -> None:
     )  # fmt: skip
     res = _baseline.parse_output(proc.stdout)
     assert res["import_torch_s"] > 0 and res["since_interpreter_start_s"] >= res["import_torch_s"]
+
+
+NCU_CSV = """==PROF== Connected to process 4242 (/usr/bin/python3.12)
+==PROF== Profiling "vectorized_elementwise_kernel" - 0: 0%....50%....100% - 1 pass
+BASELINE_JSON {"forwards": 2}
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",\
+"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.12","127.0.0.1","void k<float>(int)","1","7","(128, 1, 1)","(8, 1, 1)",\
+"0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","5.50"
+"1","4242","python3.12","127.0.0.1","void k<float>(int)","1","7","(128, 1, 1)","(8, 1, 1)",\
+"0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","4,500"
+"""  # a backslash at a line end continues the line: ncu writes one line per row
+
+
+def test_parse_ncu_csv() -> None:
+    total_ms, kernels = bench_timing_fidelity.parse_ncu_csv(NCU_CSV)
+    assert kernels == 2
+    assert total_ms == pytest.approx(0.0055 + 0.0045)
+    assert bench_timing_fidelity.parse_ncu_csv("==PROF== ERR_NVGPUCTRPERM") == (0.0, 0)
