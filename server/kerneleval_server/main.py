@@ -111,6 +111,37 @@ def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Confi
     )
 
 
+def unreadable_for_others(paths: list[str]) -> list[str]:
+    """Paths that a worker run as another user (nobody) could not read: a folder on the way
+    without o+x, or the folder itself without o+rx."""
+    bad = []
+    for raw in paths:
+        path = Path(raw).resolve()
+        if not path.exists():
+            continue
+        chain = [*reversed(path.parents), path]
+        for i, part in enumerate(chain):
+            mode = part.stat().st_mode
+            need = 0o005 if i == len(chain) - 1 else 0o001
+            if mode & need != need:
+                bad.append(f"{path} (blocked at {part})")
+                break
+    return bad
+
+
+def warn_if_workers_cannot_read(cfg: Config, configure: supervisor_pb2.Configure) -> None:
+    if os.geteuid() != 0 or cfg.worker_user == "root":
+        return
+    paths = [p for p in configure.worker_env["PYTHONPATH"].split(os.pathsep) if p]
+    for bad in unreadable_for_others(paths):
+        log.warning(
+            "workers run as %r but cannot read %s: make it world-readable, or pass "
+            "--worker-user root",
+            cfg.worker_user or "nobody",
+            bad,
+        )
+
+
 class Server:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -154,8 +185,12 @@ class Server:
 
         binary = self.cfg.watchdog_binary()
         failures = 0
+        warned = False
         while not self.stopping.is_set():
             configure = build_configure(self.cfg, self.channel)
+            if not warned:
+                warn_if_workers_cannot_read(self.cfg, configure)
+                warned = True
             try:
                 wd = await Watchdog.start(binary, configure, self.manager.on_supervisor_event)
             except Exception as exc:  # noqa: BLE001 - keep trying; health says NOT_SERVING

@@ -222,3 +222,21 @@ def test_config_problems_are_reported() -> None:
     text = " ".join(bad.problems())
     for flag in ("--fake-nvml-path", "--tls-key", "--port", "--workers-per-device", "--devices"):
         assert flag in text
+
+
+def test_unreadable_for_others() -> None:
+    import shutil
+    import tempfile
+
+    from kerneleval_server.main import unreadable_for_others
+
+    tmp_path = Path(tempfile.mkdtemp())  # pytest's tmp_path sits under a 0700 folder
+    tmp_path.chmod(0o755)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    (closed / "inner").mkdir(mode=0o755)
+    bad = unreadable_for_others([str(open_dir), str(closed / "inner"), str(tmp_path / "nope")])
+    shutil.rmtree(tmp_path)
+    assert len(bad) == 1 and "inner" in bad[0] and str(closed) in bad[0]
