@@ -190,3 +190,21 @@ def test_parse_ncu_csv() -> None:
     assert kernels == 2
     assert total_ms == pytest.approx(0.0055 + 0.0045)
     assert bench_timing_fidelity.parse_ncu_csv("==PROF== ERR_NVGPUCTRPERM") == (0.0, 0)
+
+
+def _has_nvcc() -> bool:
+    import shutil
+
+    return bool(shutil.which("nvcc")) or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+@pytest.mark.skipif(not _has_nvcc(), reason="no nvcc: the CUDA sources cannot be compiled here")
+def test_cuda_sources_compile(soak_gpu: fault_soak.Soak, tmp_path: Path) -> None:
+    """The GPU-only kinds at least compile here (they report that they cannot run)."""
+    from kerneleval_server.engine import EngineConfig, NullReporter, run_job
+
+    specs = [(k, soak_gpu.spec(k, 1)) for k in ("good_cuda", "cuda_oob", "cuda_misaligned", "hang")]
+    specs.append(("candidate", bench_throughput.candidates(2, 4096, cuda=True)[1]))
+    for name, spec in specs:
+        result = run_job(spec, NullReporter(), EngineConfig(work_dir=tmp_path / name)).result
+        assert result.compiled, (name, result.compilation_error)
