@@ -624,20 +624,32 @@ class JobManager:
             )
         dev.xids.append(record)
         self.ops.emit(x.device_index, xid=record)
-        job_ids = set(x.job_ids)
-        on_device = [r for r in self.running.values() if r.worker.device_index == x.device_index]
-        named = [
-            r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in x.worker_ids
-        ]
-        # Without names, a job whose worker reported a poisoned context is the likely cause;
-        # failing that, every job on the device may be (a guess that never turns OK into a
-        # fault: see _finish_outcome).
-        waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
-        for run in named or waiting or on_device:
-            run.xid = faults.XidSeen(x.xid, x.category, x.message, named=bool(named))
+        for run, sure in self._xid_suspects(x):
+            run.xid = faults.XidSeen(x.xid, x.category, x.message, named=sure)
             if run.outcome is not None:
                 self._finish_outcome(run.job.job_id)
         log.warning("XID %d on device %d: %s", x.xid, x.device_index, x.message)
+
+    def _xid_suspects(self, x: supervisor_pb2.XidObserved) -> list[tuple[Running, bool]]:
+        """The jobs an XID belongs to, and whether that is sure.
+
+        Sure: the kernel log named the job's worker process, or a worker on that device just
+        reported a poisoned context (NVML is ~2 s late, so by now that worker may be gone and
+        the watchdog may name whoever runs on the GPU next). Otherwise the watchdog's guess
+        (the workers running jobs there): the XID is noted, but never turns an OK into a fault.
+        """
+        on_device = [r for r in self.running.values() if r.worker.device_index == x.device_index]
+        by_pid = [r for r in on_device if x.pid and r.worker.pid == x.pid]
+        if by_pid:
+            return [(r, True) for r in by_pid]
+        waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
+        if waiting:
+            return [(r, True) for r in waiting]
+        job_ids, worker_ids = set(x.job_ids), set(x.worker_ids)
+        named = [
+            r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in worker_ids
+        ]
+        return [(r, False) for r in named or on_device]
 
     def _on_device(self, status: supervisor_pb2.DeviceStatus) -> None:
         dev = self.devices.get(status.device_index)

@@ -240,3 +240,32 @@ def test_unreadable_for_others() -> None:
     bad = unreadable_for_others([str(open_dir), str(closed / "inner"), str(tmp_path / "nope")])
     shutil.rmtree(tmp_path)
     assert len(bad) == 1 and "inner" in bad[0] and str(closed) in bad[0]
+
+
+def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
+    from kerneleval.internal.v1 import worker_pb2
+    from kerneleval_server.jobs import JobManager, Running
+    from kerneleval_server.metrics import Metrics
+    from kerneleval_server.workers import WorkerState
+
+    store = Store(tmp_path / "db.sqlite")
+    m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
+
+    def run(job_id: str, worker_id: str, pid: int) -> Running:
+        w = WorkerState(worker_id, pid, 0, "t", False, 0)
+        r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
+        m.running[job_id] = r
+        return r
+
+    bad, nxt = run("bad", "d0-w0", 100), run("next", "d0-w1", 101)
+    bad.outcome = worker_pb2.JobOutcome(job_id="bad", context_poisoned=True)
+    # NVML is late: the watchdog names the worker now running on the GPU (no pid known).
+    guess = supervisor_pb2.XidObserved(device_index=0, xid=31, worker_ids=["d0-w1"])
+    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(guess)] == [("bad", True)]
+    by_pid = supervisor_pb2.XidObserved(device_index=0, xid=31, pid=101)
+    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(by_pid)] == [("next", True)]
+    del m.running["bad"]
+    assert [(r.job.job_id, s) for r, s in m._xid_suspects(guess)] == [("next", False)]
+    other = supervisor_pb2.XidObserved(device_index=1, xid=31)
+    assert m._xid_suspects(other) == []
+    assert nxt.xid is None
