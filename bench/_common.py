@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -210,7 +211,7 @@ def _version(dist: str) -> str:
 def gpus() -> list[dict[str, str]]:
     """GPU name, driver and memory per GPU from nvidia-smi; [] without one."""
     if not shutil.which("nvidia-smi"):
-        return []
+        return _gpus_from_proc()
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
@@ -226,6 +227,24 @@ def gpus() -> list[dict[str, str]]:
             rows.append(
                 {"index": parts[0], "name": parts[1], "driver": parts[2], "memory": parts[3]}
             )
+    return rows
+
+
+def _gpus_from_proc() -> list[dict[str, str]]:
+    """The same facts from the driver's /proc files, where nvidia-smi is missing."""
+    try:
+        version = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return []
+    m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", version)
+    driver = m.group(1) if m else "unknown"
+    rows = []
+    for i, info in enumerate(sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))):
+        name = "unknown"
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                name = line.split(":", 1)[1].strip()
+        rows.append({"index": str(i), "name": name, "driver": driver, "memory": ""})
     return rows
 
 
