@@ -147,6 +147,14 @@ def test_operations_commands(fake, capsys, monkeypatch):
     assert "worker w0 exited (poisoned_context" in out
     code, out, _ = run(fake, capsys, "events", "--json")
     assert [json.loads(line)["sequence"] for line in out.splitlines()] == ["1", "2"]
+    code, out, _ = run(fake, capsys, "restart-workers", "--device", "0")
+    assert code == 0 and out.strip() == "asked 2 worker(s) on gpu 0 to restart"
+    code, out, _ = run(fake, capsys, "cleanup", "--older-than-hours", "2")
+    assert code == 0 and out.startswith("deleted 7200 finished job(s)")  # the fake echoes seconds
+    code, out, _ = run(fake, capsys, "stats")
+    assert code == 0 and "faults           1" in out and "XIDs             1" in out
+    code, out, _ = run(fake, capsys, "stats", "--json")
+    assert json.loads(out)["faultCount"] == "1"
     code, out, _ = run(fake, capsys, "reset-gpu", "0", "--yes", "--grace", "1")
     assert code == 0 and "check_health" in out and "healthy again" in out
     assert fake.state.reset_calls[-1] == 0

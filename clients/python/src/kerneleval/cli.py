@@ -293,6 +293,63 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
     return EXIT_OK if resp.success else EXIT_VERDICT
 
 
+def cmd_restart_workers(a: argparse.Namespace, c: Client) -> int:
+    count = c.restart_workers(a.device)
+    where = "every device" if a.device is None else render.device_label(a.device)
+    print(f"asked {count} worker(s) on {where} to restart")
+    return EXIT_OK
+
+
+def cmd_cleanup(a: argparse.Namespace, c: Client) -> int:
+    older = None if a.older_than_hours is None else a.older_than_hours * 3600
+    resp = c.cleanup(older)
+    print(
+        f"deleted {resp.deleted_job_count} finished job(s), "
+        f"removed {resp.removed_folder_count} worker folder(s)"
+    )
+    return EXIT_OK
+
+
+def cmd_stats(a: argparse.Namespace, c: Client) -> int:
+    st = c.get_stats()
+    if a.json:
+        print(_to_json(st))
+        return EXIT_OK
+    rows = [
+        ("uptime", f"{st.uptime.ToTimedelta()}"),
+        ("queue depth", str(st.queue_depth)),
+        (
+            "jobs",
+            ", ".join(
+                f"{k.removeprefix('JOB_STATE_')} {v}" for k, v in sorted(st.jobs_by_state.items())
+            )
+            or "-",
+        ),
+        (
+            "verdicts",
+            ", ".join(
+                f"{k.removeprefix('VERDICT_')} {v}" for k, v in sorted(st.jobs_by_verdict.items())
+            )
+            or "-",
+        ),
+        ("queue latency", _latency(st.queue_latency)),
+        ("run latency", _latency(st.run_latency)),
+        ("faults", str(st.fault_count)),
+        ("worker restarts", str(st.worker_restart_count)),
+        ("GPU resets", str(st.gpu_reset_count)),
+        ("XIDs", str(st.xid_count)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+    return EXIT_OK
+
+
+def _latency(s: Any) -> str:
+    if not s.sample_count:
+        return "-"
+    return f"p50 {s.p50_ms:.1f} ms, p90 {s.p90_ms:.1f} ms, p99 {s.p99_ms:.1f} ms ({s.sample_count})"
+
+
 def cmd_doctor(a: argparse.Namespace, c: Client) -> int:
     report = run_doctor(c.address, c.admin_token, a.service_timeout, credentials=_credentials(a))
     print(json.dumps(report.as_dict(), indent=2) if a.json else report.text(), end="")
@@ -410,6 +467,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_reset_gpu)
+
+    s = sub.add_parser("restart-workers", help="replace the workers (admin token)")
+    s.add_argument("--device", type=int, default=None, help="GPU index (default: every device)")
+    s.set_defaults(func=cmd_restart_workers)
+
+    s = sub.add_parser("cleanup", help="delete old finished jobs now (admin token)")
+    s.add_argument(
+        "--older-than-hours",
+        type=float,
+        default=None,
+        metavar="H",
+        help="cut-off (default: the server's retention period)",
+    )
+    s.set_defaults(func=cmd_cleanup)
+
+    s = sub.add_parser("stats", help="counters and latencies (admin token)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_stats)
 
     s = sub.add_parser("doctor", help="print a diagnostics report to paste into an issue")
     s.add_argument("--json", action="store_true")
