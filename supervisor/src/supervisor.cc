@@ -529,7 +529,7 @@ void Supervisor::reap() {
   }
 }
 
-void Supervisor::on_worker_exit(const std::string& id, int status) {
+void Supervisor::on_worker_exit(std::string id, int status) {
   Worker w = workers_.at(id);
   workers_.erase(id);
   std::error_code ec;

@@ -99,7 +99,7 @@ class Supervisor {
   void spawn(Device& d, bool spare);
   void terminate(Worker& w, int grace_ms, const std::string& reason, bool replace);
   void reap();
-  void on_worker_exit(const std::string& id, int status);
+  void on_worker_exit(std::string id, int status);  // id by value: its map node is erased
   Worker* find_worker(const std::string& id);
   Worker* worker_for_pid(pid_t pid);
   int live_workers(int device, bool spare) const;
