@@ -5,6 +5,8 @@ The kernel source is a JSON command:
       reports VERDICT_DEVICE_FAULT with a poisoned context, as the real engine does after
       cudaErrorIllegalAddress, and appends "xid <device> 31 pid=<pid>" to the fake NVML file
       after xid_delay seconds, as the driver would (NVML reports it ~2 s late).
+  {"do": "segfault"}
+      the worker process dies with SIGSEGV, as a kernel's wild host-side write does.
   {"do": "time", "log": <file>, "seconds": s}
       compiles and validates for s seconds, then asks for the timing grant and "times" for s
       seconds; appends "<phase> <start> <end> <pid>" lines to log.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +53,9 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
     cmd = json.loads(spec.kernel.source_code)
     result = job_pb2.EvalResult(compiled=True)
     reporter.phase(job_pb2.PHASE_COMPILING)
+    if cmd["do"] == "segfault":
+        reporter.phase(job_pb2.PHASE_VALIDATING)
+        os.kill(os.getpid(), signal.SIGSEGV)
     if cmd["do"] == "illegal_address":
         reporter.phase(job_pb2.PHASE_VALIDATING)
         device = os.environ.get("KERNELEVAL_DEVICE_INDEX", "0")

@@ -33,6 +33,7 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
             "--engine", "fe_fake_engine",
             "--workers-per-device", "2",
             "--xid-wait-s", "5",
+            "--max-restarts", "1",
         ],
         env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
@@ -99,3 +100,26 @@ def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
     # ... while the other worker kept compiling/validating: some preparation overlapped a timing.
     assert any(ps < pe and qs < ps + 0.6 and qe > ps for ps, pe in profile for qs, qe in prepare)
     assert len({pid for *_, pid in rows}) == 2
+
+
+def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
+    # --max-restarts 1: the watchdog gives up on the device after two worker failures. They
+    # are kernels crashing their workers, so the front end starts the workers again.
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    for _ in range(3):
+        job = stub.Evaluate(
+            pb.EvaluateRequest(spec=command_spec({"do": "segfault"})), timeout=90
+        ).job
+        assert job.result.verdict == job_pb2.VERDICT_CRASHED, job.result
+    log = svc.root / "after.log"  # type: ignore[attr-defined]
+    spec = command_spec({"do": "time", "log": str(log), "seconds": 0.01})
+    job = stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=90).job
+    assert job.result.verdict == job_pb2.VERDICT_OK
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    events = opstub.WatchEvents(
+        ops.WatchEventsRequest(replay_count=500), metadata=svc.auth(), timeout=10
+    )
+    rearmed = next(r.event for r in events if "re-armed" in r.event.warning)
+    events.cancel()
+    assert rearmed.device_index == 0
