@@ -263,8 +263,14 @@ class Server:
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        port = self._listen(server)
-        self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        try:
+            port = self._listen(server)
+            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except (RuntimeError, OSError) as exc:  # port taken, bad address, unreadable TLS files
+            log.error("cannot listen: %s", exc)
+            await self.channel.close()
+            self.store.close()
+            return 2
         self.manager.recover()
         await self.channel.start()
         await server.start()
