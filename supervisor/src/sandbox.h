@@ -36,7 +36,8 @@ SpawnResult spawn_sandboxed(const SandboxSpec& spec);
 // Runs "/bin/sh -c command" in its own process group with stdout and stderr sent to log_path.
 pid_t spawn_shell(const std::string& command, const std::string& log_path);
 
-// Whether uid/gid can execute path (checked in a short-lived child that switches to them).
+// Whether uid/gid can execute (or, for a folder, enter) path; checked in a short-lived child
+// that switches to them.
 // Returns 0 or the errno of the failed check.
 int probe_user_access(const std::string& path, uid_t uid, gid_t gid);
 

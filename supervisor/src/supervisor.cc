@@ -315,15 +315,27 @@ std::string Supervisor::configure(const pb::Configure& c) {
       // Explicitly asked for: no drop, no warning.
     } else if (!pw) {
       warn_once("unprivileged_user", "no user '" + user + "'; workers run as root");
-    } else if (int err = probe_user_access(sandbox_.argv[0], pw->pw_uid, pw->pw_gid);
-               sandbox_.argv[0].find('/') != std::string::npos && err != 0) {
-      warn_once("unprivileged_user", "user '" + user + "' cannot execute " + sandbox_.argv[0] +
-                                         " (" + errno_text(err) + "); workers run as root");
     } else {
-      sandbox_.drop_user = true;
-      sandbox_.uid = pw->pw_uid;
-      sandbox_.gid = pw->pw_gid;
-      ::chmod((fs::path(state_dir_) / "workers").c_str(), 0755);
+      // The worker must be able to run its command and reach its private folder.
+      const std::string workers_dir = (fs::path(state_dir_) / "workers").string();
+      ::chmod(workers_dir.c_str(), 0755);
+      std::string blocked;
+      int err = 0;
+      for (const std::string& path : {sandbox_.argv[0], workers_dir}) {
+        if (path.find('/') == std::string::npos) continue;  // found through PATH at exec
+        if ((err = probe_user_access(path, pw->pw_uid, pw->pw_gid)) != 0) {
+          blocked = path;
+          break;
+        }
+      }
+      if (!blocked.empty()) {
+        warn_once("unprivileged_user", "user '" + user + "' cannot reach " + blocked + " (" +
+                                           errno_text(err) + "); workers run as root");
+      } else {
+        sandbox_.drop_user = true;
+        sandbox_.uid = pw->pw_uid;
+        sandbox_.gid = pw->pw_gid;
+      }
     }
   }
   configured_ = true;

@@ -551,3 +551,22 @@ def test_missing_worker_command_is_reported_and_trips_the_intensity(harness: Har
         await wd.shutdown(0)
 
     run(body())
+
+
+def test_state_dir_the_worker_user_cannot_reach_is_reported(harness: Harness) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (user switching)")
+
+    async def body() -> None:
+        private = harness.root / "private"
+        private.mkdir(mode=0o700)  # nobody cannot enter it
+        cfg = harness.configure(state_dir=str(private / "state"))
+        wd = await harness.start(cfg)
+        (w,) = await harness.started(1)
+        info = await harness.report(w.worker_id)
+        (warning,) = [e.warning for e in harness.of("warning")]
+        assert warning.feature == "unprivileged_user" and "private" in warning.message
+        assert info["uid"] == 0 and info["tmpdir_writable"]  # runs, as root
+        await wd.shutdown(0)
+
+    run(body())
