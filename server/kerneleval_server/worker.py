@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -201,6 +202,7 @@ def _run_one(engine: ModuleType, channel: _Channel, assign: Any, work_dir: Path)
         result.error.traceback = traceback.format_exc()[-8000:]
         poisoned = False
     channel.drop_grant(assign.job_id)
+    shutil.rmtree(job_dir, ignore_errors=True)  # a long-lived worker runs thousands of jobs
     channel.send(
         worker_pb2.WorkerMessage(
             outcome=worker_pb2.JobOutcome(
