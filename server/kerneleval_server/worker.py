@@ -202,7 +202,6 @@ def _run_one(engine: ModuleType, channel: _Channel, assign: Any, work_dir: Path)
         result.error.traceback = traceback.format_exc()[-8000:]
         poisoned = False
     channel.drop_grant(assign.job_id)
-    shutil.rmtree(job_dir, ignore_errors=True)  # a long-lived worker runs thousands of jobs
     channel.send(
         worker_pb2.WorkerMessage(
             outcome=worker_pb2.JobOutcome(
@@ -210,6 +209,8 @@ def _run_one(engine: ModuleType, channel: _Channel, assign: Any, work_dir: Path)
             )
         )
     )
+    if not poisoned:  # a poisoned worker exits now; the watchdog removes its folder
+        shutil.rmtree(job_dir, ignore_errors=True)  # a long-lived worker runs thousands of jobs
     return poisoned
 
 
