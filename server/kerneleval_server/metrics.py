@@ -6,6 +6,8 @@ the usual dashboards work. A private registry keeps tests that start several ser
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +24,9 @@ except ImportError:  # a host without it (e.g. a bare GPU box) still serves; --m
         Histogram,
         start_http_server,
     )
+
+
+log = logging.getLogger("kerneleval.grpc")
 
 
 class Metrics:
@@ -70,6 +75,10 @@ def _split(method: str) -> tuple[str, str]:
     return service, name
 
 
+# Ends of an RPC that carry their own status: an abort, a cancel, a shutdown.
+_PASS_THROUGH = (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts every RPC with its final status code and times it."""
 
@@ -87,10 +96,16 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         service, method = _split(details.method)
         m = self._m
 
-        def done(context: Any, start: float, exc: BaseException | None) -> None:
-            code = _code_of(context, exc)
+        def done(context: Any, start: float, exc: BaseException | None, code: str = "") -> None:
+            code = code or _code_of(context, exc)
             m.handled.labels(service, method, code).inc()
             m.handling.labels(service, method).observe(time.monotonic() - start)
+
+        async def internal(context: Any, start: float, exc: Exception) -> None:
+            """A bug is INTERNAL with its message, never a bare UNKNOWN."""
+            log.exception("internal error in %s", details.method, exc_info=exc)
+            done(context, start, exc, "INTERNAL")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
         if handler.unary_unary or handler.stream_unary:
             inner: Any = handler.unary_unary or handler.stream_unary
@@ -99,8 +114,11 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 start = time.monotonic()
                 try:
                     resp = await inner(request, context)
-                except BaseException as exc:
+                except _PASS_THROUGH as exc:
                     done(context, start, exc)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - see internal()
+                    await internal(context, start, exc)
                     raise
                 done(context, start, None)
                 return resp
@@ -123,8 +141,11 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for item in inner_stream(request, context):
                     yield item
-            except BaseException as exc:
+            except _PASS_THROUGH as exc:
                 done(context, start, exc)
+                raise
+            except Exception as exc:  # noqa: BLE001 - see internal()
+                await internal(context, start, exc)
                 raise
             done(context, start, None)
 
@@ -141,8 +162,6 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _code_of(context: Any, exc: BaseException | None) -> str:
-    import asyncio
-
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED"
     try:
