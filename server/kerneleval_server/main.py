@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import logging
 import os
 import secrets
@@ -142,11 +143,28 @@ def warn_if_workers_cannot_read(cfg: Config, configure: supervisor_pb2.Configure
         )
 
 
+class StateInUse(Exception):
+    pass
+
+
+def lock_state(state: Path) -> int:
+    """One front end per state folder: two would both re-run the same jobs. The kernel drops
+    the lock when the process dies, SIGKILL included."""
+    fd = os.open(state / "frontend.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise StateInUse(f"another kerneleval front end uses {state}") from exc
+    return fd
+
+
 class Server:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.state = cfg.state_path()
         self.state.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_state(self.state)
         self.store = Store(cfg.database_path())
         os.chmod(cfg.database_path(), 0o600)
         self.metrics = Metrics()
@@ -345,4 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
     logs.setup(cfg.log_level, cfg.log_file)
-    return asyncio.run(Server(cfg).run())
+    try:
+        server = Server(cfg)
+    except StateInUse as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(server.run())

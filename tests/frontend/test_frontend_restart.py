@@ -59,6 +59,19 @@ def test_cpu_pseudo_device_listed(svc: ServiceProcess) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_second_front_end_on_the_same_state_is_refused(svc: ServiceProcess) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kerneleval_server", "serve", "--port", "0",
+         "--state-dir", str(svc.state_dir)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "another kerneleval front end uses" in proc.stderr
+
+
 def test_sigkill_with_20_queued_jobs_then_restart(svc: ServiceProcess) -> None:
     stub = stub_of(svc)
     hang = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=3))).job
