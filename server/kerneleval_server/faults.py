@@ -91,6 +91,12 @@ def classify_exit(
             f"worker {worker.worker_id} {how}{restarted}"
         )
         return Decision(job_pb2.VERDICT_DEVICE_FAULT, fault)
+    if exited.reason in ("xid", "killed:xid"):
+        fault.description = (
+            f"the watchdog stopped worker {worker.worker_id} for an XID on device "
+            f"{worker.device_index} in {where}{restarted}"
+        )
+        return Decision(job_pb2.VERDICT_DEVICE_FAULT, fault)
     if exited.reason in SERVICE_REASONS or exited.reason.startswith("killed:reset"):
         fault.description = f"worker {worker.worker_id} stopped by the service ({exited.reason})"
         return Decision(job_pb2.VERDICT_UNSPECIFIED, fault)

@@ -180,6 +180,7 @@ def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> supervisor_
         ),
         (_exited(sig=signal.SIGKILL, reason="crashed"), "", None, job_pb2.VERDICT_UNSPECIFIED),
         (_exited(sig=signal.SIGTERM, reason="reset"), "", None, job_pb2.VERDICT_UNSPECIFIED),
+        (_exited(sig=signal.SIGKILL, reason="xid"), "", None, job_pb2.VERDICT_DEVICE_FAULT),
     ],
 )
 def test_classify_exit(
