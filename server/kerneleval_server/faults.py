@@ -26,7 +26,7 @@ KERNEL_SIGNALS = {
     signal.SIGTRAP,
 }
 # Reasons (WorkerExited.reason) of exits the front end or an operator asked for.
-SERVICE_REASONS = ("stopped", "reset", "shutdown", "killed:restart", "killed:reset")
+SERVICE_REASONS = ("stopped", "restart", "reset", "shutdown", "killed:restart", "killed:reset")
 
 
 @dataclass
