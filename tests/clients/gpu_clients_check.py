@@ -37,7 +37,18 @@ from kerneleval.client import Client  # noqa: E402
 from kerneleval.kernelbench import kernel_source  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 
-KERNELBENCH = Path(os.environ.get("KERNELBENCH_DIR", REPO.parent / "shared" / "kernelbench"))
+KERNELBENCH = next(
+    (
+        p
+        for p in (
+            Path(os.environ.get("KERNELBENCH_DIR", "/nonexistent")),
+            REPO / "shared" / "kernelbench",
+            REPO.parent / "shared" / "kernelbench",
+        )
+        if (p / "examples").is_dir()
+    ),
+    REPO.parent / "shared" / "kernelbench",
+)
 PAIRS = {
     "add_triton": ("model_ex_add.py", "model_new_ex_add_triton.py"),
     "add_cuda": ("model_ex_add.py", "model_new_ex_add.py"),
