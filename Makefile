@@ -11,11 +11,12 @@ BUILD := build
 GEN_OUT := clients/python/src
 PROTOS := $(shell find proto -name '*.proto')
 STAMPS := .stamps
-APT_PACKAGES := protobuf-compiler libprotobuf-dev libgtest-dev libgrpc++-dev protobuf-compiler-grpc pkg-config cmake g++
+APT_PACKAGES := protobuf-compiler libprotobuf-dev libgtest-dev libgrpc++-dev protobuf-compiler-grpc \
+  pkg-config cmake g++ openssl
 
-.PHONY: setup serve test lint gen supervisor apt clean
+.PHONY: setup serve test lint gen supervisor clients-cpp clean
 
-setup: $(STAMPS)/apt $(STAMPS)/venv $(STAMPS)/gen supervisor
+setup: $(STAMPS)/apt $(STAMPS)/venv $(STAMPS)/gen supervisor $(STAMPS)/node clients-cpp
 
 # Debian packages for the watchdog (libprotobuf, GoogleTest) and the C++ client example.
 $(STAMPS)/apt:
@@ -52,6 +53,20 @@ supervisor: $(STAMPS)/apt
 	cmake -S supervisor -B $(BUILD)/supervisor -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build $(BUILD)/supervisor -j2
 
+# The Node.js client's packages (npm comes with the machine's nodejs; Debian's npm package
+# would conflict with a nodesource nodejs, so it is installed only where npm is missing).
+$(STAMPS)/node: clients/node/package-lock.json
+	@mkdir -p $(STAMPS)
+	@command -v npm >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -qq nodejs npm; }
+	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# The C++ client example (Debian's gRPC C++).
+clients-cpp: $(STAMPS)/apt
+	cmake -S clients/cpp -B $(BUILD)/clients-cpp >/dev/null
+	cmake --build $(BUILD)/clients-cpp -j2
+
 lint: setup
 	$(VENV)/bin/ruff check server clients/python tests bench
 	$(VENV)/bin/mypy server/kerneleval_server clients/python/src/kerneleval
@@ -62,6 +77,7 @@ serve: setup
 	  $(VENV)/bin/kerneleval serve --host $(HOST) --port $(PORT)
 
 test: setup lint
+	scripts/check_breaking.sh
 	$(PY) -m pytest -q
 
 clean:
