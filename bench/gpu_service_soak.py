@@ -8,7 +8,8 @@ cudaErrorIllegalAddress and poison the worker's CUDA context). It reports:
 
   good jobs that succeeded, bad jobs classified VERDICT_DEVICE_FAULT (with the XID where NVML
   saw one), jobs lost (accepted but not finished, or missing), worker restarts, and the time
-  from a fault (its worker's exit) to the start of the next job on that GPU (p50/p99).
+  from a fault (the job's `fault` event: the poisoned worker's report, or its crash) to the
+  start of the next job on that GPU (p50/p99).
 
   python bench/gpu_service_soak.py [--duration 180] [--out bench/results]
   python bench/gpu_service_soak.py --cpu-smoke      # here, without a GPU: Triton under the
@@ -242,6 +243,8 @@ class Service:
             cmd += ["--devices", args.devices]
         if args.max_restarts:
             cmd += ["--max-restarts", str(args.max_restarts)]
+        if args.worker_user:
+            cmd += ["--worker-user", args.worker_user]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [
@@ -328,6 +331,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=120, help="per-job timeout, seconds")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="no GPU: CPU + Triton interpreter")
+    ap.add_argument(
+        "--worker-user",
+        default="",
+        help="user for workers when run as root (default nobody; 'root' if the checkout\n"
+        "is not world-readable: service.log warns about it)",
+    )
     ap.add_argument(
         "--max-restarts",
         type=int,
