@@ -187,8 +187,14 @@ class SimGpu:
         if self.side_ms:
             self.side_end = launched + self.side_ms
 
+    late_syncs: list[int] = []  # indices of synchronizes after which the host is 1 ms late
+    syncs = 0
+
     def synchronize(self) -> None:
         self.now = max(self.now, self.side_end) + 0.004
+        self.syncs += 1
+        if self.syncs in self.late_syncs:
+            self.now += 1.0
 
     def flush_buffer(self) -> object:
         return object()
@@ -207,6 +213,17 @@ def test_cuda_timing_counts_the_launching_stream() -> None:
     assert t.stats.median_ms == pytest.approx(0.25) and t.side_stream_trials == 0
     assert t.stats.source == job_pb2.TIMING_SOURCE_CUDA_EVENTS and t.stats.l2_flushed
     assert gpu.flushes == 50  # the L2 flush before every timed trial
+
+
+def test_one_late_host_thread_is_not_hidden_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    def synchronized(*args: object) -> None:
+        raise AssertionError("timed as if work were hidden on another stream")
+
+    monkeypatch.setattr(timing, "_measure_synchronized", synchronized)
+    gpu = SimGpu(kernel_ms=0.25)
+    gpu.late_syncs = [44, 46]  # two of the five probe runs (after 1 + 2 * 21 synchronizes)
+    t = timing._measure_cuda(gpu.run_kernel, 30, 5, True, lambda d: None, ops=gpu)
+    assert t.side_stream_trials == 0 and t.stats.median_ms == pytest.approx(0.25)
 
 
 def test_cuda_timing_counts_work_hidden_on_another_stream() -> None:
