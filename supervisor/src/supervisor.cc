@@ -44,6 +44,9 @@ namespace {
 constexpr int kAllDevices = -2;
 constexpr int kAutoResetGraceMs = 1000;
 constexpr int64_t kKmsgWaitMs = 1500;  // how long an XID waits for its kernel log line
+// A worker named by an application XID gets this long to report its CUDA error and exit by
+// itself (on the H200 the error and the XID arrive together) before it is killed.
+constexpr int kXidReportGraceMs = 2000;
 
 // 128 random bits in hex: the secret a worker shows the front end.
 std::string random_token() {
@@ -486,7 +489,8 @@ void Supervisor::spawn(Device& d, bool spare) {
   emit(ev);
 }
 
-void Supervisor::terminate(Worker& w, int grace_ms, const std::string& reason, bool replace) {
+void Supervisor::terminate(Worker& w, int grace_ms, const std::string& reason, bool replace,
+                           bool quiet) {
   if (w.exit_reason.empty()) {
     w.exit_reason = reason;
     w.replace = replace;
@@ -495,8 +499,9 @@ void Supervisor::terminate(Worker& w, int grace_ms, const std::string& reason, b
     ::kill(-w.pid, SIGKILL);
     w.kill_at_ms = 0;
   } else {
-    ::kill(-w.pid, SIGTERM);
-    w.kill_at_ms = now_ms() + grace_ms;
+    if (!quiet) ::kill(-w.pid, SIGTERM);
+    const int64_t at = now_ms() + grace_ms;
+    w.kill_at_ms = w.kill_at_ms ? std::min(w.kill_at_ms, at) : at;
   }
 }
 
@@ -744,7 +749,7 @@ void Supervisor::handle_xid(const XidEvent& e) {
   if (!d) return;
   const std::string why = "XID " + std::to_string(e.xid) + " (" + rule.description + ")";
   if (rule.action == kRestartWorker) {
-    for (Worker* w : victims) terminate(*w, 0, "xid", true);
+    for (Worker* w : victims) terminate(*w, kXidReportGraceMs, "xid", true, /*quiet=*/true);
   } else if (rule.action == kResetGpu) {
     require_reset(*d, why + " needs a GPU reset", config_.auto_reset());
   } else if (rule.action == kMarkUnhealthy) {

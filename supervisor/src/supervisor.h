@@ -97,7 +97,10 @@ class Supervisor {
   // workers
   void fill(Device& d);
   void spawn(Device& d, bool spare);
-  void terminate(Worker& w, int grace_ms, const std::string& reason, bool replace);
+  // SIGTERM, then SIGKILL after grace_ms (at once when 0). With quiet, no SIGTERM: the
+  // worker may finish what it is doing (report a fault) and exit by itself first.
+  void terminate(Worker& w, int grace_ms, const std::string& reason, bool replace,
+                 bool quiet = false);
   void reap();
   void on_worker_exit(std::string id, int status);  // id by value: its map node is erased
   Worker* find_worker(const std::string& id);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import signal
 import socket
 import struct
 import subprocess
@@ -206,6 +207,7 @@ def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -
         (ex,) = await harness.exited(1)
         assert ex.worker.worker_id == d0[0].worker_id and ex.reason == "xid" and ex.restarting
         assert ex.worker.job_id == "job-bad"
+        assert ex.signal == signal.SIGKILL  # it stayed up past its grace to report
         await harness.started(5)
         await asyncio.sleep(0.2)
         status = await wd.status()
@@ -214,6 +216,23 @@ def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -
             assert live[w.worker_id] == w.pid and pid_alive(w.pid)
         assert all(d.health == HEALTHY for d in status.devices)
         assert len(harness.of("worker_exited")) == 1
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_xid_victim_may_report_and_exit_by_itself_first(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=1))
+        (w,) = await harness.started(1)
+        await harness.report(w.worker_id)
+        await wd.set_job(w.worker_id, "job-bad")
+        harness.nvml(f"xid 0 31 pid={w.pid}")
+        await harness.wait_for(lambda: harness.of("xid"), 5, "xid")
+        harness.command(w.worker_id, "exit 3")  # the engine saw the CUDA error: poisoned
+        (ex,) = await harness.exited(1)
+        assert (ex.exit_code, ex.signal, ex.reason) == (3, 0, "xid") and ex.restarting
+        await harness.started(2)
         await wd.shutdown(0)
 
     run(body())
