@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,9 @@ extern "C" __global__ void add_off_by_one(const float* x, const float* y, float*
     if (i <= n) out[i] = x[i] + y[i];
 }
 """
+
+# memcheck stops the kernel at its first bad access: the off-by-one kernel's read of x[n].
+OOB_REPORT = re.compile(r"Invalid __global__ (read|write)")
 
 N_ADD = 1 << 20 if GPU else 1 << 12  # the Triton interpreter is slow
 
@@ -336,7 +340,7 @@ def cases(kb: Path) -> list[Case]:
             check="not_poisoned",
         ),
         Case(
-            "cuda off-by-one write under compute-sanitizer",
+            "cuda off-by-one access under compute-sanitizer",
             "CUDA",
             spec(
                 ksrc(
@@ -411,7 +415,7 @@ def run_case(c: Case, work: Path) -> dict[str, Any]:
         "message": (r.error.message or r.validation_error or r.compilation_error)[:300],
         "notes": list(r.notes),
         "sanitizer_report": r.sanitizer_report[:3000],
-        "sanitizer_saw_oob_write": "Invalid __global__ write" in r.sanitizer_report,
+        "sanitizer_saw_oob": bool(OOB_REPORT.search(r.sanitizer_report)),
         "metrics": dict(r.device_metrics.values),
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -428,7 +432,7 @@ def judge(c: Case, row: dict[str, Any]) -> dict[str, Any]:
     if GPU and c.check == "not_poisoned":
         ok = ok and not row["poisoned"]
     if GPU and c.check == "sanitizer":
-        ok = ok and row["sanitizer_saw_oob_write"]
+        ok = ok and row["sanitizer_saw_oob"]
     if GPU and c.check == "metrics":
         ok = ok and row["metrics"].get("gpu__time_duration.sum", 0) > 0
     row["expected"] = want
