@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs one stage of the GPU benchmarks, each script under its own time limit, writing every
-# result (JSON, markdown, a log per script) into $OUT; a failing script does not stop the rest.
+# Runs stages of the GPU benchmarks in order, each script under its own time limit, writing
+# every result (JSON, markdown, a log per script) into $OUT; a failing script does not stop
+# the rest. Stages: bench (= overhead recovery fidelity), kernelbench, soak, throughput, cpu.
 #
+#   OUT=/some/dir bench/run_gpu.sh overhead recovery
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
 #   OUT=/some/dir bench/run_gpu.sh kernelbench  # KernelBench level 1 + examples (~8 min)
 #   OUT=/some/dir bench/run_gpu.sh soak         # fault soak, 480 s (~9 min)
@@ -13,7 +15,6 @@
 # clients/python/src (make gen). KERNELBENCH (default ../shared/kernelbench) for kernelbench.
 set -u
 cd "$(dirname "$0")/.."
-STAGE="${1:-}"
 OUT="${OUT:-bench/results}"
 PY="${PYTHON:-python3}"
 KERNELBENCH="${KERNELBENCH:-../shared/kernelbench}"
@@ -33,18 +34,24 @@ run() {
   [ "$rc" -eq 0 ] || STATUS=1
 }
 
+for STAGE in "$@"; do
 case "$STAGE" in
-  bench)
+  bench)  # overhead, recovery, timing fidelity
     run 190 bench_overhead
     run 120 bench_recovery --faults 10
     run 190 bench_timing_fidelity
     ;;
+  overhead) run 190 bench_overhead ;;
+  recovery) run 120 bench_recovery --faults 10 ;;
+  fidelity) run 190 bench_timing_fidelity ;;
   kernelbench)
-    # Jobs start for at most 300 s; the eager baseline gets at most 120 s after that.
-    run 510 bench_kernelbench --kernelbench "$KERNELBENCH" --budget-s 300 --eager-budget-s 120
+    # Jobs start for at most BUDGET_S; the eager baseline gets at most EAGER_BUDGET_S after.
+    run $(( ${BUDGET_S:-300} + ${EAGER_BUDGET_S:-120} + 90 )) bench_kernelbench \
+      --kernelbench "$KERNELBENCH" --budget-s "${BUDGET_S:-300}" \
+      --eager-budget-s "${EAGER_BUDGET_S:-120}"
     ;;
   soak)
-    run 560 fault_soak --duration-s "${DURATION_S:-480}"
+    run $(( ${DURATION_S:-480} + 80 )) fault_soak --duration-s "${DURATION_S:-480}"
     ;;
   throughput)
     run 400 bench_throughput --count "${COUNT:-500}" --baseline-count 40
@@ -53,10 +60,11 @@ case "$STAGE" in
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 bench|kernelbench|soak|throughput|cpu" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput cpu)" >&2
     exit 2
     ;;
 esac
+done
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
-echo "stage $STAGE done (status $STATUS); results in $OUT"
+echo "stages $* done (status $STATUS); results in $OUT"
 exit "$STATUS"
