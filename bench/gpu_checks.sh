@@ -21,6 +21,6 @@ step() {  # step LIMIT_S NAME COMMAND...
 }
 step 300 engine python3 bench/gpu_engine_check.py --kernelbench .carry/kernelbench --out "$R"
 step 120 watchdog python3 bench/gpu_watchdog_check.py --out "$R"
-step 150 service_soak python3 bench/gpu_service_soak.py --duration "${SOAK_S:-90}" --out "$R"
+[ "${SOAK_S:-90}" -gt 0 ] && step 150 service_soak python3 bench/gpu_service_soak.py --duration "${SOAK_S:-90}" --out "$R"
 KERNELBENCH_DIR=.carry/kernelbench step 120 clients python3 tests/clients/gpu_clients_check.py --out "$R/clients"
 tar -czf "$OUT/checks.tar.gz" -C "$R" .
