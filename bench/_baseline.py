@@ -98,7 +98,10 @@ def evaluate(kernel: str, reference: str, perf: int) -> dict[str, Any]:
 def fork_server(count: int, kernel: str, reference: str, perf: int) -> dict[str, Any]:
     import torch  # noqa: F401 - the point: imported once, before any fork
 
-    interpret_without_gpu()
+    # No CUDA call in the parent, not even torch.cuda.is_available(): it initialises the
+    # driver, and a forked child could then not use CUDA at all.
+    if not os.path.exists("/dev/nvidiactl"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -215,15 +215,29 @@ def test_cuda_timing_counts_the_launching_stream() -> None:
     assert gpu.flushes == 50  # the L2 flush before every timed trial
 
 
-def test_one_late_host_thread_is_not_hidden_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    def synchronized(*args: object) -> None:
-        raise AssertionError("timed as if work were hidden on another stream")
-
-    monkeypatch.setattr(timing, "_measure_synchronized", synchronized)
+def test_hidden_work_needs_most_probe_runs_late() -> None:
     gpu = SimGpu(kernel_ms=0.25)
-    gpu.late_syncs = [44, 46]  # two of the five probe runs (after 1 + 2 * 21 synchronizes)
-    t = timing._measure_cuda(gpu.run_kernel, 30, 5, True, lambda d: None, ops=gpu)
-    assert t.side_stream_trials == 0 and t.stats.median_ms == pytest.approx(0.25)
+    first = gpu.syncs + 1  # each probe run synchronizes twice; the first one makes it late
+    gpu.late_syncs = [first, first + 2]  # a late host thread in two of five runs: noise
+    assert not timing._hides_work(gpu.run_kernel, gpu, baseline=0.004)
+    first = gpu.syncs + 1
+    gpu.late_syncs = [first, first + 2, first + 4]  # three of five: work outlasts the stream
+    assert timing._hides_work(gpu.run_kernel, gpu, baseline=0.004)
+
+
+def test_warm_up_lasts_at_least_as_long_as_do_bench_s() -> None:
+    calls = []
+    gpu = SimGpu(kernel_ms=0.25)
+
+    def kernel() -> None:
+        calls.append(1)
+        gpu.run_kernel()
+
+    timing._warm_up(kernel, 10, gpu)
+    assert len(calls) == 100  # 10 runs took 2.5 ms: 90 more make 25 ms
+    calls.clear()
+    timing._warm_up(kernel, 0, gpu)
+    assert calls == []  # warmup_count 0 means none
 
 
 def test_cuda_timing_counts_work_hidden_on_another_stream() -> None:
