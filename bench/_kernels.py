@@ -93,8 +93,10 @@ extern "C" __global__ void misaligned(float* out, int n) {
 
 CUDA_HANG = r"""
 extern "C" __global__ void spin(float* out, int n) {
-  volatile int stop = 0;
-  while (stop == 0) { }
+  // clock64() is volatile: unlike an empty loop on a local, the compiler cannot drop this
+  // one (on the H200 the former version returned at once).
+  const long long start = clock64();
+  while (clock64() - start < (1LL << 62)) { }
   out[threadIdx.x] = 1.0f;
 }
 """
