@@ -26,7 +26,6 @@ from .events import EventHub, OpsLog
 from .metrics import Metrics
 from .scheduler import FairQueue, ProfilingGate, QueuedJob
 from .store import TERMINAL, Store
-from .worker import POISONED_EXIT
 from .workers import WorkerState, WorkerTable
 
 log = logging.getLogger("kerneleval.jobs")
@@ -35,8 +34,6 @@ DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 RECENT_XIDS = 32
-REARM_WINDOW_S = 60.0  # failures looked at when the watchdog gives up on a device
-REARM_MIN_INTERVAL_S = 5.0
 
 
 class QueueFull(Exception):
@@ -75,8 +72,6 @@ class DeviceState:
     status: supervisor_pb2.DeviceStatus
     xids: deque[ops_pb2.XidRecord] = field(default_factory=lambda: deque(maxlen=RECENT_XIDS))
     # (monotonic time, the worker was running a job) of worker failures: crashes, odd exits.
-    failures: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=64))
-    last_rearm: float = 0.0
 
     @property
     def takes_jobs(self) -> bool:
@@ -578,11 +573,6 @@ class JobManager:
         w = exited.worker
         info = self._worker_info(w)
         worker = self.workers.remove(w.worker_id)
-        if exited.reason in ("crashed", "exited") and exited.exit_code not in (0, POISONED_EXIT):
-            during_job = bool(w.job_id) or any(
-                r.worker.worker_id == w.worker_id for r in self.running.values()
-            )
-            self._device(w.device_index).failures.append((time.monotonic(), during_job))
         self.counters["restarts"] += 1
         self.metrics.worker_restarts.labels(str(w.device_index), exited.reason or "exit").inc()
         ex = ops_pb2.WorkerExitedEvent(
@@ -665,30 +655,6 @@ class JobManager:
             )
         return dev
 
-    def _maybe_rearm(self, dev: DeviceState) -> None:
-        """The watchdog stops restarting a device's workers after too many failures (its
-        restart intensity). When every recent failure was a worker dying under a job, the
-        kernels did it, not the GPU: start the workers again instead of going out of service."""
-        status = dev.status
-        if status.health != supervisor_pb2.HEALTH_UNHEALTHY or self.watchdog is None:
-            return
-        if not status.health_reason.startswith("restart intensity"):
-            return
-        now = time.monotonic()
-        recent = [during for t, during in dev.failures if now - t < REARM_WINDOW_S]
-        if not recent or not all(recent) or now - dev.last_rearm < REARM_MIN_INTERVAL_S:
-            return
-        dev.last_rearm = now
-        log.warning(
-            "device %d: the watchdog's restart intensity tripped on %d workers that crashed "
-            "running jobs (the kernels' doing): restarting its workers",
-            dev.index,
-            len(recent),
-            extra={"device_index": dev.index},
-        )
-        self.ops.emit(dev.index, warning=f"re-armed device {dev.index} after kernel crashes")
-        self._spawn(self.watchdog.restart_workers(dev.index))
-
     def _on_device(self, status: supervisor_pb2.DeviceStatus) -> None:
         dev = self.devices.get(status.device_index)
         old = dev.status.health if dev is not None else None
@@ -696,8 +662,6 @@ class JobManager:
             dev = self.devices[status.device_index] = DeviceState(status.device_index, status)
         else:
             dev.status = status
-        if old != status.health:
-            self._maybe_rearm(dev)
         if old is not None and old != status.health:
             self.ops.emit(
                 status.device_index,

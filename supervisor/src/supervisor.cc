@@ -558,10 +558,12 @@ void Supervisor::on_worker_exit(std::string id, int status) {
   const bool on_purpose = !w.exit_reason.empty();
   const std::string reason = on_purpose ? w.exit_reason : (signaled ? "crashed" : "exited");
   // Code 0 or a configured retire code: the worker retired itself (e.g. after a poisoned CUDA
-  // context). That is the kernel's doing, not the GPU's, so it never trips the intensity.
+  // context). A worker that dies while it runs a job was killed by that job's kernel. Neither
+  // is the GPU's or the worker's own fault, so neither trips the intensity nor waits a
+  // backoff: the intensity is for workers that cannot even start or stay up idle.
   bool retired = !signaled && code == 0;
   for (int c : config_.retire_exit_codes()) retired = retired || (!signaled && code == c);
-  const bool failure = !on_purpose && !retired;
+  const bool failure = !on_purpose && !retired && w.job_id.empty();
   const int64_t now = now_ms();
 
   Device& d = devices_[w.device];

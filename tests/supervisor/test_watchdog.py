@@ -134,6 +134,24 @@ def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
     run(body())
 
 
+def test_workers_that_die_running_jobs_never_trip_the_intensity(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(max_restarts=1))
+        for n in range(1, 5):  # four crashes under jobs, with max_restarts=1
+            w = (await harness.started(n))[n - 1]
+            await harness.report(w.worker_id)
+            await wd.set_job(w.worker_id, f"job-{n}")
+            harness.command(w.worker_id, "segv")
+            x = (await harness.exited(n))[n - 1]
+            assert (x.reason, x.signal, x.restarting, x.backoff_ms) == ("crashed", 11, True, 0)
+            assert x.worker.job_id == f"job-{n}"
+        await harness.started(5)
+        assert (await wd.status()).devices[0].health == HEALTHY
+        await wd.shutdown(0)
+
+    run(body())
+
+
 def test_hung_worker_killed_on_request_with_its_process_group(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(worker_env={"STANDIN_CHILD": "1"}))
