@@ -36,7 +36,8 @@ class Config:
     port_file: str = field(default="", metadata={"help": "write the bound TCP port here"})
     devices: str = field(default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all"})
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
-    warm_spare: bool = field(default=True, metadata={"help": "keep a warm spare worker per GPU"})
+    warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
+    spare_count: int = field(default=1, metadata={"help": "warm spares per GPU (with warm-spare)"})
     state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
     database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
     admin_token: str = field(default="", metadata={"help": "OperationsService token"})
@@ -97,7 +98,7 @@ class Config:
             out.append(f"--port {self.port}: 0..65535, or -1 for no TCP listener")
         if self.port < 0 and not self.unix_socket:
             out.append("--port -1 needs --unix-socket")
-        for name in ("workers_per_device", "max_queue", "max_attempts"):
+        for name in ("workers_per_device", "spare_count", "max_queue", "max_attempts"):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1")
         try:

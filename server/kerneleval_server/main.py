@@ -94,6 +94,7 @@ def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Confi
         worker_env=env,
         workers_per_device=cfg.workers_per_device,
         warm_spare=cfg.warm_spare,
+        spare_count=cfg.spare_count,
         device_indices=cfg.device_list(),
         state_dir=str(workers_dir),
         reset_command=cfg.reset_command,

@@ -421,7 +421,11 @@ void Supervisor::fill(Device& d) {
                                 [&](const PendingStart& p) { return p.device == index; }),
                  pending_.end());
   for (int n = live_workers(index, false); n < config_.workers_per_device(); ++n) spawn(d, false);
-  if (config_.warm_spare() && live_workers(index, true) == 0) spawn(d, true);
+  for (int n = live_workers(index, true); n < spares_wanted(); ++n) spawn(d, true);
+}
+
+int Supervisor::spares_wanted() const {
+  return config_.warm_spare() ? std::max(1, config_.spare_count()) : 0;
 }
 
 void Supervisor::spawn(Device& d, bool spare) {
@@ -787,7 +791,7 @@ void Supervisor::tick(int64_t now) {
   for (const PendingStart& p : due) {
     Device* d = device(p.device);
     if (!d || !d->wanted || d->reset || d->health != pb::HEALTH_HEALTHY || shutting_down_) continue;
-    const int want = p.spare ? (config_.warm_spare() ? 1 : 0) : config_.workers_per_device();
+    const int want = p.spare ? spares_wanted() : config_.workers_per_device();
     if (live_workers(p.device, p.spare) < want) spawn(*d, p.spare);
   }
   for (auto& [i, d] : devices_)

@@ -99,6 +99,7 @@ class Supervisor {
   void spawn(Device& d, bool spare);
   // SIGTERM, then SIGKILL after grace_ms (at once when 0). With quiet, no SIGTERM: the
   // worker may finish what it is doing (report a fault) and exit by itself first.
+  int spares_wanted() const;
   void terminate(Worker& w, int grace_ms, const std::string& reason, bool replace,
                  bool quiet = false);
   void reap();

@@ -134,6 +134,24 @@ def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
     run(body())
 
 
+def test_spare_count_keeps_that_many_spares(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(
+            harness.configure(gpus=1, workers_per_device=1, warm_spare=True, spare_count=2))
+        started = await harness.started(3)
+        assert sorted(w.spare for w in started) == [False, True, True]
+        worker = next(w for w in started if not w.spare)
+        harness.command(worker.worker_id, "segv")
+        await harness.exited(1)
+        await harness.started(4)  # a spare was promoted and a new one started
+        await asyncio.sleep(0.2)
+        live = (await wd.status()).workers
+        assert len(live) == 3 and sum(w.spare for w in live) == 2
+        await wd.shutdown(0)
+
+    run(body())
+
+
 def test_workers_that_die_running_jobs_never_trip_the_intensity(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(max_restarts=1))
