@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from _kernels import CUDA_ADD_REF, CUDA_OOB, TRITON_OOB, cuda_io  # bench/, beside this script
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
@@ -79,30 +80,6 @@ class ModelNew(torch.nn.Module):
         return out
 """
 
-# The store lands 4 TiB past the buffer: cudaErrorIllegalAddress on a GPU (XID 31), a wild
-# write and SIGSEGV under the interpreter.
-TRITON_OOB = """
-import torch
-import triton
-import triton.language as tl
-
-@triton.jit
-def oob_store(x_ptr, n):
-    offs = tl.arange(0, 1024)
-    tl.store(x_ptr + offs + (1 << 40), tl.zeros((1024,), dtype=tl.float32))
-
-class ModelNew(torch.nn.Module):
-    def forward(self, x):
-        oob_store[(1,)](x, x.numel())
-        return x
-
-def get_inputs():
-    return [torch.zeros(1024)]
-
-def get_init_inputs():
-    return []
-"""
-
 CUDA_GOOD = r"""
 extern "C" __global__ void add(const float* a, const float* b, float* out, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -110,37 +87,7 @@ extern "C" __global__ void add(const float* a, const float* b, float* out, int n
 }
 """
 
-CUDA_REF = r"""
-extern "C" __global__ void add_ref(const float* a, const float* b, float* out, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-    out[i] = a[i] + b[i];
-}
-"""
-
-CUDA_OOB = r"""
-extern "C" __global__ void oob_write(float* out, int n) {
-  out[(size_t)threadIdx.x + (1ull << 40)] = 1.0f;
-}
-"""
-
 N = 1 << 20
-
-
-def _tensor(arg: kernel_pb2.ArgSpec, n: int) -> None:
-    arg.tensor.shape.append(n)
-    arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
-
-
-def _cuda_io(n: int, with_inputs: bool) -> kernel_pb2.IOContract:
-    io = kernel_pb2.IOContract()
-    if with_inputs:
-        for name in ("a", "b"):
-            _tensor(io.args.add(name=name, role=kernel_pb2.ARG_ROLE_INPUT), n)
-    _tensor(io.args.add(name="out", role=kernel_pb2.ARG_ROLE_OUTPUT), n)
-    io.args.add(name="n", int_value=n)
-    io.launch.grid.x = (n + 255) // 256
-    io.launch.block.x = 256
-    return io
 
 
 def make_spec(kind: str, timeout_s: int, n: int = N) -> kernel_pb2.JobSpec:
@@ -155,16 +102,16 @@ def make_spec(kind: str, timeout_s: int, n: int = N) -> kernel_pb2.JobSpec:
         r.type, r.source_code = kernel_pb2.KERNEL_TYPE_TORCH, torch_ref
     elif kind == "cuda":
         k.type, k.source_code = kernel_pb2.KERNEL_TYPE_CUDA, CUDA_GOOD
-        k.io.CopyFrom(_cuda_io(n, True))
-        r.type, r.source_code = kernel_pb2.KERNEL_TYPE_CUDA, CUDA_REF
-        r.io.CopyFrom(_cuda_io(n, True))
+        k.io.CopyFrom(cuda_io(n, True))
+        r.type, r.source_code = kernel_pb2.KERNEL_TYPE_CUDA, CUDA_ADD_REF
+        r.io.CopyFrom(cuda_io(n, True))
     elif kind == "triton_oob":
         spec.ClearField("reference")
         k.type, k.source_code = kernel_pb2.KERNEL_TYPE_TRITON, TRITON_OOB
     elif kind == "cuda_oob":
         spec.ClearField("reference")
         k.type, k.source_code = kernel_pb2.KERNEL_TYPE_CUDA, CUDA_OOB
-        k.io.CopyFrom(_cuda_io(1024, False))
+        k.io.CopyFrom(cuda_io(1024, False))
     else:
         raise ValueError(kind)
     spec.options.correct_trial_count = 3

@@ -13,21 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kerneleval.contracts import ITEMSIZE  # bytes per element of every DType
 from kerneleval.v1 import dtype_pb2, kernel_pb2
-
-# Bytes per element of every DType the API knows.
-ITEMSIZE: dict[int, int] = {
-    dtype_pb2.DTYPE_FLOAT16: 2,
-    dtype_pb2.DTYPE_BFLOAT16: 2,
-    dtype_pb2.DTYPE_FLOAT32: 4,
-    dtype_pb2.DTYPE_FLOAT64: 8,
-    dtype_pb2.DTYPE_INT8: 1,
-    dtype_pb2.DTYPE_INT16: 2,
-    dtype_pb2.DTYPE_INT32: 4,
-    dtype_pb2.DTYPE_INT64: 8,
-    dtype_pb2.DTYPE_UINT8: 1,
-    dtype_pb2.DTYPE_BOOL: 1,
-}
 
 _KERNEL_TYPES = {
     kernel_pb2.KERNEL_TYPE_TORCH,
