@@ -235,7 +235,8 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                         )
                     )
                     continue
-                unfinished.add(job.job_id)
+                if not req.keep_on_disconnect:
+                    unfinished.add(job.job_id)
                 followers.add(
                     asyncio.get_running_loop().create_task(follow(job.job_id, req.request_tag))
                 )
@@ -267,7 +268,8 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             for task in followers:
                 task.cancel()
             if not clean:
-                # The client dropped the stream: its jobs would run for nobody.
+                # The client dropped the stream: its jobs would run for nobody (but those it
+                # asked to keep, which it can follow again with Watch).
                 for job_id in list(unfinished):
                     await self._cancel_quietly(job_id)
 

@@ -315,6 +315,32 @@ def test_run_cancelled_by_client_cancels_job(stub) -> None:  # type: ignore[no-u
     assert job.state == job_pb2.JOB_STATE_DONE and job.result.verdict == job_pb2.VERDICT_OK
 
 
+def test_dropped_run_batch_cancels_its_jobs_but_those_kept(stub) -> None:  # type: ignore[no-untyped-def]
+    hold = threading.Event()
+
+    def requests() -> Iterator[pb.RunBatchRequest]:
+        yield pb.RunBatchRequest(spec=k.spec(k.HANG, timeout_s=60), request_tag="dropped")
+        yield pb.RunBatchRequest(spec=k.spec(), request_tag="kept", keep_on_disconnect=True)
+        hold.wait(60)  # the stream stays open until the client drops it
+
+    call = stub.RunBatch(requests(), timeout=120)
+    ids: dict[str, str] = {}
+    for resp in call:
+        ids.setdefault(resp.request_tag, resp.event.job_id)
+        if len(ids) == 2:
+            break
+    call.cancel()
+    hold.set()
+    dropped = wait_terminal(stub, ids["dropped"], timeout=60)
+    assert dropped.state == job_pb2.JOB_STATE_CANCELLED
+    kept = wait_terminal(stub, ids["kept"])
+    assert kept.state == job_pb2.JOB_STATE_DONE and kept.result.verdict == job_pb2.VERDICT_OK
+    # Followed again with Watch: the whole event log, through to the result.
+    events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=ids["kept"]), timeout=30)]
+    assert [e.sequence for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].finished.state == job_pb2.JOB_STATE_DONE
+
+
 def test_run_batch_50_jobs(stub) -> None:  # type: ignore[no-untyped-def]
     def requests() -> Iterator[pb.RunBatchRequest]:
         for i in range(50):

@@ -133,9 +133,13 @@ def _duration(seconds: float | None) -> duration_pb2.Duration | None:
     return d
 
 
-def _batch_request(index: int, item: BatchItem) -> kernel_eval_service_pb2.RunBatchRequest:
+def _batch_request(
+    index: int, item: BatchItem, keep_on_disconnect: bool
+) -> kernel_eval_service_pb2.RunBatchRequest:
     tag, spec = item if isinstance(item, tuple) else (str(index), item)
-    return kernel_eval_service_pb2.RunBatchRequest(spec=spec, request_tag=tag)
+    return kernel_eval_service_pb2.RunBatchRequest(
+        spec=spec, request_tag=tag, keep_on_disconnect=keep_on_disconnect
+    )
 
 
 def _reattachable(error: grpc.RpcError) -> bool:
@@ -383,12 +387,18 @@ class Client(_Base):
         return self._call(self._stub.CancelJob, req).job
 
     def run_batch(
-        self, jobs: Iterable[BatchItem], *, max_in_flight: int | None = None
+        self,
+        jobs: Iterable[BatchItem],
+        *,
+        max_in_flight: int | None = None,
+        keep_on_disconnect: bool = False,
     ) -> Iterator[BatchEvent]:
         """Runs many jobs on one stream, yielding every event tagged with its request tag.
 
         Items are JobSpecs (tagged "0", "1", ... by position) or (tag, JobSpec) pairs. With
-        `max_in_flight`, the next job is sent only when one of those in flight is done."""
+        `max_in_flight`, the next job is sent only when one of those in flight is done. With
+        `keep_on_disconnect`, jobs outlive a dropped stream: follow them again with
+        `watch(job_id, after_sequence=...)`; by default the server cancels them."""
         slots = threading.Semaphore(max_in_flight) if max_in_flight else None
         stop = threading.Event()
 
@@ -400,7 +410,7 @@ class Client(_Base):
                             return
                 if stop.is_set():
                     return
-                yield _batch_request(i, item)
+                yield _batch_request(i, item, keep_on_disconnect)
 
         call = self._stub.RunBatch(requests(), timeout=self.timeout)
         try:
@@ -618,6 +628,7 @@ class AsyncClient(_Base):
         jobs: Iterable[BatchItem] | AsyncIterable[BatchItem],
         *,
         max_in_flight: int | None = None,
+        keep_on_disconnect: bool = False,
     ) -> AsyncIterator[BatchEvent]:
         """As `Client.run_batch`; `jobs` may be an async iterable."""
         slots = asyncio.Semaphore(max_in_flight) if max_in_flight else None
@@ -635,7 +646,7 @@ class AsyncClient(_Base):
             async for item in items():
                 if slots is not None:
                     await slots.acquire()
-                yield _batch_request(i, item)
+                yield _batch_request(i, item, keep_on_disconnect)
                 i += 1
 
         call = self._stub.RunBatch(requests(), timeout=self.timeout)
