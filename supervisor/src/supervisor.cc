@@ -378,23 +378,14 @@ void Supervisor::stop_workers(int index, int grace_ms, const std::string& reason
 }
 
 bool Supervisor::restart_workers(int index, std::string* why) {
-  bool any = false;
+  // Stop what runs (a device waiting for ResetGpu keeps its state), then start as
+  // StartWorkers does, which also reports the devices that need a reset.
   for (auto& [i, d] : devices_) {
-    if (!matches(index, i)) continue;
-    any = true;
-    if (d.needs_reset || d.reset) {
-      *why = "device " + std::to_string(i) + " needs ResetGpu";
-      if (index != kAllDevices) return false;
-      continue;
-    }
+    if (!matches(index, i) || d.needs_reset || d.reset) continue;
     stop_workers(i, 0, "restart");
     d.intensity.clear();
-    if (d.health == pb::HEALTH_UNHEALTHY) set_health(d, pb::HEALTH_HEALTHY, "");
-    d.wanted = true;
-    fill(d);
   }
-  if (!any) *why = "no device " + std::to_string(index);
-  return any;
+  return start_workers(index, why);
 }
 
 void Supervisor::begin_shutdown(int grace_ms) {
