@@ -14,9 +14,18 @@ STAMPS := .stamps
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libgtest-dev libgrpc++-dev protobuf-compiler-grpc \
   pkg-config cmake g++ openssl
 
-.PHONY: setup serve test lint gen supervisor clients-cpp clean
+.PHONY: setup serve test lint gen watchdog clients-cpp clean job-user
 
-setup: $(STAMPS)/apt $(STAMPS)/venv $(STAMPS)/gen supervisor $(STAMPS)/node clients-cpp
+setup: $(STAMPS)/apt $(STAMPS)/venv $(STAMPS)/gen watchdog $(STAMPS)/node clients-cpp job-user
+
+# The unprivileged user job processes run as (--job-user). Made only when run as root; without
+# it a service run as root falls back to nobody, and one run as a user keeps its own uid.
+job-user:
+	@if [ "$$(id -u)" = 0 ] && ! id -u kerneleval-job >/dev/null 2>&1; then \
+	  echo "creating the system user kerneleval-job (job processes run as it)"; \
+	  useradd --system --no-create-home --shell /usr/sbin/nologin kerneleval-job \
+	    || echo "could not create kerneleval-job: job processes will run as nobody"; \
+	fi
 
 # Debian packages for the watchdog (libprotobuf, GoogleTest) and the C++ client example.
 $(STAMPS)/apt:
@@ -49,9 +58,9 @@ $(STAMPS)/gen: $(PROTOS) $(STAMPS)/venv
 
 gen: $(STAMPS)/gen
 
-supervisor: $(STAMPS)/apt
-	cmake -S supervisor -B $(BUILD)/supervisor -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-	cmake --build $(BUILD)/supervisor -j2
+watchdog: $(STAMPS)/apt
+	cmake -S watchdog -B $(BUILD)/watchdog -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build $(BUILD)/watchdog -j2
 
 # The Node.js client's packages (npm comes with the machine's nodejs; Debian's npm package
 # would conflict with a nodesource nodejs, so it is installed only where npm is missing).
@@ -73,7 +82,7 @@ lint: setup
 	cd proto && ../$(VENV)/bin/buf lint
 
 serve: setup
-	KERNELEVAL_WATCHDOG=$(BUILD)/supervisor/kerneleval-watchdog \
+	KERNELEVAL_WATCHDOG=$(BUILD)/watchdog/kerneleval-watchdog \
 	  $(VENV)/bin/kerneleval serve --host $(HOST) --port $(PORT)
 
 test: setup lint

@@ -33,7 +33,7 @@ import grpc  # noqa: E402
 from kerneleval.client import Client  # noqa: E402
 
 DEFAULT_OUT = REPO / "bench" / "results"
-WATCHDOG = REPO / "build" / "supervisor" / "kerneleval-watchdog"
+WATCHDOG = REPO / "build" / "watchdog" / "kerneleval-watchdog"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,7 +88,7 @@ class Service:
 
     def start(self, timeout: float = 180.0) -> Service:
         if not WATCHDOG.exists():
-            raise SystemExit(f"the watchdog is not built ({WATCHDOG}): run `make supervisor`")
+            raise SystemExit(f"the watchdog is not built ({WATCHDOG}): run `make watchdog`")
         stderr = open(self.root / "service.stderr", "wb")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
             self.cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=stderr,

@@ -154,6 +154,22 @@ def triton_add_spec(
     return spec
 
 
+def triton_add_io_spec(n: int, scale: float = 1.0, variant: int = -1) -> kernel_pb2.JobSpec:
+    """The same Triton `a * scale + b`, launched from its IOContract (no candidate host code
+    runs: only the @triton.jit function is used), compared with eager `a + b`."""
+    spec = triton_add_spec(n, scale, 1024, variant)
+    spec.client_tag = "bench-triton-io"
+    source = spec.kernel.source_code
+    spec.kernel.source_code = source[: source.index("class ModelNew")]
+    spec.kernel.entry_point = "add_kernel"
+    io = cuda_io(n)
+    io.args.add(name="BLOCK", int_value=1024, meta=True)
+    io.launch.grid.x = (n + 1023) // 1024
+    io.launch.ClearField("block")
+    spec.kernel.io.CopyFrom(io)
+    return spec
+
+
 def cuda_add_spec(n: int, scale: float = 1.0, variant: int = -1) -> kernel_pb2.JobSpec:
     """A raw CUDA `a * scale + b` compared with a grid-stride CUDA reference."""
     spec = kernel_pb2.JobSpec(client_tag="bench-cuda")

@@ -1,9 +1,13 @@
 """End-to-end latency of Evaluate on a tiny kernel, against a process per evaluation.
 
-A Triton `a + b` (ModelNew) is compared with its eager reference, through the real service
-(sequential Evaluate calls over gRPC, one GPU, one worker), with perf_trial_count=0 (the
-service's overhead alone) and with a small timing run (perf_trial_count=20). Baselines, in the
-same run, do the same evaluation (import, build, check, optionally time):
+A Triton `a + b` is compared with its eager reference, through the real service (sequential
+Evaluate calls over gRPC, one GPU, one job at a time), in two forms: launched from its
+IOContract (`triton_io`) and as a `ModelNew` (`modelnew`), with perf_trial_count=0 (the
+service's overhead alone) and with a small timing run (perf_trial_count=20). Every job runs in
+a job process of its own that exits after it; calls are paced (--pace-s) so that a warm job
+process is waiting when each call arrives, and one back-to-back series shows what the pool's
+refill costs when it is not. Baselines, in the same run, do the same evaluation (import,
+build, check, optionally time):
   (a) a fresh Python process per evaluation (import torch, CUDA context, run): what isolation
       fixes do today;
   (b) a child forked per evaluation from a parent that has imported torch (no CUDA in it).
@@ -34,16 +38,20 @@ from kerneleval.v1 import job_pb2  # noqa: E402
 BASELINE = Path(__file__).resolve().parent / "_baseline.py"
 
 
+SPECS = {"triton_io": K.triton_add_io_spec, "modelnew": K.triton_add_spec}
+
+
 def service_latencies(
-    svc: C.Service, n: int, count: int, perf: int, warmup_calls: int
+    svc: C.Service, kind: str, n: int, count: int, perf: int, warmup_calls: int, pace_s: float
 ) -> tuple[list[float], int]:
     """Wall seconds per Evaluate and how many came back OK."""
-    spec = K.triton_add_spec(n)
+    spec = SPECS[kind](n)
     spec.options.CopyFrom(K.options(correct=1, perf=perf, warmup=3 if perf else 0))
     walls: list[float] = []
     ok = 0
     with svc.client() as c:
         for i in range(warmup_calls + count):
+            time.sleep(pace_s)  # the pool refills: a warm job process waits for this call
             t = time.perf_counter()
             job = c.evaluate(spec)
             wall = time.perf_counter() - t
@@ -90,14 +98,16 @@ def forked_latencies(kernel: Path, ref: Path, count: int, perf: int) -> tuple[li
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
-    ap.add_argument("--requests", type=int, default=None, help="Evaluate calls per mode (200)")
+    ap.add_argument("--requests", type=int, default=None, help="Evaluate calls per mode (60)")
+    ap.add_argument("--pace-s", type=float, default=None, help="pause before a call (0.8)")
     ap.add_argument("--fresh-count", type=int, default=None, help="fresh processes (12)")
     ap.add_argument("--fork-count", type=int, default=None, help="forked children (20)")
     ap.add_argument("--elements", type=int, default=None, help="tensor size (4096)")
     ap.add_argument("--device", default="0", help="GPU index the service uses")
     args = ap.parse_args()
     smoke = args.cpu_smoke
-    requests = args.requests or (15 if smoke else 200)
+    requests = args.requests or (10 if smoke else 60)
+    pace = args.pace_s if args.pace_s is not None else (0.3 if smoke else 0.8)
     fresh = args.fresh_count or (3 if smoke else 12)
     forks = args.fork_count or (5 if smoke else 20)
     n = args.elements or 4096
@@ -114,10 +124,14 @@ def main() -> int:
     data: dict[str, Any] = {"elements": n, "modes": {}}
     try:
         svc.wait_workers(1)
-        for perf in (0, 20):
-            walls, ok = service_latencies(svc, n, requests, perf, warmup_calls=3)
-            data["modes"][f"service_perf{perf}"] = {"ok": ok, **C.summary(walls)}
-            print(f"service perf={perf}: {ok}/{len(walls)} OK", flush=True)
+        for kind in SPECS:
+            for perf in (0, 20):
+                walls, ok = service_latencies(svc, kind, n, requests, perf, 3, pace)
+                data["modes"][f"{kind}_perf{perf}"] = {"ok": ok, **C.summary(walls)}
+                print(f"{kind} perf={perf}: {ok}/{len(walls)} OK", flush=True)
+        walls, ok = service_latencies(svc, "triton_io", n, requests, 0, 0, 0.0)
+        data["modes"]["triton_io_back_to_back"] = {"ok": ok, **C.summary(walls)}
+        print(f"back to back: {ok}/{len(walls)} OK", flush=True)
     finally:
         svc.stop()
     timed_fresh = max(3, fresh // 4)
@@ -131,15 +145,18 @@ def main() -> int:
         print(f"forked perf={perf}: {ok}/{len(walls)} OK", flush=True)
 
     labels = {
-        "service_perf0": "service Evaluate, perf_trial_count=0",
-        "service_perf20": "service Evaluate, perf_trial_count=20",
+        "triton_io_perf0": "service, Triton from its IOContract, perf_trial_count=0",
+        "triton_io_perf20": "service, Triton from its IOContract, perf_trial_count=20",
+        "modelnew_perf0": "service, Triton ModelNew, perf_trial_count=0",
+        "modelnew_perf20": "service, Triton ModelNew, perf_trial_count=20",
+        "triton_io_back_to_back": "service, IOContract, back to back (no pause: pool-bound)",
         "fresh_process_perf0": "(a) fresh process, no timing",
         "fresh_process_perf20": "(a) fresh process, 20 timed runs",
         "forked_perf0": "(b) forked from torch parent, no timing",
         "forked_perf20": "(b) forked from torch parent, 20 timed runs",
     }
-    base = data["modes"]["service_perf0"]["median"]
-    base20 = data["modes"]["service_perf20"]["median"]
+    base = data["modes"]["modelnew_perf0"]["median"]
+    base20 = data["modes"]["modelnew_perf20"]["median"]
     for key, label in labels.items():
         m = data["modes"][key]
         ref_median = base20 if key.endswith("perf20") else base
@@ -149,9 +166,10 @@ def main() -> int:
         )  # fmt: skip
     notes = [
         f"Tiny kernel: Triton a+b over {n} float32 elements, checked against eager a+b "
-        "(1 correctness trial); sequential calls, one worker on GPU "
-        f"{'cpu' if smoke else args.device}.",
-        "x service = this median / the service's median with the same timing setting.",
+        "(1 correctness trial); sequential calls, one job at a time on GPU "
+        f"{'cpu' if smoke else args.device}, each in a fresh job process from the warm pool; "
+        f"{pace} s pause before each call so that a warm process waits for it.",
+        "x service = this median / the service's ModelNew median with the same timing setting.",
         f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh processes "
         f"without timing, {timed_fresh} with, {forks} forked children per setting.",
     ]

@@ -72,8 +72,30 @@ def follow(svc: C.Service, spec: kernel_pb2.JobSpec, out: Tracked) -> None:
         out.started.set()
 
 
-def one_fault(svc: C.Service, n: int, timeout_s: int) -> dict[str, Any]:
-    bad_spec = K.triton_oob_spec()
+HANG_CPU = """
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        while True:
+            pass
+
+def get_inputs():
+    return [torch.ones(4)]
+"""
+
+
+def hang_spec(smoke: bool) -> kernel_pb2.JobSpec:
+    """A kernel that never ends: a CUDA spin on the GPU, a Python loop on the CPU."""
+    if smoke:
+        return K.torch_spec(HANG_CPU, "bench-hang")
+    return K.cuda_bad_spec(K.CUDA_HANG, "bench-hang")
+
+
+def one_fault(
+    svc: C.Service, n: int, timeout_s: int, bad_spec: kernel_pb2.JobSpec | None = None
+) -> dict[str, Any]:
+    bad_spec = bad_spec or K.triton_oob_spec()
     bad_spec.options.CopyFrom(K.options(correct=1, perf=0, timeout_s=timeout_s))
     good_spec = K.triton_add_spec(n)
     good_spec.options.CopyFrom(K.options(correct=1, perf=0, timeout_s=timeout_s))
@@ -125,15 +147,19 @@ def main() -> int:
     ap.add_argument("--baseline-count", type=int, default=None, help="fresh processes (5)")
     ap.add_argument("--device", default="0")
     ap.add_argument("--timeout", type=int, default=60, help="job timeout, s")
+    ap.add_argument("--hangs", type=int, default=None, help="hung kernels (5; 2 smoke)")
+    ap.add_argument("--hang-timeout", type=int, default=3, help="their job timeout, s")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     faults = args.faults or (3 if smoke else 10)
+    hangs = args.hangs if args.hangs is not None else (2 if smoke else 5)
     base_count = args.baseline_count or (2 if smoke else 5)
     n = 4096
     info = C.machine_info()
     flags = [] if smoke else ["--devices", args.device]
     svc = C.Service(flags, nvml="none" if smoke else "real").start()
     samples: list[dict[str, Any]] = []
+    hung: list[dict[str, Any]] = []
     try:
         svc.wait_workers(1)
         with svc.client() as c:
@@ -147,6 +173,15 @@ def main() -> int:
             print(
                 f"fault {i + 1}/{faults}: {s['verdict']} xid={s['xid']} next start "
                 f"{s['finished_to_next_start_s'] * 1e3:.0f} ms after finished; "
+                f"good job {s['good_verdict']}",
+                flush=True,
+            )
+        for i in range(hangs):
+            s = one_fault(svc, n, args.hang_timeout, hang_spec(smoke))
+            hung.append(s)
+            print(
+                f"hang {i + 1}/{hangs}: {s['verdict']}; next start "
+                f"{s['finished_to_next_start_s'] * 1e3:.0f} ms after the timeout; "
                 f"good job {s['good_verdict']}",
                 flush=True,
             )
@@ -165,13 +200,19 @@ def main() -> int:
         ("last_event_to_client_result_s", "faulted job's last event -> result at client"),
         ("started_to_client_result_s", "faulted job started -> result at client"),
     ]
-    data: dict[str, Any] = {"faults": samples, "worker_restarts": restarts,
+    data: dict[str, Any] = {"faults": samples, "hangs": hung, "worker_restarts": restarts,
                             "service_alive": alive, "baseline": base}  # fmt: skip
     rows: list[list[Any]] = []
     for key, label in metrics:
         s = C.summary([x[key] for x in samples])
         data[key] = s
         rows.append([label, s["n"], s["median"] * 1e3, s["p99"] * 1e3, s["max"] * 1e3,
+                     C.ratio(base_wall["median"], s["median"])])  # fmt: skip
+    if hung:
+        s = C.summary([x["finished_to_next_start_s"] for x in hung])
+        data["hang_finished_to_next_start_s"] = s
+        rows.append(["hung kernel: job timed out -> next job started", s["n"],
+                     s["median"] * 1e3, s["p99"] * 1e3, s["max"] * 1e3,
                      C.ratio(base_wall["median"], s["median"])])  # fmt: skip
     rows.append(
         ["baseline: fresh process, import torch + CUDA context (wall)", base_wall["n"],
@@ -186,6 +227,9 @@ def main() -> int:
     for s in samples:
         verdicts[s["verdict"]] = verdicts.get(s["verdict"], 0) + 1
     good_ok = sum(1 for s in samples if s["good_verdict"] == "VERDICT_OK")
+    hang_ok = sum(
+        1 for s in hung if s["verdict"] == "VERDICT_TIMEOUT" and s["good_verdict"] == "VERDICT_OK"
+    )
     expected = "VERDICT_CRASHED" if smoke else "VERDICT_DEVICE_FAULT"
     notes = [
         f"Faulted job verdicts: {verdicts} (expected {expected}); with an XID: "
@@ -193,6 +237,8 @@ def main() -> int:
         f"Good job after each fault OK: {good_ok}/{len(samples)}; same GPU: "
         f"{sum(1 for s in samples if s['same_device'])}/{len(samples)}; worker restarts "
         f"{restarts}; service alive at the end: {alive}.",
+        f"Hung kernels: {hang_ok}/{len(hung)} ended VERDICT_TIMEOUT with the next job OK "
+        f"(job timeout {args.hang_timeout} s; the job's finish is when the timeout fired).",
         "x faster = baseline wall median / this median.",
         "The service waits for NVML's XID (about 2.5 s with --nvml real) before it returns a "
         "device fault's result, so that the result names the XID; the next job does not wait.",
@@ -204,7 +250,12 @@ def main() -> int:
         [("Time (ms)", ["measure", "n", "median ms", "p99 ms", "max ms", "x faster"], rows)],
         notes,
     )  # fmt: skip
-    ok = verdicts.get(expected, 0) == len(samples) and good_ok == len(samples) and alive
+    ok = (
+        verdicts.get(expected, 0) == len(samples)
+        and good_ok == len(samples)
+        and hang_ok == len(hung)
+        and alive
+    )
     return 0 if ok else 1
 
 

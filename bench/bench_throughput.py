@@ -1,7 +1,9 @@
 """Throughput of many small candidates through RunBatch, against one Evaluate at a time.
 
---count candidates (default 500: half Triton, half raw CUDA; each a distinct source, so each
-compiles) are compared with a reference (2 correctness trials, 20 timed trials) through one
+--count candidates (default 250; each a distinct source, so each compiles) of one --kind:
+`io` (half Triton launched from its IOContract, half raw CUDA: no candidate host code) or
+`modelnew` (Triton ModelNews: candidate host code, one job process each) are compared with
+a reference (2 correctness trials, 20 timed trials) through one
 RunBatch stream with --in-flight jobs outstanding, on one GPU with --workers-per-device
 workers (compiles and checks overlap; the timing phase is granted one job at a time per GPU).
 Reports evaluations per second and the fraction of wall time each GPU was busy timing (sum
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,15 @@ import _kernels as K  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 
 
-def candidates(count: int, n: int, cuda: bool, offset: int = 0) -> list[kernel_pb2.JobSpec]:
+def candidates(
+    count: int, n: int, cuda: bool, kind: str, offset: int = 0
+) -> list[kernel_pb2.JobSpec]:
     out = []
     for i in range(offset, offset + count):
-        if cuda and i % 2 == 1:
+        if kind == "io" and cuda and i % 2 == 1:
             spec = K.cuda_add_spec(n, variant=i)
+        elif kind == "io":
+            spec = K.triton_add_io_spec(n, variant=i)
         else:
             spec = K.triton_add_spec(n, block=[128, 256, 512, 1024][i % 4], variant=i)
         spec.options.CopyFrom(K.options(correct=2, perf=20, warmup=3))
@@ -97,6 +104,43 @@ def _verdicts(jobs: Any) -> dict[str, int]:
     return out
 
 
+class StartCounter:
+    """Counts job processes started (WorkerStartedEvent on WatchEvents) in a thread."""
+
+    def __init__(self, svc: C.Service) -> None:
+        self.count = 0
+        self._client = svc.client()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for ev in self._client.watch_events():
+                if ev.HasField("worker_started"):
+                    self.count += 1
+        except Exception:  # noqa: BLE001 - closed at the end of the bench
+            pass
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def pool_memory(svc: C.Service, processes: int, timeout: float = 120.0) -> dict[str, Any]:
+    """Device memory in use once `processes` job processes are up (all idle, warm)."""
+    deadline = time.monotonic() + timeout
+    with svc.client() as c:
+        while True:
+            devices = c.list_devices()
+            live = sum(1 for d in devices for w in d.workers if w.pid)
+            if live >= processes or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        time.sleep(2.0)  # the last ones finish their warm-up
+        used = sum(d.memory_used_bytes for d in c.list_devices())
+    return {"processes": live, "memory_used_mib": used / 2**20,
+            "per_process_mib": used / 2**20 / max(live, 1)}  # fmt: skip
+
+
 def sequential(svc: C.Service, specs: list[kernel_pb2.JobSpec]) -> dict[str, Any]:
     jobs = []
     busy = 0.0
@@ -117,30 +161,42 @@ def sequential(svc: C.Service, specs: list[kernel_pb2.JobSpec]) -> dict[str, Any
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
-    ap.add_argument("--count", type=int, default=None, help="candidates (500; 20 smoke)")
+    ap.add_argument("--count", type=int, default=None, help="candidates (250; 20 smoke)")
+    ap.add_argument("--kind", choices=("io", "modelnew"), default="io")
+    ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
     ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
     args = ap.parse_args()
     smoke = args.cpu_smoke
-    count = args.count or (20 if smoke else 500)
+    count = args.count or (20 if smoke else 250)
     base_count = args.baseline_count or (6 if smoke else 60)
     wpd = args.workers_per_device or (1 if smoke else 4)
     n = args.elements or (4096 if smoke else 1 << 20)
     info = C.machine_info()
     cuda = not smoke
-    wflags = ["--workers-per-device", str(wpd)]
-    data: dict[str, Any] = {"count": count, "workers_per_device": wpd, "elements": n}
+    spares = args.spare_count if args.spare_count is not None else wpd
+    wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
+    data: dict[str, Any] = {
+        "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
+        "elements": n,
+    }  # fmt: skip
 
     svc = C.Service(wflags + ([] if smoke else ["--devices", "0"]),
                     nvml="none" if smoke else "real").start()  # fmt: skip
     try:
         svc.wait_workers(wpd)
+        data["pool"] = pool_memory(svc, wpd + spares)
         # Sequential first, on candidates of their own (no compile cache shared with the batch).
-        data["sequential"] = sequential(svc, candidates(base_count, n, cuda, offset=100_000))
+        seq_specs = candidates(base_count, n, cuda, args.kind, offset=100_000)
+        data["sequential"] = sequential(svc, seq_specs)
         print(f"sequential: {data['sequential']['evals_per_s']:.2f}/s", flush=True)
-        data["batch_1gpu"] = run_batch(svc, candidates(count, n, cuda), args.in_flight)
+        counter = StartCounter(svc)
+        t_pool = time.perf_counter()
+        data["batch_1gpu"] = run_batch(svc, candidates(count, n, cuda, args.kind), args.in_flight)
+        data["pool"]["started_per_s"] = counter.count / (time.perf_counter() - t_pool)
+        counter.close()
         print(f"batch on one GPU: {data['batch_1gpu']['evals_per_s']:.2f}/s", flush=True)
     finally:
         svc.stop()
@@ -150,7 +206,7 @@ def main() -> int:
         try:
             svc.wait_workers(2 * wpd)
             data["batch_2gpu"] = run_batch(
-                svc, candidates(count, n, cuda, offset=200_000), args.in_flight
+                svc, candidates(count, n, cuda, args.kind, offset=200_000), args.in_flight
             )
         finally:
             svc.stop()
@@ -171,10 +227,23 @@ def main() -> int:
                      b["wall_s"], b["evals_per_s"], frac,
                      C.ratio(b["evals_per_s"], seq["evals_per_s"])])  # fmt: skip
     notes = [
-        f"Candidates: {'Triton only' if smoke else 'alternating Triton and raw CUDA'} "
-        f"`a*1+b` over {n} float32 elements, each a distinct source (compiled), compared "
+        f"Candidates ({args.kind}): "
+        + (
+            "Triton ModelNews"
+            if args.kind == "modelnew"
+            else (
+                "Triton from the IOContract"
+                if smoke
+                else "alternating Triton (IOContract) and raw CUDA"
+            )
+        )
+        + f" `a*1+b` over {n} float32 elements, each a distinct source (compiled), compared "
         "with a reference: 2 correctness trials, 3 warm-ups, 20 timed trials.",
-        f"Service: {wpd} workers per GPU and a warm spare; the timing phase is exclusive per "
+        f"Service: {wpd} jobs at once per GPU and {spares} warm job processes waiting; every "
+        "job runs in a job process of its own. Pool: job processes started per second during "
+        f"the batch {data['pool'].get('started_per_s', 0.0):.2f}; device memory with the pool "
+        f"full {data['pool']['memory_used_mib']:.0f} MiB for {data['pool']['processes']} "
+        "processes. The timing phase is exclusive per "
         "GPU. The baseline is sequential Evaluate calls through the same service (fewer "
         f"candidates: {base_count}); x = evaluations/s over the baseline's.",
         "GPU busy timing = sum of PROFILING phase durations (phase event -> next phase or "

@@ -1,6 +1,6 @@
 """GPU check of the watchdog with real NVML: XID 31 from a planted out-of-bounds Triton store.
 
-Starts build/supervisor/kerneleval-watchdog (NVML_SOURCE_REAL) with two workers on GPU 0. Each
+Starts build/watchdog/kerneleval-watchdog (NVML_SOURCE_REAL) with two workers on GPU 0. Each
 worker (this file with --worker) imports torch and triton, creates a CUDA context and idles
 until told, through a file, to run a CUDA op or a Triton kernel whose store is far out of
 bounds. Checks: XidObserved (xid 31) arrives, with the faulting pid when /dev/kmsg is
@@ -123,7 +123,7 @@ class Run:
 
 
 async def check(args: argparse.Namespace, user: str) -> dict[str, Any]:
-    from kerneleval.internal.v1 import supervisor_pb2 as pb
+    from kerneleval.internal.v1 import watchdog_pb2 as pb
     from kerneleval_server.watchdog import Watchdog, find_watchdog_binary
 
     root = Path(tempfile.mkdtemp(prefix="kew-gpu-"))

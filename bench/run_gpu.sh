@@ -11,7 +11,7 @@
 #                                               # two-GPU machine it adds the two-GPU run)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
-# Needs build/supervisor/kerneleval-watchdog (make supervisor) and the generated code under
+# Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
 # clients/python/src (make gen). KERNELBENCH (default ../shared/kernelbench) for kernelbench.
 set -u
 cd "$(dirname "$0")/.."

@@ -21,8 +21,8 @@ def default_state_dir() -> Path:
 
 
 def default_watchdog_binary() -> str:
-    """build/supervisor/kerneleval-watchdog of the checkout, else one on PATH."""
-    here = Path(__file__).resolve().parents[2] / "build" / "supervisor" / "kerneleval-watchdog"
+    """build/watchdog/kerneleval-watchdog of the checkout, else one on PATH."""
+    here = Path(__file__).resolve().parents[2] / "build" / "watchdog" / "kerneleval-watchdog"
     if here.exists():
         return str(here)
     return shutil.which("kerneleval-watchdog") or str(here)
@@ -37,7 +37,7 @@ class Config:
     devices: str = field(default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all"})
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
     warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
-    spare_count: int = field(default=1, metadata={"help": "warm spares per GPU (with warm-spare)"})
+    spare_count: int = field(default=2, metadata={"help": "warm spares per GPU (with warm-spare)"})
     state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
     database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
     admin_token: str = field(default="", metadata={"help": "OperationsService token"})
@@ -69,8 +69,28 @@ class Config:
         default=0, metadata={"help": "worker failures per window before a device is unhealthy"}
     )
     restart_window_s: int = field(default=0, metadata={"help": "restart intensity window"})
-    isolate_network: bool = field(default=True, metadata={"help": "workers without network"})
-    worker_user: str = field(default="", metadata={"help": "user for workers when root"})
+    isolate_network: bool = field(default=True, metadata={"help": "job processes without network"})
+    job_user: str = field(
+        default="",
+        metadata={
+            "help": "user of job processes when root; empty = kerneleval-job, else nobody",
+            "aliases": ("worker_user",),
+        },
+    )
+    job_memory_mib: int = field(
+        default=8192, metadata={"help": "memory of one job process's cgroup, its /tmp included"}
+    )
+    job_tmp_mib: int = field(default=1024, metadata={"help": "size of a job process's /tmp"})
+    job_max_pids: int = field(
+        default=1024, metadata={"help": "processes and threads in one job process's cgroup"}
+    )
+    sandbox_path: str = field(
+        default="",
+        metadata={
+            "help": "more host paths shown read-only to job processes (comma list, repeatable)",
+            "repeat": True,
+        },
+    )
     engine: str = field(default="", metadata={"help": "engine module for workers (default)"})
 
     def state_path(self) -> Path:
@@ -85,6 +105,9 @@ class Config:
     def watchdog_binary(self) -> str:
         return self.watchdog or default_watchdog_binary()
 
+    def sandbox_paths(self) -> list[str]:
+        return [p for p in (x.strip() for x in self.sandbox_path.split(",")) if p]
+
     def problems(self) -> list[str]:
         """Settings that cannot work, as messages naming the flag."""
         out = []
@@ -98,9 +121,22 @@ class Config:
             out.append(f"--port {self.port}: 0..65535, or -1 for no TCP listener")
         if self.port < 0 and not self.unix_socket:
             out.append("--port -1 needs --unix-socket")
-        for name in ("workers_per_device", "spare_count", "max_queue", "max_attempts"):
+        for name in (
+            "workers_per_device",
+            "spare_count",
+            "max_queue",
+            "max_attempts",
+            "job_memory_mib",
+            "job_tmp_mib",
+            "job_max_pids",
+        ):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1")
+        if self.job_user == "root":
+            out.append("--job-user root: job processes never run as root")
+        for path in self.sandbox_paths():
+            if not os.path.isabs(path):
+                out.append(f"--sandbox-path {path!r}: an absolute path")
         try:
             self.device_list()
         except ValueError:
@@ -128,7 +164,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         env = "KERNELEVAL_" + f.name.upper()
         kind: Any = {bool: _parse_bool, int: int, float: float}.get(type(f.default), str)
         help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})"
-        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+        # Deprecated spellings (--worker-user) are accepted, not listed.
+        flags = [flag] + ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
+        if f.metadata.get("repeat"):
+            parser.add_argument(
+                *flags, dest=f.name, type=kind, default=None, action="append", help=help_text
+            )
+        else:
+            parser.add_argument(*flags, dest=f.name, type=kind, default=None, help=help_text)
 
 
 def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
@@ -136,8 +179,13 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     values: dict[str, Any] = {}
     for f in fields(Config):
         given = getattr(ns, f.name, None)
+        if isinstance(given, list):  # a repeatable flag: one comma list
+            given = ",".join(given)
         if given is None:
-            raw = env.get("KERNELEVAL_" + f.name.upper())
+            names = [f.name, *f.metadata.get("aliases", ())]
+            raw = next(
+                (env[v] for v in ("KERNELEVAL_" + n.upper() for n in names) if v in env), None
+            )
             if raw is None:
                 continue
             kind: Any = {bool: _parse_bool, int: int, float: float}.get(type(f.default), str)

@@ -3,6 +3,11 @@
 Everything runs on the event loop thread. A watcher registers its queue and reads the
 persisted events in the same synchronous step, so no event falls between the replay and the
 live feed, and it skips anything at or below the last sequence it yielded, so none repeats.
+
+A job's stored log output is capped (validation.Limits.max_log_bytes): the log event that
+crosses the cap is cut to what fits and followed by one note saying where the output was cut;
+later log events of the job are dropped (neither stored nor sent to watchers), and their
+sequence numbers are given back, so that sequences stay without gaps.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from .store import TERMINAL, Store
+from .validation import LOG_EVENT_OVERHEAD, Limits
+
+# The note that ends a job's stored log output when it was cut.
+LOG_CUT_PREFIX = "[kerneleval: log output cut"
 
 
 def now_event(job_id: str, sequence: int) -> job_pb2.JobEvent:
@@ -25,11 +34,32 @@ def now_event(job_id: str, sequence: int) -> job_pb2.JobEvent:
     return event
 
 
+def _cut_utf8(text: str, max_bytes: int) -> str:
+    """The longest prefix of `text` that is at most `max_bytes` in UTF-8."""
+    return text.encode("utf-8", "surrogatepass")[: max(0, max_bytes)].decode("utf-8", "ignore")
+
+
+class _LogBudget:
+    """How much of a job's log is stored: used counts text plus LOG_EVENT_OVERHEAD per event."""
+
+    __slots__ = ("used", "text_bytes", "cut")
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.text_bytes = 0
+        self.cut = False
+
+
 class EventHub:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, max_log_bytes: int | None = None) -> None:
         self._store = store
         self._next: dict[str, int] = {}
         self._watchers: dict[str, set[asyncio.Queue[job_pb2.JobEvent]]] = {}
+        # Log text stored per job; None: validation.Limits (KERNELEVAL_LIMIT_MAX_LOG_BYTES).
+        self.max_log_bytes = (
+            Limits.from_env().max_log_bytes if max_log_bytes is None else max_log_bytes
+        )
+        self._logs: dict[str, _LogBudget] = {}
 
     def next_event(self, job_id: str) -> job_pb2.JobEvent:
         """A new event with the job's next sequence number (not yet published)."""
@@ -40,13 +70,76 @@ class EventHub:
         return now_event(job_id, seq)
 
     def publish(self, event: job_pb2.JobEvent, persisted: bool = False) -> None:
-        """Persists the event (unless the caller did, in its own transaction) and fans it out."""
+        """Persists the event (unless the caller did, in its own transaction) and fans it out.
+        A log event past the job's log cap is dropped (see the module's docstring)."""
+        if event.HasField("log") and not persisted:
+            keep, note = self._limit_log(event)
+            if keep:
+                self._put(event, persisted)
+            if note is not None:
+                self._put(note, False)
+            return
+        self._put(event, persisted)
+        if event.HasField("finished"):
+            self._next.pop(event.job_id, None)
+            self._logs.pop(event.job_id, None)
+
+    def _put(self, event: job_pb2.JobEvent, persisted: bool) -> None:
         if not persisted:
             self._store.add_event(event)
         for queue in self._watchers.get(event.job_id, ()):
             queue.put_nowait(event)
-        if event.HasField("finished"):
-            self._next.pop(event.job_id, None)
+
+    def _log_budget(self, job_id: str) -> _LogBudget:
+        budget = self._logs.get(job_id)
+        if budget is None:
+            # First log event of this job in this process (the job may have logged before a
+            # restart of the front end): count what the store holds already.
+            budget = self._logs[job_id] = _LogBudget()
+            for stored in self._store.events_after(job_id, 0):
+                if stored.HasField("log"):
+                    size = len(stored.log.text.encode("utf-8", "surrogatepass"))
+                    budget.used += size + LOG_EVENT_OVERHEAD
+                    budget.text_bytes += size
+                    if stored.log.text.startswith(LOG_CUT_PREFIX):
+                        budget.cut = True
+        return budget
+
+    def _limit_log(self, event: job_pb2.JobEvent) -> tuple[bool, job_pb2.JobEvent | None]:
+        """(store this event?, a note to publish after it). May shorten the event's text."""
+        budget = self._log_budget(event.job_id)
+        if budget.cut:
+            return not self._give_back(event), None
+        size = len(event.log.text.encode("utf-8", "surrogatepass"))
+        if budget.used + size + LOG_EVENT_OVERHEAD <= self.max_log_bytes:
+            budget.used += size + LOG_EVENT_OVERHEAD
+            budget.text_bytes += size
+            return True, None
+        budget.cut = True
+        room = self.max_log_bytes - budget.used - LOG_EVENT_OVERHEAD
+        if room > 0:
+            event.log.text = _cut_utf8(event.log.text, room)
+            budget.text_bytes += len(event.log.text.encode("utf-8", "surrogatepass"))
+            keep = True
+        else:
+            keep = not self._give_back(event)
+        note = self.next_event(event.job_id)
+        note.log.text = (
+            f"{LOG_CUT_PREFIX} after {budget.text_bytes} bytes: the limit of stored log per "
+            f"job is {self.max_log_bytes} bytes (each line counts {LOG_EVENT_OVERHEAD} bytes "
+            "more); later output of this job is not stored]"
+        )
+        return keep, note
+
+    def _give_back(self, event: job_pb2.JobEvent) -> bool:
+        """Gives a dropped event's sequence number back when it was the last one handed out
+        (the callers take a sequence and publish it in one step). Else the event must still be
+        stored, so that sequences have no gaps: as an empty line. True when given back."""
+        if self._next.get(event.job_id) == event.sequence + 1:
+            self._next[event.job_id] = event.sequence
+            return True
+        event.log.text = ""
+        return False
 
     async def watch(self, job_id: str, after_sequence: int) -> AsyncIterator[job_pb2.JobEvent]:
         """Events after `after_sequence`, replayed then live, up to and including `finished`."""

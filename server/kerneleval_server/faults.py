@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2
 
 # Signals a kernel raises itself; never worth a second try.
@@ -51,7 +51,7 @@ def signal_name(signum: int) -> str:
 
 
 def classify_exit(
-    exited: supervisor_pb2.WorkerExited,
+    exited: watchdog_pb2.WorkerExited,
     *,
     pending: str,
     xid: XidSeen | None,

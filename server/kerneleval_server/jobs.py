@@ -1,4 +1,8 @@
-"""The job life cycle: queue, start on a worker, follow, finish with a verdict.
+"""The job life cycle: queue, start on a job process, follow, finish with a verdict.
+
+A job process (a "worker" in the tables) takes exactly one job: it is dispatched to only once
+it has said hello, is not a spare and was never given a job; after its outcome it exits by
+itself (exit code 0, or POISONED_EXIT when its CUDA context was poisoned) and is not a failure.
 
 Every state change is written to the store before anyone hears of it. The manager also turns
 the watchdog's events (workers, XIDs, device readings, resets) into worker state, job verdicts
@@ -16,24 +20,31 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kerneleval.internal.v1 import supervisor_pb2, worker_pb2
+from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from . import faults
 from .config import Config
 from .events import EventHub, OpsLog
+from .framing import FrameError
+from .job_processes import JobChannels, WorkerState, WorkerTable
 from .metrics import Metrics
 from .scheduler import FairQueue, ProfilingGate, QueuedJob
 from .store import TERMINAL, Store
-from .workers import WorkerState, WorkerTable
+from .watchdog import AttachedFd
 
 log = logging.getLogger("kerneleval.jobs")
 
 DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
+DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
 RECENT_XIDS = 32
+# A job process leaves with this exit code after a job that poisoned its CUDA context
+# (kerneleval_server.jobproc.POISONED_EXIT; the job runtime's, not imported here so that the
+# front end does not load the job process's package).
+POISONED_EXIT = 3
 
 
 class QueueFull(Exception):
@@ -46,8 +57,8 @@ class WatchdogLike(Protocol):
     async def restart_workers(self, device_index: int = -2) -> None: ...
     async def reset_gpu(
         self, device_index: int, grace_ms: int
-    ) -> tuple[bool, list[supervisor_pb2.ResetStepReport]]: ...
-    async def status(self) -> supervisor_pb2.StatusReport: ...
+    ) -> tuple[bool, list[watchdog_pb2.ResetStepReport]]: ...
+    async def status(self) -> watchdog_pb2.StatusReport: ...
     async def shutdown(self, grace_ms: int = 2000) -> None: ...
 
 
@@ -63,21 +74,21 @@ class Running:
     deadline: asyncio.TimerHandle | None = None
     grant_asked_at: float = 0.0  # loop time of a pending timing request
     outcome_wait: asyncio.TimerHandle | None = None
-    outcome: worker_pb2.JobOutcome | None = None
+    outcome: job_channel_pb2.JobOutcome | None = None
 
 
 @dataclass
 class DeviceState:
     index: int
-    status: supervisor_pb2.DeviceStatus
+    status: watchdog_pb2.DeviceStatus
     xids: deque[ops_pb2.XidRecord] = field(default_factory=lambda: deque(maxlen=RECENT_XIDS))
     # (monotonic time, the worker was running a job) of worker failures: crashes, odd exits.
 
     @property
     def takes_jobs(self) -> bool:
         return self.status.health in (
-            supervisor_pb2.HEALTH_UNSPECIFIED,
-            supervisor_pb2.HEALTH_HEALTHY,
+            watchdog_pb2.HEALTH_UNSPECIFIED,
+            watchdog_pb2.HEALTH_HEALTHY,
         )
 
 
@@ -110,6 +121,12 @@ class JobManager:
         self.queue = FairQueue()
         self.gate = ProfilingGate(self._grant)
         self.workers = WorkerTable()
+        self.channels = JobChannels(self)
+        # Devices whose job processes have come up warm (a Hello) since the watchdog started.
+        self.warm_devices: set[int] = set()
+        # Sandbox features the host refused, and other warnings of the watchdog: feature ->
+        # message (also in the ops log and the service log, at WARNING).
+        self.warnings: dict[str, str] = {}
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.watchdog: WatchdogLike | None = None
@@ -185,6 +202,15 @@ class JobManager:
         job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
+        try:
+            sent = worker.assign(job_id, job.spec, job.attempt_count + 1)
+        except FrameError as exc:
+            # Validation should have refused it; never leave it RUNNING on a process that
+            # never got it. The process stays ready for the next job.
+            reason = f"the job cannot be sent to a job process: {exc}"
+            log.error(reason, extra={"job_id": job_id})
+            self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
+            return
         job.state = job_pb2.JOB_STATE_RUNNING
         job.attempt_count += 1
         job.worker_id = worker.worker_id
@@ -203,11 +229,6 @@ class JobManager:
         self.metrics.running.set(len(self.running))
         loop = asyncio.get_running_loop()
         run.deadline = loop.call_later(run.timeout_s, self._on_deadline, job_id)
-        sent = worker.send(
-            worker_pb2.FrontendMessage(
-                assign=worker_pb2.AssignJob(job_id=job_id, spec=job.spec, attempt=job.attempt_count)
-            )
-        )
         log.info(
             "job started",
             extra={
@@ -224,10 +245,45 @@ class JobManager:
     # ---- worker channel ---------------------------------------------------------------
 
     def on_worker_ready(self, worker: WorkerState) -> None:
+        self.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
 
-    def on_worker_message(self, worker: WorkerState, msg: worker_pb2.WorkerMessage) -> None:
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
+        """The job process sent what its channel does not allow: kill it; its job ends with
+        a runtime error that says what it sent (not retried: the job's own code did it)."""
+        worker.gone = True
+        self.metrics.protocol_violations.inc()
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.kill_worker(worker.worker_id, "protocol"))
+        run = next((r for r in self.running.values() if r.worker is worker), None)
+        if run is None:
+            log.warning(
+                "job process %s broke the protocol after its job: %s",
+                worker.worker_id,
+                what,
+                extra={"worker_id": worker.worker_id},
+            )
+            return
+        if run.pending == "cancel":
+            return  # the kill is under way; the cancel ends the job
+        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
+        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+        result.error.exception_type = "ProtocolViolation"
+        result.error.message = what
+        result.fault.worker_pid = worker.pid
+        result.fault.worker_restarted = True
+        result.fault.description = (
+            f"job process {worker.worker_id} broke the job channel's protocol and was killed"
+        )
+        event = self.hub.next_event(run.job.job_id)
+        event.fault.CopyFrom(result.fault)
+        self.hub.publish(event)
+        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+
+    def on_worker_message(
+        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
+    ) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "outcome":
             self._on_outcome(worker, msg.outcome)
@@ -269,18 +325,20 @@ class JobManager:
                 run.deadline = loop.call_at(when, self._on_deadline, run.job.job_id)
             run.grant_asked_at = 0.0
         worker.send(
-            worker_pb2.FrontendMessage(grant=worker_pb2.ProfilingGrant(job_id=worker.job_id))
+            job_channel_pb2.FrontendMessage(
+                grant=job_channel_pb2.ProfilingGrant(job_id=worker.job_id)
+            )
         )
 
-    def _on_outcome(self, worker: WorkerState, outcome: worker_pb2.JobOutcome) -> None:
+    def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
         if run is None or run.worker is not worker:
             return
         run.outcome = outcome
+        # A job process runs one job: it exits now and the watchdog promotes a spare. Until
+        # then the watchdog keeps it as the job's worker, so that an XID to come names this job.
+        worker.gone = True
         if outcome.context_poisoned:
-            # It exits now and the watchdog promotes the spare. Until then the watchdog keeps
-            # it as the job's worker, so that the XID to come names this job.
-            worker.gone = True
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid
             event.fault.worker_restarted = True
@@ -330,6 +388,9 @@ class JobManager:
 
     def on_worker_disconnected(self, worker: WorkerState) -> None:
         worker.gone = True
+        if worker.pending_exit is not None:
+            self._on_worker_exited(worker.pending_exit)
+            return
         self.on_health_change()
         run = self.running.get(worker.job_id) if worker.job_id else None
         if run is not None and run.outcome is None:
@@ -344,7 +405,7 @@ class JobManager:
         run = self.running.get(job_id)
         if run is None or run.worker.worker_id != worker_id:
             return
-        exited = supervisor_pb2.WorkerExited(exit_code=-1, reason="lost")
+        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason="lost")
         exited.worker.worker_id = worker_id
         exited.worker.pid = run.worker.pid
         exited.worker.device_index = run.worker.device_index
@@ -486,7 +547,7 @@ class JobManager:
         result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
         self._finish(job, job_pb2.JOB_STATE_DONE, result)
 
-    def _job_worker_exited(self, run: Running, exited: supervisor_pb2.WorkerExited) -> None:
+    def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
         if run.outcome is not None:
             return  # the result is in; the exit is the poisoned worker leaving
         if run.pending == "cancel":
@@ -519,19 +580,36 @@ class JobManager:
 
     # ---- watchdog events --------------------------------------------------------------
 
-    def on_supervisor_event(self, ev: supervisor_pb2.SupervisorEvent) -> None:
+    def on_job_channel(self, ev: watchdog_pb2.WatchdogEvent, attached: AttachedFd) -> None:
+        """The descriptor of a job process's channel, just before its WorkerStarted."""
+        if ev.WhichOneof("kind") != "worker_started":
+            return
+        worker = self.workers.announce(ev.worker_started.worker)
+        if not worker.has_channel and not worker.gone:
+            self.channels.attach(worker, attached.take())
+
+    def on_watchdog_event(self, ev: watchdog_pb2.WatchdogEvent) -> None:
         kind = ev.WhichOneof("kind")
         if kind == "worker_started":
             w = ev.worker_started.worker
-            self.workers.announce(w)
+            worker = self.workers.announce(w)
+            if ev.worker_started.channel_attached and not worker.has_channel:
+                log.error(
+                    "job process %s came without its channel; it is stopped",
+                    w.worker_id,
+                    extra={"worker_id": w.worker_id},
+                )
+                worker.gone = True
+                if self.watchdog is not None:
+                    self._spawn(self.watchdog.kill_worker(w.worker_id, "no_channel"))
             self.ops.emit(
                 w.device_index,
                 worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
             )
         elif kind == "worker_promoted":
-            worker = self.workers.by_id.get(ev.worker_promoted.worker_id)
-            if worker is not None:
-                worker.spare = False
+            promoted = self.workers.by_id.get(ev.worker_promoted.worker_id)
+            if promoted is not None:
+                promoted.spare = False
                 self.dispatch()
         elif kind == "worker_exited":
             self._on_worker_exited(ev.worker_exited)
@@ -554,10 +632,13 @@ class JobManager:
             self.counters["resets"] += 1
             self.metrics.gpu_resets.labels(str(rf.device_index), str(rf.success).lower()).inc()
         elif kind == "warning":
-            self.ops.emit(-1, warning=f"{ev.warning.feature}: {ev.warning.message}")
-            log.warning("watchdog: %s: %s", ev.warning.feature, ev.warning.message)
+            feature, message = ev.warning.feature, ev.warning.message
+            self.warnings[feature or "watchdog"] = message
+            self.metrics.sandbox_warnings.labels(feature or "watchdog").set(1)
+            self.ops.emit(-1, warning=f"{feature}: {message}")
+            log.warning("watchdog: %s: %s", feature, message)
 
-    def _worker_info(self, w: supervisor_pb2.Worker) -> ops_pb2.WorkerInfo:
+    def _worker_info(self, w: watchdog_pb2.Worker) -> ops_pb2.WorkerInfo:
         info = ops_pb2.WorkerInfo(
             worker_id=w.worker_id, pid=w.pid, device_index=w.device_index, spare=w.spare
         )
@@ -569,12 +650,32 @@ class JobManager:
             info.spare = state.spare
         return info
 
-    def _on_worker_exited(self, exited: supervisor_pb2.WorkerExited) -> None:
+    def _on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
         w = exited.worker
+        worker = self.workers.by_id.get(w.worker_id)
+        if worker is not None and drain and worker.writer is not None:
+            # Read what it sent before it exited (its outcome) first; then this exit.
+            if worker.pending_exit is None:
+                worker.pending_exit = exited
+                worker.pending_exit_timer = asyncio.get_running_loop().call_later(
+                    DRAIN_FALLBACK_S, self._drain_fallback, worker
+                )
+            return
+        if worker is not None and worker.pending_exit_timer is not None:
+            worker.pending_exit_timer.cancel()
         info = self._worker_info(w)
         worker = self.workers.remove(w.worker_id)
-        self.counters["restarts"] += 1
-        self.metrics.worker_restarts.labels(str(w.device_index), exited.reason or "exit").inc()
+        retired = (
+            worker is not None
+            and worker.outcome_seen
+            and exited.signal <= 0
+            and exited.exit_code in (0, POISONED_EXIT)
+        )
+        if not retired:  # a job process leaving after its one job is no restart
+            self.counters["restarts"] += 1
+            self.metrics.worker_restarts.labels(
+                str(w.device_index), exited.reason or "exit"
+            ).inc()
         ex = ops_pb2.WorkerExitedEvent(
             worker=info,
             signal=max(exited.signal, 0),
@@ -602,7 +703,17 @@ class JobManager:
         self.on_health_change()
         self.dispatch()
 
-    def _on_xid(self, x: supervisor_pb2.XidObserved) -> None:
+    def _drain_fallback(self, worker: WorkerState) -> None:
+        exited = worker.pending_exit
+        if exited is not None and self.workers.by_id.get(worker.worker_id) is worker:
+            log.warning(
+                "job process %s exited but its channel stays open",
+                worker.worker_id,
+                extra={"worker_id": worker.worker_id},
+            )
+            self._on_worker_exited(exited, drain=False)
+
+    def _on_xid(self, x: watchdog_pb2.XidObserved) -> None:
         self.counters["xids"] += 1
         self.metrics.xids.labels(str(x.device_index), str(x.xid)).inc()
         record = ops_pb2.XidRecord(
@@ -626,7 +737,7 @@ class JobManager:
                 self._finish_outcome(run.job.job_id)
         log.warning("XID %d on device %d: %s", x.xid, x.device_index, x.message)
 
-    def _xid_suspects(self, x: supervisor_pb2.XidObserved) -> list[tuple[Running, bool]]:
+    def _xid_suspects(self, x: watchdog_pb2.XidObserved) -> list[tuple[Running, bool]]:
         """The jobs an XID belongs to, and whether that is sure.
 
         Sure: the kernel log named the job's worker process, or a worker on that device just
@@ -651,11 +762,11 @@ class JobManager:
         dev = self.devices.get(index)
         if dev is None:
             dev = self.devices[index] = DeviceState(
-                index, supervisor_pb2.DeviceStatus(device_index=index)
+                index, watchdog_pb2.DeviceStatus(device_index=index)
             )
         return dev
 
-    def _on_device(self, status: supervisor_pb2.DeviceStatus) -> None:
+    def _on_device(self, status: watchdog_pb2.DeviceStatus) -> None:
         dev = self.devices.get(status.device_index)
         old = dev.status.health if dev is not None else None
         if dev is None:
@@ -675,25 +786,26 @@ class JobManager:
 
     def watchdog_lost(self) -> None:
         """The watchdog died: its workers are gone with it (parent-death signal)."""
+        self.warm_devices.clear()
         for worker in list(self.workers.by_id.values()):
-            exited = supervisor_pb2.WorkerExited(
+            exited = watchdog_pb2.WorkerExited(
                 exit_code=-1, signal=9, reason="stopped", restarting=True
             )
             exited.worker.worker_id = worker.worker_id
             exited.worker.pid = worker.pid
             exited.worker.device_index = worker.device_index
-            self._on_worker_exited(exited)
+            self._on_worker_exited(exited, drain=False)
 
     # ---- helpers ----------------------------------------------------------------------
 
     def serving(self) -> bool:
-        """A device that takes jobs has a connected worker."""
+        """A device that takes jobs has had a warm job process since the watchdog started.
+
+        Job processes come and go with every job; between one's exit and the next one's
+        Hello, jobs queue: that is no reason to flip the health check."""
         if self.draining:
             return False
-        return any(
-            w.connected and self.device_takes_jobs(w.device_index)
-            for w in self.workers.by_id.values()
-        )
+        return any(self.device_takes_jobs(d) for d in self.warm_devices)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         async def run() -> None:

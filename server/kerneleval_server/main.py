@@ -1,9 +1,10 @@
 """`python -m kerneleval_server serve`: the front end process.
 
-Start-up: open the store, pick up unfinished jobs, open the worker socket, start the watchdog
-(restarted if it dies), then listen. SIGTERM/SIGINT: health flips to NOT_SERVING, new jobs are
-refused, running jobs get --shutdown-grace-s to finish, then workers stop; queued jobs stay in
-the store for the next start.
+Start-up: open the store, pick up unfinished jobs, start the watchdog (restarted if it dies),
+then listen. The watchdog starts a zygote per device in the sandbox and hands the front end
+one channel per job process (job_processes.py). SIGTERM/SIGINT: health flips to NOT_SERVING,
+new jobs are refused, running jobs get --shutdown-grace-s to finish, then job processes stop;
+queued jobs stay in the store for the next start.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import (
     kernel_eval_service_pb2,
     kernel_eval_service_pb2_grpc,
@@ -32,15 +33,14 @@ from kerneleval.v1 import (
 
 from . import config as config_mod
 from . import logs, validation
+from .api_errors import DecodeErrors
 from .config import Config
 from .events import EventHub, OpsLog
-from .jobs import JobManager
+from .jobs import POISONED_EXIT, JobManager
 from .metrics import Metrics, MetricsInterceptor
 from .ops import OperationsService
 from .service import KernelEvalService
 from .store import Store
-from .worker import POISONED_EXIT
-from .workers import WorkerChannel
 
 log = logging.getLogger("kerneleval.main")
 
@@ -66,82 +66,111 @@ def admin_token(cfg: Config, state: Path) -> str:
     return token
 
 
-def build_configure(cfg: Config, channel: WorkerChannel) -> supervisor_pb2.Configure:
-    src = Path(__file__).resolve().parents[1]  # server/
-    gen = src.parent / "clients" / "python" / "src"
+SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+# The sandbox's fresh root shows these anyway (watchdog/src/sandbox.*).
+SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+ZYGOTE_MODULE = "kerneleval_server.jobproc.zygote"
+
+
+def code_dirs() -> tuple[Path, Path]:
+    """server/ and the generated code's folder (clients/python/src)."""
+    src = Path(__file__).resolve().parents[1]
+    return src, src.parent / "clients" / "python" / "src"
+
+
+def job_path() -> str:
+    """PATH of the zygotes and job processes: the virtual environment's bin, CUDA's, the
+    system's; nothing of the service's own PATH."""
+    entries = [os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin")]
+    cuda_home = os.environ.get("CUDA_HOME", "")
+    for cuda in (os.path.join(cuda_home, "bin") if cuda_home else "", "/usr/local/cuda/bin"):
+        if cuda and os.path.isdir(cuda):
+            entries.append(cuda)
+    entries += SYSTEM_PATH
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def job_env(cfg: Config) -> dict[str, str]:
+    """Environment of the zygotes and job processes (the watchdog adds the per-device part)."""
+    src, gen = code_dirs()
     env = {
-        "KERNELEVAL_FRONTEND_SOCKET": channel.socket_path,
+        "PATH": job_path(),
         "PYTHONPATH": os.pathsep.join(
-            p for p in (str(src), str(gen), os.environ.get("PYTHONPATH", "")) if p
+            p
+            for p in (str(src), str(gen), *os.environ.get("PYTHONPATH", "").split(os.pathsep))
+            if p
         ),
         "PYTHONUNBUFFERED": "1",
     }
     if cfg.engine:
         env["KERNELEVAL_ENGINE"] = cfg.engine
-    # Workers check against the same limits (validation.Limits.from_env).
+    # Job processes check against the same limits (validation.Limits.from_env).
     env.update({k: v for k, v in os.environ.items() if k.startswith("KERNELEVAL_LIMIT_")})
+    return env
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
+    """Host paths the sandbox shows read-only at the same path: the Python installation, the
+    virtual environment, the service's code, CUDA outside /usr, and --sandbox-path. Real paths,
+    existing ones, none inside another or inside what the fresh root shows anyway."""
+    src, gen = code_dirs()
+    wanted = [
+        sys.prefix,
+        sys.base_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
+        str(src),
+        str(gen),
+    ]
+    cuda_home = os.environ.get("CUDA_HOME", "")
+    if cuda_home:
+        wanted.append(cuda_home)
+    wanted += cfg.sandbox_paths()
+    real = [os.path.realpath(p) for p in wanted if os.path.isabs(p) and os.path.exists(p)]
+    real = [p for p in dict.fromkeys(real) if not any(_under(p, r) for r in SYSTEM_ROOTS)]
+    return [p for p in real if not any(o != p and _under(p, o) for o in real)]
+
+
+def build_configure(cfg: Config, state_dir: Path) -> watchdog_pb2.Configure:
+    env = job_env(cfg)
     nvml = {
-        "auto": supervisor_pb2.NVML_SOURCE_UNSPECIFIED,
-        "real": supervisor_pb2.NVML_SOURCE_REAL,
-        "fake": supervisor_pb2.NVML_SOURCE_FAKE,
-        "none": supervisor_pb2.NVML_SOURCE_NONE,
+        "auto": watchdog_pb2.NVML_SOURCE_UNSPECIFIED,
+        "real": watchdog_pb2.NVML_SOURCE_REAL,
+        "fake": watchdog_pb2.NVML_SOURCE_FAKE,
+        "none": watchdog_pb2.NVML_SOURCE_NONE,
     }[cfg.nvml]
-    workers_dir = channel.runtime_dir / "workers"
-    workers_dir.mkdir(exist_ok=True)
-    os.chmod(workers_dir, 0o711)
-    return supervisor_pb2.Configure(
-        worker_command=[sys.executable, "-m", "kerneleval_server.worker"],
+    mib = 1024 * 1024
+    return watchdog_pb2.Configure(
+        worker_command=[sys.executable, "-m", ZYGOTE_MODULE],
         worker_env=env,
         workers_per_device=cfg.workers_per_device,
         warm_spare=cfg.warm_spare,
         spare_count=cfg.spare_count,
         device_indices=cfg.device_list(),
-        state_dir=str(workers_dir),
+        state_dir=str(state_dir),
         reset_command=cfg.reset_command,
         auto_reset=cfg.auto_reset,
         nvml_source=nvml,
         fake_nvml_path=cfg.fake_nvml_path,
         kmsg_path=cfg.kmsg_path,
-        sandbox=supervisor_pb2.SandboxConfig(
-            isolate_network=cfg.isolate_network, user=cfg.worker_user
+        sandbox=watchdog_pb2.SandboxConfig(
+            isolate_network=cfg.isolate_network,
+            user=cfg.job_user,
+            read_only_paths=read_only_paths(cfg, env),
+            memory_bytes=cfg.job_memory_mib * mib,
+            tmp_bytes=cfg.job_tmp_mib * mib,
+            max_pids=cfg.job_max_pids,
         ),
         health_interval_seconds=cfg.health_interval_s,
         max_restarts=cfg.max_restarts,
         restart_window_seconds=cfg.restart_window_s,
-        # A worker leaving after its CUDA context was poisoned is the kernel's doing.
+        # A job process leaving after its CUDA context was poisoned is the kernel's doing.
         retire_exit_codes=[POISONED_EXIT],
     )
-
-
-def unreadable_for_others(paths: list[str]) -> list[str]:
-    """Paths that a worker run as another user (nobody) could not read: a folder on the way
-    without o+x, or the folder itself without o+rx."""
-    bad = []
-    for raw in paths:
-        path = Path(raw).resolve()
-        if not path.exists():
-            continue
-        chain = [*reversed(path.parents), path]
-        for i, part in enumerate(chain):
-            mode = part.stat().st_mode
-            need = 0o005 if i == len(chain) - 1 else 0o001
-            if mode & need != need:
-                bad.append(f"{path} (blocked at {part})")
-                break
-    return bad
-
-
-def warn_if_workers_cannot_read(cfg: Config, configure: supervisor_pb2.Configure) -> None:
-    if os.geteuid() != 0 or cfg.worker_user == "root":
-        return
-    paths = [p for p in configure.worker_env["PYTHONPATH"].split(os.pathsep) if p]
-    for bad in unreadable_for_others(paths):
-        log.warning(
-            "workers run as %r but cannot read %s: make it world-readable, or pass "
-            "--worker-user root",
-            cfg.worker_user or "nobody",
-            bad,
-        )
 
 
 class StateInUse(Exception):
@@ -180,7 +209,9 @@ class Server:
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.manager.on_health_change = self._update_health
-        self.channel = WorkerChannel(self.manager.workers, self.manager)
+        # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
+        self.watchdog_dir = self.state / "watchdog"
+        self.watchdog_dir.mkdir(mode=0o700, exist_ok=True)
         self.stopping = asyncio.Event()
         self._supervise_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
@@ -204,14 +235,12 @@ class Server:
 
         binary = self.cfg.watchdog_binary()
         failures = 0
-        warned = False
         while not self.stopping.is_set():
-            configure = build_configure(self.cfg, self.channel)
-            if not warned:
-                warn_if_workers_cannot_read(self.cfg, configure)
-                warned = True
+            configure = build_configure(self.cfg, self.watchdog_dir)
             try:
-                wd = await Watchdog.start(binary, configure, self.manager.on_supervisor_event)
+                wd = await Watchdog.start(
+                    binary, configure, self.manager.on_watchdog_event, self.manager.on_job_channel
+                )
             except Exception as exc:  # noqa: BLE001 - keep trying; health says NOT_SERVING
                 log.error("cannot start the watchdog %s: %s", binary, exc)
                 wd = None
@@ -219,7 +248,7 @@ class Server:
                 self.manager.watchdog = wd
                 try:
                     status = await wd.status()
-                    self.manager.on_supervisor_event(supervisor_pb2.SupervisorEvent(status=status))
+                    self.manager.on_watchdog_event(watchdog_pb2.WatchdogEvent(status=status))
                 except Exception as exc:  # noqa: BLE001 - readings come with events too
                     log.warning("watchdog status: %s", exc)
                 started = time.monotonic()
@@ -260,7 +289,8 @@ class Server:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        return grpc.aio.server(interceptors=[MetricsInterceptor(self.metrics)], options=options)
+        interceptors = [MetricsInterceptor(self.metrics), DecodeErrors()]
+        return grpc.aio.server(interceptors=interceptors, options=options)
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -269,7 +299,7 @@ class Server:
         kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
             KernelEvalService(self.manager, self.limits), server
         )
-        ops = OperationsService(self.manager, token, self.channel.runtime_dir / "workers")
+        ops = OperationsService(self.manager, token, self.watchdog_dir / "workers")
         operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (
@@ -287,11 +317,9 @@ class Server:
             self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         except (RuntimeError, OSError) as exc:  # port taken, bad address, unreadable TLS files
             log.error("cannot listen: %s", exc)
-            await self.channel.close()
             self.store.close()
             return 2
         self.manager.recover()
-        await self.channel.start()
         await server.start()
         if cfg.port_file:
             Path(cfg.port_file).write_text(f"{port}\n")
@@ -348,7 +376,7 @@ class Server:
         if self._supervise_task is not None:
             self._supervise_task.cancel()
         await server.stop(grace=2)
-        await self.channel.close()
+        await self.manager.channels.close()
         self.store.close()
         log.info("stopped")
 

@@ -58,7 +58,21 @@ class Metrics:
             registry=r,
         )
         self.worker_restarts = Counter(
-            "kerneleval_worker_restarts_total", "Worker exits.", ["device", "reason"], registry=r
+            "kerneleval_worker_restarts_total",
+            "Job process exits other than a clean one after its job.",
+            ["device", "reason"],
+            registry=r,
+        )
+        self.protocol_violations = Counter(
+            "kerneleval_protocol_violations_total",
+            "Job processes killed for breaking the job channel's protocol.",
+            registry=r,
+        )
+        self.sandbox_warnings = Gauge(
+            "kerneleval_sandbox_warning",
+            "1 for each sandbox feature the host refused (and other watchdog warnings).",
+            ["feature"],
+            registry=r,
         )
         self.xids = Counter("kerneleval_xids_total", "XIDs seen.", ["device", "xid"], registry=r)
         self.gpu_resets = Counter(

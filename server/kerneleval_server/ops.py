@@ -16,9 +16,12 @@ from kerneleval.v1 import operations_service_pb2 as pb
 
 from .jobs import JobManager
 
+ALL_DEVICES = -2  # RestartWorkers without a device (watchdog.ALL_DEVICES)
+
 log = logging.getLogger("kerneleval.ops")
 
 DEFAULT_RESET_GRACE_S = 30.0
+MAX_RESET_GRACE_S = 3600.0
 STALE_FOLDER_S = 600.0
 
 
@@ -113,9 +116,15 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
         await self._auth(context)
         known = self.m.device_indices()
-        if request.device_index < 0 or (known and request.device_index not in known):
+        if request.device_index < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
+                f"device_index: {request.device_index} is not a GPU (GPU indices are >= 0; "
+                f"devices: {known})",
+            )
+        if request.device_index not in known:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
                 f"device_index: no GPU {request.device_index} here (devices: {known})",
             )
         if self.m.watchdog is None:
@@ -127,6 +136,11 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             if request.HasField("grace_period")
             else (DEFAULT_RESET_GRACE_S)
         )
+        if not 0 <= grace_s <= MAX_RESET_GRACE_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"grace_period: {grace_s:g} s is outside [0, {MAX_RESET_GRACE_S:g}] s",
+            )
         log.warning("GPU reset requested", extra={"device_index": request.device_index})
         try:
             ok, reports = await self.m.watchdog.reset_gpu(request.device_index, int(grace_s * 1000))
@@ -144,16 +158,26 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         self, request: pb.RestartWorkersRequest, context: Any
     ) -> pb.RestartWorkersResponse:
         await self._auth(context)
-        device = request.device_index if request.HasField("device_index") else -2
+        device = request.device_index if request.HasField("device_index") else ALL_DEVICES
+        known = self.m.device_indices()
+        if request.HasField("device_index") and device not in known:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"device_index: no device {device} here (devices: {known})",
+            )
         if self.m.watchdog is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the watchdog is not running")
         assert self.m.watchdog is not None
         count = sum(
             1
             for w in self.m.workers.by_id.values()
-            if not w.gone and (device == -2 or w.device_index == device)
+            if not w.gone and (device == ALL_DEVICES or w.device_index == device)
         )
-        await self.m.watchdog.restart_workers(device)
+        try:
+            await self.m.watchdog.restart_workers(device)
+        except Exception as exc:  # noqa: BLE001 - the watchdog refused: tell the operator why
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"restart refused: {exc}")
+            raise
         return pb.RestartWorkersResponse(restarted_count=count)
 
     def cleanup(self, older_than_s: float) -> tuple[int, int]:

@@ -22,6 +22,11 @@ log = logging.getLogger("kerneleval.service")
 DEFAULT_PAGE = 50
 _BROKEN = pb.RunBatchResponse()  # sentinel: the request stream failed
 MAX_PAGE = 1000
+# google.rpc.BadRequest rides in the trailers, which clients cap (grpc: 8 KiB by default):
+# at most this many violations, each description cut to this many characters, go there (the
+# message and RunBatch's SubmissionError are not capped by count).
+MAX_DETAIL_VIOLATIONS = 16
+MAX_DETAIL_CHARS = 300
 
 
 class Refused(Exception):
@@ -36,14 +41,19 @@ class Refused(Exception):
         self.violations = violations
 
     def status(self) -> grpc.Status:
+        shown = self.violations[:MAX_DETAIL_VIOLATIONS]
         detail = error_details_pb2.BadRequest(
             field_violations=[
                 error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field, description=v.description
+                    field=_cut(v.field), description=_cut(v.description)
                 )
-                for v in self.violations
+                for v in shown
             ]
         )
+        if len(self.violations) > len(shown):
+            detail.field_violations.add(
+                field="...", description=f"{len(self.violations) - len(shown)} more violations"
+            )
         st = status_pb2.Status(code=self.code.value[0], message=self.message)
         if self.violations:
             st.details.add().Pack(detail)
@@ -57,6 +67,10 @@ class Refused(Exception):
                 pb.FieldViolation(field=v.field, description=v.description) for v in self.violations
             ],
         )
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 3] + "..."
 
 
 def invalid(field: str, description: str) -> Refused:
@@ -166,6 +180,9 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     ) -> job_pb2.Job:
         if not job_id:
             await abort(context, invalid("job_id", "required"))
+        too_long = validation.check_string("job_id", job_id, self.limits.max_job_id_bytes)
+        if too_long is not None:
+            await abort(context, invalid(too_long.field, too_long.description))
         job = self.m.store.get(job_id, include_spec=include_spec)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
@@ -175,6 +192,12 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     async def Watch(
         self, request: pb.WatchRequest, context: Any
     ) -> AsyncIterator[pb.WatchResponse]:
+        if request.after_sequence > validation.INT64_MAX:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"after_sequence: {request.after_sequence} is past the largest sequence a job "
+                f"can have ({validation.INT64_MAX})",
+            )
         await self._job_or_abort(request.job_id, context, include_spec=False)
         async for event in self.m.hub.watch(request.job_id, request.after_sequence):
             yield pb.WatchResponse(event=event)
@@ -188,11 +211,21 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         before = None
         if request.page_token:
+            too_long = validation.check_string(
+                "page_token", request.page_token, self.limits.max_page_token_bytes
+            )
+            if too_long is not None:
+                await abort(context, invalid("page_token", "not a token from ListJobs"))
             before = _decode_token(request.page_token)
             if before is None:
                 await abort(context, invalid("page_token", "not a token from ListJobs"))
         if request.state and request.state not in job_pb2.JobState.values():
             await abort(context, invalid("state", f"unknown JobState {request.state}"))
+        too_long = validation.check_string(
+            "client_tag", request.client_tag, self.limits.max_client_tag_bytes
+        )
+        if too_long is not None:
+            await abort(context, invalid(too_long.field, too_long.description))
         rows = self.m.store.list(
             limit=size + 1,
             before_rowid=before,
@@ -227,6 +260,11 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         async def read() -> None:
             async for req in request_iterator:
                 try:
+                    too_long = validation.check_string(
+                        "request_tag", req.request_tag, self.limits.max_request_tag_bytes
+                    )
+                    if too_long is not None:
+                        raise invalid(too_long.field, too_long.description)
                     job = self._submit(req.spec)
                 except Refused as err:
                     await out.put(
@@ -244,6 +282,9 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         async def close_when_done() -> None:
             try:
                 await read()
+            except grpc.aio.AbortError:
+                await out.put(_BROKEN)  # the call ended with its status (an undecodable request)
+                return
             except Exception as exc:  # noqa: BLE001 - a broken request stream ends the batch
                 log.info("RunBatch request stream ended: %s", exc)
                 await out.put(_BROKEN)
@@ -279,8 +320,16 @@ def _encode_token(rowid: int) -> str:
 
 
 def _decode_token(token: str) -> int | None:
+    """The rowid in a token from _encode_token, or None (also for any number SQLite cannot
+    hold: a rowid is 1 to 2**63 - 1)."""
     try:
         text = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        return int(text[1:]) if text.startswith("r") else None
+        digits = text[1:]
+        if not text.startswith("r") or not digits.isascii() or not digits.isdigit():
+            return None
+        if len(digits) > 19:
+            return None
+        rowid = int(digits)
     except (ValueError, UnicodeDecodeError):
         return None
+    return rowid if 0 < rowid <= validation.INT64_MAX else None

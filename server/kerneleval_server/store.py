@@ -37,6 +37,10 @@ CREATE TABLE IF NOT EXISTS events (
 ) WITHOUT ROWID;
 """
 
+# SQLite's INTEGER is int64: a larger Python int raises OverflowError. Numbers that come from
+# a client (a sequence, a page's rowid) are clamped to it here as a last line of defence.
+_INT64_MAX = 2**63 - 1
+
 TERMINAL = (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_CANCELLED, job_pb2.JOB_STATE_FAILED)
 
 
@@ -109,7 +113,7 @@ class Store:
     def events_after(self, job_id: str, after: int) -> list[job_pb2.JobEvent]:
         rows = self._db.execute(
             "SELECT event FROM events WHERE job_id = ? AND sequence > ? ORDER BY sequence",
-            (job_id, after),
+            (job_id, _clamp(after)),
         ).fetchall()
         return [job_pb2.JobEvent.FromString(r[0]) for r in rows]
 
@@ -133,10 +137,10 @@ class Store:
         args: list[object] = []
         if before_rowid is not None:
             where.append("rowid < ?")
-            args.append(before_rowid)
+            args.append(_clamp(before_rowid))
         if state:
             where.append("state = ?")
-            args.append(state)
+            args.append(_clamp(state))
         if client_tag:
             where.append("client_tag = ?")
             args.append(client_tag)
@@ -144,7 +148,7 @@ class Store:
         rows = self._db.execute(
             f"SELECT rowid, job, {spec_col} FROM jobs WHERE {' AND '.join(where)}"
             " ORDER BY rowid DESC LIMIT ?",
-            (*args, limit),
+            (*args, _clamp(limit)),
         ).fetchall()
         return [(int(r[0]), _job_from_row(r[1], r[2])) for r in rows]
 
@@ -191,6 +195,10 @@ class _Transaction:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _clamp(value: int) -> int:
+    return max(-_INT64_MAX - 1, min(_INT64_MAX, int(value)))
 
 
 def _job_from_row(job_blob: bytes, spec_blob: bytes | None) -> job_pb2.Job:

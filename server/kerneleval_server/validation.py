@@ -2,6 +2,9 @@
 the engine (which re-checks before it runs anything).
 
 Every violation names the exact field path, e.g. "spec.kernel.io.args[0].tensor.shape[1]".
+
+Also the API's other limits: the free strings a client sends (tags, ids, page tokens) and the
+log output stored per job, so that the front end, the store and the engine agree on them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ _ROLES = {
     kernel_pb2.ARG_ROLE_OUTPUT,
     kernel_pb2.ARG_ROLE_INOUT,
 }
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# What one stored log event counts against Limits.max_log_bytes besides its text.
+LOG_EVENT_OVERHEAD = 64
+INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,18 @@ class Limits:
     max_timeout_seconds: float = 600.0
     min_timeout_seconds: float = 1.0
     max_launch_dim: int = 2**31 - 1
-    max_entry_point_length: int = 256
+    max_entry_point_length: int = 256  # characters of KernelSource.entry_point
+    max_arg_name_length: int = 256  # characters of ArgSpec.name
+    # The serialized JobSpec. A job process receives it in one job-channel frame (at most
+    # framing.MAX_FRAME, 16 MiB) wrapped in an AssignJob: 4 MiB is left for the wrapper.
+    max_spec_bytes: int = 12 << 20
+    max_client_tag_bytes: int = 256  # JobSpec.client_tag and ListJobsRequest.client_tag
+    max_request_tag_bytes: int = 256  # RunBatchRequest.request_tag (echoed on every event)
+    max_job_id_bytes: int = 128  # job ids in GetJob, Watch, CancelJob (the service's are 32)
+    max_page_token_bytes: int = 128  # ListJobsRequest.page_token
+    # Log text stored per job (JobLog events); each log event also counts LOG_EVENT_OVERHEAD
+    # bytes, so that a flood of empty lines is bounded too. Past it: one note, then nothing.
+    max_log_bytes: int = 1 << 20
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Limits:
@@ -66,25 +84,73 @@ class FieldViolation:
     description: str
 
 
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_string(
+    field: str, value: str, limit: int, out: list[FieldViolation] | None = None
+) -> FieldViolation | None:
+    """A violation when `value` is longer than `limit` bytes in UTF-8 (also appended to out)."""
+    size = utf8_size(value)
+    if size <= limit:
+        return None
+    v = FieldViolation(field, f"{size} bytes, the limit is {limit} bytes")
+    if out is not None:
+        out.append(v)
+    return v
+
+
 def validate_spec(
     spec: kernel_pb2.JobSpec, limits: Limits = Limits(), *, require_reference: bool = False
 ) -> list[FieldViolation]:
     """Every problem with `spec`, or an empty list. Never raises."""
     out: list[FieldViolation] = []
+    check_string("spec.client_tag", spec.client_tag, limits.max_client_tag_bytes, out)
+    literals: list[tuple[int, str]] = []  # (bytes, field) of every literal tensor
     if not spec.HasField("kernel"):
         out.append(FieldViolation("spec.kernel", "required"))
     else:
-        _check_kernel("spec.kernel", spec.kernel, limits, out)
+        _check_kernel("spec.kernel", spec.kernel, limits, out, literals)
     if spec.HasField("reference"):
-        _check_kernel("spec.reference", spec.reference, limits, out)
+        _check_kernel("spec.reference", spec.reference, limits, out, literals)
     elif require_reference:
         out.append(FieldViolation("spec.reference", "required by Compare"))
     _check_options("spec.options", spec.options, limits, out)
+    _check_spec_size(spec, limits, out, literals)
     return out
 
 
+def _check_spec_size(
+    spec: kernel_pb2.JobSpec,
+    limits: Limits,
+    out: list[FieldViolation],
+    literals: list[tuple[int, str]],
+) -> None:
+    """The whole spec must fit in one job-channel frame; a literal tensor that alone is over
+    the limit was named by _check_tensor already."""
+    if any(size > limits.max_spec_bytes for size, _ in literals):
+        return
+    total = spec.ByteSize()
+    if total <= limits.max_spec_bytes:
+        return
+    biggest = sorted(literals, reverse=True)[:3]
+    where = ", ".join(f"{name} has {size} bytes" for size, name in biggest)
+    out.append(
+        FieldViolation(
+            "spec",
+            f"the serialized JobSpec is {total} bytes, the limit is {limits.max_spec_bytes} "
+            f"bytes (sources and literal tensor data together)" + (f"; {where}" if where else ""),
+        )
+    )
+
+
 def _check_kernel(
-    path: str, k: kernel_pb2.KernelSource, limits: Limits, out: list[FieldViolation]
+    path: str,
+    k: kernel_pb2.KernelSource,
+    limits: Limits,
+    out: list[FieldViolation],
+    literals: list[tuple[int, str]],
 ) -> None:
     if k.type not in _KERNEL_TYPES:
         what = "required" if k.type == 0 else f"unknown kernel type {k.type}"
@@ -99,9 +165,14 @@ def _check_kernel(
                 f"{size} bytes is over the limit of {limits.max_source_bytes} bytes",
             )
         )
-    if k.entry_point and (
-        len(k.entry_point) > limits.max_entry_point_length or not _IDENTIFIER.match(k.entry_point)
-    ):
+    if len(k.entry_point) > limits.max_entry_point_length:
+        out.append(
+            FieldViolation(
+                f"{path}.entry_point",
+                f"{len(k.entry_point)} characters, the limit is {limits.max_entry_point_length}",
+            )
+        )
+    elif k.entry_point and not _IDENTIFIER.fullmatch(k.entry_point):
         out.append(
             FieldViolation(f"{path}.entry_point", f"{k.entry_point!r} is not a valid identifier")
         )
@@ -125,11 +196,15 @@ def _check_kernel(
         launch_needed = k.type == kernel_pb2.KERNEL_TYPE_CUDA or "ModelNew" not in k.source_code
         if launch_needed and not k.io.launch.HasField("grid"):
             out.append(FieldViolation(f"{path}.io.launch.grid", "required to launch the kernel"))
-    _check_io(f"{path}.io", k.io, limits, out)
+    _check_io(f"{path}.io", k.io, limits, out, literals)
 
 
 def _check_io(
-    path: str, io: kernel_pb2.IOContract, limits: Limits, out: list[FieldViolation]
+    path: str,
+    io: kernel_pb2.IOContract,
+    limits: Limits,
+    out: list[FieldViolation],
+    literals: list[tuple[int, str]],
 ) -> None:
     if len(io.args) > limits.max_args:
         out.append(
@@ -139,8 +214,15 @@ def _check_io(
     total_bytes = 0
     for i, arg in enumerate(io.args):
         ap = f"{path}.args[{i}]"
-        if arg.name:
-            if not _IDENTIFIER.match(arg.name):
+        if len(arg.name) > limits.max_arg_name_length:
+            out.append(
+                FieldViolation(
+                    f"{ap}.name",
+                    f"{len(arg.name)} characters, the limit is {limits.max_arg_name_length}",
+                )
+            )
+        elif arg.name:
+            if not _IDENTIFIER.fullmatch(arg.name):
                 out.append(FieldViolation(f"{ap}.name", f"{arg.name!r} is not a valid identifier"))
             elif arg.name in names:
                 out.append(FieldViolation(f"{ap}.name", f"duplicate argument name {arg.name!r}"))
@@ -154,7 +236,7 @@ def _check_io(
         if which == "tensor":
             if arg.meta:
                 out.append(FieldViolation(f"{ap}.meta", "only scalar arguments can be meta"))
-            total_bytes += _check_tensor(f"{ap}.tensor", arg.tensor, limits, out)
+            total_bytes += _check_tensor(f"{ap}.tensor", arg.tensor, limits, out, literals)
         else:
             if arg.role in (kernel_pb2.ARG_ROLE_OUTPUT, kernel_pb2.ARG_ROLE_INOUT):
                 out.append(FieldViolation(f"{ap}.role", "a scalar can only be an input"))
@@ -190,10 +272,26 @@ def _check_io(
 
 
 def _check_tensor(
-    path: str, t: kernel_pb2.TensorSpec, limits: Limits, out: list[FieldViolation]
+    path: str,
+    t: kernel_pb2.TensorSpec,
+    limits: Limits,
+    out: list[FieldViolation],
+    literals: list[tuple[int, str]],
 ) -> int:
     """Checks one tensor; returns its size in bytes (0 when the size is unknown)."""
     itemsize = ITEMSIZE.get(t.dtype)
+    oversized = False
+    if t.WhichOneof("source") == "data":
+        literals.append((len(t.data), f"{path}.data"))
+        if len(t.data) > limits.max_spec_bytes:
+            out.append(
+                FieldViolation(
+                    f"{path}.data",
+                    f"{len(t.data)} bytes, the limit is {limits.max_spec_bytes} bytes for the "
+                    "whole JobSpec (use `init` to generate large inputs on the device)",
+                )
+            )
+            oversized = True  # its length is not checked against the shape too
     if itemsize is None:
         what = "required" if t.dtype == 0 else f"unknown dtype {t.dtype}"
         out.append(FieldViolation(f"{path}.dtype", what))
@@ -219,7 +317,7 @@ def _check_tensor(
         )
         return 0
     which = t.WhichOneof("source")
-    if which == "data" and itemsize is not None:
+    if which == "data" and itemsize is not None and not oversized:
         want = elements * itemsize
         if len(t.data) != want:
             out.append(

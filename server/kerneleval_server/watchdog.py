@@ -1,26 +1,36 @@
 """Asyncio client of the watchdog's control channel (see docs/INTERNALS.md).
 
-The front end starts the C++ watchdog (supervisor/) as its child with one end of a socketpair
+The front end starts the C++ watchdog (watchdog/) as its child with one end of a socketpair
 as ``--control-fd``, sends ``Configure`` first, then commands; every command gets one ``Ack``
-with its ``command_id``. Frames are a 4-byte big-endian length, then the message (<= 16 MiB).
+with its ``command_id``. Frames are framing.py's: a 4-byte big-endian length, then the message.
+
+A ``WorkerStarted`` frame with ``channel_attached`` carries one descriptor as SCM_RIGHTS on its
+first bytes: the front end's end of that job process's channel. The socket is read with
+``recvmsg`` so that those descriptors are not lost; they wait in a FIFO until the frame that
+declares them is decoded, and are handed to the channel handler (`on_channel`) with it, just
+before the event handler sees the event. A descriptor nobody takes is closed.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
 import os
 import socket
-import struct
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.internal.v1 import watchdog_pb2
 
-MAX_FRAME = 16 * 1024 * 1024
+from .framing import MAX_FRAME, FrameError, encode, read_frame
+
 ALL_DEVICES = -2
-_HEADER = struct.Struct(">I")
+RECV_BYTES = 256 * 1024
+MAX_FDS_PER_MESSAGE = 16  # one a frame today; room for more
 log = logging.getLogger(__name__)
 
 
@@ -28,20 +38,58 @@ class WatchdogError(RuntimeError):
     """The watchdog refused a command (Ack.ok false) or the channel is closed."""
 
 
+class AttachedFd:
+    """A descriptor that came with an event; `take()` it to own it, else it is closed."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def take(self) -> int:
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            raise ValueError("the descriptor was taken already")
+        return fd
+
+    @property
+    def taken(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+EventHandler = Callable[[watchdog_pb2.WatchdogEvent], None]
+ChannelHandler = Callable[[watchdog_pb2.WatchdogEvent, AttachedFd], None]
+
+
+class ProcessLike(Protocol):
+    @property
+    def pid(self) -> int: ...
+    async def wait(self) -> int: ...
+    def kill(self) -> None: ...
+
+
 def find_watchdog_binary() -> str:
-    """$KERNELEVAL_WATCHDOG, else <repo>/build/supervisor/kerneleval-watchdog."""
+    """$KERNELEVAL_WATCHDOG, else <repo>/build/watchdog/kerneleval-watchdog."""
     env = os.environ.get("KERNELEVAL_WATCHDOG")
     if env:
         return env
     repo = Path(__file__).resolve().parents[2]
-    return str(repo / "build" / "supervisor" / "kerneleval-watchdog")  # `make supervisor`
+    return str(repo / "build" / "watchdog" / "kerneleval-watchdog")  # `make watchdog`
 
 
-def encode_frame(message: supervisor_pb2.SupervisorCommand) -> bytes:
-    payload = message.SerializeToString()
-    if len(payload) > MAX_FRAME:
-        raise ValueError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
-    return _HEADER.pack(len(payload)) + payload
+def encode_frame(message: watchdog_pb2.WatchdogCommand) -> bytes:
+    """framing.encode of a command (FrameError over MAX_FRAME)."""
+    return encode(message.SerializeToString())
+
+
+def declared_fds(event: watchdog_pb2.WatchdogEvent) -> int:
+    """How many descriptors ride on this event's frame."""
+    if event.WhichOneof("kind") == "worker_started" and event.worker_started.channel_attached:
+        return 1
+    return 0
 
 
 class _Call:
@@ -49,38 +97,51 @@ class _Call:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.done: asyncio.Future[supervisor_pb2.SupervisorEvent] = (
+        self.done: asyncio.Future[watchdog_pb2.WatchdogEvent] = (
             asyncio.get_running_loop().create_future()
         )
-        self.steps: list[supervisor_pb2.ResetStepReport] = []
+        self.steps: list[watchdog_pb2.ResetStepReport] = []
         self.acked = False
 
 
 class Watchdog:
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        on_event: Callable[[supervisor_pb2.SupervisorEvent], None],
+        proc: ProcessLike,
+        sock: socket.socket,
+        on_event: EventHandler,
+        on_channel: ChannelHandler | None = None,
     ) -> None:
+        """Takes `sock` (our end of the control channel; made non-blocking here)."""
         self._proc = proc
-        self._reader = reader
-        self._writer = writer
+        self._sock = sock
+        sock.setblocking(False)
         self._on_event = on_event
+        self._on_channel = on_channel
         self._calls: dict[int, _Call] = {}
         self._next_id = 1
         self._closed: str | None = None
-        self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+        self._fds: deque[int] = deque()  # received, not yet claimed by a decoded frame
+        self._reader = asyncio.StreamReader(limit=MAX_FRAME + 8)
+        self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._on_readable)
+        self._reading = True
+        self._read_task = loop.create_task(self._read_loop())
+        self._write_task = loop.create_task(self._write_loop())
 
     @classmethod
     async def start(
         cls,
         binary: str,
-        configure: supervisor_pb2.Configure,
-        on_event: Callable[[supervisor_pb2.SupervisorEvent], None],
+        configure: watchdog_pb2.Configure,
+        on_event: EventHandler,
+        on_channel: ChannelHandler | None = None,
     ) -> Watchdog:
-        """Spawns the watchdog and configures it; raises WatchdogError if it refuses."""
+        """Spawns the watchdog and configures it; raises WatchdogError if it refuses.
+
+        `on_event(event)` sees every event; `on_channel(event, fd)` gets, just before, the
+        descriptor that came with a WorkerStarted (take() it to keep it)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -91,10 +152,9 @@ class Watchdog:
             raise
         finally:
             theirs.close()
-        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_FRAME + 8)
-        wd = cls(proc, reader, writer, on_event)
+        wd = cls(proc, ours, on_event, on_channel)
         try:
-            await wd._call(supervisor_pb2.SupervisorCommand(configure=configure), "configure")
+            await wd._call(watchdog_pb2.WatchdogCommand(configure=configure), "configure")
         except BaseException:
             await wd.close()  # the watchdog exits when its channel closes
             with contextlib.suppress(Exception):
@@ -111,57 +171,57 @@ class Watchdog:
         return self._closed is not None
 
     async def kill_worker(self, worker_id: str, reason: str) -> None:
-        cmd = supervisor_pb2.SupervisorCommand(
-            kill_worker=supervisor_pb2.KillWorker(worker_id=worker_id, reason=reason)
+        cmd = watchdog_pb2.WatchdogCommand(
+            kill_worker=watchdog_pb2.KillWorker(worker_id=worker_id, reason=reason)
         )
         await self._call(cmd, "ack")
 
     async def set_job(self, worker_id: str, job_id: str) -> None:
-        cmd = supervisor_pb2.SupervisorCommand(
-            set_job=supervisor_pb2.SetJob(worker_id=worker_id, job_id=job_id)
+        cmd = watchdog_pb2.WatchdogCommand(
+            set_job=watchdog_pb2.SetJob(worker_id=worker_id, job_id=job_id)
         )
         await self._call(cmd, "ack")
 
     async def restart_workers(self, device_index: int = ALL_DEVICES) -> None:
-        cmd = supervisor_pb2.SupervisorCommand(
-            restart_workers=supervisor_pb2.RestartWorkers(device_index=device_index)
+        cmd = watchdog_pb2.WatchdogCommand(
+            restart_workers=watchdog_pb2.RestartWorkers(device_index=device_index)
         )
         await self._call(cmd, "ack")
 
     async def start_workers(self, device_index: int = ALL_DEVICES) -> None:
-        cmd = supervisor_pb2.SupervisorCommand(
-            start_workers=supervisor_pb2.StartWorkers(device_index=device_index)
+        cmd = watchdog_pb2.WatchdogCommand(
+            start_workers=watchdog_pb2.StartWorkers(device_index=device_index)
         )
         await self._call(cmd, "ack")
 
     async def stop_workers(self, device_index: int = ALL_DEVICES, grace_ms: int = 0) -> None:
-        cmd = supervisor_pb2.SupervisorCommand(
-            stop_workers=supervisor_pb2.StopWorkers(device_index=device_index, grace_ms=grace_ms)
+        cmd = watchdog_pb2.WatchdogCommand(
+            stop_workers=watchdog_pb2.StopWorkers(device_index=device_index, grace_ms=grace_ms)
         )
         await self._call(cmd, "ack")
 
     async def reset_gpu(
         self, device_index: int, grace_ms: int
-    ) -> tuple[bool, list[supervisor_pb2.ResetStepReport]]:
+    ) -> tuple[bool, list[watchdog_pb2.ResetStepReport]]:
         """Runs the reset procedure; returns (success, the steps) when it has finished."""
-        cmd = supervisor_pb2.SupervisorCommand(
-            reset_gpu=supervisor_pb2.ResetGpu(device_index=device_index, grace_ms=grace_ms)
+        cmd = watchdog_pb2.WatchdogCommand(
+            reset_gpu=watchdog_pb2.ResetGpu(device_index=device_index, grace_ms=grace_ms)
         )
         call = self._send(cmd, "reset")
         event = await call.done
         return event.reset_finished.success, call.steps
 
-    async def status(self) -> supervisor_pb2.StatusReport:
+    async def status(self) -> watchdog_pb2.StatusReport:
         event = await self._call(
-            supervisor_pb2.SupervisorCommand(get_status=supervisor_pb2.GetStatus()), "status"
+            watchdog_pb2.WatchdogCommand(get_status=watchdog_pb2.GetStatus()), "status"
         )
         return event.status
 
     async def shutdown(self, grace_ms: int = 2000) -> None:
         """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
-            cmd = supervisor_pb2.SupervisorCommand(
-                shutdown=supervisor_pb2.Shutdown(grace_ms=grace_ms)
+            cmd = watchdog_pb2.WatchdogCommand(
+                shutdown=watchdog_pb2.Shutdown(grace_ms=grace_ms)
             )
             with contextlib.suppress(WatchdogError):
                 await self._call(cmd, "ack")
@@ -177,57 +237,146 @@ class Watchdog:
 
     async def close(self) -> None:
         """Closes the channel (the watchdog then kills every worker and exits)."""
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await self._writer.wait_closed()
+        self._stop_reading()
+        self._out.put_nowait(None)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(self._write_task, 2)
+        self._write_task.cancel()
+        self._reader.feed_eof()
         with contextlib.suppress(asyncio.CancelledError):
             await self._read_task
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._close_fds()
 
     # -- internals
 
-    def _send(self, cmd: supervisor_pb2.SupervisorCommand, kind: str) -> _Call:
+    def _send(self, cmd: watchdog_pb2.WatchdogCommand, kind: str) -> _Call:
         if self._closed is not None:
             raise WatchdogError(f"watchdog channel closed: {self._closed}")
         cmd.command_id = self._next_id
         self._next_id += 1
+        frame = encode(cmd.SerializeToString())
         call = _Call(kind)
         self._calls[cmd.command_id] = call
-        self._writer.write(encode_frame(cmd))
+        self._out.put_nowait(frame)
         return call
 
     async def _call(
-        self, cmd: supervisor_pb2.SupervisorCommand, kind: str
-    ) -> supervisor_pb2.SupervisorEvent:
-        call = self._send(cmd, kind)
-        await self._writer.drain()
-        return await call.done
+        self, cmd: watchdog_pb2.WatchdogCommand, kind: str
+    ) -> watchdog_pb2.WatchdogEvent:
+        return await self._send(cmd, kind).done
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            frame = await self._out.get()
+            if frame is None:
+                return
+            try:
+                await loop.sock_sendall(self._sock, frame)
+            except OSError as exc:
+                log.warning("watchdog channel: cannot write: %s", exc)
+                self._fail_calls(f"cannot write to the watchdog: {exc}")
+                return
+
+    def _on_readable(self) -> None:
+        """Bytes and descriptors in; descriptors queue up in arrival order."""
+        try:
+            data, ancdata, flags, _ = self._sock.recvmsg(
+                RECV_BYTES,
+                socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * 4),
+                getattr(socket, "MSG_CMSG_CLOEXEC", 0),
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("watchdog channel: %s", exc)
+            data, ancdata, flags = b"", [], 0
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            log.error("watchdog channel: descriptors were cut off (MSG_CTRUNC)")
+        if data:
+            self._reader.feed_data(data)
+        else:
+            self._stop_reading()
+            self._reader.feed_eof()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+
+    def _close_fds(self) -> None:
+        while self._fds:
+            with contextlib.suppress(OSError):
+                os.close(self._fds.popleft())
 
     async def _read_loop(self) -> None:
         reason = "watchdog closed the channel"
         try:
             while True:
-                header = await self._reader.readexactly(4)
-                (size,) = _HEADER.unpack(header)
-                if size > MAX_FRAME:
-                    reason = f"oversized frame ({size} bytes) from the watchdog"
-                    break
-                event = supervisor_pb2.SupervisorEvent()
-                event.ParseFromString(await self._reader.readexactly(size))
                 try:
+                    frame = await read_frame(self._reader)
+                except FrameError as exc:
+                    reason = f"bad frame from the watchdog: {exc}"
+                    break
+                if frame is None:
+                    break
+                event = watchdog_pb2.WatchdogEvent()
+                event.ParseFromString(frame)
+                attached = self._claim_fds(event)
+                try:
+                    if attached is not None and self._on_channel is not None:
+                        self._on_channel(event, attached)
                     self._on_event(event)
                 except Exception:  # a bug in a handler must not cut the channel
                     log.exception("watchdog event handler failed on %s", event.WhichOneof("kind"))
+                finally:
+                    if attached is not None:
+                        attached.close()  # nobody took it
                 self._dispatch(event)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
+        except (ConnectionError, OSError) as exc:
+            reason = f"watchdog channel: {exc}"
+        except Exception as exc:  # noqa: BLE001 - an undecodable frame ends the channel
+            reason = f"watchdog channel: {exc!r}"
         finally:
             self._closed = reason
-            for call in self._calls.values():
-                if not call.done.done():
-                    call.done.set_exception(WatchdogError(reason))
-            self._calls.clear()
+            self._stop_reading()
+            self._fail_calls(reason)
+            self._close_fds()
 
-    def _dispatch(self, event: supervisor_pb2.SupervisorEvent) -> None:
+    def _claim_fds(self, event: watchdog_pb2.WatchdogEvent) -> AttachedFd | None:
+        want = declared_fds(event)
+        if not want:
+            return None
+        if len(self._fds) < want:
+            log.error(
+                "watchdog channel: %s declares %d descriptor(s), %d received",
+                event.WhichOneof("kind"),
+                want,
+                len(self._fds),
+            )
+            return None
+        fds = [self._fds.popleft() for _ in range(want)]
+        for extra in fds[1:]:
+            os.close(extra)
+        return AttachedFd(fds[0])
+
+    def _fail_calls(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+        for call in self._calls.values():
+            if not call.done.done():
+                call.done.set_exception(WatchdogError(reason))
+        self._calls.clear()
+
+    def _dispatch(self, event: watchdog_pb2.WatchdogEvent) -> None:
         call = self._calls.get(event.command_id) if event.command_id else None
         if call is None:
             return

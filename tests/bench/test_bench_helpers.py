@@ -73,12 +73,13 @@ def test_every_soak_spec_passes_validation(soak_gpu: fault_soak.Soak) -> None:
 
 
 def test_bench_specs_pass_validation() -> None:
-    for spec in bench_throughput.candidates(6, 4096, cuda=True):
-        assert validate_spec(spec) == []
+    for kind in ("io", "modelnew"):
+        for spec in bench_throughput.candidates(6, 4096, cuda=True, kind=kind):
+            assert validate_spec(spec) == [], kind
     for spec in (K.triton_oob_spec(), K.cuda_bad_spec(K.CUDA_OOB, "t")):
         assert validate_spec(spec) == []
     # Distinct candidates are distinct sources (no compile cache hit between them).
-    a, b = bench_throughput.candidates(2, 4096, cuda=False, offset=8)
+    a, b = bench_throughput.candidates(2, 4096, cuda=False, kind="io", offset=8)
     assert a.kernel.source_code != b.kernel.source_code
 
 
@@ -204,7 +205,7 @@ def test_cuda_sources_compile(soak_gpu: fault_soak.Soak, tmp_path: Path) -> None
     from kerneleval_server.engine import EngineConfig, NullReporter, run_job
 
     specs = [(k, soak_gpu.spec(k, 1)) for k in ("good_cuda", "cuda_oob", "cuda_misaligned", "hang")]
-    specs.append(("candidate", bench_throughput.candidates(2, 4096, cuda=True)[1]))
+    specs.append(("candidate", bench_throughput.candidates(2, 4096, cuda=True, kind="io")[1]))
     for name, spec in specs:
         result = run_job(spec, NullReporter(), EngineConfig(work_dir=tmp_path / name)).result
         assert result.compiled, (name, result.compilation_error)

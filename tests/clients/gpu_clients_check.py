@@ -142,7 +142,7 @@ def start_service(state: Path, cpu_smoke: bool) -> tuple[subprocess.Popen, str, 
         "--state-dir",
         str(state / "state"),
         "--watchdog",
-        str(REPO / "build" / "supervisor" / "kerneleval-watchdog"),
+        str(REPO / "build" / "watchdog" / "kerneleval-watchdog"),
         "--reset-command",
         f"{recorder} {{index}}",
     ]

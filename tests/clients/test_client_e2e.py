@@ -227,7 +227,7 @@ def test_cli_devices_and_jobs(svc):
 
 def test_kerneleval_serve_starts_a_working_server(tmp_path):
     """`kerneleval serve` (what `make serve` runs) starts the real service."""
-    watchdog = Path(__file__).resolve().parents[2] / "build" / "supervisor" / "kerneleval-watchdog"
+    watchdog = Path(__file__).resolve().parents[2] / "build" / "watchdog" / "kerneleval-watchdog"
     if not watchdog.exists():
         pytest.skip("the watchdog is not built")
     port_file = tmp_path / "port"

@@ -132,3 +132,58 @@ def test_limits_from_environment() -> None:
     limits = Limits.from_env({"KERNELEVAL_LIMIT_MAX_SOURCE_BYTES": "2048", "OTHER": "1"})
     assert limits.max_source_bytes == 2048 and limits.max_args == Limits().max_args
     assert Limits.from_env({"KERNELEVAL_LIMIT_MAX_TIMEOUT_SECONDS": "30"}).max_timeout_seconds == 30
+
+
+def test_spec_must_fit_a_job_channel_frame() -> None:
+    from kerneleval_server.framing import MAX_FRAME
+
+    limits = Limits()
+    assert limits.max_spec_bytes == 12 << 20 and limits.max_spec_bytes <= MAX_FRAME - (1 << 20)
+    u8 = dtype_pb2.DTYPE_UINT8
+    # One literal over the limit is named (and not also reported as a shape mismatch).
+    big = job(
+        source(TORCH, ADD_MODEL, [tensor("x", [20 << 20], dtype=u8, data=b"\0" * (20 << 20))])
+    )
+    f = fields(big)
+    assert f == {
+        "spec.kernel.io.args[0].tensor.data": f"{20 << 20} bytes, the limit is {12 << 20} bytes "
+        "for the whole JobSpec (use `init` to generate large inputs on the device)"
+    }
+    # Literals under it one by one, over it together (kernel and reference): "spec", naming
+    # the biggest.
+    small = Limits(max_spec_bytes=10_000)
+    k = source(TORCH, ADD_MODEL, [tensor("x", [6000], dtype=u8, data=b"\0" * 6000)])
+    r = source(TORCH, ADD_MODEL, [tensor("y", [5000], dtype=u8, data=b"\0" * 5000)])
+    f = fields(job(k, r), limits=small)
+    assert "the serialized JobSpec is" in f["spec"] and "the limit is 10000 bytes" in f["spec"]
+    assert "spec.kernel.io.args[0].tensor.data has 6000 bytes" in f["spec"]
+    assert "spec.reference.io.args[0].tensor.data has 5000 bytes" in f["spec"]
+    assert fields(job(k), limits=small) == {}
+    # Sources count too.
+    f = fields(job(source(TORCH, ADD_MODEL + "#" * 20_000)), limits=small)
+    assert "the serialized JobSpec is" in f["spec"]
+
+
+def test_free_string_limits() -> None:
+    spec = job(source(TORCH, ADD_MODEL))
+    spec.client_tag = "é" * 200  # 400 bytes in UTF-8
+    assert fields(spec) == {"spec.client_tag": "400 bytes, the limit is 256 bytes"}
+    spec.client_tag = "t" * 256
+    assert fields(spec) == {}
+    f = fields(job(source(TORCH, ADD_MODEL, entry="E" * 257)))
+    assert f["spec.kernel.entry_point"] == "257 characters, the limit is 256"
+    assert fields(job(source(TORCH, ADD_MODEL, entry="E" * 256))) == {}
+    f = fields(job(source(TORCH, ADD_MODEL, [tensor("n" * 300, [2])])))
+    assert f["spec.kernel.io.args[0].name"] == "300 characters, the limit is 256"
+    # A trailing newline is not part of an identifier (re's `$` would have let it through).
+    f = fields(job(source(TORCH, ADD_MODEL, [tensor("x\n", [2])], entry="Model\n")))
+    assert "not a valid identifier" in f["spec.kernel.io.args[0].name"]
+    assert "not a valid identifier" in f["spec.kernel.entry_point"]
+
+
+def test_api_limits_from_environment() -> None:
+    limits = Limits.from_env(
+        {"KERNELEVAL_LIMIT_MAX_SPEC_BYTES": "1000", "KERNELEVAL_LIMIT_MAX_LOG_BYTES": "4096"}
+    )
+    assert limits.max_spec_bytes == 1000 and limits.max_log_bytes == 4096
+    assert Limits().max_log_bytes == 1 << 20 and Limits().max_client_tag_bytes == 256

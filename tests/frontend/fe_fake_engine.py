@@ -1,25 +1,26 @@
 """An engine with kerneleval_server.engine's interface that acts out GPU behaviours on the CPU.
 
+It runs inside the sealed job process: it sees none of the test's files, and nothing it starts
+outlives its job. What it has to tell the test goes back in the result's notes.
+
 The kernel source is a JSON command:
-  {"do": "illegal_address", "nvml": <fake NVML file>, "xid_delay": s}
+  {"do": "illegal_address"}
       reports VERDICT_DEVICE_FAULT with a poisoned context, as the real engine does after
-      cudaErrorIllegalAddress, and appends "xid <device> 31 pid=<pid>" to the fake NVML file
-      after xid_delay seconds, as the driver would (NVML reports it ~2 s late).
+      cudaErrorIllegalAddress (the test writes the XID into the fake NVML file, as the driver
+      would, ~2 s late).
   {"do": "segfault"}
-      the worker process dies with SIGSEGV, as a kernel's wild host-side write does.
-  {"do": "time", "log": <file>, "seconds": s}
+      the job process dies with SIGSEGV, as a kernel's wild host-side write does.
+  {"do": "time", "seconds": s}
       compiles and validates for s seconds, then asks for the timing grant and "times" for s
-      seconds; appends "<phase> <start> <end> <pid>" lines to log.
+      seconds; the result's notes hold "<phase> <start> <end>" for prepare and profile.
 Used with `serve --engine fe_fake_engine` (tests/frontend on PYTHONPATH).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +45,8 @@ def configure_process_environment() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _record(path: str, phase: str, start: float, end: float) -> None:
-    with open(path, "a") as f:
-        f.write(f"{phase} {start} {end} {os.getpid()}\n")
+def _record(result: job_pb2.EvalResult, phase: str, start: float, end: float) -> None:
+    result.notes.append(f"{phase} {start} {end}")
 
 
 def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
@@ -55,18 +55,10 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
     reporter.phase(job_pb2.PHASE_COMPILING)
     if cmd["do"] == "segfault":
         reporter.phase(job_pb2.PHASE_VALIDATING)
-        os.kill(os.getpid(), signal.SIGSEGV)
+        # A real fault: PID 1 of the job's PID namespace ignores a plain kill(SIGSEGV).
+        ctypes.string_at(0)
     if cmd["do"] == "illegal_address":
         reporter.phase(job_pb2.PHASE_VALIDATING)
-        device = os.environ.get("KERNELEVAL_DEVICE_INDEX", "0")
-        line = f"xid {device} 31 pid={os.getpid()}"
-        # A detached writer: this process exits right after the result is sent.
-        subprocess.Popen(
-            [sys.executable, "-c",
-             f"import time; time.sleep({cmd['xid_delay']}); "
-             f"open({cmd['nvml']!r}, 'a').write({line!r} + '\\n')"],
-            start_new_session=True,
-        )  # fmt: skip
         result.verdict = job_pb2.VERDICT_DEVICE_FAULT
         result.error.message = "CUDA error: an illegal memory access was encountered"
         result.error.cuda_error_name = "cudaErrorIllegalAddress"
@@ -76,11 +68,11 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
     start = time.time()
     time.sleep(seconds)
     reporter.phase(job_pb2.PHASE_VALIDATING)
-    _record(cmd["log"], "prepare", start, time.time())
+    _record(result, "prepare", start, time.time())
     reporter.phase(job_pb2.PHASE_PROFILING)
     start = time.time()
     time.sleep(seconds)
-    _record(cmd["log"], "profile", start, time.time())
+    _record(result, "profile", start, time.time())
     result.verdict = job_pb2.VERDICT_OK
     result.correctness = True
     return Outcome(result)

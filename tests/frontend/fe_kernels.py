@@ -28,7 +28,8 @@ HANG = GOOD.replace(
 
 SEGFAULT = GOOD.replace(
     "        return x * 2.0 + 1.0",
-    "        import os, signal\n        os.kill(os.getpid(), signal.SIGSEGV)\n        return x",
+    # a real fault: the job process is PID 1 of its namespace, which ignores kill(SIGSEGV)
+    "        import ctypes\n        ctypes.string_at(0)\n        return x",
 )
 
 # A Triton store far past its buffer: under TRITON_INTERPRET=1 the interpreter writes through

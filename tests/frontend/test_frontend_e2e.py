@@ -113,6 +113,28 @@ def test_evaluate_and_get(stub) -> None:  # type: ignore[no-untyped-def]
     assert got.result == job.result and got.spec.kernel.source_code == k.GOOD
 
 
+def test_every_job_gets_a_fresh_job_process(stub) -> None:  # type: ignore[no-untyped-def]
+    first, second = evaluate(stub, k.spec()), evaluate(stub, k.spec())
+    assert first.result.verdict == second.result.verdict == job_pb2.VERDICT_OK
+    assert first.worker_id != second.worker_id
+
+
+def test_garbage_on_the_job_channel_ends_the_job(stub) -> None:  # type: ignore[no-untyped-def]
+    # The job process's channel is its descriptor 3: a candidate that writes a frame header
+    # of 4 GiB there breaks the protocol; the process is killed, the job ends with a verdict.
+    source = k.GOOD.replace(
+        "        return x * 2.0 + 1.0",
+        "        import os\n        os.write(3, b'\\xff\\xff\\xff\\xff')\n"
+        "        import time\n        time.sleep(60)\n        return x",
+    )
+    job = evaluate(stub, k.spec(source, timeout_s=30))
+    assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
+    assert job.result.error.exception_type == "ProtocolViolation"
+    assert "4294967295" in job.result.error.message
+    assert job.attempt_count == 1
+    assert evaluate(stub, k.spec()).result.verdict == job_pb2.VERDICT_OK
+
+
 def test_device_index_is_honoured(stub) -> None:  # type: ignore[no-untyped-def]
     spec = k.spec()
     spec.options.device_index = 0
@@ -398,8 +420,16 @@ def test_list_devices_and_stats(svc: ServiceProcess, stub, opstub) -> None:  # t
     assert gpu.name == "FakeGPU-H200" and gpu.uuid == "GPU-fake-0000"
     assert gpu.memory_total_bytes == 150000000000
     assert gpu.health == ops.DEVICE_HEALTH_HEALTHY
-    assert len([w for w in gpu.workers if not w.spare]) == 1
-    assert sum(w.completed_job_count for w in gpu.workers) >= 1
+    # One job-taking process and two warm spares; the one that ran the job has exited (a
+    # spare took its place), so none lists a completed job.
+    deadline = time.monotonic() + 30
+    while True:
+        workers = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices[0]
+        shape = (len([w for w in workers.workers if not w.spare]), len(workers.workers))
+        if shape == (1, 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert shape == (1, 3), workers
     stats = opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth())
     assert stats.jobs_by_state["JOB_STATE_DONE"] >= 1
     assert stats.jobs_by_verdict["VERDICT_OK"] >= 1

@@ -1,5 +1,5 @@
 """GPU behaviours on the CPU: a fake engine acts out an illegal address (poisoned context,
-XID from the fake NVML) and timed phases on a fake GPU with two workers."""
+XID from the fake NVML) and timed phases on a fake GPU with two job-taking processes."""
 
 from __future__ import annotations
 
@@ -54,20 +54,26 @@ def test_illegal_address_carries_the_xid_and_does_not_hold_up_the_next_job(
     svc: ServiceProcess,
 ) -> None:
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
-    spec = command_spec({"do": "illegal_address", "nvml": str(svc.fake_nvml), "xid_delay": 1.0})  # type: ignore[attr-defined]
-    fut_fault = ThreadPoolExecutor(1).submit(
-        lambda: stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=60).job
-    )
-    time.sleep(0.3)
-    log = svc.root / "timing.log"  # type: ignore[attr-defined]
+    spec = command_spec({"do": "illegal_address"})
+    fault = stub.Submit(pb.SubmitRequest(spec=spec)).job
+    deadline = time.monotonic() + 30
+    while stub.GetJob(pb.GetJobRequest(job_id=fault.job_id)).job.state != job_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     start = time.monotonic()
     nxt = stub.Evaluate(
-        pb.EvaluateRequest(spec=command_spec({"do": "time", "log": str(log), "seconds": 0.05})),
-        timeout=60,
+        pb.EvaluateRequest(spec=command_spec({"do": "time", "seconds": 0.05})), timeout=60
     ).job
     assert nxt.result.verdict == job_pb2.VERDICT_OK
     assert time.monotonic() - start < 3  # not held up by the wait for the XID
-    job = fut_fault.result()
+    # The driver's XID, late as NVML's are (the fault job waits up to --xid-wait-s for it).
+    with open(svc.fake_nvml, "a") as f:  # type: ignore[attr-defined]
+        f.write("xid 0 31\n")
+    deadline = time.monotonic() + 30
+    job = stub.GetJob(pb.GetJobRequest(job_id=fault.job_id)).job
+    while job.state != job_pb2.JOB_STATE_DONE and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = stub.GetJob(pb.GetJobRequest(job_id=fault.job_id)).job
     assert job.result.verdict == job_pb2.VERDICT_DEVICE_FAULT
     assert job.result.error.cuda_error_code == 700
     assert job.result.fault.xid == 31, job.result.fault
@@ -82,8 +88,7 @@ def test_illegal_address_carries_the_xid_and_does_not_hold_up_the_next_job(
 def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
     svc.wait_serving()
-    log = svc.root / "gate.log"  # type: ignore[attr-defined]
-    spec = command_spec({"do": "time", "log": str(log), "seconds": 0.6})
+    spec = command_spec({"do": "time", "seconds": 0.6})
     with ThreadPoolExecutor(4) as pool:
         jobs = list(
             pool.map(
@@ -91,15 +96,16 @@ def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
             )
         )
     assert all(j.result.verdict == job_pb2.VERDICT_OK for j in jobs)
-    rows = [line.split() for line in log.read_text().splitlines()]
-    profile = sorted((float(a), float(b)) for p, a, b, _ in rows if p == "profile")
-    prepare = sorted((float(a), float(b)) for p, a, b, _ in rows if p == "prepare")
+    rows = [note.split() for j in jobs for note in j.result.notes if note.startswith("pr")]
+    profile = sorted((float(a), float(b)) for p, a, b in rows if p == "profile")
+    prepare = sorted((float(a), float(b)) for p, a, b in rows if p == "prepare")
     assert len(profile) == 4
     for (_, end), (start, _) in zip(profile, profile[1:], strict=False):
         assert start >= end - 0.01, profile  # never two timings at once on one device
-    # ... while the other worker kept compiling/validating: some preparation overlapped a timing.
+    # ... while the other job process kept compiling/validating: some preparation overlapped
+    # a timing.
     assert any(ps < pe and qs < ps + 0.6 and qe > ps for ps, pe in profile for qs, qe in prepare)
-    assert len({pid for *_, pid in rows}) == 2
+    assert len({j.worker_id for j in jobs}) == 4  # one job process a job
 
 
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
@@ -112,8 +118,7 @@ def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProc
             pb.EvaluateRequest(spec=command_spec({"do": "segfault"})), timeout=90
         ).job
         assert job.result.verdict == job_pb2.VERDICT_CRASHED, job.result
-    log = svc.root / "after.log"  # type: ignore[attr-defined]
-    spec = command_spec({"do": "time", "log": str(log), "seconds": 0.01})
+    spec = command_spec({"do": "time", "seconds": 0.01})
     job = stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=90).job
     assert job.result.verdict == job_pb2.VERDICT_OK
     opstub = ops_grpc.OperationsServiceStub(svc.channel())

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from kerneleval.internal.v1 import supervisor_pb2
+from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2
 from kerneleval_server import config as config_mod
 from kerneleval_server import faults
@@ -155,8 +155,8 @@ def test_ops_log_replay_and_live() -> None:
     assert asyncio.run(scenario()) == [4, 5, 6]
 
 
-def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> supervisor_pb2.WorkerExited:
-    ex = supervisor_pb2.WorkerExited(exit_code=code if not sig else -1, signal=sig, reason=reason)
+def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> watchdog_pb2.WorkerExited:
+    ex = watchdog_pb2.WorkerExited(exit_code=code if not sig else -1, signal=sig, reason=reason)
     ex.worker.worker_id, ex.worker.pid, ex.restarting = "d0-w1", 1234, True
     return ex
 
@@ -184,7 +184,7 @@ def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> supervisor_
     ],
 )
 def test_classify_exit(
-    exited: supervisor_pb2.WorkerExited, pending: str, xid: faults.XidSeen | None, verdict: int
+    exited: watchdog_pb2.WorkerExited, pending: str, xid: faults.XidSeen | None, verdict: int
 ) -> None:
     d = faults.classify_exit(
         exited, pending=pending, xid=xid, phase=job_pb2.PHASE_VALIDATING, timeout_s=5
@@ -225,49 +225,47 @@ def test_config_problems_are_reported() -> None:
         assert flag in text
 
 
-def test_unreadable_for_others() -> None:
-    import shutil
-    import tempfile
-
-    from kerneleval_server.main import unreadable_for_others
-
-    tmp_path = Path(tempfile.mkdtemp())  # pytest's tmp_path sits under a 0700 folder
-    tmp_path.chmod(0o755)
-    open_dir = tmp_path / "open"
-    open_dir.mkdir(mode=0o755)
-    closed = tmp_path / "closed"
-    closed.mkdir(mode=0o700)
-    (closed / "inner").mkdir(mode=0o755)
-    bad = unreadable_for_others([str(open_dir), str(closed / "inner"), str(tmp_path / "nope")])
-    shutil.rmtree(tmp_path)
-    assert len(bad) == 1 and "inner" in bad[0] and str(closed) in bad[0]
+def test_job_sandbox_flags() -> None:
+    parser = argparse.ArgumentParser()
+    config_mod.add_arguments(parser)
+    ns = parser.parse_args(
+        ["--worker-user", "alice", "--sandbox-path", "/a,/b", "--sandbox-path", "/c"]
+    )
+    cfg = config_mod.from_args(ns, {})
+    assert cfg.job_user == "alice"  # --worker-user is the old spelling of --job-user
+    assert cfg.sandbox_paths() == ["/a", "/b", "/c"]
+    cfg = config_mod.from_args(parser.parse_args([]), {"KERNELEVAL_WORKER_USER": "bob"})
+    assert cfg.job_user == "bob" and cfg.spare_count == 2 and cfg.job_memory_mib == 8192
+    bad = config_mod.Config(job_user="root", sandbox_path="rel", job_max_pids=0).problems()
+    text = " ".join(bad)
+    assert "--job-user" in text and "--sandbox-path" in text and "--job-max-pids" in text
 
 
 def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
-    from kerneleval.internal.v1 import worker_pb2
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.job_processes import WorkerState
     from kerneleval_server.jobs import JobManager, Running
     from kerneleval_server.metrics import Metrics
-    from kerneleval_server.workers import WorkerState
 
     store = Store(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
 
     def run(job_id: str, worker_id: str, pid: int) -> Running:
-        w = WorkerState(worker_id, pid, 0, "t", False, 0)
+        w = WorkerState(worker_id, pid, 0, False, 0)
         r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
         m.running[job_id] = r
         return r
 
     bad, nxt = run("bad", "d0-w0", 100), run("next", "d0-w1", 101)
-    bad.outcome = worker_pb2.JobOutcome(job_id="bad", context_poisoned=True)
+    bad.outcome = job_channel_pb2.JobOutcome(job_id="bad", context_poisoned=True)
     # NVML is late: the watchdog names the worker now running on the GPU (no pid known).
-    guess = supervisor_pb2.XidObserved(device_index=0, xid=31, worker_ids=["d0-w1"])
+    guess = watchdog_pb2.XidObserved(device_index=0, xid=31, worker_ids=["d0-w1"])
     assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(guess)] == [("bad", True)]
-    by_pid = supervisor_pb2.XidObserved(device_index=0, xid=31, pid=101)
+    by_pid = watchdog_pb2.XidObserved(device_index=0, xid=31, pid=101)
     assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(by_pid)] == [("next", True)]
     del m.running["bad"]
     assert [(r.job.job_id, s) for r, s in m._xid_suspects(guess)] == [("next", False)]
-    other = supervisor_pb2.XidObserved(device_index=1, xid=31)
+    other = watchdog_pb2.XidObserved(device_index=1, xid=31)
     assert m._xid_suspects(other) == []
     assert nxt.xid is None
 

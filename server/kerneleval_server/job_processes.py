@@ -1,0 +1,234 @@
+"""The front end's side of the job processes: their table and their channels.
+
+A job process (the watchdog's "worker") is forked warm by its device's zygote, takes exactly
+one job and exits. The watchdog announces it with WorkerStarted and hands over the front end's
+end of its channel (a socketpair; the process holds the other end as descriptor 3), so there is
+no socket anyone could connect to and no token to steal. The process speaks first: a Hello when
+it is warm. Then it is ready; it gets one AssignJob, sends phases, progress and logs for that
+job and one JobOutcome, and exits. It never gets a second job.
+
+Whatever else it sends breaks the protocol: a frame over framing.MAX_FRAME, bytes that are not
+a JobProcessMessage, anything before its Hello or a second Hello, a frame naming a job it was
+not given, anything after its outcome. The channel stops reading and tells the handler
+(on_protocol_violation), which has the process killed and ends its job with a verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Protocol
+
+from google.protobuf.message import DecodeError
+from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
+from kerneleval.v1 import kernel_pb2
+
+from .framing import FrameError, encode, read_frame
+
+log = logging.getLogger("kerneleval.job_processes")
+
+
+@dataclass
+class WorkerState:
+    """One job process, from WorkerStarted to WorkerExited."""
+
+    worker_id: str
+    pid: int
+    device_index: int
+    spare: bool
+    start_time_ms: int
+    writer: asyncio.StreamWriter | None = None
+    job_id: str = ""  # the job it runs now ("" before it has one and after its outcome)
+    assigned_job_id: str = ""  # the one job it was ever given
+    completed: int = 0
+    gone: bool = False  # finished its job, killed, disconnected or exited: takes no job
+    hello: job_channel_pb2.Hello | None = None
+    outcome_seen: bool = False
+    has_channel: bool = False  # its channel's descriptor arrived and is being read
+    # Its WorkerExited, held until its channel is read to the end (the outcome it sent just
+    # before exiting may still be in there): the control channel and the job channel race.
+    pending_exit: watchdog_pb2.WorkerExited | None = None
+    pending_exit_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def connected(self) -> bool:
+        """Warm (said hello), channel open, not on its way out."""
+        return self.hello is not None and self.writer is not None and not self.gone
+
+    @property
+    def ready(self) -> bool:
+        """Takes a job now: warm, not a spare, never given one."""
+        return self.connected and not self.spare and not self.job_id and not self.assigned_job_id
+
+    def send(self, msg: job_channel_pb2.FrontendMessage) -> bool:
+        """Queues a frame; False when the channel is closed. FrameError when it is too big."""
+        frame = encode(msg.SerializeToString())
+        if self.writer is None or self.writer.is_closing():
+            return False
+        self.writer.write(frame)
+        return True
+
+    def assign(self, job_id: str, spec: kernel_pb2.JobSpec, attempt: int) -> bool:
+        """Sends the process its one job. FrameError (nothing sent, nothing changed) when
+        the job does not fit in a frame; False when the channel is closed."""
+        if self.assigned_job_id:
+            raise RuntimeError(f"job process {self.worker_id} already ran {self.assigned_job_id}")
+        msg = job_channel_pb2.FrontendMessage(
+            assign=job_channel_pb2.AssignJob(job_id=job_id, spec=spec, attempt=attempt)
+        )
+        frame = encode(msg.SerializeToString())
+        self.assigned_job_id = self.job_id = job_id
+        if self.writer is None or self.writer.is_closing():
+            return False
+        self.writer.write(frame)
+        return True
+
+
+class JobProcessHandler(Protocol):
+    def on_worker_ready(self, worker: WorkerState) -> None: ...
+    def on_worker_message(
+        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
+    ) -> None: ...
+    def on_worker_disconnected(self, worker: WorkerState) -> None: ...
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+
+
+class WorkerTable:
+    """Job processes the watchdog announced and that have not exited, by id."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, WorkerState] = {}
+
+    def announce(self, w: watchdog_pb2.Worker) -> WorkerState:
+        state = self.by_id.get(w.worker_id)
+        if state is None:
+            state = WorkerState(
+                worker_id=w.worker_id,
+                pid=w.pid,
+                device_index=w.device_index,
+                spare=w.spare,
+                start_time_ms=w.start_time_ms,
+            )
+            self.by_id[w.worker_id] = state
+        else:
+            state.pid, state.spare = w.pid, w.spare
+        return state
+
+    def remove(self, worker_id: str) -> WorkerState | None:
+        return self.by_id.pop(worker_id, None)
+
+    def on_device(self, device_index: int) -> list[WorkerState]:
+        return [w for w in self.by_id.values() if w.device_index == device_index]
+
+
+def _short(text: str, limit: int = 64) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> str:
+    """What is wrong with this frame from this process; "" when nothing is."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return "a frame with no message in it"
+    if worker.outcome_seen:
+        return f"a {kind} frame after its job's outcome"
+    if kind == "hello":
+        return "a second Hello" if worker.hello is not None else ""
+    if worker.hello is None:
+        return f"a {kind} frame before its Hello"
+    job_id = getattr(msg, kind).job_id
+    if not worker.assigned_job_id:
+        return f"a {kind} frame for job {_short(job_id)} before it was given a job"
+    if job_id != worker.assigned_job_id:
+        return (
+            f"a {kind} frame for job {_short(job_id)}; it was given job "
+            f"{worker.assigned_job_id}"
+        )
+    return ""
+
+
+class JobChannels:
+    """The channels of the live job processes, one reading task each."""
+
+    def __init__(self, handler: JobProcessHandler) -> None:
+        self._handler = handler
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def attach(self, worker: WorkerState, fd: int) -> None:
+        """Owns `fd` (the front end's end of the process's socketpair) from now on."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            raise
+        worker.has_channel = True
+        task = asyncio.get_running_loop().create_task(self._serve(worker, sock))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _serve(self, worker: WorkerState, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            log.warning("job process channel: %s", exc, extra={"worker_id": worker.worker_id})
+            worker.gone = True
+            self._handler.on_worker_disconnected(worker)
+            return
+        worker.writer = writer
+        violation = ""
+        try:
+            violation = await self._read(worker, reader)
+        except (ConnectionError, OSError) as exc:
+            log.info("job process channel: %s", exc, extra={"worker_id": worker.worker_id})
+        finally:
+            worker.writer = None
+            writer.close()
+            if violation:
+                log.warning(
+                    "job process broke the protocol: %s",
+                    violation,
+                    extra={"worker_id": worker.worker_id},
+                )
+                worker.gone = True
+                self._handler.on_protocol_violation(worker, f"the job process sent {violation}")
+            self._handler.on_worker_disconnected(worker)
+
+    async def _read(self, worker: WorkerState, reader: asyncio.StreamReader) -> str:
+        """Reads until the end of the channel; returns what broke the protocol, if anything."""
+        while True:
+            try:
+                frame = await read_frame(reader)
+            except FrameError as exc:
+                text = str(exc)
+                if reader.at_eof() and " over " not in text:
+                    return ""  # it died in the middle of a frame: its exit says why
+                return f"a bad frame ({text})"
+            if frame is None:
+                return ""
+            try:
+                msg = job_channel_pb2.JobProcessMessage.FromString(frame)
+            except DecodeError:
+                return f"{len(frame)} bytes that are not a JobProcessMessage"
+            what = check_frame(worker, msg)
+            if what:
+                return what
+            kind = msg.WhichOneof("kind")
+            if kind == "hello":
+                worker.hello = msg.hello
+                self._handler.on_worker_ready(worker)
+                continue
+            if kind == "outcome":
+                worker.outcome_seen = True
+            self._handler.on_worker_message(worker, msg)

@@ -1,0 +1,25 @@
+"""Job processes: the zygote that forks them warm and the runtime that runs one job in each.
+
+    python -m kerneleval_server.jobproc.zygote      # the watchdog's per-device fork server
+    kerneleval_server.jobproc.runtime:main(fd)      # a job process's main (KERNELEVAL_JOB_MAIN)
+    kerneleval_server.jobproc.sandbox               # the per-job sandbox steps (ctypes)
+
+See docs/INTERNALS.md ("Job processes") for the sequence and the trust boundary.
+"""
+
+from __future__ import annotations
+
+# Exit codes of a job process.
+OK_EXIT = 0  # one job done, or the front end went away before one came
+POISONED_EXIT = 3  # the job left the CUDA context poisoned (the watchdog's retire_exit_codes)
+CONFIG_EXIT = 78  # the zygote refused its ZygoteConfig (EX_CONFIG)
+SETUP_FAILED_EXIT = 71  # a sandbox step or the warm-up failed before the job main ran (EX_OSERR)
+
+# The variables that name the engine and the job process's main.
+ENGINE_ENV = "KERNELEVAL_ENGINE"
+DEFAULT_ENGINE = "kerneleval_server.engine"
+JOB_MAIN_ENV = "KERNELEVAL_JOB_MAIN"
+DEFAULT_JOB_MAIN = "kerneleval_server.jobproc.runtime:main"
+WORKER_ID_ENV = "KERNELEVAL_WORKER_ID"
+
+MAX_LOG_LINE_BYTES = 64 * 1024

@@ -1,0 +1,356 @@
+"""The job process's runtime: one job through the engine, over the channel on descriptor 3.
+
+`main(channel_fd)` is the default KERNELEVAL_JOB_MAIN. It runs after the zygote's child has
+sandboxed the process (docs/INTERNALS.md, "Job processes"):
+
+    Hello (device info, pid) -> AssignJob -> phases / progress / logs -> JobOutcome -> exit
+
+It never waits for a Welcome (one is ignored), takes exactly one AssignJob (a second is
+ignored), waits for a ProfilingGrant after sending PHASE_PROFILING, and returns POISONED_EXIT
+when the engine says the CUDA context is poisoned, 0 otherwise. If the channel closes before a
+job, or while one runs, the front end is gone: it exits 0.
+
+`load_engine()` and `warm_up()` are the steps before that: the zygote calls `load_engine()` once
+(the environment is configured before torch and triton are imported, and no CUDA context is
+made: the zygote forks), and each job process calls `warm_up()` before its privileges drop
+(CUDA context, a cuBLAS matmul, one tiny Triton kernel; only when a GPU is visible).
+
+Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
+"""
+
+# No `from __future__ import annotations`: the Triton warm-up kernel's `tl.constexpr`
+# annotation must be a real object when Triton reads it.
+
+import importlib
+import os
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import job_pb2
+
+from ..framing import FrameError, encode, recv_frame
+from . import (
+    DEFAULT_ENGINE,
+    ENGINE_ENV,
+    MAX_LOG_LINE_BYTES,
+    OK_EXIT,
+    POISONED_EXIT,
+    WORKER_ID_ENV,
+)
+
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+# ---- before the fork: the zygote's side ---------------------------------------------------------
+
+
+def gpu_visible() -> bool:
+    """A GPU may be used: CUDA_VISIBLE_DEVICES is not "" and the driver's node exists. Decided
+    without CUDA, so that nothing initialises it in the zygote."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset") == "":
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
+def configure_environment(engine_name: str) -> dict[str, str]:
+    """Settings that must be in place before torch and triton are imported, then the engine's
+    own `configure_process_environment()`. Returns the variables this set (the zygote hands
+    them on to its job processes, whose environment is otherwise job_env)."""
+    before = dict(os.environ)
+    # Decided here, from the device nodes, so that the engine's configuration does not ask
+    # torch.cuda.is_available(): that initialises the CUDA driver (even NVML-based), and the
+    # zygote forks. "0" is Triton's "off".
+    os.environ.setdefault("TRITON_INTERPRET", "0" if gpu_visible() else "1")
+    # Should anything still ask, NVML answers instead of CUDA. Only the zygote's setting.
+    os.environ.setdefault(NVML_CHECK_ENV, "1")
+    engine = importlib.import_module(engine_name)
+    configure = getattr(engine, "configure_process_environment", None)
+    if configure is not None:
+        configure()
+    configured = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    configured.pop(NVML_CHECK_ENV, None)
+    return configured
+
+
+def library_versions() -> dict[str, str]:
+    """torch and triton versions; "" for one that is missing (or not loaded by a light engine)."""
+    versions = {}
+    for name in ("torch", "triton"):
+        module = sys.modules.get(name)
+        versions[name] = str(getattr(module, "__version__", "")) if module is not None else ""
+    return versions
+
+
+def load_engine(engine_name: str | None = None) -> tuple[ModuleType, dict[str, str]]:
+    """Configures the environment and imports the engine (KERNELEVAL_ENGINE, default
+    kerneleval_server.engine, which imports torch and triton) without making a CUDA context.
+    Returns the engine and the variables the configuration set."""
+    name = engine_name or os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE
+    configured = configure_environment(name)
+    engine = importlib.import_module(name)
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and "triton" not in sys.modules:
+        try:  # the job processes run Triton kernels warm (their warm-up runs one)
+            importlib.import_module("triton")
+        except ImportError:
+            pass
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(f"importing {name} created a CUDA context; the zygote cannot fork")
+    if cuda_driver_threads():
+        print(
+            f"kerneleval zygote: importing {name} initialised the CUDA driver before the fork",
+            file=sys.stderr,
+        )
+    return engine, configured
+
+
+def cuda_driver_threads() -> list[str]:
+    """Names of the CUDA driver's threads in this process (there are some once cuInit ran)."""
+    names = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+            if name.startswith("cuda"):
+                names.append(name)
+    except OSError:
+        pass
+    return names
+
+
+def warm_up() -> None:
+    """As root, before the drop, in a fresh job process: CUDA context, a cuBLAS matmul and one
+    tiny Triton kernel, so that the job starts warm. Nothing without a visible GPU. Failures are
+    printed; the job reports what is wrong with the device."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not gpu_visible():
+        return
+    try:
+        with warnings.catch_warnings():  # "Can't initialize NVML" and the like: not the job's
+            warnings.simplefilter("ignore")
+            if not torch.cuda.is_available():
+                return
+        a = torch.randn(64, 64, device="cuda")
+        (a @ a).sum().item()
+        if "triton" in sys.modules:
+            _warm_triton(torch)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the job reports what is wrong
+        print(f"kerneleval job process: warm-up failed: {exc!r}", file=sys.stderr)
+
+
+def _warm_triton(torch: Any) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[misc]
+    def _kerneleval_warm_up(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1, mask=mask)
+
+    x = torch.zeros(16, device="cuda")
+    _kerneleval_warm_up[(1,)](x, 16, BLOCK=16)
+
+
+# ---- after the fork: one job ------------------------------------------------------------------
+
+
+def _truncate(text: str, limit: int = MAX_LOG_LINE_BYTES) -> str:
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return data[:limit].decode("utf-8", "ignore")
+
+
+class _Channel:
+    """Descriptor 3: one writer lock, one reader thread. Takes the first AssignJob only."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
+        self._assign_seen = False
+        self._grants: dict[str, threading.Event] = {}
+        self._grants_lock = threading.Lock()
+        self.job_running = False
+        self.finishing = False  # the outcome is on its way: a close now is not "gone"
+
+    def send(self, msg: job_channel_pb2.JobProcessMessage) -> None:
+        data = encode(msg.SerializeToString())
+        with self._lock:
+            self._sock.sendall(data)
+
+    def grant_event(self, job_id: str) -> threading.Event:
+        with self._grants_lock:
+            return self._grants.setdefault(job_id, threading.Event())
+
+    def read_loop(self) -> None:
+        try:
+            while True:
+                frame = recv_frame(self._sock)
+                if frame is None:
+                    break
+                msg = job_channel_pb2.FrontendMessage.FromString(frame)
+                kind = msg.WhichOneof("kind")
+                if kind == "assign" and not self._assign_seen:
+                    self._assign_seen = True
+                    self.assigned.put(msg.assign)
+                elif kind == "grant":
+                    self.grant_event(msg.grant.job_id).set()
+                # A Welcome, or a second AssignJob, is ignored: one job a process.
+        except (OSError, FrameError, DecodeError):
+            pass
+        if self.job_running and not self.finishing:
+            os._exit(OK_EXIT)  # the front end is gone mid-job: nobody to report to
+        self.assigned.put(None)
+        with self._grants_lock:
+            for event in self._grants.values():
+                event.set()
+
+
+class _Reporter:
+    """The engine's Reporter: frames to the front end; phase(PROFILING) waits for the grant."""
+
+    def __init__(self, channel: _Channel, job_id: str) -> None:
+        self._channel = channel
+        self._job_id = job_id
+        self._granted = False
+
+    def phase(self, phase: int) -> None:
+        wait = phase == job_pb2.PHASE_PROFILING and not self._granted
+        event = self._channel.grant_event(self._job_id) if wait else None
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                phase=job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase)  # type: ignore[arg-type]
+            )
+        )
+        if event is not None:
+            event.wait()
+            self._granted = True
+
+    def progress(self, phase: int, done: int, total: int) -> None:
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                progress=job_channel_pb2.ProgressUpdate(
+                    job_id=self._job_id,
+                    phase=phase,  # type: ignore[arg-type]
+                    done_count=done,
+                    total_count=total,
+                )
+            )
+        )
+
+    def log(self, text: str) -> None:
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                log=job_channel_pb2.LogLine(job_id=self._job_id, text=_truncate(text))
+            )
+        )
+
+
+def device_info(device_index: int) -> job_pb2.DeviceInfo:
+    versions = library_versions()
+    info = job_pb2.DeviceInfo(
+        index=device_index,
+        torch_version=versions["torch"],
+        triton_version=versions["triton"],
+        name="cpu",
+    )
+    torch: Any = sys.modules.get("torch")
+    if device_index >= 0 and torch is not None and gpu_visible():
+        try:
+            if torch.cuda.is_available():
+                props = torch.cuda.get_device_properties(0)
+                info.name = props.name
+                info.compute_capability = f"{props.major}.{props.minor}"
+                info.cuda_version = torch.version.cuda or ""
+        except Exception:  # noqa: BLE001 - the engine reports device problems per job
+            pass
+    return info
+
+
+def _run_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob) -> bool:
+    """Runs the job; sends its outcome; returns whether the CUDA context is poisoned."""
+    reporter = _Reporter(channel, assign.job_id)
+    base = os.environ.get("TMPDIR") or "/tmp"
+    job_dir = Path(tempfile.mkdtemp(prefix="job-", dir=base))
+    channel.job_running = True
+    try:
+        outcome = engine.run_job(assign.spec, reporter, engine.EngineConfig(work_dir=job_dir))
+        result, poisoned = outcome.result, bool(outcome.context_poisoned)
+    except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
+        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
+        result.error.message = f"engine error: {exc}"
+        result.error.exception_type = type(exc).__name__
+        result.error.traceback = traceback.format_exc()[-8000:]
+        poisoned = False
+    channel.finishing = True
+    channel.send(
+        job_channel_pb2.JobProcessMessage(
+            outcome=job_channel_pb2.JobOutcome(
+                job_id=assign.job_id, result=result, context_poisoned=poisoned
+            )
+        )
+    )
+    if not poisoned:  # the private /tmp goes with the process; without one, clean up
+        shutil.rmtree(job_dir, ignore_errors=True)
+    return poisoned
+
+
+def main(channel_fd: int) -> int:
+    """The job process: Hello, exactly one job, its outcome. The exit code to use."""
+    engine = importlib.import_module(os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
+    sock = socket.socket(fileno=channel_fd)
+    channel = _Channel(sock)
+    device_index = int(os.environ.get("KERNELEVAL_DEVICE_INDEX", "-1"))
+    try:
+        channel.send(
+            job_channel_pb2.JobProcessMessage(
+                hello=job_channel_pb2.Hello(
+                    worker_id=os.environ.get(WORKER_ID_ENV, ""),
+                    pid=os.getpid(),
+                    device_index=device_index,
+                    device=device_info(device_index),
+                )
+            )
+        )
+    except OSError:
+        return OK_EXIT  # the front end is gone
+    threading.Thread(target=channel.read_loop, name="job-channel", daemon=True).start()
+    assign = channel.assigned.get()
+    if assign is None:
+        return OK_EXIT
+    try:
+        poisoned = _run_one(engine, channel, assign)
+    except OSError:  # the channel broke while reporting
+        return OK_EXIT
+    return POISONED_EXIT if poisoned else OK_EXIT
+
+
+def _standalone() -> None:
+    fd = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    try:
+        load_engine()
+        warm_up()
+        code = main(fd)
+    except BaseException:  # noqa: BLE001 - say why, then leave without the normal teardown
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a poisoned CUDA context can hang the normal teardown
+
+
+if __name__ == "__main__":
+    _standalone()

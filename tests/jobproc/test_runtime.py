@@ -1,0 +1,124 @@
+"""The job runtime with the real engine on the CPU (a tiny torch Model), over a socketpair:
+Hello first (no Welcome awaited), exactly one job, phases, the grant wait, VERDICT_OK, exit 0."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from jp_helpers import REPO
+from kerneleval.internal.v1 import job_channel_pb2 as jc
+from kerneleval.v1 import job_pb2, kernel_pb2
+from kerneleval_server.framing import encode, recv_frame
+from kerneleval_server.jobproc import MAX_LOG_LINE_BYTES
+from kerneleval_server.jobproc.runtime import _truncate
+
+ADD_MODEL = """
+import torch
+class Model(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+def get_inputs():
+    return [torch.randn(4, 64), torch.randn(4, 64)]
+def get_init_inputs():
+    return []
+"""
+
+
+def _spec(code: str) -> kernel_pb2.JobSpec:
+    kernel = kernel_pb2.KernelSource(type=kernel_pb2.KERNEL_TYPE_TORCH, source_code=code)
+    options = kernel_pb2.EvalOptions(perf_trial_count=3, warmup_count=1)
+    return kernel_pb2.JobSpec(kernel=kernel, options=options)
+
+
+def _start(tmp_path: os.PathLike[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ)
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": "",
+            "KERNELEVAL_DEVICE_INDEX": "-1",
+            "KERNELEVAL_WORKER_ID": "w-rt",
+            "TMPDIR": str(tmp_path),
+        }
+    )
+    env.pop("KERNELEVAL_ENGINE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kerneleval_server.jobproc.runtime", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+        env=env,
+        cwd=REPO,
+    )
+    theirs.close()
+    ours.settimeout(120)
+    return proc, ours
+
+
+def _messages(sock: socket.socket) -> list[jc.JobProcessMessage]:
+    out: list[jc.JobProcessMessage] = []
+    while True:
+        frame = recv_frame(sock)
+        if frame is None:
+            return out
+        out.append(jc.JobProcessMessage.FromString(frame))
+
+
+def test_one_job_then_exit(tmp_path: os.PathLike[str]) -> None:
+    proc, sock = _start(tmp_path)
+    first = recv_frame(sock)
+    assert first is not None
+    hello = jc.JobProcessMessage.FromString(first)
+    assert hello.WhichOneof("kind") == "hello"
+    assert hello.hello.worker_id == "w-rt" and hello.hello.pid == proc.pid
+    assert hello.hello.device_index == -1 and hello.hello.device.name == "cpu"
+    assert hello.hello.device.torch_version  # the real engine imported torch
+
+    # a Welcome is not needed and is ignored; the second AssignJob is never taken
+    for request in (
+        jc.FrontendMessage(welcome=jc.Welcome(worker_id="w-rt")),
+        jc.FrontendMessage(assign=jc.AssignJob(job_id="job-1", spec=_spec(ADD_MODEL), attempt=1)),
+        jc.FrontendMessage(assign=jc.AssignJob(job_id="job-2", spec=_spec(ADD_MODEL), attempt=1)),
+    ):
+        sock.sendall(encode(request.SerializeToString()))
+
+    seen: list[jc.JobProcessMessage] = []
+    while True:
+        frame = recv_frame(sock)
+        assert frame is not None, "the job process closed its channel before the outcome"
+        msg = jc.JobProcessMessage.FromString(frame)
+        seen.append(msg)
+        kind = msg.WhichOneof("kind")
+        if kind == "phase" and msg.phase.phase == job_pb2.PHASE_PROFILING:
+            # it waits for the grant: nothing but the phase came yet
+            grant = jc.FrontendMessage(grant=jc.ProfilingGrant(job_id="job-1"))
+            sock.sendall(encode(grant.SerializeToString()))
+        if kind == "outcome":
+            break
+    seen += _messages(sock)  # nothing after the outcome; then the channel closes
+    assert proc.wait(timeout=60) == 0
+
+    phases = [m.phase.phase for m in seen if m.WhichOneof("kind") == "phase"]
+    assert phases == [job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING]
+    outcomes = [m.outcome for m in seen if m.WhichOneof("kind") == "outcome"]
+    assert len(outcomes) == 1 and seen[-1].WhichOneof("kind") == "outcome"
+    assert outcomes[0].job_id == "job-1" and not outcomes[0].context_poisoned
+    assert outcomes[0].result.verdict == job_pb2.VERDICT_OK, outcomes[0].result
+    job_ids = {getattr(m, m.WhichOneof("kind") or "").job_id for m in seen}
+    assert job_ids == {"job-1"}
+    assert not any(os.scandir(tmp_path))  # its work dir is gone
+
+
+def test_channel_closed_before_a_job(tmp_path: os.PathLike[str]) -> None:
+    proc, sock = _start(tmp_path)
+    assert recv_frame(sock) is not None  # Hello
+    sock.close()
+    assert proc.wait(timeout=60) == 0
+
+
+def test_log_lines_are_capped() -> None:
+    assert _truncate("short") == "short"
+    long = "é" * MAX_LOG_LINE_BYTES  # two bytes each
+    cut = _truncate(long)
+    assert len(cut.encode()) <= MAX_LOG_LINE_BYTES and cut == "é" * (MAX_LOG_LINE_BYTES // 2)

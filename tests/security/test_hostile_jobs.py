@@ -1,0 +1,702 @@
+"""The hostile-job suite (issue 12): each attack a tenant made through the public API, as a job.
+
+One real service (the C++ watchdog, the zygote, sealed job processes) with small limits. For
+each attack: the hostile job (tests/security/hostile_sources.py) ends with its expected verdict,
+"ESCAPED" appears nowhere in its result or log, nothing of it is left on the host, and then two
+jobs of other tenants on the same device are judged right: a correct candidate is VERDICT_OK
+with correctness, a wrong one (x + 1 where the reference returns x) is VERDICT_INCORRECT, which
+catches a forged verdict. The bad-input cases go through the API only.
+
+Runs as root on Linux with the watchdog built (`make watchdog`), as CI runs `make test`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import hostile_sources as hs
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from ke_service import REPO, ServiceProcess, real_watchdog_available
+from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval.v1 import operations_service_pb2 as ops
+from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux only"),
+    pytest.mark.skipif(
+        sys.platform.startswith("linux") and os.geteuid() != 0,
+        reason="runs as root, as CI does: the job user, cgroups and namespaces need it",
+    ),
+    pytest.mark.skipif(
+        not real_watchdog_available(), reason="the watchdog is not built: run `make watchdog`"
+    ),
+    pytest.mark.timeout(180),
+]
+
+MIB = 1 << 20
+MEMORY_MIB = 1024
+TMP_MIB = 64
+MAX_PIDS = 256
+JOB_TIMEOUT_S = 20  # any job that should finish; the attacks that must time out use less
+NONCE = secrets.token_hex(4)
+V = job_pb2.Verdict
+NOT_OK_KILLED = {
+    job_pb2.VERDICT_OUT_OF_MEMORY,
+    job_pb2.VERDICT_CRASHED,
+    job_pb2.VERDICT_RESOURCE_LIMIT,
+}
+
+
+# ---- the service ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    # The state folder is outside /tmp on purpose: a job's private /tmp would hide one under
+    # /tmp anyway, and the point is that the sandbox hides it wherever it is.
+    root = Path(f"/var/tmp/kerneleval-hostile-{NONCE}")
+    root.mkdir(parents=True)
+    nvml = root / "fake_nvml"
+    nvml.write_text(
+        "device 0 name=FakeGPU-H100 uuid=GPU-fake-0000 memory_total=80000000000\n"
+        "health 0 memory_used=1000000 temperature=41 utilization=3 ok=1\n"
+    )
+    state = root / "state"
+    service = ServiceProcess(
+        state,
+        [
+            "--nvml",
+            "fake",
+            "--fake-nvml-path",
+            str(nvml),
+            "--unix-socket",
+            str(state / "grpc.sock"),
+            "--job-memory-mib",
+            str(MEMORY_MIB),
+            "--job-tmp-mib",
+            str(TMP_MIB),
+            "--job-max-pids",
+            str(MAX_PIDS),
+            "--workers-per-device",
+            "1",
+            "--spare-count",
+            "2",
+            "--health-interval-s",
+            "1",
+            "--log-level",
+            "INFO",
+        ],
+    )
+    service.unix_socket = str(state / "grpc.sock")
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+        remove_planted_files(state)
+        if service.log_path.exists():  # kept with pytest's temporary folders
+            shutil.copy(service.log_path, tmp_path_factory.mktemp("hostile") / "service.log")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stub(svc: ServiceProcess) -> Iterator[kernel_eval_service_pb2_grpc.KernelEvalServiceStub]:
+    with svc.channel() as ch:
+        yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+
+
+@pytest.fixture(autouse=True)
+def service_up(svc: ServiceProcess) -> None:
+    """An attack that killed the service failed its own test; the next test gets it back."""
+    if svc.proc is not None and svc.proc.poll() is not None:
+        svc.start()
+
+
+def remove_planted_files(state: Path) -> None:
+    """Files an attack could have planted if it escaped (unique names): never leave them."""
+    tag = f"ke_hostile_{NONCE}"
+    roots = {REPO, state, Path("/root"), Path("/tmp"), Path(sys.prefix), Path(sys.base_prefix)}
+    roots |= {Path(p) for p in sys.path if p and os.path.isdir(p)}
+    for root in roots:
+        depth0 = str(root).rstrip("/").count("/")
+        for base, dirs, files in os.walk(root):
+            if base.count("/") - depth0 >= 5:
+                dirs[:] = []
+            dirs[:] = [d for d in dirs if d not in ("objects", "node_modules")]
+            for name in files:
+                if name.startswith(tag):
+                    Path(base, name).unlink(missing_ok=True)
+
+
+# ---- host processes ---------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    pid: int
+    ppid: int
+    comm: str
+    cmdline: str
+    nspid: list[int]
+    start: int  # clock ticks after boot: with pid, names one process for good
+
+
+def host_processes() -> list[Proc]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            base = f"/proc/{entry}"
+            with open(f"{base}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            with open(f"{base}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"{base}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        nspid = [
+            int(x)
+            for line in status.splitlines()
+            if line.startswith("NSpid:")
+            for x in line.split()[1:]
+        ]
+        out.append(Proc(int(entry), int(fields[1]), comm, cmdline, nspid, int(fields[19])))
+    return out
+
+
+def find(pred: Callable[[Proc], bool]) -> list[Proc]:
+    return [p for p in host_processes() if pred(p)]
+
+
+def service_pids(svc: ServiceProcess, timeout: float = 30.0) -> dict[str, Proc]:
+    """The front end, its watchdog and the zygote (waits for the zygote to be up)."""
+    assert svc.proc is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        procs = host_processes()
+        out = {p_name: p for p_name, p in (("frontend", _by_pid(procs, svc.proc.pid)),) if p}
+        wd = [p for p in procs if p.ppid == svc.proc.pid and "watchdog" in p.cmdline]
+        if wd:
+            out["watchdog"] = wd[0]
+            zyg = [
+                p
+                for p in procs
+                if "jobproc.zygote" in p.cmdline and len(p.nspid) == 1 and p.ppid == wd[0].pid
+            ]
+            if zyg:
+                out["zygote"] = zyg[0]
+        if len(out) == 3 or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _by_pid(procs: list[Proc], pid: int) -> Proc | None:
+    return next((p for p in procs if p.pid == pid), None)
+
+
+def alive(p: Proc) -> bool:
+    now = _by_pid(host_processes(), p.pid)
+    return now is not None and now.start == p.start
+
+
+def wait_none(pred: Callable[[Proc], bool], what: str, timeout: float = 6.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = find(pred)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            shown = [(p.pid, p.comm, p.cmdline[:80]) for p in left[:10]]
+            raise AssertionError(f"{len(left)} {what} still running {timeout} s after: {shown}")
+        time.sleep(0.2)
+
+
+# ---- jobs -------------------------------------------------------------------------------------
+
+
+def spec(
+    source: str,
+    *,
+    reference: str | None = None,
+    client_tag: str,
+    timeout_s: int = JOB_TIMEOUT_S,
+    perf_trials: int = 0,
+) -> kernel_pb2.JobSpec:
+    s = kernel_pb2.JobSpec(client_tag=client_tag)
+    s.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH
+    s.kernel.source_code = source
+    if reference is not None:
+        s.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
+        s.reference.source_code = reference
+    s.options.correct_trial_count = 1
+    s.options.perf_trial_count = perf_trials
+    s.options.warmup_count = 1
+    s.options.timeout.seconds = timeout_s
+    return s
+
+
+@dataclass
+class Ran:
+    job: job_pb2.Job
+    logs: str
+    seconds: float
+    seen: int = 0
+    log_events: list[str] | None = None
+
+    @property
+    def verdict(self) -> int:
+        return self.job.result.verdict
+
+    def text(self) -> str:
+        r = self.job.result
+        return "\n".join(
+            [
+                r.error.message,
+                r.error.exception_type,
+                r.error.traceback,
+                r.compilation_error,
+                r.validation_error,
+                r.fault.description,
+                self.job.state_reason,
+                *r.notes,
+                self.logs,
+            ]
+        )
+
+    def describe(self) -> str:
+        r = self.job.result
+        return (
+            f"verdict {V.Name(r.verdict)}, state {job_pb2.JobState.Name(self.job.state)} "
+            f"({self.job.state_reason}), {self.seconds:.1f} s, error "
+            f"{r.error.exception_type}: {r.error.message[:600]!r}, compile "
+            f"{r.compilation_error[:600]!r}, fault {r.fault.description!r}, "
+            f"log {self.logs[-600:]!r}"
+        )
+
+
+TERMINAL = (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_CANCELLED, job_pb2.JOB_STATE_FAILED)
+
+
+def run_job(
+    stub,  # type: ignore[no-untyped-def]
+    s: kernel_pb2.JobSpec,
+    svc: ServiceProcess,
+    watch: Callable[[Proc], bool] | None = None,
+) -> Ran:
+    """Submits, waits for the end (counting the host processes `watch` matches meanwhile, the
+    most at once in Ran.seen), then reads the stored log back."""
+    t0 = time.monotonic()
+    try:
+        job = stub.Submit(pb.SubmitRequest(spec=s), timeout=30).job
+        deadline = t0 + s.options.timeout.seconds + 90
+        seen = 0
+        while job.state not in TERMINAL:
+            assert time.monotonic() < deadline, f"no end in time; log:\n{svc.log_tail(40)}"
+            if watch is not None:
+                seen = max(seen, len(find(watch)))
+            time.sleep(0.05)
+            job = stub.GetJob(pb.GetJobRequest(job_id=job.job_id), timeout=30).job
+        seconds = time.monotonic() - t0
+        events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=job.job_id), timeout=60)]
+    except grpc.RpcError as exc:
+        raise AssertionError(
+            f"{exc.code()} {exc.details()}; service log:\n{svc.log_tail(40)}"
+        ) from None
+    logs = [e.log.text for e in events if e.HasField("log")]
+    return Ran(job, "".join(logs), seconds, seen, logs)
+
+
+def assert_contained(ran: Ran) -> None:
+    assert "ESCAPED" not in ran.text(), ran.describe()
+
+
+def attack(
+    stub,  # type: ignore[no-untyped-def]
+    svc: ServiceProcess,
+    name: str,
+    code: str,
+    cfg: dict | None = None,
+    timeout_s: int = JOB_TIMEOUT_S,
+    watch: Callable[[Proc], bool] | None = None,
+) -> Ran:
+    source = hs.hostile_source(name, code, cfg)
+    s = spec(source, client_tag=f"mallory-{name}", timeout_s=timeout_s)
+    ran = run_job(stub, s, svc, watch)
+    print(f"{name}: {ran.describe()}; {ran.seen} watched processes at most")
+    assert ran.job.state in (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED), ran.describe()
+    assert_contained(ran)
+    return ran
+
+
+def assert_reported(ran: Ran, name: str) -> None:
+    """The attack ran to its end and said what stopped it (its notes, through its log)."""
+    assert f"hostile job {name}:" in ran.logs, f"the attack did not report: {ran.describe()}"
+
+
+def next_tenants_are_judged_right(stub, svc: ServiceProcess, after: Ran) -> None:  # type: ignore[no-untyped-def]
+    """Two jobs of other tenants on the same device: the correct one OK, the wrong INCORRECT."""
+    tag = after.job.spec.client_tag.replace("mallory", "")
+    good = run_job(
+        stub,
+        spec(hs.victim_source(wrong=False), reference=hs.REFERENCE, client_tag=f"alice{tag}"),
+        svc,
+    )
+    assert_contained(good)
+    assert good.verdict == job_pb2.VERDICT_OK and good.job.result.correctness, good.describe()
+    assert good.job.device_index == after.job.device_index
+    bad = run_job(
+        stub,
+        spec(hs.victim_source(wrong=True), reference=hs.REFERENCE, client_tag=f"bob{tag}"),
+        svc,
+    )
+    assert_contained(bad)
+    assert bad.verdict == job_pb2.VERDICT_INCORRECT, bad.describe()
+    assert not bad.job.result.correctness
+    assert bad.job.device_index == after.job.device_index
+    assert svc.proc is not None and svc.proc.poll() is None, svc.log_tail()
+
+
+_FOUND: dict[str, bool] = {}
+
+
+def base_cfg(svc: ServiceProcess) -> dict:
+    # The first call waits for the zygote; later ones only look.
+    pids = service_pids(svc, timeout=2.0 if _FOUND else 30.0)
+    _FOUND["once"] = True
+    return {
+        "nonce": NONCE,
+        "state": str(svc.state_dir),
+        "repo": str(REPO),
+        "port": svc.port,
+        "sockets": [svc.unix_socket, str(svc.state_dir / "frontend.sock")],
+        "pids": {k: p.pid for k, p in pids.items()},
+        "host_pids": [p.pid for p in pids.values()],
+        # Shown read-only to jobs at their own paths (the Python installation, the venv).
+        "code_paths": [
+            os.path.realpath(p) + "/"
+            for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))
+        ],
+    }
+
+
+def comm_name(what: str) -> str:
+    return f"keh{what[:4]}{NONCE}"[:15]
+
+
+# ---- the attacks --------------------------------------------------------------------------
+
+
+def test_engine_patch_from_the_module_body(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.1: run_job and compare_outputs replaced, sys.modules entries planted, files
+    planted in import folders; none of it reaches the next tenant."""
+    ran = attack(stub, svc, "engine-patch", hs.ENGINE_PATCH, base_cfg(svc))
+    assert_reported(ran, "engine-patch")
+    # The patch acts in the attacker's own process after its job started: its own verdict is
+    # whatever its process reports; only the next jobs' verdicts matter.
+    assert ran.job.state == job_pb2.JOB_STATE_DONE, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_daemon_dies_with_its_job_and_finds_no_way_in(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.2 and 12.3: double fork + setsid, SIGTERM ignored, renamed; no token in the
+    environment, no socket it can connect to; gone when the job ends."""
+    name = comm_name("daemon")
+    cfg = {**base_cfg(svc), "comm": name}
+    ran = attack(stub, svc, "daemon", hs.DAEMON, cfg, watch=lambda p: p.comm == name)
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "daemon")
+    assert ran.seen >= 1, "the daemon was never seen running"
+    wait_none(lambda p: p.comm == name, f"processes named {name}")
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_job_ignoring_sigterm_times_out_and_leaves_nothing(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.3: SIGTERM ignored by the job and by a setsid child; sleeps past its timeout."""
+    name = comm_name("sigterm")
+    timeout = 3
+    cfg = {**base_cfg(svc), "comm": name}
+    ran = attack(
+        stub, svc, "sigterm", hs.IGNORE_SIGTERM, cfg, timeout, watch=lambda p: p.comm == name
+    )
+    assert ran.verdict == job_pb2.VERDICT_TIMEOUT, ran.describe()
+    assert ran.seen >= 2, f"the job and its child were not seen running ({ran.seen})"
+    assert ran.seconds < timeout + 15, ran.describe()
+    wait_none(lambda p: p.comm == name, f"processes named {name}")
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_host_files_are_out_of_reach(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.4: the admin token, jobs.db, the repository, /root: not readable; the state
+    folder and the repository: not writable. And what the job process is: not root, PID 1 of
+    its own namespace, only lo, seccomp filter, no_new_privs, no capabilities."""
+    token_before = svc.admin_token
+    ran = attack(stub, svc, "host-files", hs.HOST_FILES, base_cfg(svc))
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "host-files")
+    assert token_before not in ran.text()
+    tag = f"ke_hostile_{NONCE}"
+    planted = [
+        p
+        for p in (svc.state_dir / tag, REPO / tag, REPO / "server" / tag, REPO / "tests" / tag)
+        if p.exists()
+    ]
+    assert not planted, planted
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_killing_the_front_end_and_the_watchdog_fails(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.4: SIGKILL to the front end, the watchdog and the zygote by their host pids,
+    then kill(-1): the service stays up, the same processes, later jobs correct."""
+    before = service_pids(svc)
+    assert {"frontend", "watchdog", "zygote"} <= set(before), (
+        f"service processes not found: {before}"
+    )
+    cfg = base_cfg(svc)
+    ran = attack(stub, svc, "kill", hs.KILL_SERVICE, cfg)
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "kill")
+    assert svc.proc is not None and svc.proc.poll() is None, svc.log_tail()
+    assert svc.proc.pid == before["frontend"].pid
+    for what, p in before.items():
+        assert alive(p), f"the {what} ({p.pid}) was killed"
+    next_tenants_are_judged_right(stub, svc, ran)
+    for what, p in before.items():
+        assert alive(p), f"the {what} ({p.pid}) is gone after the next jobs"
+
+
+def test_no_way_back_into_the_host_network(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.4: setns into the front end's network namespace, unshare(CLONE_NEWUSER),
+    mount, the seccomp-refused syscalls, a connection to the service's port and socket."""
+    ran = attack(stub, svc, "setns", hs.SETNS, base_cfg(svc))
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "setns")
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_fork_bomb_ends_with_its_job(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.3 and the pids limit: a fork bomb until the timeout; nothing of it remains."""
+    name = comm_name("forkbomb")
+    timeout = 5
+    cfg = {**base_cfg(svc), "comm": name}
+    ran = attack(stub, svc, "fork-bomb", hs.FORK_BOMB, cfg, timeout, watch=lambda p: p.comm == name)
+    assert ran.seen >= 20, f"the bomb was not seen forking ({ran.seen} processes)"
+    assert ran.seen <= MAX_PIDS, f"{ran.seen} processes of the bomb at once"
+    assert ran.verdict != job_pb2.VERDICT_OK, ran.describe()
+    assert ran.verdict in (
+        job_pb2.VERDICT_TIMEOUT,
+        job_pb2.VERDICT_RESOURCE_LIMIT,
+        job_pb2.VERDICT_CRASHED,
+    ), ran.describe()
+    assert ran.seconds < timeout + 15, ran.describe()
+    wait_none(lambda p: p.comm == name, f"processes of the fork bomb ({name})", timeout=10)
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_six_thousand_spawned_children(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.3: 6000 posix_spawn children: the pids limit stops them; none remains."""
+    arg = f"{4000 + int(NONCE[:4], 16) % 1000}.{int(NONCE[4:], 16) % 1000:03d}"
+    cfg = {**base_cfg(svc), "sleep_arg": arg, "max_pids": MAX_PIDS}
+    sleeper = f"sleep {arg}"
+    ran = attack(
+        stub, svc, "spawn", hs.SPAWN_MANY, cfg, timeout_s=30, watch=lambda p: p.cmdline == sleeper
+    )
+    assert ran.verdict != job_pb2.VERDICT_OK, ran.describe()
+    assert 0 < ran.seen <= MAX_PIDS, f"{ran.seen} children at once"
+    assert "of 6000 children" in ran.text(), ran.describe()
+    wait_none(lambda p: p.cmdline == sleeper, f"'{sleeper}' children")
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_memory_bomb_is_killed(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.5: 4 GiB allocated and touched under a 1 GiB limit."""
+    ran = attack(stub, svc, "memory-bomb", hs.MEMORY_BOMB, base_cfg(svc))
+    assert ran.verdict in NOT_OK_KILLED, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_filling_tmp_stops_at_its_size_and_nothing_carries_over(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.5: /tmp written until ENOSPC (near its 64 MiB); its marker is gone for the next
+    job (the victims' module bodies look for it) and is not on the host either."""
+    cfg = {**base_cfg(svc), "tmp_bytes": TMP_MIB * MIB}
+    ran = attack(stub, svc, "fill-tmp", hs.FILL_TMP, cfg)
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "fill-tmp")
+    assert not list(Path("/tmp").glob(f"ke_marker_{NONCE}")), "the marker is in the host's /tmp"
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+@pytest.mark.parametrize(
+    "code, expect",
+    [
+        (hs.OVERSIZED_FRAME, ["20971520", "16777216"]),
+        (hs.GARBAGE_FRAME, []),
+        (hs.FORGED_FRAME, ["job"]),
+    ],
+    ids=["oversized", "garbage", "other-job"],
+)
+def test_bad_frames_on_the_channel_end_the_job(
+    stub,  # type: ignore[no-untyped-def]
+    svc: ServiceProcess,
+    code: str,
+    expect: list[str],
+) -> None:
+    """Issue 12 (the channel): a frame over 16 MiB, garbage of a valid length, or a forged
+    outcome for another job, on fd 3: the job process is killed and the job ends RUNTIME_ERROR
+    naming a protocol violation."""
+    ran = attack(stub, svc, "frame", code, base_cfg(svc))
+    r = ran.job.result
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert r.error.exception_type == "ProtocolViolation", ran.describe()
+    for word in expect:
+        assert word in r.error.message, ran.describe()
+    assert ran.seconds < JOB_TIMEOUT_S - 5, f"killed only by the timeout: {ran.describe()}"
+    assert ran.job.attempt_count == 1, "a protocol violation is not retried"
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_log_flood_is_capped_with_a_note(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.5: 300 MB printed: the job ends, the stored log is capped and says it was cut,
+    and neither the store nor the service's own log took the flood."""
+    db = svc.state_dir / "jobs.db"
+
+    def db_bytes() -> int:
+        return sum(p.stat().st_size for p in (db, db.with_name("jobs.db-wal")) if p.exists())
+
+    db_before = db_bytes()
+    svc_log_before = svc.log_path.stat().st_size
+    ran = attack(stub, svc, "log-flood", hs.LOG_FLOOD, base_cfg(svc), timeout_s=60)
+    assert ran.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RESOURCE_LIMIT), ran.describe()
+    stored = [
+        r.event.log.text
+        for r in stub.Watch(pb.WatchRequest(job_id=ran.job.job_id), timeout=60)
+        if r.event.HasField("log")
+    ]
+    total = sum(len(t.encode()) for t in stored)
+    assert total <= MIB + 64 * 1024, f"{total} bytes of log stored"
+    assert stored and stored[-1].startswith("[kerneleval: log output cut"), (
+        f"no note that the log was cut; {len(stored)} log events, {total} bytes, last "
+        f"{stored[-1][:200] if stored else None!r}"
+    )
+    assert db_bytes() - db_before < 16 * MIB, "the job store took the flood"
+    assert svc.log_path.stat().st_size - svc_log_before < 16 * MIB, "the service log took it"
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+# ---- bad input (issue 12.5-12.7) ------------------------------------------------------------
+
+
+def violations(err: grpc.RpcError) -> list[str]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "no google.rpc.Status in the trailers"
+    fields = []
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+def newest_job_id(stub) -> str:  # type: ignore[no-untyped-def]
+    jobs = stub.ListJobs(pb.ListJobsRequest(page_size=1), timeout=10).jobs
+    return jobs[0].job_id if jobs else ""
+
+
+def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
+    the field; no job stored, no job process held."""
+    before = newest_job_id(stub)
+    big = spec(hs.victim_source(wrong=False), reference=hs.REFERENCE, client_tag="carol-big")
+    arg = big.kernel.io.args.add(name="x", role=kernel_pb2.ARG_ROLE_INPUT)
+    arg.tensor.shape.append(5 * MIB)
+    arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32  # 4 bytes an element: 20 MiB of data
+    arg.tensor.data = b"\0" * (20 * MIB)
+    for call in (stub.Submit, stub.Evaluate):
+        req = (pb.SubmitRequest if call is stub.Submit else pb.EvaluateRequest)(spec=big)
+        with pytest.raises(grpc.RpcError) as info:
+            call(req, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        fields = violations(info.value)
+        assert any(f.startswith("spec.kernel.io.args[0]") or f == "spec" for f in fields), fields
+    tagged = spec(hs.victim_source(wrong=False), client_tag="t" * (15 * 1000 * 1000))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Submit(pb.SubmitRequest(spec=tagged), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "spec.client_tag" in violations(info.value)
+    assert newest_job_id(stub) == before, "a refused job was stored"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def test_malformed_requests_get_client_error_codes(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12.7: invalid UTF-8 and truncated bytes, a page token and an after_sequence past
+    int64, RestartWorkers of a device the service lacks: a client error, never UNKNOWN or
+    INTERNAL."""
+    client_errors = {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.NOT_FOUND,
+    }
+    with svc.channel() as ch:
+        submit_raw = ch.unary_unary(
+            "/kerneleval.v1.KernelEvalService/Submit",
+            request_serializer=None,
+            response_deserializer=pb.SubmitResponse.FromString,
+        )
+        good = spec(hs.victim_source(wrong=False), client_tag="dave").SerializeToString()
+        bad_utf8 = good + b"\x22\x02\xff\xfe"  # client_tag (field 4) = two invalid bytes
+        requests = {
+            "invalid UTF-8": b"\x0a" + _varint(len(bad_utf8)) + bad_utf8,
+            "truncated": (b"\x0a" + _varint(len(good)) + good)[:-7],
+        }
+        wrong = []
+        for what, raw in requests.items():
+            with pytest.raises(grpc.RpcError) as info:
+                submit_raw(raw, timeout=30)
+            if info.value.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                wrong.append((what, info.value.code(), info.value.details()))
+        import base64
+
+        token = base64.urlsafe_b64encode(f"r{2**63 + 5}".encode()).decode().rstrip("=")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListJobs(pb.ListJobsRequest(page_token=token), timeout=10)
+        if info.value.code() not in client_errors - {grpc.StatusCode.NOT_FOUND}:
+            wrong.append(("page token past int64", info.value.code(), info.value.details()))
+        job_id = newest_job_id(stub)
+        if job_id:
+            with pytest.raises(grpc.RpcError) as info:
+                list(
+                    stub.Watch(pb.WatchRequest(job_id=job_id, after_sequence=2**64 - 1), timeout=10)
+                )
+            if info.value.code() not in client_errors - {grpc.StatusCode.NOT_FOUND}:
+                wrong.append(("after_sequence past int64", info.value.code(), info.value.details()))
+        opstub = ops_grpc.OperationsServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            opstub.RestartWorkers(
+                ops.RestartWorkersRequest(device_index=7), metadata=svc.auth(), timeout=30
+            )
+        if info.value.code() != grpc.StatusCode.NOT_FOUND:
+            wrong.append(("RestartWorkers device 7", info.value.code(), info.value.details()))
+    assert not wrong, wrong

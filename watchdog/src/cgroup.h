@@ -1,0 +1,75 @@
+// One cgroup per job process, killed as a whole when the job ends.
+//
+// cgroup v2 (where /sys/fs/cgroup/cgroup.controllers exists): one folder with memory.max,
+// memory.swap.max = 0 and pids.max, killed with cgroup.kill. cgroup v1: one folder in each of
+// the memory (memory.limit_in_bytes), pids (pids.max) and freezer hierarchies, killed by
+// freezing, SIGKILLing every pid in cgroup.procs and thawing, until it is empty.
+// The job cgroups live in a "kerneleval-<watchdog pid>" folder beside the watchdog's own cgroup
+// (in each v1 hierarchy), or under SandboxConfig.cgroup_root; folders of watchdogs that are
+// gone are removed at start.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fd.h"
+
+namespace watchdog {
+
+struct CgroupLimits {
+  int64_t memory_bytes = 0;
+  int64_t max_pids = 0;
+};
+
+// The cgroup folders of one job process (one for v2; up to three for v1).
+struct JobCgroup {
+  std::vector<std::string> dirs;
+  bool empty() const { return dirs.empty(); }
+};
+
+class Cgroups {
+ public:
+  // Finds the hierarchies and makes the watchdog's folder(s). Refused features are appended to
+  // warnings as (feature, message): cgroup_memory, cgroup_pids.
+  void init(const std::string& cgroup_root,
+            std::vector<std::pair<std::string, std::string>>* warnings);
+  bool v2() const { return v2_; }
+  bool usable() const { return !roots_.empty(); }
+  // Makes the job's cgroup(s) with the limits and opens each cgroup.procs for writing
+  // (O_CLOEXEC; handed to the zygote, whose child writes "0" into them to join). On failure
+  // returns what exists so far and sets *error.
+  JobCgroup create(const std::string& name, const CgroupLimits& limits,
+                   std::vector<UniqueFd>* procs_fds, std::string* error);
+  // One kill pass: cgroup.kill (v2), or freeze + SIGKILL every member + thaw. Returns true when
+  // no process is left in it.
+  bool kill(const JobCgroup& cg) const;
+  bool is_empty(const JobCgroup& cg) const;
+  // rmdir of each folder; true when all are gone.
+  bool remove(JobCgroup& cg) const;
+  // The job cgroup name (worker id) that pid belongs to, from /proc/<pid>/cgroup; "" if none.
+  std::string owner_of(pid_t pid) const;
+  // Kills whatever is left below the watchdog's folder(s) and removes them (exit).
+  void destroy_all();
+  // Folders of the watchdog's cgroups (tests, logs).
+  std::vector<std::string> roots() const;
+
+ private:
+  struct Root {
+    std::string controller;  // "memory", "pids", "freezer"; "" for v2
+    std::string mount;       // e.g. /sys/fs/cgroup/memory
+    std::string rel;         // the watchdog's folder relative to the mount, "/x/kerneleval-1"
+  };
+  bool v2_ = false;
+  std::vector<Root> roots_;
+};
+
+// Reads a whole small file ("" when it cannot).
+std::string read_small_file(const std::string& path);
+// Writes text to an existing file; returns 0 or errno.
+int write_small_file(const std::string& path, const std::string& text);
+
+}  // namespace watchdog

@@ -1,0 +1,167 @@
+// Fake NVML for tests. Reads lines from a file or FIFO that tests append to; each line is one
+// record of whitespace-separated words ('#' starts a comment):
+//
+//   device <index> [name=<text>] [uuid=<text>] [pci=<bus id>] [memory_total=<bytes>]
+//                                                                       declare a GPU
+//   xid <index> <xid> [pid=<pid>]                                       an XID event
+//   health <index> [memory_used=<bytes>] [temperature=<C>] [utilization=<%>]
+//          [remapped_rows=<n>] [remap_pending=0|1] [recovery_action=<text>] [ok=0|1]
+//          [error=<text>]                                               health readings
+//   processes <index> [<pid> ...]                                       processes holding it
+//
+// Devices must be declared before Configure; the other records may come at any time.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <map>
+#include <sstream>
+
+#include "fd.h"
+#include "log.h"
+#include "nvml_source.h"
+
+namespace watchdog {
+
+namespace {
+
+class FakeNvml : public NvmlSource {
+ public:
+  explicit FakeNvml(UniqueFd fd) : fd_(std::move(fd)) { pump(); }
+
+  std::vector<DeviceInfo> devices() override {
+    pump();
+    std::vector<DeviceInfo> out;
+    for (auto& [i, d] : devices_) out.push_back(d.info);
+    return out;
+  }
+  Reading read(int index) override {
+    pump();
+    auto it = devices_.find(index);
+    if (it == devices_.end()) {
+      Reading r;
+      r.ok = false;
+      r.error = "no such device";
+      return r;
+    }
+    return it->second.reading;
+  }
+  bool processes(int index, std::vector<int>& pids) override {
+    pump();
+    auto it = devices_.find(index);
+    if (it == devices_.end()) return false;
+    pids = it->second.pids;
+    return true;
+  }
+  int event_fd() const override { return -1; }
+  std::vector<XidEvent> poll_events() override {
+    pump();
+    return std::exchange(events_, {});
+  }
+
+ private:
+  struct Dev {
+    DeviceInfo info;
+    Reading reading;
+    std::vector<int> pids;
+  };
+
+  void pump() {
+    char buf[4096];
+    for (;;) {
+      ssize_t n = ::read(fd_.get(), buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      partial_.append(buf, static_cast<size_t>(n));
+    }
+    size_t start = 0, nl;
+    while ((nl = partial_.find('\n', start)) != std::string::npos) {
+      handle(partial_.substr(start, nl - start));
+      start = nl + 1;
+    }
+    partial_.erase(0, start);
+  }
+
+  static std::map<std::string, std::string> options(std::istringstream& in) {
+    std::map<std::string, std::string> kv;
+    std::string word;
+    while (in >> word) {
+      auto eq = word.find('=');
+      if (eq != std::string::npos) kv[word.substr(0, eq)] = word.substr(eq + 1);
+    }
+    return kv;
+  }
+
+  void handle(const std::string& raw) {
+    std::string line = raw.substr(0, raw.find('#'));
+    std::istringstream in(line);
+    std::string kind;
+    int index = 0;
+    if (!(in >> kind)) return;
+    if (!(in >> index)) {
+      log_line("fake nvml: bad line: " + raw);
+      return;
+    }
+    try {
+      if (kind == "device") {
+        auto kv = options(in);
+        Dev& d = devices_[index];
+        d.info.index = index;
+        d.info.name = kv.count("name") ? kv["name"] : "Fake GPU " + std::to_string(index);
+        d.info.uuid = kv.count("uuid") ? kv["uuid"] : "GPU-fake-" + std::to_string(index);
+        d.info.driver_version = "fake";
+        d.info.pci_bus_id = kv.count("pci") ? kv["pci"] : "";
+        d.reading.memory_total_bytes =
+            kv.count("memory_total") ? std::stoll(kv["memory_total"]) : (80LL << 30);
+      } else if (kind == "xid") {
+        XidEvent e;
+        e.device_index = index;
+        if (!(in >> e.xid)) throw std::invalid_argument("xid");
+        auto kv = options(in);
+        if (kv.count("pid")) e.pid = std::stoi(kv["pid"]);
+        events_.push_back(e);
+      } else if (kind == "health") {
+        Reading& r = devices_.at(index).reading;
+        for (auto& [k, v] : options(in)) {
+          if (k == "memory_used") r.memory_used_bytes = std::stoll(v);
+          else if (k == "temperature") r.temperature_celsius = std::stoi(v);
+          else if (k == "utilization") r.utilization_percent = std::stoi(v);
+          else if (k == "remapped_rows") r.remapped_row_count = std::stoi(v);
+          else if (k == "remap_pending") r.remap_pending = v == "1";
+          else if (k == "recovery_action") r.recovery_action = v;
+          else if (k == "ok") r.ok = v == "1";
+          else if (k == "error") r.error = v;
+        }
+      } else if (kind == "processes") {
+        std::vector<int> pids;
+        int pid;
+        while (in >> pid) pids.push_back(pid);
+        devices_.at(index).pids = pids;
+      } else {
+        log_line("fake nvml: unknown record: " + raw);
+      }
+    } catch (const std::exception&) {
+      log_line("fake nvml: bad line: " + raw);
+    }
+  }
+
+  UniqueFd fd_;
+  std::string partial_;
+  std::map<int, Dev> devices_;
+  std::vector<XidEvent> events_;
+};
+
+}  // namespace
+
+std::unique_ptr<NvmlSource> open_fake_nvml(const std::string& path, std::string* error) {
+  // O_RDWR on a FIFO keeps it open without a writer (no EOF storm, no blocking open).
+  int fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    *error = "open " + path + ": " + errno_text(errno);
+    return nullptr;
+  }
+  return std::make_unique<FakeNvml>(UniqueFd(fd));
+}
+
+}  // namespace watchdog

@@ -1,0 +1,50 @@
+// Where device information, health readings and XID events come from: the real NVML
+// (nvml_real.cc, libnvidia-ml.so.1 opened with dlopen) or a fake fed by tests (nvml_fake.cc).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace watchdog {
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name, uuid, pci_bus_id, driver_version;
+  int minor = -1;  // /dev/nvidia<minor>; -1: unknown (the index is used)
+};
+
+struct Reading {
+  bool ok = true;             // the device answered and reports nothing that needs action
+  std::string error;          // why not
+  int64_t memory_total_bytes = 0, memory_used_bytes = 0;
+  int temperature_celsius = 0, utilization_percent = 0, remapped_row_count = 0;
+  bool remap_pending = false;
+  std::string recovery_action;  // "", "none", "gpu_reset", "node_reboot", "drain_p2p", ...
+};
+
+struct XidEvent {
+  int device_index = 0;
+  int xid = 0;
+  int pid = 0;  // 0: unknown (real NVML never knows; the kernel log may)
+};
+
+class NvmlSource {
+ public:
+  virtual ~NvmlSource() = default;
+  virtual std::vector<DeviceInfo> devices() = 0;
+  virtual Reading read(int index) = 0;
+  // Processes holding the GPU; false when this source cannot tell.
+  virtual bool processes(int index, std::vector<int>& pids) = 0;
+  // A descriptor that becomes readable when events may be waiting, or -1 (poll every tick).
+  virtual int event_fd() const = 0;
+  virtual std::vector<XidEvent> poll_events() = 0;
+};
+
+// Real NVML; nullptr and *error set when the library or its init fails.
+std::unique_ptr<NvmlSource> open_real_nvml(std::string* error);
+// Fake NVML reading lines from path (see nvml_fake.cc for the format).
+std::unique_ptr<NvmlSource> open_fake_nvml(const std::string& path, std::string* error);
+
+}  // namespace watchdog

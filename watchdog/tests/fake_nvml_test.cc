@@ -1,0 +1,56 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "nvml_source.h"
+
+TEST(FakeNvml, DevicesHealthProcessesAndXids) {
+  char path[] = "/tmp/fake_nvml_test_XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream f(path);
+    f << "# two GPUs\ndevice 0 name=A100 uuid=GPU-a\ndevice 1\nbogus line\n";
+  }
+  std::string error;
+  auto nvml = watchdog::open_fake_nvml(path, &error);
+  ASSERT_TRUE(nvml) << error;
+  auto devs = nvml->devices();
+  ASSERT_EQ(devs.size(), 2u);
+  EXPECT_EQ(devs[0].name, "A100");
+  EXPECT_EQ(devs[0].uuid, "GPU-a");
+  EXPECT_EQ(nvml->poll_events().size(), 0u);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "xid 1 31 pid=77\nxid 0 79\nhealth 0 temperature=71 memory_used=5 ok=0 error=boom "
+         "recovery_action=gpu_reset\nprocesses 1 10 11\n";
+  }
+  auto events = nvml->poll_events();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].device_index, 1);
+  EXPECT_EQ(events[0].xid, 31);
+  EXPECT_EQ(events[0].pid, 77);
+  EXPECT_EQ(events[1].xid, 79);
+  EXPECT_EQ(events[1].pid, 0);
+  auto r = nvml->read(0);
+  EXPECT_EQ(r.temperature_celsius, 71);
+  EXPECT_EQ(r.memory_used_bytes, 5);
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.error, "boom");
+  EXPECT_EQ(r.recovery_action, "gpu_reset");
+  std::vector<int> pids;
+  ASSERT_TRUE(nvml->processes(1, pids));
+  EXPECT_EQ(pids, (std::vector<int>{10, 11}));
+  EXPECT_FALSE(nvml->read(5).ok);
+  std::remove(path);
+}
+
+TEST(RealNvml, FailsCleanlyWithoutTheLibrary) {
+  std::string error;
+  auto nvml = watchdog::open_real_nvml(&error);
+  if (nvml) GTEST_SKIP() << "NVML present on this machine";
+  EXPECT_NE(error.find("libnvidia-ml"), std::string::npos) << error;
+}
