@@ -14,7 +14,7 @@ the same service. On two GPUs (where present) the batch runs again with --device
     PYTHONPATH=server:clients/python/src python3 bench/bench_throughput.py --out DIR
     ... --cpu-smoke       # here: 20 Triton candidates under the interpreter
 
-Results: <out>/bench_throughput.json and .md.
+Results: <out>/bench_throughput_<kind>.json and .md.
 """
 
 from __future__ import annotations
@@ -253,7 +253,8 @@ def main() -> int:
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
     C.write_results(
-        args.out, "bench_throughput", "Throughput of small candidates", info, data,
+        args.out, f"bench_throughput_{args.kind}", f"Throughput of small {args.kind} candidates",
+        info, data,
         [("Throughput", ["mode", "finished", "OK", "wall s", "evals/s", "GPU busy timing",
                          "x sequential"], rows)],
         notes,

@@ -13,12 +13,24 @@
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
 # clients/python/src (make gen). KERNELBENCH (default ../shared/kernelbench) for kernelbench.
+# Wheels in .whl (the service's packages the GPU image lacks) go to /opt/kerneleval-site: not
+# under /tmp, which a job process's sandbox replaces with its own. As root it makes the job
+# user, as `make` does. EXTRA_ARGS_<stage> adds arguments to a stage's script.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"
 PY="${PYTHON:-python3}"
 KERNELBENCH="${KERNELBENCH:-../shared/kernelbench}"
-export PYTHONPATH="server:clients/python/src${PYTHONPATH:+:$PYTHONPATH}"
+SITE=/opt/kerneleval-site
+if [ -d .whl ] && [ ! -d "$SITE" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl
+fi
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/server:$PWD/clients/python/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ "$(id -u)" = 0 ] && ! id -u kerneleval-job >/dev/null 2>&1; then
+  useradd --system --no-create-home --shell /usr/sbin/nologin kerneleval-job || true
+fi
 mkdir -p "$OUT"
 STATUS=0
 
@@ -28,9 +40,12 @@ run() {
   shift 2
   echo "=== $name (limit ${limit} s) $(date -u +%H:%M:%S)"
   local start=$SECONDS
-  timeout -s INT -k 20 "$limit" "$PY" "bench/$name.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/$name.log"
+  local extra="EXTRA_ARGS_$name"
+  # shellcheck disable=SC2086 # word splitting of the extra arguments is wanted
+  timeout -s INT -k 20 "$limit" "$PY" "bench/$name.py" --out "$OUT" "$@" ${!extra:-} 2>&1 \
+    | tee "$OUT/$name${LOG_SUFFIX:-}.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name${LOG_SUFFIX:-}.log"
   [ "$rc" -eq 0 ] || STATUS=1
 }
 
@@ -38,11 +53,11 @@ for STAGE in "$@"; do
 case "$STAGE" in
   bench)  # overhead, recovery, timing fidelity
     run 190 bench_overhead
-    run 120 bench_recovery --faults 10
+    run 180 bench_recovery --faults 10
     run 190 bench_timing_fidelity
     ;;
   overhead) run 190 bench_overhead ;;
-  recovery) run 120 bench_recovery --faults 10 ;;
+  recovery) run 180 bench_recovery --faults 10 ;;
   fidelity) run 190 bench_timing_fidelity ;;
   kernelbench)
     # Jobs start for at most BUDGET_S; the eager baseline gets at most EAGER_BUDGET_S after.
@@ -53,14 +68,17 @@ case "$STAGE" in
   soak)
     run $(( ${DURATION_S:-480} + 80 )) fault_soak --duration-s "${DURATION_S:-480}"
     ;;
-  throughput)
-    run 400 bench_throughput --count "${COUNT:-500}" --baseline-count 40
+  throughput)  # IOContract candidates, then ModelNew ones
+    LOG_SUFFIX=_io run 280 bench_throughput --kind io --count "${COUNT:-250}" --baseline-count 30
+    LOG_SUFFIX=_modelnew run 280 bench_throughput --kind modelnew --count "${COUNT:-250}" \
+      --baseline-count 30
     ;;
+  watchdog) run 150 gpu_watchdog_check ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog cpu)" >&2
     exit 2
     ;;
 esac

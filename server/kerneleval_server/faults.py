@@ -97,6 +97,13 @@ def classify_exit(
             f"{worker.device_index} in {where}{restarted}"
         )
         return Decision(job_pb2.VERDICT_DEVICE_FAULT, fault)
+    if exited.reason == "oom":
+        fault.description = (
+            f"out of host memory in {where}: the job's processes reached their memory limit "
+            f"(--job-memory-mib) and the kernel's OOM killer ended worker {worker.worker_id}"
+            f"{restarted}"
+        )
+        return Decision(job_pb2.VERDICT_OUT_OF_MEMORY, fault)
     if exited.reason in SERVICE_REASONS or exited.reason.startswith("killed:reset"):
         fault.description = f"worker {worker.worker_id} stopped by the service ({exited.reason})"
         return Decision(job_pb2.VERDICT_UNSPECIFIED, fault)

@@ -19,6 +19,11 @@ from typing import Any
 from kerneleval.contracts import ITEMSIZE  # bytes per element of every DType
 from kerneleval.v1 import dtype_pb2, kernel_pb2
 
+from .framing import MAX_FRAME
+
+# The largest spec a job process can receive: one frame less the AssignJob wrapper's room.
+SPEC_BYTES_CEILING = MAX_FRAME - (4 << 20)
+
 _KERNEL_TYPES = {
     kernel_pb2.KERNEL_TYPE_TORCH,
     kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
@@ -75,6 +80,9 @@ class Limits:
             raw = env.get("KERNELEVAL_LIMIT_" + f.name.upper())
             if raw and not isinstance(getattr(cls, f.name, None), tuple):
                 values[f.name] = type(getattr(cls(), f.name))(float(raw))
+        # A spec past one frame could be accepted but never delivered: never above the ceiling.
+        if values.get("max_spec_bytes", 0) > SPEC_BYTES_CEILING:
+            values["max_spec_bytes"] = SPEC_BYTES_CEILING
         return cls(**values)
 
 

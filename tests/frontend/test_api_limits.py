@@ -524,3 +524,15 @@ def test_log_cap_counts_lines_and_survives_a_restart(tmp_path: Path) -> None:
     assert _stored(store, "other")[-1].log.text == "fine"
     assert EventHub(store).max_log_bytes == validation.Limits().max_log_bytes == MIB
     store.close()
+
+
+def test_spec_limit_cannot_be_raised_past_one_frame() -> None:
+    """KERNELEVAL_LIMIT_MAX_SPEC_BYTES above what a job process can receive would accept specs
+    that are never delivered: it is held at the ceiling; lower values are kept."""
+    from kerneleval_server import validation
+    from kerneleval_server.framing import MAX_FRAME
+
+    high = validation.Limits.from_env({"KERNELEVAL_LIMIT_MAX_SPEC_BYTES": str(64 << 20)})
+    assert high.max_spec_bytes == validation.SPEC_BYTES_CEILING < MAX_FRAME
+    low = validation.Limits.from_env({"KERNELEVAL_LIMIT_MAX_SPEC_BYTES": str(1 << 20)})
+    assert low.max_spec_bytes == 1 << 20

@@ -287,6 +287,27 @@ def test_hanging_kernel_times_out_and_next_job_runs(stub) -> None:  # type: igno
     assert nxt.worker_id != job.worker_id
 
 
+def test_timed_out_job_hands_its_slot_to_a_warm_spare(stub, opstub, svc) -> None:  # type: ignore[no-untyped-def]
+    # One job at a time on the GPU (--workers-per-device 1): the job queued behind a hung one
+    # starts on a promoted spare as soon as the timeout fires, not when the hung process has
+    # died, and the GPU never gets a second job-taking process for it.
+    hang = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=3))).job
+    deadline = time.monotonic() + 60
+    while stub.GetJob(pb.GetJobRequest(job_id=hang.job_id)).job.state != job_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    nxt = evaluate(stub, k.spec())
+    hung = stub.GetJob(pb.GetJobRequest(job_id=hang.job_id)).job
+    assert hung.result.verdict == job_pb2.VERDICT_TIMEOUT
+    assert nxt.result.verdict == job_pb2.VERDICT_OK
+    gap = nxt.start_time.ToNanoseconds() - hung.end_time.ToNanoseconds()
+    assert -0.1e9 < gap < 1e9, gap / 1e9
+    for _ in range(30):
+        device = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices[0]
+        assert len([w for w in device.workers if not w.spare]) <= 1, device.workers
+        time.sleep(0.1)
+
+
 def test_crashing_kernel_is_crashed_and_next_job_runs(stub) -> None:  # type: ignore[no-untyped-def]
     job = evaluate(stub, k.spec(k.SEGFAULT))
     assert job.result.verdict == job_pb2.VERDICT_CRASHED, job.result
@@ -434,6 +455,11 @@ def test_list_devices_and_stats(svc: ServiceProcess, stub, opstub) -> None:  # t
     assert stats.jobs_by_state["JOB_STATE_DONE"] >= 1
     assert stats.jobs_by_verdict["VERDICT_OK"] >= 1
     assert stats.run_latency.sample_count >= 1 and stats.uptime.seconds >= 0
+    # A job process has run: the sandbox is known, and complete unless a feature is named.
+    missing = [w.feature for w in stats.sandbox_warnings if w.sandbox_feature]
+    assert stats.sandbox_state == (
+        ops.SANDBOX_STATE_INCOMPLETE if missing else ops.SANDBOX_STATE_COMPLETE
+    ), stats
 
 
 def test_xid_shows_in_watch_events_and_list_devices(svc: ServiceProcess, opstub) -> None:  # type: ignore[no-untyped-def]

@@ -39,6 +39,7 @@ CFG = json.loads(__CFG__)
 ESCAPED = []
 NOTES = []
 _libc = ctypes.CDLL(None, use_errno=True)
+IPC_KEY = 0x4B450C01  # the System V IPC key IPC_LEFTOVERS uses
 
 
 def escaped(what):
@@ -625,6 +626,21 @@ def module_attack():
     report()
 """
 
+# 9b. System V IPC objects (shared memory, a message queue, semaphores) outlive the process that
+# made them, in its IPC namespace: left for the next job on the GPU.
+IPC_LEFTOVERS = """
+def module_attack():
+    made = {
+        "shm": _libc.shmget(IPC_KEY, 4096, 0o1666),  # IPC_CREAT | 0666
+        "msg": _libc.msgget(IPC_KEY, 0o1666),
+        "sem": _libc.semget(IPC_KEY, 1, 0o1666),
+    }
+    note(f"made System V objects {made} under key {IPC_KEY:#x}")
+    if min(made.values()) < 0:
+        note(f"one failed: {errno.errorcode.get(ctypes.get_errno(), '?')}")
+    report()
+"""
+
 # 10. Frames on the job's channel (fd 3): a 20 MiB length, or garbage of a valid length.
 _CHANNEL = """
 def channel_fd():
@@ -727,6 +743,7 @@ def forward_attack():
 
 VICTIM_CHECKS = """
 import builtins
+import ctypes
 import glob
 import sys
 
@@ -744,6 +761,14 @@ if _eng.run_job is not _runner.run_job:
     _left.append("engine.run_job is not runner.run_job")
 if any(m.endswith("compare_forged") for m in sys.modules):
     _left.append("an earlier job's module in sys.modules")
+_ipc = ctypes.CDLL(None, use_errno=True)
+for _kind, _found in (
+    ("shared memory", _ipc.shmget(0x4B450C01, 0, 0)),
+    ("message queue", _ipc.msgget(0x4B450C01, 0)),
+    ("semaphore set", _ipc.semget(0x4B450C01, 0, 0)),
+):
+    if _found >= 0:
+        _left.append(f"an earlier job's System V {_kind}")
 _markers = glob.glob("/tmp/ke_marker_*") + glob.glob("/tmp/ke_fill*")
 if _markers:
     _left.append(f"an earlier job's files in /tmp: {_markers}")

@@ -12,6 +12,7 @@ Runs as root on Linux with the watchdog built (`make watchdog`), as CI runs `mak
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -525,7 +526,8 @@ def test_six_thousand_spawned_children(stub, svc: ServiceProcess) -> None:  # ty
 def test_memory_bomb_is_killed(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5: 4 GiB allocated and touched under a 1 GiB limit."""
     ran = attack(stub, svc, "memory-bomb", hs.MEMORY_BOMB, base_cfg(svc))
-    assert ran.verdict in NOT_OK_KILLED, ran.describe()
+    assert ran.verdict == job_pb2.VERDICT_OUT_OF_MEMORY, ran.describe()
+    assert ran.job.attempt_count == 1, ran.describe()  # its own doing: not run again
     next_tenants_are_judged_right(stub, svc, ran)
 
 
@@ -537,6 +539,18 @@ def test_filling_tmp_stops_at_its_size_and_nothing_carries_over(stub, svc: Servi
     assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
     assert_reported(ran, "fill-tmp")
     assert not list(Path("/tmp").glob(f"ke_marker_{NONCE}")), "the marker is in the host's /tmp"
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_system_v_ipc_objects_do_not_reach_the_next_job(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Shared memory, a message queue and semaphores made by one job are gone for the next job
+    on the GPU (each job process has its own IPC namespace), and were never in the host's."""
+    ran = attack(stub, svc, "ipc", hs.IPC_LEFTOVERS, base_cfg(svc))
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert_reported(ran, "ipc")
+    assert "made System V objects" in ran.logs, ran.describe()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.shmget(0x4B450C01, 0, 0) < 0 and libc.msgget(0x4B450C01, 0) < 0
     next_tenants_are_judged_right(stub, svc, ran)
 
 

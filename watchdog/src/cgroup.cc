@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -236,6 +237,16 @@ bool Cgroups::is_empty(const JobCgroup& cg) const {
   for (const auto& d : cg.dirs)
     if (!members(d).empty()) return false;
   return true;
+}
+
+bool Cgroups::oom_killed(const JobCgroup& cg) const {
+  // v2: memory.events; v1: memory.oom_control (kernel 4.13+). Both have "oom_kill N".
+  for (const auto& d : cg.dirs) {
+    std::string text = read_small_file(d + (v2_ ? "/memory.events" : "/memory.oom_control"));
+    const auto at = text.find("oom_kill ");
+    if (at != std::string::npos && std::atoll(text.c_str() + at + 9) > 0) return true;
+  }
+  return false;
 }
 
 bool Cgroups::kill(const JobCgroup& cg) const {

@@ -48,6 +48,8 @@ class Cgroups {
   // no process is left in it.
   bool kill(const JobCgroup& cg) const;
   bool is_empty(const JobCgroup& cg) const;
+  // Whether the kernel's OOM killer killed a process of it (its memory limit was reached).
+  bool oom_killed(const JobCgroup& cg) const;
   // rmdir of each folder; true when all are gone.
   bool remove(JobCgroup& cg) const;
   // The job cgroup name (worker id) that pid belongs to, from /proc/<pid>/cgroup; "" if none.

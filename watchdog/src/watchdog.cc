@@ -672,6 +672,21 @@ void Watchdog::fill(Device& d) {
   for (int n = live_workers(d.info.index, true); n < spares_wanted(); ++n) spawn(d, true);
 }
 
+void Watchdog::promote_spare(Device& d) {
+  if (!d.wanted || d.health != pb::HEALTH_HEALTHY || d.reset || shutting_down_) return;
+  // Never more job-taking processes than workers_per_device (one on its way out is not one).
+  if (live_workers(d.info.index, false) >= config_.workers_per_device()) return;
+  for (auto& [id, s] : workers_) {
+    if (s.device == d.info.index && s.spare && s.spawned() && s.exit_reason.empty()) {
+      s.spare = false;
+      pb::WatchdogEvent ev;
+      ev.mutable_worker_promoted()->set_worker_id(id);
+      emit(ev);
+      return;
+    }
+  }
+}
+
 void Watchdog::spawn(Device& d, bool spare) {
   Worker w;
   const int index = d.info.index;
@@ -746,6 +761,9 @@ void Watchdog::terminate(Worker& w, int grace_ms, const std::string& reason, boo
   if (w.exit_reason.empty()) {
     w.exit_reason = reason;
     w.replace = replace;
+    // A warm spare takes its place now, not when it has exited: a hung kernel's process may
+    // take its whole grace to die, and the next job need not wait for that.
+    if (replace && !w.spare) promote_spare(devices_[w.device]);
   }
   if (!w.spawned()) return;  // killed as soon as the zygote reports it
   if (grace_ms <= 0) {
@@ -783,6 +801,7 @@ Worker* Watchdog::worker_for_pid(pid_t pid) {
 void Watchdog::on_worker_exit(std::string id, int status) {
   Worker w = std::move(workers_.at(id));
   workers_.erase(id);
+  const bool oom = cgroups_.oom_killed(w.cgroup);  // read before the cgroup goes
   // Whatever it left behind (a setsid daemon, a fork bomb) dies with its cgroup.
   cgroups_.kill(w.cgroup);
   if (!cgroups_.remove(w.cgroup)) doomed_.push_back(w.cgroup);
@@ -791,7 +810,8 @@ void Watchdog::on_worker_exit(std::string id, int status) {
   const int code = signaled ? -1 : WEXITSTATUS(status);
   const int sig = signaled ? WTERMSIG(status) : 0;
   const bool on_purpose = !w.exit_reason.empty();
-  const std::string reason = on_purpose ? w.exit_reason : (signaled ? "crashed" : "exited");
+  const std::string reason =
+      on_purpose ? w.exit_reason : (oom ? "oom" : (signaled ? "crashed" : "exited"));
   // Code 0 or a configured retire code: the job process finished (it takes one job) or retired
   // itself (e.g. after a poisoned CUDA context). One that dies while it runs a job was killed
   // by that job. Neither is the GPU's or the service's fault, so neither trips the intensity
@@ -804,20 +824,13 @@ void Watchdog::on_worker_exit(std::string id, int status) {
   Device& d = devices_[w.device];
   bool restarting = false, tripped = false;
   int64_t backoff = 0;
-  std::string promoted;
+  bool promote = false;
   if (!on_purpose || w.replace) {
     if (failure) tripped = d.intensity.record_failure(now);
     if (!tripped && d.wanted && d.health == pb::HEALTH_HEALTHY && !d.reset && !shutting_down_) {
       restarting = true;
       backoff = failure ? d.intensity.backoff_ms(now) : 0;
-      if (!w.spare) {  // a spare takes its place at once
-        for (auto& [sid, s] : workers_)
-          if (s.device == w.device && s.spare && s.spawned() && s.exit_reason.empty()) {
-            s.spare = false;
-            promoted = sid;
-            break;
-          }
-      }
+      promote = !w.spare;  // a spare takes its place at once (if none did at the kill)
       if (backoff > 0) d.fill_due_ms = std::max(d.fill_due_ms, now + backoff);
     }
   }
@@ -831,11 +844,7 @@ void Watchdog::on_worker_exit(std::string id, int status) {
   ex->set_restarting(restarting);
   ex->set_backoff_ms(static_cast<int32_t>(backoff));
   emit(ev);
-  if (!promoted.empty()) {
-    pb::WatchdogEvent pe;
-    pe.mutable_worker_promoted()->set_worker_id(promoted);
-    emit(pe);
-  }
+  if (promote) promote_spare(d);
   if (tripped) {
     set_health(d, pb::HEALTH_UNHEALTHY,
                "restart intensity: more than " + std::to_string(config_.max_restarts()) +

@@ -113,6 +113,7 @@ class Watchdog {
   void on_zygote_exit(Device& d, int status);
   void stop_zygote(Device& d);
   void spawn(Device& d, bool spare);
+  void promote_spare(Device& d);
   void on_spawned(Device& d, const zpb::JobProcessSpawned& s);
   void failed_start(Device& d, const std::string& why);
   int spares_wanted() const;

@@ -163,10 +163,21 @@ def join_cgroups(procs_fds: Iterable[int]) -> None:
 # ---- credentials and limits -------------------------------------------------------------------
 
 
+def setgroups_denied() -> bool:
+    """In a user namespace made by an unprivileged service, setgroups(2) is denied for good
+    (/proc/self/setgroups "deny"): the groups are the service's, mapped to the overflow group,
+    and nobody inside can use or change them."""
+    try:
+        with open("/proc/self/setgroups") as f:
+            return f.read().strip() == "deny"
+    except OSError:
+        return False
+
+
 def drop_privileges(uid: int, gid: int) -> None:
     """setgroups([gid]), setresgid(gid), setresuid(uid): for every thread (glibc broadcasts)."""
     steps = (
-        ("setgroups", lambda: os.setgroups([gid])),
+        ("setgroups", lambda: None if setgroups_denied() else os.setgroups([gid])),
         ("setresgid", lambda: os.setresgid(gid, gid, gid)),
         ("setresuid", lambda: os.setresuid(uid, uid, uid)),
     )

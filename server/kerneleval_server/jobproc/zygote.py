@@ -11,8 +11,9 @@ candidate's code, reads ZygoteConfig, answers ZygoteReady, then serves SpawnJobP
 
 For each SpawnJobProcess (attached: the job end of the channel, then the cgroup.procs fds):
 
-    zygote --fork--> C (root): join the cgroups; unshare(NEWPID|NEWNS); mounts private;
-                     tmpfs /tmp and /dev/shm; fork G; report G's pid over a pipe; _exit
+    zygote --fork--> C (root): join the cgroups; unshare(NEWPID|NEWNS|NEWIPC|NEWNET);
+                     mounts private; tmpfs /tmp and /dev/shm; fork G; report G's pid over
+                     a pipe; _exit
     G (PID 1 of the new PID namespace, reparented to the watchdog, a subreaper):
                      mount /proc; only the channel left, as descriptor 3; environment =
                      job_env + KERNELEVAL_WORKER_ID; warm up (the job main module's warm_up(),
@@ -164,7 +165,15 @@ class Zygote:
                 cache_fd = fcntl.fcntl(opened, fcntl.F_DUPFD, 10)
                 os.close(opened)
             if self.config.new_namespaces:
-                sandbox.unshare(sandbox.CLONE_NEWPID | sandbox.CLONE_NEWNS)
+                # Its own IPC namespace (System V objects outlive their maker) and network
+                # namespace (abstract sockets, loopback) too: nothing shared with the next job
+                # or with one running beside it on the GPU.
+                sandbox.unshare(
+                    sandbox.CLONE_NEWPID
+                    | sandbox.CLONE_NEWNS
+                    | sandbox.CLONE_NEWIPC
+                    | sandbox.CLONE_NEWNET
+                )
                 sandbox.make_mounts_private()
                 sandbox.mount_tmpfs("/tmp", self.config.tmp_bytes)
                 if os.path.isdir("/dev/shm"):
