@@ -52,11 +52,11 @@ run() {
 for STAGE in "$@"; do
 case "$STAGE" in
   bench)  # overhead, recovery, timing fidelity
-    run 190 bench_overhead
+    run 420 bench_overhead
     run 180 bench_recovery --faults 10
     run 190 bench_timing_fidelity
     ;;
-  overhead) run 190 bench_overhead ;;
+  overhead) run 420 bench_overhead ;;
   recovery) run 180 bench_recovery --faults 10 ;;
   fidelity) run 190 bench_timing_fidelity ;;
   kernelbench)

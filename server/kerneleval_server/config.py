@@ -43,6 +43,9 @@ class Config:
     admin_token: str = field(default="", metadata={"help": "OperationsService token"})
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
     max_attempts: int = field(default=2, metadata={"help": "starts of one job at most"})
+    compile_cache_mib: int = field(
+        default=256, metadata={"help": "compiled kernels kept for jobs with the same code; 0 = off"}
+    )
     retention_hours: float = field(default=168.0, metadata={"help": "keep finished jobs this long"})
     sweep_interval_s: float = field(default=600.0, metadata={"help": "retention sweep period"})
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "running jobs' grace on stop"})
@@ -132,6 +135,8 @@ class Config:
         ):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1")
+        if self.compile_cache_mib < 0:
+            out.append("--compile-cache-mib must be >= 0")
         if self.job_user == "root":
             out.append("--job-user root: job processes never run as root")
         for path in self.sandbox_paths():

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import kernel_pb2
 
-from .framing import FrameError, encode, read_frame
+from .framing import MAX_FRAME, FrameError, encode, read_frame
 
 log = logging.getLogger("kerneleval.job_processes")
 
@@ -72,14 +73,26 @@ class WorkerState:
         self.writer.write(frame)
         return True
 
-    def assign(self, job_id: str, spec: kernel_pb2.JobSpec, attempt: int) -> bool:
+    def assign(
+        self,
+        job_id: str,
+        spec: kernel_pb2.JobSpec,
+        attempt: int,
+        compile_cache: Sequence[job_channel_pb2.CacheFile] = (),
+    ) -> bool:
         """Sends the process its one job. FrameError (nothing sent, nothing changed) when
-        the job does not fit in a frame; False when the channel is closed."""
+        the job does not fit in a frame; False when the channel is closed. The compile cache's
+        files go with it only where the frame has room for them."""
         if self.assigned_job_id:
             raise RuntimeError(f"job process {self.worker_id} already ran {self.assigned_job_id}")
-        msg = job_channel_pb2.FrontendMessage(
-            assign=job_channel_pb2.AssignJob(job_id=job_id, spec=spec, attempt=attempt)
-        )
+        assign = job_channel_pb2.AssignJob(job_id=job_id, spec=spec, attempt=attempt)
+        msg = job_channel_pb2.FrontendMessage(assign=assign)
+        if compile_cache:
+            with_cache = job_channel_pb2.FrontendMessage()
+            with_cache.CopyFrom(msg)
+            with_cache.assign.compile_cache.extend(compile_cache)
+            if with_cache.ByteSize() <= MAX_FRAME:
+                msg = with_cache
         frame = encode(msg.SerializeToString())
         self.assigned_job_id = self.job_id = job_id
         if self.writer is None or self.writer.is_closing():

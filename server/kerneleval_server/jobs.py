@@ -25,11 +25,13 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from . import faults
+from .compile_cache import CompileCache
 from .config import Config
 from .events import EventHub, OpsLog
 from .framing import FrameError
 from .job_processes import JobChannels, WorkerState, WorkerTable
 from .metrics import Metrics
+from .sandbox_report import SandboxReport, is_sandbox_feature
 from .scheduler import FairQueue, ProfilingGate, QueuedJob
 from .store import TERMINAL, Store
 from .watchdog import AttachedFd
@@ -75,6 +77,7 @@ class Running:
     grant_asked_at: float = 0.0  # loop time of a pending timing request
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
+    compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
 
 
 @dataclass
@@ -124,9 +127,10 @@ class JobManager:
         self.channels = JobChannels(self)
         # Devices whose job processes have come up warm (a Hello) since the watchdog started.
         self.warm_devices: set[int] = set()
-        # Sandbox features the host refused, and other warnings of the watchdog: feature ->
-        # message (also in the ops log and the service log, at WARNING).
-        self.warnings: dict[str, str] = {}
+        # Sandbox features the host refused, and other warnings of the watchdog (also in the
+        # ops log, the metrics and the service log, at WARNING); GetStats serves them.
+        self.sandbox = SandboxReport()
+        self.compile_cache = CompileCache(config.compile_cache_mib << 20)
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.watchdog: WatchdogLike | None = None
@@ -202,8 +206,9 @@ class JobManager:
         job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
+        cached = self.compile_cache.files_for(job.spec, worker.device_index)
         try:
-            sent = worker.assign(job_id, job.spec, job.attempt_count + 1)
+            sent = worker.assign(job_id, job.spec, job.attempt_count + 1, cached)
         except FrameError as exc:
             # Validation should have refused it; never leave it RUNNING on a process that
             # never got it. The process stays ready for the next job.
@@ -223,7 +228,12 @@ class JobManager:
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
         self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
-        run = Running(job=job, worker=worker, timeout_s=timeout_of(job.spec, self.max_timeout_s))
+        run = Running(
+            job=job,
+            worker=worker,
+            timeout_s=timeout_of(job.spec, self.max_timeout_s),
+            compile_cache=list(cached),
+        )
         self.running[job_id] = run
         worker.job_id = job_id
         self.metrics.running.set(len(self.running))
@@ -335,6 +345,12 @@ class JobManager:
         if run is None or run.worker is not worker:
             return
         run.outcome = outcome
+        if outcome.compile_cache:
+            why = self.compile_cache.store(
+                run.job.spec, worker.device_index, run.compile_cache, list(outcome.compile_cache)
+            )
+            if why:
+                log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
         # A job process runs one job: it exits now and the watchdog promotes a spare. Until
         # then the watchdog keeps it as the job's worker, so that an XID to come names this job.
         worker.gone = True
@@ -606,6 +622,8 @@ class JobManager:
                 w.device_index,
                 worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
             )
+            if self.sandbox.started_job_process():
+                self._log_sandbox()
         elif kind == "worker_promoted":
             promoted = self.workers.by_id.get(ev.worker_promoted.worker_id)
             if promoted is not None:
@@ -632,11 +650,28 @@ class JobManager:
             self.counters["resets"] += 1
             self.metrics.gpu_resets.labels(str(rf.device_index), str(rf.success).lower()).inc()
         elif kind == "warning":
-            feature, message = ev.warning.feature, ev.warning.message
-            self.warnings[feature or "watchdog"] = message
-            self.metrics.sandbox_warnings.labels(feature or "watchdog").set(1)
-            self.ops.emit(-1, warning=f"{feature}: {message}")
-            log.warning("watchdog: %s: %s", feature, message)
+            self._on_warning(ev.warning.feature or "watchdog", ev.warning.message)
+
+    def _on_warning(self, feature: str, message: str) -> None:
+        self.metrics.sandbox_warnings.labels(feature).set(1)
+        if not self.sandbox.warn(feature, message):
+            return  # said already (a restarted watchdog says it again)
+        self.ops.emit(-1, warning=f"{feature}: {message}")
+        if is_sandbox_feature(feature):
+            log.warning("sandbox incomplete (%s): %s", feature, message)
+        else:
+            log.warning("watchdog warning: %s: %s", feature, message)
+
+    def _log_sandbox(self) -> None:
+        """Once a job process has started: the sandbox it got, in one line."""
+        missing = self.sandbox.missing()
+        if missing:
+            log.warning(
+                "sandbox incomplete: job processes run without %s (kerneleval doctor, GetStats)",
+                ", ".join(missing),
+            )
+        else:
+            log.info("sandbox complete: the host gave every feature of the job sandbox")
 
     def _worker_info(self, w: watchdog_pb2.Worker) -> ops_pb2.WorkerInfo:
         info = ops_pb2.WorkerInfo(
@@ -787,6 +822,7 @@ class JobManager:
     def watchdog_lost(self) -> None:
         """The watchdog died: its workers are gone with it (parent-death signal)."""
         self.warm_devices.clear()
+        self.sandbox.watchdog_lost()
         for worker in list(self.workers.by_id.values()):
             exited = watchdog_pb2.WorkerExited(
                 exit_code=-1, signal=9, reason="stopped", restarting=True

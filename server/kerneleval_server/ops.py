@@ -220,6 +220,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             worker_restart_count=self.m.counters["restarts"],
             gpu_reset_count=self.m.counters["resets"],
             xid_count=self.m.counters["xids"],
+            sandbox_warnings=self.m.sandbox.to_proto(),
+            sandbox_state=self.m.sandbox.state(),
         )
         resp.uptime.FromNanoseconds(int((time.time() - self.m.started_at) * 1e9))
         return resp

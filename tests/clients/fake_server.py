@@ -409,6 +409,8 @@ class FakeOpsService(operations_service_pb2_grpc.OperationsServiceServicer):
         self._auth(context)
         resp = operations_service_pb2.GetStatsResponse(queue_depth=0, fault_count=1, xid_count=1)
         resp.jobs_by_state["JOB_STATE_DONE"] = len(self.s.jobs)
+        resp.sandbox_state = operations_service_pb2.SANDBOX_STATE_COMPLETE
+        resp.sandbox_warnings.add(feature="kmsg", message="cannot read /dev/kmsg (EACCES)")
         return resp
 
 

@@ -153,8 +153,11 @@ def test_operations_commands(fake, capsys, monkeypatch):
     assert code == 0 and out.startswith("deleted 7200 finished job(s)")  # the fake echoes seconds
     code, out, _ = run(fake, capsys, "stats")
     assert code == 0 and "faults           1" in out and "XIDs             1" in out
+    assert "sandbox          complete" in out
+    assert "watchdog warning (kmsg): cannot read /dev/kmsg (EACCES)" in out
     code, out, _ = run(fake, capsys, "stats", "--json")
     assert json.loads(out)["faultCount"] == "1"
+    assert json.loads(out)["sandboxState"] == "SANDBOX_STATE_COMPLETE"
     code, out, _ = run(fake, capsys, "reset-gpu", "0", "--yes", "--grace", "1")
     assert code == 0 and "check_health" in out and "healthy again" in out
     assert fake.state.reset_calls[-1] == 0
@@ -245,12 +248,15 @@ def test_doctor_without_a_gpu(fake, capsys, tmp_path, monkeypatch):
     assert "recent XID on 0: 31 (application) -> restart_worker" in out
     assert "faults in the last 200 jobs: 1" in out
     assert "CRASHED" in out and "killed by SIGSEGV" in out
+    assert "sandbox: complete" in out and "MISSING" not in out
+    assert "watchdog warning (kmsg): cannot read /dev/kmsg (EACCES)" in out
     from kerneleval import doctor
 
     monkeypatch.setattr(doctor, "check_python_stack", lambda r: r.section("torch").add("x", "y"))
     code, out, _ = run(fake, capsys, "doctor", "--json")
     report = json.loads(out)
     assert "devices: skipped" in " ".join(report[f"service at {fake.address}"])
+    assert "sandbox: skipped" in " ".join(report[f"service at {fake.address}"])
 
 
 def test_doctor_with_nothing_reachable(capsys, monkeypatch, tmp_path):

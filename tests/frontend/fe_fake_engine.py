@@ -64,6 +64,22 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
         result.error.cuda_error_name = "cudaErrorIllegalAddress"
         result.error.cuda_error_code = 700
         return Outcome(result, context_poisoned=True)
+    if cmd["do"] == "compile":
+        # Acts out a compiler with a cache: lists what its cache folder held, then "compiles"
+        # (writes a file named after the kernel), as Triton does into TRITON_CACHE_DIR.
+        cache = os.environ["TRITON_CACHE_DIR"]
+        found = sorted(
+            os.path.relpath(os.path.join(d, f), cache)
+            for d, _, names in os.walk(cache)
+            for f in names
+        )
+        result.notes.append("cache held " + json.dumps(found))
+        os.makedirs(os.path.join(cache, "abc"), exist_ok=True)
+        with open(os.path.join(cache, "abc", f"{cmd['name']}.cubin"), "w") as f:
+            f.write(cmd["name"])
+        result.verdict = job_pb2.VERDICT_OK
+        result.correctness = True
+        return Outcome(result)
     seconds = float(cmd["seconds"])
     start = time.time()
     time.sleep(seconds)

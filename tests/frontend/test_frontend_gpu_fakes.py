@@ -126,3 +126,26 @@ def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProc
         ops.ListDevicesRequest(), metadata=svc.auth(), timeout=10
     ).devices
     assert device.health == ops.DEVICE_HEALTH_HEALTHY, device.health_reason
+
+
+def test_compile_cache_reaches_only_jobs_with_the_same_code(svc: ServiceProcess) -> None:
+    """What a job compiled comes back to the front end and is written into the private cache
+    of a later job with exactly the same code, in another job process; never into another's."""
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+
+    def held(name: str) -> tuple[list[str], str]:
+        job = stub.Evaluate(
+            pb.EvaluateRequest(spec=command_spec({"do": "compile", "name": name})), timeout=60
+        ).job
+        assert job.result.verdict == job_pb2.VERDICT_OK, job.result
+        (note,) = [n for n in job.result.notes if n.startswith("cache held ")]
+        return json.loads(note.removeprefix("cache held ")), job.worker_id
+
+    first, w1 = held("alpha")
+    assert first == []
+    second, w2 = held("alpha")
+    assert second == ["abc/alpha.cubin"] and w2 != w1
+    other, _ = held("beta")
+    assert other == []  # other code: nothing of alpha's
+    third, _ = held("alpha")
+    assert third == ["abc/alpha.cubin"]  # beta's file went to beta's entry only

@@ -23,3 +23,5 @@ DEFAULT_JOB_MAIN = "kerneleval_server.jobproc.runtime:main"
 WORKER_ID_ENV = "KERNELEVAL_WORKER_ID"
 
 MAX_LOG_LINE_BYTES = 64 * 1024
+# Where Triton keeps what it compiled; a job process gets a private, empty one.
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"

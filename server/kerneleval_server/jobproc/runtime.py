@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
+from ..compile_cache import MAX_ENTRY_BYTES, MAX_FILES
 from ..framing import FrameError, encode, recv_frame
 from . import (
     DEFAULT_ENGINE,
@@ -46,10 +47,12 @@ from . import (
     MAX_LOG_LINE_BYTES,
     OK_EXIT,
     POISONED_EXIT,
+    TRITON_CACHE_ENV,
     WORKER_ID_ENV,
 )
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
 
 # ---- before the fork: the zygote's side ---------------------------------------------------------
 
@@ -280,11 +283,56 @@ def device_info(device_index: int) -> job_pb2.DeviceInfo:
     return info
 
 
+# ---- the compile cache: what earlier jobs with this code compiled (compile_cache.py) ----------
+
+
+def _cache_path(root: Path, rel: str) -> Path | None:
+    """root/rel for a plain relative path; None for anything that could leave root."""
+    parts = Path(rel).parts
+    if not rel or rel.startswith("/") or any(p in ("..", ".", "") for p in parts):
+        return None
+    return root.joinpath(*parts)
+
+
+def seed_compile_cache(root: Path, files: Any) -> set[str]:
+    """Writes the given files into the job's own (empty) compile cache; their paths."""
+    seeded: set[str] = set()
+    for f in files:
+        path = _cache_path(root, f.path)
+        if path is None:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f.data)
+        seeded.add(f.path)
+    return seeded
+
+
+def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.CacheFile]:
+    """Files the job added to its compile cache, if they are few and small enough to send."""
+    out: list[job_channel_pb2.CacheFile] = []
+    total = 0
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or path.is_symlink():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel in seeded or rel.startswith("tmp.") or "/tmp." in rel:  # Triton's own temporaries
+            continue
+        data = path.read_bytes()
+        total += len(data)
+        if total > MAX_ENTRY_BYTES or len(out) >= MAX_FILES:
+            return []  # too big to keep: the next job compiles again
+        out.append(job_channel_pb2.CacheFile(path=rel, data=data))
+    return out
+
+
 def _run_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob) -> bool:
     """Runs the job; sends its outcome; returns whether the CUDA context is poisoned."""
     reporter = _Reporter(channel, assign.job_id)
     base = os.environ.get("TMPDIR") or "/tmp"
     job_dir = Path(tempfile.mkdtemp(prefix="job-", dir=base))
+    cache_dir = Path(tempfile.mkdtemp(prefix="compile-cache-", dir=base))
+    os.environ[TRITON_CACHE_ENV] = str(cache_dir)  # read by Triton when it compiles
+    seeded = seed_compile_cache(cache_dir, assign.compile_cache)
     channel.job_running = True
     try:
         outcome = engine.run_job(assign.spec, reporter, engine.EngineConfig(work_dir=job_dir))
@@ -296,15 +344,20 @@ def _run_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.Assi
         result.error.traceback = traceback.format_exc()[-8000:]
         poisoned = False
     channel.finishing = True
+    added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
     channel.send(
         job_channel_pb2.JobProcessMessage(
             outcome=job_channel_pb2.JobOutcome(
-                job_id=assign.job_id, result=result, context_poisoned=poisoned
+                job_id=assign.job_id,
+                result=result,
+                context_poisoned=poisoned,
+                compile_cache=added,
             )
         )
     )
     if not poisoned:  # the private /tmp goes with the process; without one, clean up
         shutil.rmtree(job_dir, ignore_errors=True)
+        shutil.rmtree(cache_dir, ignore_errors=True)
     return poisoned
 
 

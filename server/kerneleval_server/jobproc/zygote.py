@@ -50,6 +50,7 @@ from . import (
     DEFAULT_JOB_MAIN,
     JOB_MAIN_ENV,
     SETUP_FAILED_EXIT,
+    TRITON_CACHE_ENV,
     WORKER_ID_ENV,
     runtime,
     sandbox,
@@ -57,7 +58,6 @@ from . import (
 
 CHANNEL_FD = 3
 SPAWN_TIMEOUT_S = 30.0
-TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
 JobMain = Callable[[int], int]
 

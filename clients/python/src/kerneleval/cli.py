@@ -339,8 +339,12 @@ def cmd_stats(a: argparse.Namespace, c: Client) -> int:
         ("GPU resets", str(st.gpu_reset_count)),
         ("XIDs", str(st.xid_count)),
     ]
+    sandbox = render.sandbox_lines(st)
+    rows.append(sandbox[0])
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+    for key, value in sandbox[1:]:  # what the host refused the sandbox, and other warnings
+        print(f"{key}: {value}")
     return EXIT_OK
 
 

@@ -260,7 +260,7 @@ def check_service(
 ) -> None:
     from kerneleval import errors
     from kerneleval.client import Client
-    from kerneleval.render import devices_table, job_summary, verdict_name
+    from kerneleval.render import devices_table, job_summary, sandbox_lines, verdict_name
 
     s = r.section(f"service at {address}")
     with Client(address, timeout=timeout, admin_token=admin_token, credentials=credentials) as c:
@@ -283,6 +283,7 @@ def check_service(
             s.add("jobs", f"{e.code.name}: {e.details}")
         if not c.admin_token:
             s.add("devices", "skipped (needs --admin-token or $KERNELEVAL_ADMIN_TOKEN)")
+            s.add("sandbox", "skipped (needs --admin-token or $KERNELEVAL_ADMIN_TOKEN)")
             return
         try:
             devices = c.list_devices()
@@ -301,6 +302,9 @@ def check_service(
                 f"queue {st.queue_depth}, faults {st.fault_count}, worker restarts "
                 f"{st.worker_restart_count}, resets {st.gpu_reset_count}, XIDs {st.xid_count}",
             )
+            # What the host refused the job processes' sandbox (issue 12): never silent.
+            for key, value in sandbox_lines(st):
+                s.add(key, value)
         except errors.KernelEvalError as e:
             s.add("operations", f"{e.code.name}: {e.details}")
 

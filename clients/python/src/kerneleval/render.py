@@ -333,6 +333,30 @@ def devices_table(devices: Sequence[operations_service_pb2.Device]) -> str:
     return table(headers, rows)
 
 
+def sandbox_summary(st: operations_service_pb2.GetStatsResponse) -> str:
+    """One line: whether job processes run in the full sandbox (GetStats.sandbox_state)."""
+    missing = [w.feature for w in st.sandbox_warnings if w.sandbox_feature]
+    if st.sandbox_state == operations_service_pb2.SANDBOX_STATE_INCOMPLETE or missing:
+        return f"INCOMPLETE: job processes run without {', '.join(missing) or '?'}"
+    if st.sandbox_state == operations_service_pb2.SANDBOX_STATE_COMPLETE:
+        return "complete"
+    return "not known yet (no job process has started since the watchdog started)"
+
+
+def sandbox_lines(st: operations_service_pb2.GetStatsResponse) -> list[tuple[str, str]]:
+    """(key, value) rows: the summary, each missing feature, each other watchdog warning."""
+    rows = [("sandbox", sandbox_summary(st))]
+    rows += [
+        (f"  MISSING {w.feature}", w.message) for w in st.sandbox_warnings if w.sandbox_feature
+    ]
+    rows += [
+        (f"watchdog warning ({w.feature})", w.message)
+        for w in st.sandbox_warnings
+        if not w.sandbox_feature
+    ]
+    return rows
+
+
 def ops_event_line(ev: operations_service_pb2.OpsEvent) -> str:
     head = f"{fmt_time(ev.time)}  #{ev.sequence}  {device_label(ev.device_index)}  "
     kind = ev.WhichOneof("kind")

@@ -1,0 +1,123 @@
+"""What jobs compiled (Triton's cache folder), kept for later jobs with exactly the same code.
+
+A job process starts with an empty, private compile cache: with nothing shared between jobs, a
+tiny Triton kernel would compile again in every job (0.5-0.8 s on an H100). After a job, its
+process sends the files its compile cache gained (JobOutcome.compile_cache); the front end keeps
+them under a key it computes itself from the job's code: the kernel and the reference sources
+with their IOContracts and entry points, and the device. A later job whose key is the same gets
+the files written into its own private cache before it runs (AssignJob.compile_cache).
+
+Why this does not carry anything of one tenant's job into another's: the files come from a job
+that ran exactly the code the receiving job runs, so they hold nothing that code could not have
+made in its own process; a job with other code never sees them. The files are checked here
+(relative paths, counts, sizes) and only ever written into a job process's private folder.
+
+Bounded by bytes (least recently used out first); in memory, so a restart starts empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from collections import OrderedDict
+
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import kernel_pb2
+
+MAX_FILES = 256  # per entry
+MAX_ENTRY_BYTES = 3 << 20  # per entry: it travels with the spec in one frame
+
+
+def cache_key(spec: kernel_pb2.JobSpec, device_index: int) -> str:
+    h = hashlib.sha256()
+    for part in (spec.kernel, spec.reference):
+        data = part.SerializeToString(deterministic=True)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    h.update(str(device_index).encode())
+    return h.hexdigest()
+
+
+def check_files(files: list[job_channel_pb2.CacheFile]) -> str:
+    """Why these files cannot be kept ("" when they can)."""
+    if len(files) > MAX_FILES:
+        return f"{len(files)} files, more than {MAX_FILES}"
+    total = 0
+    for f in files:
+        path = f.path
+        norm = posixpath.normpath(path)
+        if (
+            not path
+            or len(path) > 512
+            or path.startswith("/")
+            or norm != path
+            or norm == ".."
+            or norm.startswith("../")
+            or "\0" in path
+        ):
+            return f"the path {path[:80]!r} is not a plain relative path"
+        total += len(f.data)
+    if total > MAX_ENTRY_BYTES:
+        return f"{total} bytes, more than {MAX_ENTRY_BYTES}"
+    return ""
+
+
+class CompileCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, list[job_channel_pb2.CacheFile]] = OrderedDict()
+
+    @staticmethod
+    def _size(files: list[job_channel_pb2.CacheFile]) -> int:
+        return sum(len(f.data) + len(f.path) for f in files)
+
+    def files_for(
+        self, spec: kernel_pb2.JobSpec, device_index: int
+    ) -> list[job_channel_pb2.CacheFile]:
+        if self.max_bytes <= 0:
+            return []
+        key = cache_key(spec, device_index)
+        files = self._entries.get(key)
+        if files is None:
+            self.misses += 1
+            return []
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return files
+
+    def store(
+        self,
+        spec: kernel_pb2.JobSpec,
+        device_index: int,
+        given: list[job_channel_pb2.CacheFile],
+        added: list[job_channel_pb2.CacheFile],
+    ) -> str:
+        """Keeps what the job was given plus what it added. Returns why not ("" when kept or
+        when there was nothing to keep)."""
+        if self.max_bytes <= 0 or not added:
+            return ""
+        files = {f.path: f for f in given}
+        files.update((f.path, f) for f in added)
+        merged = list(files.values())
+        why = check_files(merged)
+        if why:
+            return why
+        size = self._size(merged)
+        if size > self.max_bytes:
+            return f"{size} bytes, more than the whole cache"
+        key = cache_key(spec, device_index)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= self._size(old)
+        self._entries[key] = merged
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= self._size(evicted)
+        return ""
+
+    def __len__(self) -> int:
+        return len(self._entries)
