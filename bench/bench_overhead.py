@@ -41,14 +41,42 @@ BASELINE = Path(__file__).resolve().parent / "_baseline.py"
 SPECS = {"triton_io": K.triton_add_io_spec, "modelnew": K.triton_add_spec}
 
 
+SEGMENTS = {
+    "accepted -> started": ("created", "started"),
+    "started -> compiling (job process got it)": ("started", "PHASE_COMPILING"),
+    "compiling (import, build, load)": ("PHASE_COMPILING", "PHASE_VALIDATING"),
+    "validating (inputs, reference, checks)": ("PHASE_VALIDATING", "after_validating"),
+    "profiling (warm-up, timed trials)": ("PHASE_PROFILING", "finished"),
+    "finished -> result at client": ("finished", "client"),
+}
+
+
+def breakdown(
+    c: Any, job: job_pb2.Job, client_done: float
+) -> dict[str, float]:
+    """Seconds of each segment of one job, from its persisted events' timestamps."""
+    at: dict[str, float] = {"created": C.ts(job.create_time), "client": client_done}
+    for ev in c.watch(job.job_id):
+        kind = ev.WhichOneof("kind")
+        if kind == "phase":
+            at.setdefault(job_pb2.Phase.Name(ev.phase.phase), C.ts(ev.time))
+        elif kind in ("started", "finished"):
+            at.setdefault(kind, C.ts(ev.time))
+    at["after_validating"] = at.get("PHASE_PROFILING", at.get("finished", 0.0))
+    return {
+        name: at[b] - at[a] for name, (a, b) in SEGMENTS.items() if a in at and b in at
+    }
+
+
 def service_latencies(
     svc: C.Service, kind: str, n: int, count: int, perf: int, warmup_calls: int, pace_s: float
-) -> tuple[list[float], int]:
-    """Wall seconds per Evaluate and how many came back OK."""
+) -> tuple[list[float], int, dict[str, list[float]]]:
+    """Wall seconds per Evaluate, how many came back OK, and where the time went."""
     spec = SPECS[kind](n)
     spec.options.CopyFrom(K.options(correct=1, perf=perf, warmup=3 if perf else 0))
     walls: list[float] = []
     ok = 0
+    timed: list[tuple[job_pb2.Job, float]] = []
     with svc.client() as c:
         for i in range(warmup_calls + count):
             time.sleep(pace_s)  # the pool refills: a warm job process waits for this call
@@ -58,10 +86,15 @@ def service_latencies(
             if i < warmup_calls:
                 continue
             walls.append(wall)
+            timed.append((job, time.time()))
             ok += job.result.verdict == job_pb2.VERDICT_OK
             if job.result.verdict != job_pb2.VERDICT_OK and ok == 0 and len(walls) == 1:
                 print("first Evaluate not OK:", job.result, flush=True)
-    return walls, ok
+        parts: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+        for job, done in timed:  # after the calls: reading events does not slow them
+            for name, seconds in breakdown(c, job, done).items():
+                parts[name].append(seconds)
+    return walls, ok, parts
 
 
 def fresh_latencies(kernel: Path, ref: Path, count: int, perf: int) -> tuple[list[float], int]:
@@ -121,15 +154,18 @@ def main() -> int:
     flags = [] if smoke else ["--devices", args.device]
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
-    data: dict[str, Any] = {"elements": n, "modes": {}}
+    data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}
     try:
         svc.wait_workers(1)
         for kind in SPECS:
             for perf in (0, 20):
-                walls, ok = service_latencies(svc, kind, n, requests, perf, 3, pace)
+                walls, ok, parts = service_latencies(svc, kind, n, requests, perf, 3, pace)
                 data["modes"][f"{kind}_perf{perf}"] = {"ok": ok, **C.summary(walls)}
+                data["breakdown"][f"{kind}_perf{perf}"] = {
+                    name: C.summary(v) for name, v in parts.items() if v
+                }
                 print(f"{kind} perf={perf}: {ok}/{len(walls)} OK", flush=True)
-        walls, ok = service_latencies(svc, "triton_io", n, requests, 0, 0, 0.0)
+        walls, ok, _ = service_latencies(svc, "triton_io", n, requests, 0, 0, 0.0)
         data["modes"]["triton_io_back_to_back"] = {"ok": ok, **C.summary(walls)}
         print(f"back to back: {ok}/{len(walls)} OK", flush=True)
     finally:
@@ -175,11 +211,21 @@ def main() -> int:
     ]
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
+    modes = list(data["breakdown"])
+    parts_rows = [
+        [name, *(data["breakdown"][m].get(name, {}).get("median", 0.0) * 1e3 for m in modes)]
+        for name in SEGMENTS
+    ]
+    notes.append(
+        "Where the time goes: medians of each segment of the service's jobs, from the jobs' "
+        "own event timestamps (the rest of the wall time is gRPC and the client)."
+    )
     C.write_results(
         args.out, "bench_overhead", "Evaluate overhead vs a process per evaluation", info,
         data,
         [("Latency per evaluation (ms)",
-          ["mode", "n", "OK", "median ms", "p99 ms", "x service"], rows)],
+          ["mode", "n", "OK", "median ms", "p99 ms", "x service"], rows),
+         ("Where an Evaluate's time goes (median ms)", ["segment", *modes], parts_rows)],
         notes,
     )  # fmt: skip
     ok_all = all(m["ok"] == m["n"] for m in data["modes"].values())

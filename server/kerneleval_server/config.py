@@ -72,7 +72,9 @@ class Config:
         default=0, metadata={"help": "worker failures per window before a device is unhealthy"}
     )
     restart_window_s: int = field(default=0, metadata={"help": "restart intensity window"})
-    isolate_network: bool = field(default=True, metadata={"help": "job processes without network"})
+    isolate_network: bool = field(
+        default=True, metadata={"help": "job processes without network (always; false is refused)"}
+    )
     job_user: str = field(
         default="",
         metadata={
@@ -135,6 +137,11 @@ class Config:
         ):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.isolate_network:
+            out.append(
+                "--isolate-network false: job processes always run in a network namespace of "
+                "their own, with only lo (the sandbox has no way back to the host's network)"
+            )
         if self.compile_cache_mib < 0:
             out.append("--compile-cache-mib must be >= 0")
         if self.job_user == "root":

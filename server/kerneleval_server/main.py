@@ -299,7 +299,7 @@ class Server:
         kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
             KernelEvalService(self.manager, self.limits), server
         )
-        ops = OperationsService(self.manager, token, self.watchdog_dir / "workers")
+        ops = OperationsService(self.manager, token)
         operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-import shutil
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +20,6 @@ log = logging.getLogger("kerneleval.ops")
 
 DEFAULT_RESET_GRACE_S = 30.0
 MAX_RESET_GRACE_S = 3600.0
-STALE_FOLDER_S = 600.0
 
 
 def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
@@ -39,10 +36,9 @@ def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
 
 
 class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
-    def __init__(self, manager: JobManager, admin_token: str, workers_dir: Path | None) -> None:
+    def __init__(self, manager: JobManager, admin_token: str) -> None:
         self.m = manager
         self._token = admin_token.encode()
-        self._workers_dir = workers_dir
 
     async def _auth(self, context: Any) -> None:
         for key, value in context.invocation_metadata() or ():
@@ -180,20 +176,13 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             raise
         return pb.RestartWorkersResponse(restarted_count=count)
 
-    def cleanup(self, older_than_s: float) -> tuple[int, int]:
+    def cleanup(self, older_than_s: float) -> int:
+        """Deletes finished jobs; job processes leave no folders (their /tmp is a tmpfs that
+        goes with them), so there is nothing else to sweep."""
         deleted = self.m.store.delete_finished_before(time.time() - older_than_s)
-        removed = 0
-        if self._workers_dir is not None and self._workers_dir.is_dir():
-            live = set(self.m.workers.by_id)
-            for folder in self._workers_dir.iterdir():
-                # Young folders may belong to a worker that is starting right now.
-                age = time.time() - folder.stat().st_mtime
-                if folder.is_dir() and folder.name not in live and age > STALE_FOLDER_S:
-                    shutil.rmtree(folder, ignore_errors=True)
-                    removed += 1
-        if deleted or removed:
-            log.info("cleanup: %d jobs, %d worker folders", deleted, removed)
-        return deleted, removed
+        if deleted:
+            log.info("cleanup: %d jobs", deleted)
+        return deleted
 
     async def Cleanup(self, request: pb.CleanupRequest, context: Any) -> pb.CleanupResponse:
         await self._auth(context)
@@ -204,8 +193,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "older_than: must be >= 0")
         else:
             older = self.m.config.retention_hours * 3600.0
-        deleted, removed = self.cleanup(older)
-        return pb.CleanupResponse(deleted_job_count=deleted, removed_folder_count=removed)
+        return pb.CleanupResponse(deleted_job_count=self.cleanup(older))
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
         await self._auth(context)

@@ -83,7 +83,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[Harness]:
         KernelEvalService(manager, validation.Limits()), server
     )
     operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(
-        OperationsService(manager, ADMIN, None), server
+        OperationsService(manager, ADMIN), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -13,12 +13,8 @@ import os
 
 
 def configure_process_environment() -> None:
-    """Call at worker start, before triton is imported: without a GPU, Triton kernels run
-    under its interpreter (TRITON_INTERPRET=1); caches go to the worker's private folder."""
-    worker_dir = os.environ.get("KERNELEVAL_WORKER_DIR")
-    if worker_dir:
-        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(worker_dir, "triton_cache"))
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(worker_dir, "torch_extensions"))
+    """Call in the zygote, before triton is imported: without a GPU, Triton kernels run under
+    its interpreter (TRITON_INTERPRET=1). (Each job process gets its own compile caches.)"""
     if "TRITON_INTERPRET" not in os.environ:
         import torch
 

@@ -303,10 +303,7 @@ def cmd_restart_workers(a: argparse.Namespace, c: Client) -> int:
 def cmd_cleanup(a: argparse.Namespace, c: Client) -> int:
     older = None if a.older_than_hours is None else a.older_than_hours * 3600
     resp = c.cleanup(older)
-    print(
-        f"deleted {resp.deleted_job_count} finished job(s), "
-        f"removed {resp.removed_folder_count} worker folder(s)"
-    )
+    print(f"deleted {resp.deleted_job_count} finished job(s)")
     return EXIT_OK
 
 
