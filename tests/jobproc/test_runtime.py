@@ -3,6 +3,7 @@ Hello first (no Welcome awaited), exactly one job, phases, the grant wait, VERDI
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -122,3 +123,32 @@ def test_log_lines_are_capped() -> None:
     long = "é" * MAX_LOG_LINE_BYTES  # two bytes each
     cut = _truncate(long)
     assert len(cut.encode()) <= MAX_LOG_LINE_BYTES and cut == "é" * (MAX_LOG_LINE_BYTES // 2)
+
+
+def test_zygote_loads_what_every_job_would_pay_for_before_it_forks() -> None:
+    """After load_engine (in the zygote, before any fork): the modules jobs import on first use
+    are loaded and Triton's own hash is computed, so a forked job process pays neither."""
+    probe = """
+import json, os, sys
+from kerneleval_server.jobproc.runtime import PREIMPORTED, load_engine
+load_engine()
+from triton.runtime.cache import triton_key
+pid = os.fork()
+if pid == 0:
+    loaded = [m for m in PREIMPORTED if m in sys.modules]
+    print(json.dumps({"loaded": loaded, "cached": triton_key.cache_info().currsize}))
+    sys.stdout.flush()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "torch.utils.cpp_extension" in report["loaded"] and "triton" in report["loaded"]
+    assert report["cached"] == 1
