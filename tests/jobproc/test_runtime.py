@@ -152,3 +152,27 @@ os.waitpid(pid, 0)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert "torch.utils.cpp_extension" in report["loaded"] and "triton" in report["loaded"]
     assert report["cached"] == 1
+
+
+def test_warm_up_job_passes_through_the_real_engine() -> None:
+    """The evaluation a job process runs in its warm-up (on a GPU) is a valid spec that the
+    engine judges OK; on this machine it runs on the CPU under Triton's interpreter."""
+    probe = """
+from kerneleval_server.jobproc import warm_job
+from kerneleval_server.jobproc.runtime import load_engine
+from kerneleval_server.validation import validate_spec
+assert validate_spec(warm_job.spec()) == []
+engine, _ = load_engine()
+result = warm_job.run(engine)
+print(result.verdict, result.correctness, result.runtime.median_ms > 0)
+"""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    verdict, correct, timed = out.stdout.split()[-3:]
+    assert int(verdict) == job_pb2.VERDICT_OK and correct == timed == "True", out.stdout

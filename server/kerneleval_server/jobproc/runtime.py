@@ -49,6 +49,7 @@ from . import (
     POISONED_EXIT,
     TRITON_CACHE_ENV,
     WORKER_ID_ENV,
+    warm_job,
 )
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -167,9 +168,10 @@ def cuda_driver_threads() -> list[str]:
 
 
 def warm_up() -> None:
-    """As root, before the drop, in a fresh job process: CUDA context, a cuBLAS matmul and one
-    tiny Triton kernel, so that the job starts warm. Nothing without a visible GPU. Failures are
-    printed; the job reports what is wrong with the device."""
+    """As root, before the drop, in a fresh job process: CUDA context, a cuBLAS matmul, one
+    tiny Triton kernel and a tiny evaluation through the engine (warm_job.py), so that the job
+    starts warm. Nothing without a visible GPU. Failures are printed; the job reports what is
+    wrong with the device."""
     torch: Any = sys.modules.get("torch")
     if torch is None or not gpu_visible():
         return
@@ -182,6 +184,11 @@ def warm_up() -> None:
         (a @ a).sum().item()
         if "triton" in sys.modules:
             _warm_triton(torch)
+        engine = sys.modules.get(DEFAULT_ENGINE)
+        if engine is not None and (os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE) == DEFAULT_ENGINE:
+            result = warm_job.run(engine)  # the real engine only: a test engine has its own
+            if result.verdict != job_pb2.VERDICT_OK:
+                print(f"kerneleval job process: warm-up job: {result}", file=sys.stderr)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - the job reports what is wrong
         print(f"kerneleval job process: warm-up failed: {exc!r}", file=sys.stderr)
