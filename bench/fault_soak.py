@@ -18,7 +18,8 @@ the rest cycle through the bad kinds:
   write_outside             write /etc/..., a file in the repo's bench/ and in this run's folder
 Per kind: jobs, verdicts as expected, lost, worker restarts, time to recover (the bad job's
 end -> the next job's start on that GPU, p50/p99), and for the sandbox probes whether the
-sandbox stopped them (checked from outside: the listener's accept count, the files). Service
+sandbox stopped them (checked from outside: the listener's accept count, the files; the
+service runs with --job-max-pids and --job-memory-mib below the bombs' caps). Service
 restarts must be 0 (the server's pid and the watchdog's pid are the same at the end).
 
     PYTHONPATH=server:clients/python/src python3 bench/fault_soak.py --duration-s 480 --out DIR
@@ -334,6 +335,11 @@ def main() -> int:
     duration = args.duration_s or (90.0 if args.cpu_smoke else 600.0)
     info = C.machine_info()
     flags = [] if args.cpu_smoke else ["--devices", args.device]
+    # The job sandbox's limits sit below the bombs' own caps, so a bomb that reaches its cap
+    # was not stopped by the sandbox (the limits are what is tested, not the caps).
+    cap_mib = min(args.memory_cap_gib * 1024, C.mem_total_bytes() / 3 / 2**20)
+    flags += ["--job-max-pids", str(max(64, args.fork_cap // 2)),
+              "--job-memory-mib", str(max(1024, int(cap_mib * 3 / 4)))]  # fmt: skip
     svc = C.Service(flags, nvml="none" if args.cpu_smoke else "real")
     soak = Soak(args, svc.root)
     svc.start()
