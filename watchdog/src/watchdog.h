@@ -32,6 +32,9 @@ namespace watchdog {
 
 namespace pb = ::kerneleval::internal::v1;
 
+// A command's device_index meaning every device.
+constexpr int kAllDevices = -2;
+
 struct Worker {
   std::string id;
   pid_t pid = 0;  // 0 until the zygote reports it (JobProcessSpawned)
