@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kerneleval.internal.v1 import job_channel_pb2 as jc
@@ -78,3 +79,11 @@ def test_job_process_seeds_its_cache_and_sends_back_only_what_it_added(tmp_path:
     assert [(f.path, f.data) for f in added] == [("new/k.json", b"{}")]
     (root / "big").write_bytes(b"x" * (4 << 20))
     assert compile_cache_added(root, seeded) == []  # too big to send: nothing, not a part
+    (root / "big").unlink()
+    (root / "new" / "k.json").chmod(0)  # unreadable (as a user; root reads it anyway)
+    (root / "sub").mkdir()
+    (root / "sub" / "loop").symlink_to(root, target_is_directory=True)
+    if os.geteuid() != 0:
+        assert compile_cache_added(root, seeded) == []
+    else:
+        assert [f.path for f in compile_cache_added(root, seeded)] == ["new/k.json"]

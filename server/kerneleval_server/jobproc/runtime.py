@@ -350,20 +350,24 @@ def seed_compile_cache(root: Path, files: Any) -> set[str]:
 
 
 def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.CacheFile]:
-    """Files the job added to its compile cache, if they are few and small enough to send."""
+    """Files the job added to its compile cache, if they are few and small enough to send;
+    nothing when the folder cannot be read (the job's code may have made it so)."""
     out: list[job_channel_pb2.CacheFile] = []
     total = 0
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or path.is_symlink():
-            continue
-        rel = path.relative_to(root).as_posix()
-        if rel in seeded or rel.startswith("tmp.") or "/tmp." in rel:  # Triton's own temporaries
-            continue
-        data = path.read_bytes()
-        total += len(data)
-        if total > MAX_ENTRY_BYTES or len(out) >= MAX_FILES:
-            return []  # too big to keep: the next job compiles again
-        out.append(job_channel_pb2.CacheFile(path=rel, data=data))
+    try:
+        for path in sorted(root.rglob("*")):
+            if path.is_symlink() or not path.is_file():
+                continue
+            rel = path.relative_to(root).as_posix()
+            if rel in seeded or rel.startswith("tmp.") or "/tmp." in rel:  # Triton's temporaries
+                continue
+            data = path.read_bytes()
+            total += len(data)
+            if total > MAX_ENTRY_BYTES or len(out) >= MAX_FILES:
+                return []  # too big to keep: the next job compiles again
+            out.append(job_channel_pb2.CacheFile(path=rel, data=data))
+    except OSError:
+        return []
     return out
 
 
