@@ -125,6 +125,19 @@ def test_log_lines_are_capped() -> None:
     assert len(cut.encode()) <= MAX_LOG_LINE_BYTES and cut == "é" * (MAX_LOG_LINE_BYTES // 2)
 
 
+def _python(code: str) -> str:
+    """Runs code in a fresh interpreter with the service on its path; its stdout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_zygote_loads_what_every_job_would_pay_for_before_it_forks() -> None:
     """After load_engine (in the zygote, before any fork): the modules jobs import on first use
     are loaded and Triton's own hash is computed, so a forked job process pays neither."""
@@ -141,15 +154,7 @@ if pid == 0:
     os._exit(0)
 os.waitpid(pid, 0)
 """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    report = json.loads(_python(probe).strip().splitlines()[-1])
     assert "torch.utils.cpp_extension" in report["loaded"] and "triton" in report["loaded"]
     assert report["cached"] == 1
 
@@ -166,13 +171,6 @@ engine, _ = load_engine()
 result = warm_job.run(engine)
 print(result.verdict, result.correctness, result.runtime.median_ms > 0)
 """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    verdict, correct, timed = out.stdout.split()[-3:]
-    assert int(verdict) == job_pb2.VERDICT_OK and correct == timed == "True", out.stdout
+    out = _python(probe)
+    verdict, correct, timed = out.split()[-3:]
+    assert int(verdict) == job_pb2.VERDICT_OK and correct == timed == "True", out
