@@ -30,9 +30,10 @@ from .config import Config
 from .events import EventHub, OpsLog
 from .framing import FrameError
 from .job_processes import JobChannels, WorkerState, WorkerTable
+from .jobproc import GATED_PHASES, POISONED_EXIT
 from .metrics import Metrics
 from .sandbox_report import SandboxReport, is_sandbox_feature
-from .scheduler import FairQueue, ProfilingGate, QueuedJob
+from .scheduler import FairQueue, GpuGate, QueuedJob
 from .store import TERMINAL, Store
 from .watchdog import AttachedFd
 
@@ -43,10 +44,6 @@ KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
 RECENT_XIDS = 32
-# A job process leaves with this exit code after a job that poisoned its CUDA context
-# (kerneleval_server.jobproc.POISONED_EXIT; the job runtime's, not imported here so that the
-# front end does not load the job process's package).
-POISONED_EXIT = 3
 
 
 class QueueFull(Exception):
@@ -122,7 +119,7 @@ class JobManager:
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
         self.queue = FairQueue()
-        self.gate = ProfilingGate(self._grant)
+        self.gate = GpuGate(self._grant)
         self.workers = WorkerTable()
         self.channels = JobChannels(self)
         # Devices whose job processes have come up warm (a Hello) since the watchdog started.
@@ -307,9 +304,10 @@ class JobManager:
             run.phase = msg.phase.phase
             event.phase.phase = msg.phase.phase
             self.hub.publish(event)
-            if msg.phase.phase == job_pb2.PHASE_PROFILING:
+            if msg.phase.phase in GATED_PHASES:
                 run.grant_asked_at = asyncio.get_running_loop().time()
-                self.gate.request(worker.device_index, worker.worker_id)
+                exclusive = msg.phase.phase == job_pb2.PHASE_PROFILING
+                self.gate.request(worker.device_index, worker.worker_id, exclusive)
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase
@@ -320,13 +318,13 @@ class JobManager:
             event.log.text = msg.log.text
             self.hub.publish(event)
 
-    def _grant(self, worker_id: str) -> None:
+    def _grant(self, worker_id: str, exclusive: bool) -> None:
         worker = self.workers.by_id.get(worker_id)
         if worker is None or not worker.job_id:
             return
         run = self.running.get(worker.job_id)
         if run is not None and run.deadline is not None and run.grant_asked_at:
-            # Waiting for another job's timing is not this job's time: push its deadline.
+            # Waiting for other jobs' GPU use is not this job's time: push its deadline.
             loop = asyncio.get_running_loop()
             waited = loop.time() - run.grant_asked_at
             if waited > 0.001:
@@ -334,9 +332,10 @@ class JobManager:
                 run.deadline.cancel()
                 run.deadline = loop.call_at(when, self._on_deadline, run.job.job_id)
             run.grant_asked_at = 0.0
+        phase = job_pb2.PHASE_PROFILING if exclusive else job_pb2.PHASE_VALIDATING
         worker.send(
             job_channel_pb2.FrontendMessage(
-                grant=job_channel_pb2.ProfilingGrant(job_id=worker.job_id)
+                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)
             )
         )
 

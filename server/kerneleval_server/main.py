@@ -36,7 +36,8 @@ from . import logs, validation
 from .api_errors import DecodeErrors
 from .config import Config
 from .events import EventHub, OpsLog
-from .jobs import POISONED_EXIT, JobManager
+from .jobproc import POISONED_EXIT
+from .jobs import JobManager
 from .metrics import Metrics, MetricsInterceptor
 from .ops import OperationsService
 from .service import KernelEvalService

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -65,33 +65,58 @@ class FairQueue:
         return None
 
 
-class ProfilingGate:
-    """One timing grant per device; the rest wait in order."""
+@dataclass
+class _DeviceGate:
+    readers: set[str] = field(default_factory=set)
+    writer: str | None = None
+    queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (worker id, exclusive)
 
-    def __init__(self, grant: Callable[[str], None]) -> None:
-        self._grant = grant  # called with the worker id that may time now
-        self._holder: dict[int, str] = {}
-        self._waiting: dict[int, deque[str]] = {}
 
-    def request(self, device_index: int, worker_id: str) -> None:
-        if self._holder.get(device_index) in (None, worker_id):
-            self._holder[device_index] = worker_id
-            self._grant(worker_id)
-        elif worker_id not in self._waiting.setdefault(device_index, deque()):
-            self._waiting[device_index].append(worker_id)
+class GpuGate:
+    """Per device, a reader/writer gate over the GPU: correctness checks (shared) run together;
+    a timing window (exclusive) runs alone. Requests are served in the order they came, and a
+    waiting window holds back the checks that asked after it (writer-preferring), so timing is
+    never starved and checks are never passed over for long. Devices are independent."""
+
+    def __init__(self, grant: Callable[[str, bool], None]) -> None:
+        self._grant = grant  # called with (worker id, exclusive) when it may use the GPU
+        self._devices: dict[int, _DeviceGate] = {}
+
+    def request(self, device_index: int, worker_id: str, exclusive: bool) -> None:
+        gate = self._devices.setdefault(device_index, _DeviceGate())
+        if gate.writer == worker_id or (worker_id in gate.readers and not exclusive):
+            self._grant(worker_id, exclusive)  # holds it already
+            return
+        gate.readers.discard(worker_id)  # a check that goes on to time gives its share back
+        if any(w == worker_id for w, _ in gate.queue):
+            gate.queue = deque((w, x) for w, x in gate.queue if w != worker_id)
+        gate.queue.append((worker_id, exclusive))
+        self._pump(gate)
 
     def release(self, device_index: int, worker_id: str) -> None:
-        """The worker no longer times (job ended, worker gone); hands the grant on."""
-        waiting = self._waiting.get(device_index)
-        if waiting and worker_id in waiting:
-            waiting.remove(worker_id)
-        if self._holder.get(device_index) != worker_id:
+        """The worker no longer uses the GPU (job ended, worker gone); the next ones go."""
+        gate = self._devices.get(device_index)
+        if gate is None:
             return
-        del self._holder[device_index]
-        if waiting:
-            nxt = waiting.popleft()
-            self._holder[device_index] = nxt
-            self._grant(nxt)
+        gate.queue = deque((w, x) for w, x in gate.queue if w != worker_id)
+        gate.readers.discard(worker_id)
+        if gate.writer == worker_id:
+            gate.writer = None
+        self._pump(gate)
 
-    def holder(self, device_index: int) -> str | None:
-        return self._holder.get(device_index)
+    def _pump(self, gate: _DeviceGate) -> None:
+        while gate.queue and gate.writer is None:
+            worker_id, exclusive = gate.queue[0]
+            if exclusive and gate.readers:
+                return  # the window waits for the checks that hold the GPU
+            gate.queue.popleft()
+            if exclusive:
+                gate.writer = worker_id
+            else:
+                gate.readers.add(worker_id)
+            self._grant(worker_id, exclusive)
+
+    def holders(self, device_index: int) -> tuple[str | None, set[str]]:
+        """(the timing window's holder, the checks') of a device."""
+        gate = self._devices.get(device_index, _DeviceGate())
+        return gate.writer, set(gate.readers)

@@ -10,9 +10,10 @@ The kernel source is a JSON command:
       would, ~2 s late).
   {"do": "segfault"}
       the job process dies with SIGSEGV, as a kernel's wild host-side write does.
-  {"do": "time", "seconds": s}
-      compiles and validates for s seconds, then asks for the timing grant and "times" for s
-      seconds; the result's notes hold "<phase> <start> <end>" for prepare and profile.
+  {"do": "time", "seconds": s, "check_seconds": c}
+      compiles for s seconds, asks for the GPU to check and "checks" for c seconds (0 if not
+      given), then asks for the timing window and "times" for s seconds; the result's notes
+      hold "<phase> <start> <end>" for prepare, check and profile.
 Used with `serve --engine fe_fake_engine` (tests/frontend on PYTHONPATH).
 """
 
@@ -83,8 +84,12 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
     seconds = float(cmd["seconds"])
     start = time.time()
     time.sleep(seconds)
-    reporter.phase(job_pb2.PHASE_VALIDATING)
+    reporter.phase(job_pb2.PHASE_VALIDATING)  # returns once the GPU gate lets it check
     _record(result, "prepare", start, time.time())
+    if cmd.get("check_seconds"):
+        start = time.time()
+        time.sleep(float(cmd["check_seconds"]))
+        _record(result, "check", start, time.time())
     reporter.phase(job_pb2.PHASE_PROFILING)
     start = time.time()
     time.sleep(seconds)

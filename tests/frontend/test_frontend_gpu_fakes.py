@@ -108,6 +108,34 @@ def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
     assert len({j.worker_id for j in jobs}) == 4  # one job process a job
 
 
+def test_checks_share_the_gpu_and_never_run_during_a_timing_window(svc: ServiceProcess) -> None:
+    """The GPU gate: two job processes on the device check at the same time, but no check runs
+    while another job times."""
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    spec = command_spec({"do": "time", "seconds": 0.3, "check_seconds": 0.3})
+    with ThreadPoolExecutor(4) as pool:
+        jobs = list(
+            pool.map(
+                lambda _: stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=60).job, range(4)
+            )
+        )
+    assert all(j.result.verdict == job_pb2.VERDICT_OK for j in jobs), [j.result for j in jobs]
+    spans = {
+        phase: sorted((float(a), float(b)) for p, a, b in rows if p == phase)
+        for rows in [[n.split() for j in jobs for n in j.result.notes if n[:1] in "pc"]]
+        for phase in ("check", "profile")
+    }
+    assert len(spans["check"]) == len(spans["profile"]) == 4
+
+    def overlap(x: tuple[float, float], y: tuple[float, float]) -> bool:
+        return x[0] < y[1] - 0.02 and y[0] < x[1] - 0.02
+
+    assert not [(c, p) for c in spans["check"] for p in spans["profile"] if overlap(c, p)]
+    checks = spans["check"]
+    assert any(overlap(a, b) for i, a in enumerate(checks) for b in checks[i + 1 :]), checks
+
+
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
     # --max-restarts 1: the watchdog gives up on a device after two worker failures. Workers
     # that die running a job were killed by its kernel, which is no failure of the device.

@@ -13,7 +13,7 @@ from kerneleval.v1 import job_pb2
 from kerneleval_server import config as config_mod
 from kerneleval_server import faults
 from kerneleval_server.events import EventHub, OpsLog
-from kerneleval_server.scheduler import FairQueue, ProfilingGate, QueuedJob
+from kerneleval_server.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.store import Store
 
 
@@ -36,19 +36,44 @@ def test_fair_queue_round_robin_and_devices() -> None:
     assert q.remove("x") and not q.remove("x") and len(q) == 0
 
 
-def test_profiling_gate_one_at_a_time_per_device() -> None:
+def test_gpu_gate_checks_share_a_window_is_alone_per_device() -> None:
+    granted: list[tuple[str, bool]] = []
+    gate = GpuGate(lambda w, x: granted.append((w, x)))
+    gate.request(0, "c1", False)
+    gate.request(0, "c2", False)  # checks share the GPU
+    gate.request(1, "t9", True)  # another device: independent
+    assert granted == [("c1", False), ("c2", False), ("t9", True)]
+    gate.request(0, "t1", True)  # a window waits for the checks that hold the GPU
+    gate.request(0, "c3", False)  # a check that asks after a waiting window waits behind it
+    assert gate.holders(0) == (None, {"c1", "c2"}) and len(granted) == 3
+    gate.release(0, "c1")
+    assert len(granted) == 3  # c2 still checks
+    gate.request(0, "c2", True)  # c2 goes on to time: gives its share back, queues after t1
+    assert granted[3:] == [("t1", True)] and gate.holders(0) == ("t1", set())
+    gate.release(0, "t1")
+    # In order of request: c3 (asked before c2's window), then c2's window once c3 is done.
+    assert granted[4:] == [("c3", False)]
+    gate.release(0, "c3")
+    assert granted[5:] == [("c2", True)]
+    gate.request(0, "c4", False)
+    gate.release(0, "c4")  # a waiter that leaves is dropped
+    gate.release(0, "c2")
+    assert gate.holders(0) == (None, set()) and granted[6:] == []
+
+
+def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
+    """Checks that keep coming never starve a window, and windows never starve checks."""
     granted: list[str] = []
-    gate = ProfilingGate(granted.append)
-    gate.request(0, "w1")
-    gate.request(0, "w2")
-    gate.request(1, "w3")  # another device times at the same time
-    assert granted == ["w1", "w3"]
-    gate.release(0, "w2")  # a waiter that leaves is dropped
-    gate.request(0, "w4")
-    gate.release(0, "w1")
-    assert granted == ["w1", "w3", "w4"] and gate.holder(0) == "w4"
-    gate.release(0, "w4")
-    assert gate.holder(0) is None
+    gate = GpuGate(lambda w, x: granted.append(w))
+    gate.request(0, "c0", False)
+    gate.request(0, "t0", True)
+    for i in range(1, 4):
+        gate.request(0, f"c{i}", False)
+    gate.request(0, "t1", True)
+    gate.request(0, "c4", False)
+    for holder in ("c0", "t0", "c1", "c2", "c3", "t1", "c4"):
+        gate.release(0, holder)
+    assert granted == ["c0", "t0", "c1", "c2", "c3", "t1", "c4"]
 
 
 def _job(store: Store, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job:

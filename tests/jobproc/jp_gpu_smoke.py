@@ -19,7 +19,7 @@ from kerneleval.internal.v1 import job_channel_pb2 as jc  # noqa: E402
 from kerneleval.internal.v1 import zygote_pb2  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 from kerneleval_server.framing import encode, recv_frame  # noqa: E402
-from kerneleval_server.jobproc import sandbox  # noqa: E402
+from kerneleval_server.jobproc import GATED_PHASES, sandbox  # noqa: E402
 
 ADD_MODEL = """
 import torch
@@ -96,9 +96,9 @@ def main() -> int:
                 break
             msg = jc.JobProcessMessage.FromString(frame)
             kind = msg.WhichOneof("kind")
-            if kind == "phase" and msg.phase.phase == job_pb2.PHASE_PROFILING:
-                grant = jc.FrontendMessage(grant=jc.ProfilingGrant(job_id=f"job-{i}"))
-                channel.sendall(encode(grant.SerializeToString()))
+            if kind == "phase" and msg.phase.phase in GATED_PHASES:
+                grant = jc.GpuGrant(job_id=f"job-{i}", phase=msg.phase.phase)
+                channel.sendall(encode(jc.FrontendMessage(grant=grant).SerializeToString()))
             elif kind == "log":
                 print(f"  log: {msg.log.text[:200]}")
             elif kind == "outcome":

@@ -13,7 +13,7 @@ from jp_helpers import REPO
 from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server.framing import encode, recv_frame
-from kerneleval_server.jobproc import MAX_LOG_LINE_BYTES
+from kerneleval_server.jobproc import GATED_PHASES, MAX_LOG_LINE_BYTES
 from kerneleval_server.jobproc.runtime import _truncate
 
 ADD_MODEL = """
@@ -91,10 +91,10 @@ def test_one_job_then_exit(tmp_path: os.PathLike[str]) -> None:
         msg = jc.JobProcessMessage.FromString(frame)
         seen.append(msg)
         kind = msg.WhichOneof("kind")
-        if kind == "phase" and msg.phase.phase == job_pb2.PHASE_PROFILING:
-            # it waits for the grant: nothing but the phase came yet
-            grant = jc.FrontendMessage(grant=jc.ProfilingGrant(job_id="job-1"))
-            sock.sendall(encode(grant.SerializeToString()))
+        if kind == "phase" and msg.phase.phase in GATED_PHASES:
+            # it waits for that phase's grant: nothing but the phase came yet
+            grant = jc.GpuGrant(job_id="job-1", phase=msg.phase.phase)
+            sock.sendall(encode(jc.FrontendMessage(grant=grant).SerializeToString()))
         if kind == "outcome":
             break
     seen += _messages(sock)  # nothing after the outcome; then the channel closes

@@ -9,6 +9,8 @@ See docs/INTERNALS.md ("Job processes") for the sequence and the trust boundary.
 
 from __future__ import annotations
 
+from kerneleval.v1 import job_pb2
+
 # Exit codes of a job process.
 OK_EXIT = 0  # one job done, or the front end went away before one came
 POISONED_EXIT = 3  # the job left the CUDA context poisoned (the watchdog's retire_exit_codes)
@@ -25,3 +27,7 @@ WORKER_ID_ENV = "KERNELEVAL_WORKER_ID"
 MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+# Phases whose GPU work waits for the front end's grant (the device's GPU gate): checks share
+# the GPU with other jobs' checks, a timing window has it alone.
+GATED_PHASES = (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING)

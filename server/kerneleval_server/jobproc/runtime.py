@@ -44,6 +44,7 @@ from ..framing import FrameError, encode, recv_frame
 from . import (
     DEFAULT_ENGINE,
     ENGINE_ENV,
+    GATED_PHASES,
     MAX_LOG_LINE_BYTES,
     OK_EXIT,
     POISONED_EXIT,
@@ -226,7 +227,7 @@ class _Channel:
         self._lock = threading.Lock()
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
         self._assign_seen = False
-        self._grants: dict[str, threading.Event] = {}
+        self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
@@ -236,9 +237,9 @@ class _Channel:
         with self._lock:
             self._sock.sendall(data)
 
-    def grant_event(self, job_id: str) -> threading.Event:
+    def grant_event(self, job_id: str, phase: int) -> threading.Event:
         with self._grants_lock:
-            return self._grants.setdefault(job_id, threading.Event())
+            return self._grants.setdefault(f"{job_id}/{phase}", threading.Event())
 
     def read_loop(self) -> None:
         try:
@@ -252,7 +253,7 @@ class _Channel:
                     self._assign_seen = True
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
-                    self.grant_event(msg.grant.job_id).set()
+                    self.grant_event(msg.grant.job_id, msg.grant.phase).set()
                 # A Welcome, or a second AssignJob, is ignored: one job a process.
         except (OSError, FrameError, DecodeError):
             pass
@@ -265,16 +266,17 @@ class _Channel:
 
 
 class _Reporter:
-    """The engine's Reporter: frames to the front end; phase(PROFILING) waits for the grant."""
+    """The engine's Reporter: frames to the front end; phase(VALIDATING) and phase(PROFILING)
+    wait for that phase's grant."""
 
     def __init__(self, channel: _Channel, job_id: str) -> None:
         self._channel = channel
         self._job_id = job_id
-        self._granted = False
+        self._granted: set[int] = set()
 
     def phase(self, phase: int) -> None:
-        wait = phase == job_pb2.PHASE_PROFILING and not self._granted
-        event = self._channel.grant_event(self._job_id) if wait else None
+        wait = phase in GATED_PHASES and phase not in self._granted
+        event = self._channel.grant_event(self._job_id, phase) if wait else None
         self._channel.send(
             job_channel_pb2.JobProcessMessage(
                 phase=job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase)  # type: ignore[arg-type]
@@ -282,7 +284,7 @@ class _Reporter:
         )
         if event is not None:
             event.wait()
-            self._granted = True
+            self._granted.add(phase)
 
     def progress(self, phase: int, done: int, total: int) -> None:
         self._channel.send(
