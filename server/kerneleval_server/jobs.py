@@ -119,7 +119,12 @@ class JobManager:
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
         self.queue = FairQueue()
-        self.gate = GpuGate(self._grant)
+        self.gate = GpuGate(
+            self._grant,
+            on_window=lambda device, seconds: metrics.timing_window.labels(str(device)).inc(
+                seconds
+            ),
+        )
         self.workers = WorkerTable()
         self.channels = JobChannels(self)
         # Devices whose job processes have come up warm (a Hello) since the watchdog started.

@@ -78,6 +78,12 @@ class Metrics:
         self.gpu_resets = Counter(
             "kerneleval_gpu_resets_total", "GPU resets.", ["device", "success"], registry=r
         )
+        self.timing_window = Counter(
+            "kerneleval_timing_window_seconds_total",
+            "Time a job held a device's timing window (the GPU to itself), counted when it ends.",
+            ["device"],
+            registry=r,
+        )
 
     def serve(self, host: str, port: int) -> None:
         if port:

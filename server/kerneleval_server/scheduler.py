@@ -8,6 +8,7 @@ the same device keep compiling and validating.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class _DeviceGate:
     readers: set[str] = field(default_factory=set)
     writer: str | None = None
     queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (worker id, exclusive)
+    window_since: float = 0.0  # clock time the current window was granted
+    window_seconds: float = 0.0  # windows held before the current one, summed
+    window_count: int = 0
 
 
 class GpuGate:
@@ -78,8 +82,15 @@ class GpuGate:
     waiting window holds back the checks that asked after it (writer-preferring), so timing is
     never starved and checks are never passed over for long. Devices are independent."""
 
-    def __init__(self, grant: Callable[[str, bool], None]) -> None:
+    def __init__(
+        self,
+        grant: Callable[[str, bool], None],
+        on_window: Callable[[int, float], None] = lambda device, seconds: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._grant = grant  # called with (worker id, exclusive) when it may use the GPU
+        self._on_window = on_window  # called with (device, seconds) when a window ends
+        self._clock = clock
         self._devices: dict[int, _DeviceGate] = {}
 
     def request(self, device_index: int, worker_id: str, exclusive: bool) -> None:
@@ -102,6 +113,9 @@ class GpuGate:
         gate.readers.discard(worker_id)
         if gate.writer == worker_id:
             gate.writer = None
+            held = self._clock() - gate.window_since
+            gate.window_seconds += held
+            self._on_window(device_index, held)
         self._pump(gate)
 
     def _pump(self, gate: _DeviceGate) -> None:
@@ -112,9 +126,20 @@ class GpuGate:
             gate.queue.popleft()
             if exclusive:
                 gate.writer = worker_id
+                gate.window_since = self._clock()
+                gate.window_count += 1
             else:
                 gate.readers.add(worker_id)
             self._grant(worker_id, exclusive)
+
+    def occupancy(self) -> dict[int, tuple[float, int]]:
+        """Per device: seconds timing windows were held (the current one so far) and how many
+        were granted."""
+        now = self._clock()
+        return {
+            index: (g.window_seconds + (now - g.window_since if g.writer else 0.0), g.window_count)
+            for index, g in sorted(self._devices.items())
+        }
 
     def holders(self, device_index: int) -> tuple[str | None, set[str]]:
         """(the timing window's holder, the checks') of a device."""

@@ -133,17 +133,11 @@ def _event(kind: str, t: float, **fields: object) -> job_pb2.JobEvent:
     return ev
 
 
-def test_profiling_spans() -> None:
-    events = [
-        _event("started", 100.0, device=1),
-        _event("phase", 100.5, phase=job_pb2.PHASE_COMPILING),
-        _event("phase", 101.0, phase=job_pb2.PHASE_VALIDATING),
-        _event("phase", 102.0, phase=job_pb2.PHASE_PROFILING),
-        _event("finished", 102.25),
-    ]
-    device, secs = bench_throughput.profiling_spans(events)
-    assert device == 1 and secs == pytest.approx(0.25)
-    assert bench_throughput.profiling_spans(events[:3])[1] == 0.0
+def test_timing_window_fraction_is_per_device_and_at_most_one() -> None:
+    before = {0: 10.0}
+    after = {0: 14.0, 1: 1.0}  # device 1 appeared during the batch
+    assert bench_throughput.window_fraction(before, after, 8.0) == {"0": 0.5, "1": 0.125}
+    assert bench_throughput.window_fraction({}, {0: 1.0}, 0.0) == {}
 
 
 def test_kernelbench_scaling() -> None:

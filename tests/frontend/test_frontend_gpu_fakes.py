@@ -134,6 +134,12 @@ def test_checks_share_the_gpu_and_never_run_during_a_timing_window(svc: ServiceP
     assert not [(c, p) for c in spans["check"] for p in spans["profile"] if overlap(c, p)]
     checks = spans["check"]
     assert any(overlap(a, b) for i, a in enumerate(checks) for b in checks[i + 1 :]), checks
+    # The windows' time is counted per device, grant to release (at least the four timings).
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    (occupancy,) = opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth()).device_occupancy
+    held = occupancy.timing_window.ToNanoseconds() / 1e9
+    assert occupancy.device_index == 0 and occupancy.timing_window_count >= 4
+    assert held >= sum(b - a for a, b in spans["profile"]) - 0.05, (held, spans["profile"])
 
 
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:

@@ -61,6 +61,26 @@ def test_gpu_gate_checks_share_a_window_is_alone_per_device() -> None:
     assert gate.holders(0) == (None, set()) and granted[6:] == []
 
 
+def test_gpu_gate_counts_the_time_windows_are_held() -> None:
+    now = [100.0]
+    ended: list[tuple[int, float]] = []
+    gate = GpuGate(lambda w, x: None, on_window=lambda d, s: ended.append((d, s)),
+                   clock=lambda: now[0])  # fmt: skip
+    gate.request(0, "c", False)
+    now[0] += 5.0  # checks are no window
+    gate.request(0, "t1", True)  # waits for the check
+    now[0] += 1.0
+    gate.release(0, "c")  # t1's window opens at 106
+    now[0] += 2.0
+    gate.release(0, "t1")
+    gate.request(0, "t2", True)
+    gate.request(1, "u", True)
+    now[0] += 0.5
+    assert ended == [(0, 2.0)]
+    # the windows held now count too: 2 + 0.5 on device 0, 0.5 on device 1
+    assert gate.occupancy() == {0: (2.5, 2), 1: (0.5, 1)}
+
+
 def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
     """Checks that keep coming never starve a window, and windows never starve checks."""
     granted: list[str] = []
