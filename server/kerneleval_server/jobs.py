@@ -43,6 +43,9 @@ DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
+# A job process exits at once after its outcome; one still alive this long after is killed
+# (a candidate that sent an outcome itself and went on running must not keep its GPU slot).
+OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
 
 
@@ -358,6 +361,9 @@ class JobManager:
         # A job process runs one job: it exits now and the watchdog promotes a spare. Until
         # then the watchdog keeps it as the job's worker, so that an XID to come names this job.
         worker.gone = True
+        asyncio.get_running_loop().call_later(
+            OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
+        )
         if outcome.context_poisoned:
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid
@@ -430,6 +436,17 @@ class JobManager:
         exited.worker.pid = run.worker.pid
         exited.worker.device_index = run.worker.device_index
         self._job_worker_exited(run, exited)
+
+    def _kill_if_still_there(self, worker: WorkerState) -> None:
+        if self.workers.by_id.get(worker.worker_id) is not worker or self.watchdog is None:
+            return  # it exited
+        log.warning(
+            "job process %s still runs %.0f s after its outcome: killed",
+            worker.worker_id,
+            OUTCOME_EXIT_GRACE_S,
+            extra={"worker_id": worker.worker_id},
+        )
+        self._spawn(self.watchdog.kill_worker(worker.worker_id, "after_outcome"))
 
     def _worker_lost(self, worker: WorkerState) -> None:
         worker.gone = True

@@ -699,6 +699,35 @@ def module_attack():
 """
 )
 
+# 10b. An outcome of its own job, sent by the candidate with files for the compile cache (one
+#      path climbing out of the cache folder), after which it goes on running.
+CACHE_POISON = (
+    _CHANNEL
+    + """
+def module_attack():
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+
+    cache = os.environ.get("TRITON_CACHE_DIR", "")
+    held = sorted(os.path.relpath(os.path.join(d, n), cache)
+                  for d, _, names in os.walk(cache) for n in names) if cache else None
+    note(f"compile cache held {held}")
+    fd = channel_fd()
+    os.set_blocking(fd, True)
+    msg = job_channel_pb2.JobProcessMessage()
+    msg.outcome.job_id = reporter()._job_id
+    msg.outcome.result.verdict = job_pb2.VERDICT_OK
+    msg.outcome.result.compiled = True
+    for path in ("poison/kernel.cubin", "../../../../tmp/ke_escaped_" + CFG["nonce"]):
+        msg.outcome.compile_cache.add(path=path, data=b"poisoned")
+    report()
+    body = msg.SerializeToString()
+    os.write(fd, struct.pack(">I", len(body)) + body)
+    set_name("kehcache" + CFG["nonce"])
+    time.sleep(120)  # its job is over: it should not be
+"""
+)
+
 # 11. A log flood: 300 MB printed (the job's stdout and stderr), then 300 MB of log lines
 #     for its own job on its channel (the runtime's reporter, found with gc), which the front
 #     end stores as log events.
@@ -744,6 +773,7 @@ def forward_attack():
 VICTIM_CHECKS = """
 import builtins
 import ctypes
+import os
 import glob
 import sys
 
@@ -769,6 +799,9 @@ for _kind, _found in (
 ):
     if _found >= 0:
         _left.append(f"an earlier job's System V {_kind}")
+_cache = os.environ.get("TRITON_CACHE_DIR", "")
+if _cache and any(names for _, _, names in os.walk(_cache)):
+    _left.append("files in its compile cache that its own code never made")
 _markers = glob.glob("/tmp/ke_marker_*") + glob.glob("/tmp/ke_fill*")
 if _markers:
     _left.append(f"an earlier job's files in /tmp: {_markers}")

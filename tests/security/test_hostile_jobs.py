@@ -583,6 +583,32 @@ def test_bad_frames_on_the_channel_end_the_job(
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+def test_an_outcome_sent_by_the_candidate_neither_keeps_its_process_nor_poisons_the_cache(
+    stub,  # type: ignore[no-untyped-def]
+    svc: ServiceProcess,
+) -> None:
+    """A candidate writes its own job's outcome on fd 3, with compile-cache files (one path
+    climbing out of the folder), and goes on running. The job ends with what it sent (a job
+    reports itself: docs/INTERNALS.md), but its process is killed a few seconds later, the
+    files are refused, and nothing reaches the next jobs, not even ones with the same code."""
+    cfg = base_cfg(svc)
+    first = attack(stub, svc, "cache", hs.CACHE_POISON, cfg)
+    assert "compile cache held []" in first.logs, first.describe()
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    deadline = time.monotonic() + 20
+    while True:
+        live = {w.worker_id for d in opstub.ListDevices(
+            ops.ListDevicesRequest(), metadata=svc.auth()).devices for w in d.workers}
+        if first.job.worker_id not in live:
+            break
+        assert time.monotonic() < deadline, f"{first.job.worker_id} still runs after its outcome"
+        time.sleep(0.2)
+    assert not Path(f"/tmp/ke_escaped_{NONCE}").exists()
+    again = attack(stub, svc, "cache", hs.CACHE_POISON, cfg)  # the same code: same cache key
+    assert "compile cache held []" in again.logs, again.describe()
+    next_tenants_are_judged_right(stub, svc, again)
+
+
 def test_log_flood_is_capped_with_a_note(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5: 300 MB printed: the job ends, the stored log is capped and says it was cut,
     and neither the store nor the service's own log took the flood."""
