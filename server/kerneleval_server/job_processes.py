@@ -54,6 +54,7 @@ class WorkerState:
     # before exiting may still be in there): the control channel and the job channel race.
     pending_exit: watchdog_pb2.WorkerExited | None = None
     pending_exit_timer: asyncio.TimerHandle | None = None
+    exit_watch: asyncio.TimerHandle | None = None  # kills it if it outstays its end (jobs.py)
 
     @property
     def connected(self) -> bool:

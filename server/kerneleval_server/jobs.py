@@ -43,8 +43,9 @@ DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
-# A job process exits at once after its outcome; one still alive this long after is killed
-# (a candidate that sent an outcome itself and went on running must not keep its GPU slot).
+# A job process exits at once after its outcome or when its channel closes; one still alive
+# this long after is killed (a candidate that sent an outcome itself, or closed the channel,
+# and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
 
@@ -361,9 +362,7 @@ class JobManager:
         # A job process runs one job: it exits now and the watchdog promotes a spare. Until
         # then the watchdog keeps it as the job's worker, so that an XID to come names this job.
         worker.gone = True
-        asyncio.get_running_loop().call_later(
-            OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
-        )
+        self._watch_exit(worker)
         if outcome.context_poisoned:
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid
@@ -417,6 +416,9 @@ class JobManager:
         if worker.pending_exit is not None:
             self._on_worker_exited(worker.pending_exit)
             return
+        # Without its channel a job process is of no use: it exits at once (the runtime's
+        # reader does), or it is killed (a candidate that closed the channel and stayed).
+        self._watch_exit(worker)
         self.on_health_change()
         run = self.running.get(worker.job_id) if worker.job_id else None
         if run is not None and run.outcome is None:
@@ -437,11 +439,17 @@ class JobManager:
         exited.worker.device_index = run.worker.device_index
         self._job_worker_exited(run, exited)
 
+    def _watch_exit(self, worker: WorkerState) -> None:
+        if worker.exit_watch is None:
+            worker.exit_watch = asyncio.get_running_loop().call_later(
+                OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
+            )
+
     def _kill_if_still_there(self, worker: WorkerState) -> None:
         if self.workers.by_id.get(worker.worker_id) is not worker or self.watchdog is None:
             return  # it exited
         log.warning(
-            "job process %s still runs %.0f s after its outcome: killed",
+            "job process %s still runs %.0f s after its outcome or its channel's end: killed",
             worker.worker_id,
             OUTCOME_EXIT_GRACE_S,
             extra={"worker_id": worker.worker_id},
@@ -721,6 +729,8 @@ class JobManager:
             worker.pending_exit_timer.cancel()
         info = self._worker_info(w)
         worker = self.workers.remove(w.worker_id)
+        if worker is not None and worker.exit_watch is not None:
+            worker.exit_watch.cancel()
         retired = (
             worker is not None
             and worker.outcome_seen

@@ -728,6 +728,22 @@ def module_attack():
 """
 )
 
+# 10c. The channel closed by the candidate, with os._exit disarmed first so that the runtime
+#      cannot leave when it sees the channel end; then it stays.
+CHANNEL_CLOSED = (
+    _CHANNEL
+    + """
+def module_attack():
+    report()
+    os._exit = lambda code: None  # the runtime's reader leaves with os._exit on a closed channel
+    set_name("kehclose" + CFG["nonce"])
+    fd = channel_fd()
+    socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)  # wakes the runtime's reader
+    os.close(fd)
+    time.sleep(120)  # its job is lost: it should not be here
+"""
+)
+
 # 11. A log flood: 300 MB printed (the job's stdout and stderr), then 300 MB of log lines
 #     for its own job on its channel (the runtime's reporter, found with gc), which the front
 #     end stores as log events.

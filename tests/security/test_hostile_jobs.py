@@ -609,6 +609,21 @@ def test_an_outcome_sent_by_the_candidate_neither_keeps_its_process_nor_poisons_
     next_tenants_are_judged_right(stub, svc, again)
 
 
+def test_a_candidate_that_closes_its_channel_and_stays_is_killed(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """It closes fd 3 after disarming os._exit: its job is lost (run again, then CRASHED), its
+    process killed seconds later each time, and the device goes on judging the next jobs."""
+    ran = attack(stub, svc, "close", hs.CHANNEL_CLOSED, base_cfg(svc), timeout_s=60)
+    assert ran.verdict == job_pb2.VERDICT_CRASHED, ran.describe()
+    assert ran.seconds < 50, ran.describe()  # lost and killed, not held to its 60 s timeout
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    deadline = time.monotonic() + 20
+    while ran.job.worker_id in {w.worker_id for d in opstub.ListDevices(
+            ops.ListDevicesRequest(), metadata=svc.auth()).devices for w in d.workers}:
+        assert time.monotonic() < deadline, f"{ran.job.worker_id} still runs"
+        time.sleep(0.2)
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 def test_log_flood_is_capped_with_a_note(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5: 300 MB printed: the job ends, the stored log is capped and says it was cut,
     and neither the store nor the service's own log took the flood."""
