@@ -32,6 +32,10 @@ from .framing import MAX_FRAME, FrameError, encode, read_frame
 
 log = logging.getLogger("kerneleval.job_processes")
 
+# What one job process may send over its channel in all: its logs (of which the store keeps
+# max_log_bytes), progress, and an outcome of at most one frame. A flood past it is hostile.
+CHANNEL_BUDGET = 64 << 20
+
 
 @dataclass
 class WorkerState:
@@ -221,6 +225,7 @@ class JobChannels:
 
     async def _read(self, worker: WorkerState, reader: asyncio.StreamReader) -> str:
         """Reads until the end of the channel; returns what broke the protocol, if anything."""
+        total = 0
         while True:
             try:
                 frame = await read_frame(reader)
@@ -231,6 +236,9 @@ class JobChannels:
                 return f"a bad frame ({text})"
             if frame is None:
                 return ""
+            total += len(frame)
+            if total > CHANNEL_BUDGET:
+                return f"more than {CHANNEL_BUDGET >> 20} MiB on its channel"
             try:
                 msg = job_channel_pb2.JobProcessMessage.FromString(frame)
             except DecodeError:

@@ -625,8 +625,9 @@ def test_a_candidate_that_closes_its_channel_and_stays_is_killed(stub, svc: Serv
 
 
 def test_log_flood_is_capped_with_a_note(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
-    """Issue 12.5: 300 MB printed: the job ends, the stored log is capped and says it was cut,
-    and neither the store nor the service's own log took the flood."""
+    """Issue 12.5: 300 MB printed and 300 MB of log lines on the channel: the job process is
+    killed once it passed the channel's budget (64 MiB), the stored log is capped and says it
+    was cut, and neither the store nor the service's own log took the flood."""
     db = svc.state_dir / "jobs.db"
 
     def db_bytes() -> int:
@@ -635,7 +636,9 @@ def test_log_flood_is_capped_with_a_note(stub, svc: ServiceProcess) -> None:  # 
     db_before = db_bytes()
     svc_log_before = svc.log_path.stat().st_size
     ran = attack(stub, svc, "log-flood", hs.LOG_FLOOD, base_cfg(svc), timeout_s=60)
-    assert ran.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RESOURCE_LIMIT), ran.describe()
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert ran.job.result.error.exception_type == "ProtocolViolation", ran.describe()
+    assert "64 MiB on its channel" in ran.job.result.error.message, ran.describe()
     stored = [
         r.event.log.text
         for r in stub.Watch(pb.WatchRequest(job_id=ran.job.job_id), timeout=60)
