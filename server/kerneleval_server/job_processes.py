@@ -26,7 +26,7 @@ from typing import Protocol
 
 from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
-from kerneleval.v1 import kernel_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
 
 from .framing import MAX_FRAME, FrameError, encode, read_frame
 
@@ -147,6 +147,28 @@ def _short(text: str, limit: int = 64) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+_PHASES = frozenset(job_pb2.Phase.values())
+_VERDICTS = frozenset(job_pb2.Verdict.values())
+_TIMING_SOURCES = frozenset(job_pb2.TimingSource.values())
+
+
+def _unknown_enum(msg: job_channel_pb2.JobProcessMessage) -> str:
+    """An enum value the front end has no name for (it would reach logs, the store and
+    GetStats, which name every value)."""
+    kind = msg.WhichOneof("kind")
+    phase = msg.phase.phase if kind == "phase" else msg.progress.phase if kind == "progress" else 0
+    if phase not in _PHASES:
+        return f"a {kind} frame with the unknown phase {phase}"
+    if kind == "outcome":
+        result = msg.outcome.result
+        if result.verdict not in _VERDICTS:
+            return f"an outcome with the unknown verdict {result.verdict}"
+        for stats in (result.runtime, result.reference_runtime):
+            if stats.source not in _TIMING_SOURCES:
+                return f"an outcome with the unknown timing source {stats.source}"
+    return ""
+
+
 def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> str:
     """What is wrong with this frame from this process; "" when nothing is."""
     kind = msg.WhichOneof("kind")
@@ -159,6 +181,9 @@ def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> 
     if worker.hello is None:
         return f"a {kind} frame before its Hello"
     job_id = getattr(msg, kind).job_id
+    unknown = _unknown_enum(msg)
+    if unknown:
+        return unknown
     if not worker.assigned_job_id:
         return f"a {kind} frame for job {_short(job_id)} before it was given a job"
     if job_id != worker.assigned_job_id:

@@ -699,6 +699,26 @@ def module_attack():
 """
 )
 
+# 10a. An outcome of its own job with a verdict no Verdict names (it would reach the store, the
+#      logs and GetStats, which name every verdict).
+UNKNOWN_VERDICT_FRAME = (
+    _CHANNEL
+    + """
+def module_attack():
+    from kerneleval.internal.v1 import job_channel_pb2
+
+    fd = channel_fd()
+    os.set_blocking(fd, True)
+    msg = job_channel_pb2.JobProcessMessage()
+    msg.outcome.job_id = reporter()._job_id
+    msg.outcome.result.verdict = 999
+    body = msg.SerializeToString()
+    os.write(fd, struct.pack(">I", len(body)) + body)
+    note(f"wrote an outcome with verdict 999 on fd {fd}")
+    time.sleep(60)
+"""
+)
+
 # 10b. An outcome of its own job, sent by the candidate with files for the compile cache (one
 #      path climbing out of the cache folder), after which it goes on running.
 CACHE_POISON = (

@@ -560,8 +560,9 @@ def test_system_v_ipc_objects_do_not_reach_the_next_job(stub, svc: ServiceProces
         (hs.OVERSIZED_FRAME, ["20971520", "16777216"]),
         (hs.GARBAGE_FRAME, []),
         (hs.FORGED_FRAME, ["job"]),
+        (hs.UNKNOWN_VERDICT_FRAME, ["unknown verdict 999"]),
     ],
-    ids=["oversized", "garbage", "other-job"],
+    ids=["oversized", "garbage", "other-job", "unknown-verdict"],
 )
 def test_bad_frames_on_the_channel_end_the_job(
     stub,  # type: ignore[no-untyped-def]
@@ -580,6 +581,8 @@ def test_bad_frames_on_the_channel_end_the_job(
         assert word in r.error.message, ran.describe()
     assert ran.seconds < JOB_TIMEOUT_S - 5, f"killed only by the timeout: {ran.describe()}"
     assert ran.job.attempt_count == 1, "a protocol violation is not retried"
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth())  # names every stored verdict
     next_tenants_are_judged_right(stub, svc, ran)
 
 
