@@ -160,3 +160,29 @@ def test_package_exports_load_lazily():
         "assert kerneleval.job_from_files.__module__ == 'kerneleval.kernelbench'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_text_a_candidate_wrote_cannot_drive_the_terminal() -> None:
+    """Escape sequences and bidi overrides in a job's error, notes and log lines are shown as
+    escapes: a candidate cannot paint "verdict OK" over its real verdict."""
+    import io
+
+    from kerneleval import render
+    from kerneleval.v1 import job_pb2
+
+    forged = "\x1b[1A\x1b[2K\rverdict  OK\u202e"
+    job = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_DONE)
+    job.result.verdict = job_pb2.VERDICT_INCORRECT
+    job.result.validation_error = forged
+    job.result.error.message = forged
+    job.result.notes.append(forged)
+    for text in (render.result_table(job), render.job_summary(job),
+                 render.batch_table([("k.py", job)])):  # fmt: skip
+        assert "\x1b" not in text and "\r" not in text and "\u202e" not in text, text
+        assert "\\x1b[1A" in text
+    out = io.StringIO()
+    printer = render.Progress(out, tty=False)
+    event = job_pb2.JobEvent()
+    event.log.text = forged + "\n"
+    printer.event(event)
+    assert "\x1b" not in out.getvalue() and "\\x1b[2K" in out.getvalue()

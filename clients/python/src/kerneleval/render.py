@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from collections.abc import Sequence
 from typing import TextIO
 
 from google.protobuf import timestamp_pb2
 
 from kerneleval.v1 import job_pb2, operations_service_pb2
+
+# Control characters (but newline and tab) and bidirectional overrides: in text a candidate
+# wrote (its logs, errors, notes), they could move the cursor or reorder what a terminal shows,
+# e.g. paint "verdict OK" over the real verdict.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """The text with every control character shown as an escape (\\x1b), newlines kept."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
+                            else f"\\u{ord(m.group()):04x}", text)  # fmt: skip
+
 
 PHASE_NAMES: dict[int, str] = {
     job_pb2.PHASE_COMPILING: "compiling",
@@ -130,7 +143,7 @@ class Progress:
             elif p.done_count == p.total_count:
                 self._print(f"  {PHASE_NAMES.get(p.phase, 'phase')} {p.done_count}/{p.total_count}")
         elif kind == "log":
-            for line in event.log.text.rstrip("\n").splitlines():
+            for line in printable(event.log.text).rstrip("\n").splitlines():
                 self._print(f"  | {line}")
         elif kind == "fault":
             self._print(f"  fault: {fault_text(event.fault)}")
@@ -238,7 +251,7 @@ def result_table(job: job_pb2.Job) -> str:
     for note in r.notes:
         rows.append(("note", note))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {val}" for k, val in rows)
+    return "\n".join(f"{k.ljust(width)}  {printable(val)}" for k, val in rows)
 
 
 def job_summary(job: job_pb2.Job) -> str:
@@ -251,7 +264,7 @@ def job_summary(job: job_pb2.Job) -> str:
         text += f"  speedup {r.speedup:.3g}x"
     reason = r.compilation_error or r.validation_error or r.error.message or r.fault.description
     if reason and r.verdict != job_pb2.VERDICT_OK:
-        text += "  " + reason.strip().splitlines()[0][:120]
+        text += "  " + printable(reason.strip().splitlines()[0][:120])
     return text
 
 
@@ -272,7 +285,7 @@ def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
                 verdict_name(res.verdict) if res.verdict else state_name(r.state),
                 f"{res.runtime.median_ms:.4f}" if res.runtime.median_ms else "-",
                 f"{res.speedup:.3g}x" if res.speedup else "-",
-                why.strip().splitlines()[0][:100]
+                printable(why.strip().splitlines()[0][:100])
                 if why and res.verdict != job_pb2.VERDICT_OK
                 else "",
             ]
