@@ -72,7 +72,9 @@ def device_label(index: int) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain aligned table (no colour), easy to paste."""
+    """A plain aligned table (no colour), easy to paste; cells shown printable (a client tag
+    or a candidate's error is another tenant's text)."""
+    rows = [[printable(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
