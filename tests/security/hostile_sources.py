@@ -651,6 +651,15 @@ def channel_fd():
         except OSError:
             continue
     return 3
+
+
+def send_frame(msg):
+    \"\"\"Writes a message on the channel as the runtime would; the descriptor used.\"\"\"
+    fd = channel_fd()
+    os.set_blocking(fd, True)
+    body = msg.SerializeToString()
+    os.write(fd, struct.pack(">I", len(body)) + body)
+    return fd
 """
 
 OVERSIZED_FRAME = (
@@ -685,15 +694,12 @@ def module_attack():
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import job_pb2
 
-    fd = channel_fd()
-    os.set_blocking(fd, True)
     msg = job_channel_pb2.JobProcessMessage()
     msg.outcome.job_id = "0" * 32
     msg.outcome.result.verdict = job_pb2.VERDICT_OK
     msg.outcome.result.correctness = True
     msg.outcome.result.speedup = 7.5
-    body = msg.SerializeToString()
-    os.write(fd, struct.pack(">I", len(body)) + body)
+    fd = send_frame(msg)
     note(f"wrote a forged outcome for another job on fd {fd}")
     time.sleep(60)
 """
@@ -707,13 +713,10 @@ UNKNOWN_VERDICT_FRAME = (
 def module_attack():
     from kerneleval.internal.v1 import job_channel_pb2
 
-    fd = channel_fd()
-    os.set_blocking(fd, True)
     msg = job_channel_pb2.JobProcessMessage()
     msg.outcome.job_id = reporter()._job_id
     msg.outcome.result.verdict = 999
-    body = msg.SerializeToString()
-    os.write(fd, struct.pack(">I", len(body)) + body)
+    fd = send_frame(msg)
     note(f"wrote an outcome with verdict 999 on fd {fd}")
     time.sleep(60)
 """
@@ -732,8 +735,6 @@ def module_attack():
     held = sorted(os.path.relpath(os.path.join(d, n), cache)
                   for d, _, names in os.walk(cache) for n in names) if cache else None
     note(f"compile cache held {held}")
-    fd = channel_fd()
-    os.set_blocking(fd, True)
     msg = job_channel_pb2.JobProcessMessage()
     msg.outcome.job_id = reporter()._job_id
     msg.outcome.result.verdict = job_pb2.VERDICT_OK
@@ -741,8 +742,7 @@ def module_attack():
     for path in ("poison/kernel.cubin", "../../../../tmp/ke_escaped_" + CFG["nonce"]):
         msg.outcome.compile_cache.add(path=path, data=b"poisoned")
     report()
-    body = msg.SerializeToString()
-    os.write(fd, struct.pack(">I", len(body)) + body)
+    send_frame(msg)
     set_name("kehcache" + CFG["nonce"])
     time.sleep(120)  # its job is over: it should not be
 """
