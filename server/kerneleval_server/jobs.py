@@ -79,6 +79,7 @@ class Running:
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
+    window_waited: float | None = None  # seconds it waited for its timing window, once granted
 
 
 @dataclass
@@ -336,6 +337,8 @@ class JobManager:
             # Waiting for other jobs' GPU use is not this job's time: push its deadline.
             loop = asyncio.get_running_loop()
             waited = loop.time() - run.grant_asked_at
+            if exclusive:
+                run.window_waited = max(waited, 0.0)
             if waited > 0.001:
                 when = run.deadline.when() + waited
                 run.deadline.cancel()
@@ -396,6 +399,10 @@ class JobManager:
             return
         result = job_pb2.EvalResult()
         result.CopyFrom(run.outcome.result)
+        result.ClearField("timing_window")  # the service's to say, not the job's
+        if run.window_waited is not None:
+            result.timing_window.exclusive = True
+            result.timing_window.waited.FromNanoseconds(int(run.window_waited * 1e9))
         if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
             result.fault.xid = run.xid.xid
             result.fault.xid_category = run.xid.category

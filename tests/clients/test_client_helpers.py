@@ -186,3 +186,14 @@ def test_text_a_candidate_wrote_cannot_drive_the_terminal() -> None:
     event.log.text = forged + "\n"
     printer.event(event)
     assert "\x1b" not in out.getvalue() and "\\x1b[2K" in out.getvalue()
+
+
+def test_result_table_says_how_the_job_was_timed() -> None:
+    from kerneleval import render
+    from kerneleval.v1 import job_pb2
+
+    job = job_pb2.Job(job_id="j2", state=job_pb2.JOB_STATE_DONE)
+    job.result.verdict = job_pb2.VERDICT_OK
+    job.result.timing_window.exclusive = True
+    job.result.timing_window.waited.FromMilliseconds(12)
+    assert "window    the GPU to itself, waited 12.0 ms for it" in render.result_table(job)

@@ -80,6 +80,7 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
             f.write(cmd["name"])
         result.verdict = job_pb2.VERDICT_OK
         result.correctness = True
+        result.timing_window.exclusive = True  # a claim the service must not pass on
         return Outcome(result)
     seconds = float(cmd["seconds"])
     start = time.time()

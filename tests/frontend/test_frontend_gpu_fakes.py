@@ -134,6 +134,11 @@ def test_checks_share_the_gpu_and_never_run_during_a_timing_window(svc: ServiceP
     assert not [(c, p) for c in spans["check"] for p in spans["profile"] if overlap(c, p)]
     checks = spans["check"]
     assert any(overlap(a, b) for i, a in enumerate(checks) for b in checks[i + 1 :]), checks
+    # Each result says how its window was given: alone on the GPU, after how long a wait (the
+    # four windows of 0.3 s came one after another, so some waited).
+    windows = [j.result.timing_window for j in jobs]
+    assert all(w.exclusive for w in windows), windows
+    assert max(w.waited.ToNanoseconds() for w in windows) > 0.1e9, windows
     # The windows' time is counted per device, grant to release (at least the four timings).
     opstub = ops_grpc.OperationsServiceStub(svc.channel())
     (occupancy,) = opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth()).device_occupancy
@@ -172,6 +177,7 @@ def test_compile_cache_reaches_only_jobs_with_the_same_code(svc: ServiceProcess)
             pb.EvaluateRequest(spec=command_spec({"do": "compile", "name": name})), timeout=60
         ).job
         assert job.result.verdict == job_pb2.VERDICT_OK, job.result
+        assert not job.result.HasField("timing_window")  # not timed: the job's claim is dropped
         (note,) = [n for n in job.result.notes if n.startswith("cache held ")]
         return json.loads(note.removeprefix("cache held ")), job.worker_id
 

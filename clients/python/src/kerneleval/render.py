@@ -221,6 +221,11 @@ def result_table(job: job_pb2.Job) -> str:
         rows.append(("runtime", _stats(r.runtime)))
     if r.reference_runtime.trial_count or r.reference_runtime.median_ms:
         rows.append(("reference", _stats(r.reference_runtime)))
+    if r.HasField("timing_window"):
+        w = r.timing_window
+        waited = w.waited.ToNanoseconds() / 1e6
+        how = "the GPU to itself" if w.exclusive else "shared"
+        rows.append(("window", f"{how}, waited {waited:.1f} ms for it"))
     if r.speedup:
         flag = "  (suspicious: over 10x, check for a timing hack)" if r.speedup_suspicious else ""
         rows.append(("speedup", f"{r.speedup:.3g}x{flag}"))
