@@ -74,11 +74,12 @@ case "$STAGE" in
       --baseline-count 30
     ;;
   watchdog) run 150 gpu_watchdog_check ;;
+  interference) run 400 bench_interference ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference cpu)" >&2
     exit 2
     ;;
 esac

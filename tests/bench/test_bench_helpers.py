@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import _baseline  # noqa: E402
 import _common as C  # noqa: E402
 import _kernels as K  # noqa: E402
+import bench_interference  # noqa: E402
 import bench_kernelbench  # noqa: E402
 import bench_throughput  # noqa: E402
 import bench_timing_fidelity  # noqa: E402
@@ -203,3 +204,11 @@ def test_cuda_sources_compile(soak_gpu: fault_soak.Soak, tmp_path: Path) -> None
     for name, spec in specs:
         result = run_job(spec, NullReporter(), EngineConfig(work_dir=tmp_path / name)).result
         assert result.compiled, (name, result.compilation_error)
+
+
+def test_interference_specs_pass_validation() -> None:
+    assert validate_spec(bench_interference.timed_spec(4096)) == []
+    heavy = bench_interference.HEAVY.format(n=8192, loops=20)
+    hostile = bench_interference.HOSTILE.format(n=8192, sleep=15)
+    for source, trials in ((heavy, 8), (hostile, 1)):
+        assert validate_spec(bench_interference.neighbour_spec(source, trials, "t")) == []
