@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,3 +245,43 @@ def test_without_a_filter_unshare_works(
     assert report["unshare_user_errno"] == 0
     channel.close()
     assert wait_pid(spawned.pid) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+def test_private_tmp_keeps_code_paths_mounted_below_it(tmp_path: Path) -> None:
+    """A checkout under /tmp (CI clones there) is bound read-only into the fresh root; the job
+    process's private /tmp must keep it, read-only, and hide everything else of /tmp."""
+    code = Path(tempfile.mkdtemp(prefix="ke-code-", dir="/tmp"))
+    (code / "module.py").write_text("VALUE = 1\n")
+    other = Path(tempfile.mkdtemp(prefix="ke-other-", dir="/tmp"))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the zygote's child C, in short
+        os.close(r)
+        try:
+            sandbox.unshare(sandbox.CLONE_NEWNS)
+            sandbox.make_mounts_private()
+            sandbox.mount(str(code), str(code), None, sandbox.MS_BIND)
+            sandbox.mount(None, str(code), None,
+                          sandbox.MS_REMOUNT | sandbox.MS_BIND | sandbox.MS_RDONLY)  # fmt: skip
+            sandbox.mount_private_tmpfs("/tmp", 16 << 20)
+            seen = {
+                "kept": (code / "module.py").read_text(),
+                "other_hidden": not other.exists(),
+                "listing": sorted(os.listdir("/tmp")),
+            }
+            try:
+                (code / "new.py").write_text("x")
+                seen["read_only"] = False
+            except OSError:
+                seen["read_only"] = True
+            os.write(w, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    seen = json.loads(os.read(r, 65536) or b"{}")
+    os.waitpid(pid, 0)
+    shutil.rmtree(code)
+    shutil.rmtree(other)
+    assert seen == {"kept": "VALUE = 1\n", "other_hidden": True, "listing": [code.name],
+                    "read_only": True}  # fmt: skip

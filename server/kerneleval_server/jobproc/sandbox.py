@@ -134,6 +134,34 @@ def mount_tmpfs(target: str, size_bytes: int, mode: int = 0o1777) -> None:
     mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, options)
 
 
+def mounts_under(folder: str) -> list[str]:
+    """Mount points strictly below `folder` (from /proc/self/mountinfo), outermost only."""
+    prefix = folder.rstrip("/") + "/"
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                points.append(point)
+    return [p for p in points if not any(p != q and p.startswith(q + "/") for q in points)]
+
+
+def mount_private_tmpfs(target: str, size_bytes: int) -> None:
+    """A fresh tmpfs on `target` that keeps what is mounted below it (the read-only code
+    paths of a checkout under /tmp): each is bound again, read-only, inside the new tmpfs."""
+    kept = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in mounts_under(target)]
+    mount_tmpfs(target, size_bytes)
+    for point, fd in kept:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(point, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(point), exist_ok=True)
+            open(point, "a").close()
+        mount(f"/proc/self/fd/{fd}", point, None, MS_BIND | MS_REC)
+        mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
 def mount_proc(target: str = "/proc") -> None:
     """A proc of the caller's PID namespace on `target` (only its own processes show)."""
     mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -175,7 +175,7 @@ class Zygote:
                     | sandbox.CLONE_NEWNET
                 )
                 sandbox.make_mounts_private()
-                sandbox.mount_tmpfs("/tmp", self.config.tmp_bytes)
+                sandbox.mount_private_tmpfs("/tmp", self.config.tmp_bytes)
                 if os.path.isdir("/dev/shm"):
                     sandbox.mount_tmpfs("/dev/shm", self.config.shm_bytes)
             g = os.fork()
