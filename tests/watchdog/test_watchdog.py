@@ -100,7 +100,10 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
             assert visible[str(REPO / "server")] and visible[str(harness.code_dir)]
             assert set(info["root_listing"]) <= {".pyenv"}  # /root holds only the bound Python
             assert info["tmp_mount"].startswith("tmpfs") and info["tmp_bytes"] == 32 << 20
-            assert info["tmp_listing"] == [f"standin-{w.worker_id}"]  # private /tmp
+            # private /tmp: its own file, and the way to read-only paths under /tmp (a checkout
+            # there), bound again inside it
+            way = {p.split("/")[2] for p in cfg.sandbox.read_only_paths if p.startswith("/tmp/")}
+            assert info["tmp_listing"] == sorted({f"standin-{w.worker_id}"} | way)
             assert info["root_mount"].startswith("tmpfs ro")
             assert set(info["dev"]) == {"fd", "full", "null", "random", "shm", "stderr", "stdin",
                                         "stdout", "tty", "urandom", "zero"}

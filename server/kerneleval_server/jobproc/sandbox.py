@@ -339,11 +339,16 @@ def chown_tree(root: str, uid: int, gid: int) -> None:
     os.lchown(root, uid, gid)
     if not stat.S_ISDIR(top.st_mode):
         return
+    # The folders on the way to read-only paths mounted below (mount_private_tmpfs) stay root's:
+    # the job could otherwise add files beside a checkout's code.
+    way = {os.path.dirname(p) for p in mounts_under(root)}
+    while any(os.path.dirname(w) not in way and w != root for w in way):
+        way |= {os.path.dirname(w) for w in way if w != root}
     for base, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(base, name)
             st = os.lstat(path)
-            if st.st_dev != top.st_dev:
+            if st.st_dev != top.st_dev or path in way:
                 dirs[:] = [d for d in dirs if d != name]
                 continue
             os.lchown(path, uid, gid)
