@@ -14,23 +14,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from jp_helpers import REPO, FakeWatchdog, start_zygote, wait_pid  # noqa: E402
+from jp_helpers import ADD_MODEL, REPO, FakeWatchdog, start_zygote, wait_pid  # noqa: E402
 from kerneleval.internal.v1 import job_channel_pb2 as jc  # noqa: E402
 from kerneleval.internal.v1 import zygote_pb2  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 from kerneleval_server.framing import encode, recv_frame  # noqa: E402
 from kerneleval_server.jobproc import GATED_PHASES, sandbox  # noqa: E402
-
-ADD_MODEL = """
-import torch
-class Model(torch.nn.Module):
-    def forward(self, a, b):
-        return a + b
-def get_inputs():
-    return [torch.randn(4, 64), torch.randn(4, 64)]
-def get_init_inputs():
-    return []
-"""
 
 
 def main() -> int:

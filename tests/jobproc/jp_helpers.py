@@ -17,6 +17,19 @@ from pathlib import Path
 from kerneleval.internal.v1 import zygote_pb2
 from kerneleval_server.framing import FdFrameReader, send_frame
 
+# A tiny torch Model every job-process test can run (the engine checks it against itself).
+ADD_MODEL = """
+import torch
+class Model(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+def get_inputs():
+    return [torch.randn(4, 64), torch.randn(4, 64)]
+def get_init_inputs():
+    return []
+"""
+
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 NOBODY = 65534

@@ -9,23 +9,12 @@ import socket
 import subprocess
 import sys
 
-from jp_helpers import REPO
+from jp_helpers import ADD_MODEL, REPO
 from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server.framing import encode, recv_frame
 from kerneleval_server.jobproc import GATED_PHASES, MAX_LOG_LINE_BYTES
 from kerneleval_server.jobproc.runtime import _truncate
-
-ADD_MODEL = """
-import torch
-class Model(torch.nn.Module):
-    def forward(self, a, b):
-        return a + b
-def get_inputs():
-    return [torch.randn(4, 64), torch.randn(4, 64)]
-def get_init_inputs():
-    return []
-"""
 
 
 def _spec(code: str) -> kernel_pb2.JobSpec:

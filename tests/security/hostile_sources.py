@@ -653,13 +653,17 @@ def channel_fd():
     return 3
 
 
-def send_frame(msg):
-    \"\"\"Writes a message on the channel as the runtime would; the descriptor used.\"\"\"
+def send_bytes(body):
+    \"\"\"Writes body as one frame (its length, then it) on the channel; the descriptor used.\"\"\"
     fd = channel_fd()
     os.set_blocking(fd, True)
-    body = msg.SerializeToString()
     os.write(fd, struct.pack(">I", len(body)) + body)
     return fd
+
+
+def send_frame(msg):
+    \"\"\"Writes a message on the channel as the runtime would; the descriptor used.\"\"\"
+    return send_bytes(msg.SerializeToString())
 """
 
 OVERSIZED_FRAME = (
@@ -678,10 +682,7 @@ GARBAGE_FRAME = (
     _CHANNEL
     + """
 def module_attack():
-    fd = channel_fd()
-    os.set_blocking(fd, True)
-    body = b"\\xff" * 64
-    os.write(fd, struct.pack(">I", len(body)) + body)
+    fd = send_bytes(b"\\xff" * 64)
     note(f"wrote 64 bytes of garbage in a frame on fd {fd}")
     time.sleep(60)
 """

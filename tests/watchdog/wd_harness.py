@@ -10,7 +10,6 @@ harness as a descriptor (on_channel); the stand-in reports over it and takes com
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,9 @@ from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval_server.watchdog import AttachedFd, Watchdog
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+from gpu_watchdog_check import Channel  # noqa: E402 - the same JSON-lines channel end
+
 HERE = Path(__file__).resolve().parent
 BUILD = REPO / "build" / "watchdog"
 STAND_IN = HERE / "stand_in_job.py"
@@ -58,32 +60,18 @@ def code_paths() -> list[str]:
     return sorted(paths)
 
 
-class JobChannel:
+class JobChannel(Channel):
     """The front end's end of one job process's channel (JSON lines with the stand-in)."""
 
     def __init__(self, worker_id: str) -> None:
+        super().__init__()
         self.worker_id = worker_id
-        self.messages: list[dict] = []
-        self.closed = False
-        self.writer: asyncio.StreamWriter | None = None
         self.fd_count = 0
 
-    async def serve(self, fd: int) -> None:
-        import socket
-
-        sock = socket.socket(fileno=fd)
-        reader, self.writer = await asyncio.open_unix_connection(sock=sock)
-        try:
-            while line := await reader.readline():
-                self.messages.append(json.loads(line))
-        except (ConnectionError, ValueError):
-            pass
-        self.closed = True
-        self.writer.close()
-
-    def send(self, text: str) -> None:
+    def send(self, text: str) -> bool:
         assert self.writer is not None, "no channel yet"
         self.writer.write(text.encode() + b"\n")
+        return True
 
     def of(self, key: str) -> list:
         return [m[key] for m in self.messages if key in m]
