@@ -3,19 +3,23 @@
 --count candidates (default 250; each a distinct source, so each compiles) of one --kind:
 `io` (half Triton launched from its IOContract, half raw CUDA: no candidate host code) or
 `modelnew` (Triton ModelNews: candidate host code, one job process each) are compared with
-a reference (2 correctness trials, 20 timed trials) through one
+a reference (2 correctness trials, 20 timed trials); or, timing-bound, `timed`: one Triton
+IOContract kernel, compiled once (the compile cache serves every later job), 100 timed trials
+each. They go through one
 RunBatch stream with --in-flight jobs outstanding, on one GPU with --workers-per-device
 workers (compiles and checks overlap; a timing window has the GPU alone).
 Reports evaluations per second and the fraction of wall time each GPU's timing window was
 held (grant to release, the service's own count in GetStats.device_occupancy; at most 1).
 Baseline in the same run: the first --baseline-count candidates as sequential Evaluate calls
 (one job in flight) through the same service. On two GPUs (where present) the batch runs
-again with --devices 0,1.
+again with --devices 0,1. --compare-unfrozen runs the one-GPU batch again on a service with
+--freeze-during-timing false (other job processes not frozen during a timing window; a switch
+for this comparison only) and reports the ratio frozen / not frozen.
 
     PYTHONPATH=server:clients/python/src python3 bench/bench_throughput.py --out DIR
     ... --cpu-smoke       # here: 20 Triton candidates under the interpreter
 
-Results: <out>/bench_throughput_<kind>.json and .md.
+Results: <out>/bench_throughput_<kind>_<workers per device>wpd.json and .md.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ def candidates(
 ) -> list[kernel_pb2.JobSpec]:
     out = []
     for i in range(offset, offset + count):
+        if kind == "timed":  # the same source each time: compiled once
+            spec = K.triton_add_io_spec(n)
+            spec.options.CopyFrom(K.options(correct=1, perf=100, warmup=3))
+            out.append(spec)
+            continue
         if kind == "io" and cuda and i % 2 == 1:
             spec = K.cuda_add_spec(n, variant=i)
         elif kind == "io":
@@ -155,7 +164,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--count", type=int, default=None, help="candidates (250; 20 smoke)")
-    ap.add_argument("--kind", choices=("io", "modelnew"), default="io")
+    ap.add_argument("--kind", choices=("io", "modelnew", "timed"), default="io")
+    ap.add_argument(
+        "--compare-unfrozen", action="store_true", help="also run with --freeze-during-timing false"
+    )
     ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
@@ -193,6 +205,19 @@ def main() -> int:
         print(f"batch on one GPU: {data['batch_1gpu']['evals_per_s']:.2f}/s", flush=True)
     finally:
         svc.stop()
+    if args.compare_unfrozen:
+        svc = C.Service(
+            wflags + ["--freeze-during-timing", "false"] + ([] if smoke else ["--devices", "0"]),
+            nvml="none" if smoke else "real",
+        ).start()
+        try:
+            svc.wait_workers(wpd)
+            data["batch_1gpu_unfrozen"] = run_batch(
+                svc, candidates(count, n, cuda, args.kind, offset=300_000), args.in_flight
+            )
+            print(f"not frozen: {data['batch_1gpu_unfrozen']['evals_per_s']:.2f}/s", flush=True)
+        finally:
+            svc.stop()
     two = info["gpu_count"] >= 2 and not smoke
     if two:
         svc = C.Service(wflags + ["--devices", "0,1"], nvml="real").start()
@@ -205,13 +230,20 @@ def main() -> int:
             svc.stop()
 
     seq = data["sequential"]
+    b1 = data["batch_1gpu"]
     rows: list[list[Any]] = [
         [f"sequential Evaluate, one at a time ({base_count})", seq["finished"], seq["ok"],
          seq["wall_s"], seq["evals_per_s"],
          ", ".join(f"GPU {d}: {f:.2f}" for d, f in seq["timing_window_fraction"].items()), 1.0],
     ]  # fmt: skip
-    for key, label in (("batch_1gpu", "RunBatch, one GPU"), ("batch_2gpu", "RunBatch, two GPUs")):
+    for key, label in (
+        ("batch_1gpu", "RunBatch, one GPU"),
+        ("batch_1gpu_unfrozen", "RunBatch, one GPU, others not frozen in a window"),
+        ("batch_2gpu", "RunBatch, two GPUs"),
+    ):
         b = data.get(key)
+        if b is None and key == "batch_1gpu_unfrozen":
+            continue
         if b is None:
             rows.append([label, "not run: one GPU", "", "", "", "", ""])
             continue
@@ -220,19 +252,22 @@ def main() -> int:
         rows.append([f"{label} ({count}, {args.in_flight} in flight)", b["finished"], b["ok"],
                      b["wall_s"], b["evals_per_s"], frac,
                      C.ratio(b["evals_per_s"], seq["evals_per_s"])])  # fmt: skip
+    what = {
+        "modelnew": "Triton ModelNews",
+        "timed": "one Triton kernel from its IOContract",
+        "io": "Triton from the IOContract"
+        if smoke
+        else "alternating Triton (IOContract) and raw CUDA",
+    }[args.kind]
+    trials = (
+        "the same source each time (compiled once), 1 correctness trial, 3 warm-ups, "
+        "100 timed trials"
+        if args.kind == "timed"
+        else "each a distinct source (compiled), 2 correctness trials, 3 warm-ups, 20 timed trials"
+    )
     notes = [
-        f"Candidates ({args.kind}): "
-        + (
-            "Triton ModelNews"
-            if args.kind == "modelnew"
-            else (
-                "Triton from the IOContract"
-                if smoke
-                else "alternating Triton (IOContract) and raw CUDA"
-            )
-        )
-        + f" `a*1+b` over {n} float32 elements, each a distinct source (compiled), compared "
-        "with a reference: 2 correctness trials, 3 warm-ups, 20 timed trials.",
+        f"Candidates ({args.kind}): {what} `a*1+b` over {n} float32 elements, compared with a "
+        f"reference; {trials}.",
         f"Service: {wpd} jobs at once per GPU and {spares} warm job processes waiting; every "
         "job runs in a job process of its own. Pool: job processes started per second during "
         f"the batch {data['pool'].get('started_per_s', 0.0):.2f}; device memory with the pool "
@@ -244,16 +279,23 @@ def main() -> int:
         "grant to release, GetStats.device_occupancy) over wall time; at most 1.",
         f"Verdicts: batch {data['batch_1gpu']['verdicts']}, sequential {seq['verdicts']}.",
     ]
+    unfrozen = data.get("batch_1gpu_unfrozen")
+    if unfrozen:
+        data["frozen_over_unfrozen"] = C.ratio(b1["evals_per_s"], unfrozen["evals_per_s"])
+        notes.append(
+            "Freezing the GPU's other job processes during each timing window (the default) "
+            f"vs not: {data['frozen_over_unfrozen']:.2f}x the evaluations per second (issue 14's "
+            "target: >= 0.9)."
+        )
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
     C.write_results(
-        args.out, f"bench_throughput_{args.kind}", f"Throughput of small {args.kind} candidates",
-        info, data,
+        args.out, f"bench_throughput_{args.kind}_{wpd}wpd",
+        f"Throughput of small {args.kind} candidates", info, data,
         [("Throughput", ["mode", "finished", "OK", "wall s", "evals/s", "timing window held",
                          "x sequential"], rows)],
         notes,
     )  # fmt: skip
-    b1 = data["batch_1gpu"]
     return 0 if b1["ok"] == count and seq["ok"] == base_count else 1
 
 

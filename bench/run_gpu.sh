@@ -7,7 +7,8 @@
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
 #   OUT=/some/dir bench/run_gpu.sh kernelbench  # KernelBench level 1 + examples (~8 min)
 #   OUT=/some/dir bench/run_gpu.sh soak         # fault soak, 480 s (~9 min)
-#   OUT=/some/dir bench/run_gpu.sh throughput   # 500 candidates via RunBatch (~4 min; on a
+#   OUT=/some/dir bench/run_gpu.sh throughput   # 300 candidates via RunBatch per KINDS, with
+#                                               # and without freezing (WPD per GPU; on a
 #                                               # two-GPU machine it adds the two-GPU run)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
@@ -68,10 +69,12 @@ case "$STAGE" in
   soak)
     run $(( ${DURATION_S:-480} + 80 )) fault_soak --duration-s "${DURATION_S:-480}"
     ;;
-  throughput)  # IOContract candidates, then ModelNew ones
-    LOG_SUFFIX=_io run 280 bench_throughput --kind io --count "${COUNT:-250}" --baseline-count 30
-    LOG_SUFFIX=_modelnew run 280 bench_throughput --kind modelnew --count "${COUNT:-250}" \
-      --baseline-count 30
+  throughput)  # per kind (KINDS: io modelnew timed), frozen and not frozen during windows
+    for KIND in ${KINDS:-io modelnew}; do
+      LOG_SUFFIX=_$KIND run "${THROUGHPUT_LIMIT_S:-400}" bench_throughput --kind "$KIND" \
+        --count "${COUNT:-300}" --baseline-count "${BASELINE_COUNT:-10}" \
+        --workers-per-device "${WPD:-4}" --compare-unfrozen
+    done
     ;;
   watchdog) run 150 gpu_watchdog_check ;;
   interference) run 400 bench_interference ;;

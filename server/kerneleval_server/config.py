@@ -75,6 +75,12 @@ class Config:
     isolate_network: bool = field(
         default=True, metadata={"help": "job processes without network (always; false is refused)"}
     )
+    freeze_during_timing: bool = field(
+        default=True,
+        metadata={
+            "help": "freeze a GPU's other job processes while one times (false: benchmarks only)"
+        },
+    )
     job_user: str = field(
         default="",
         metadata={

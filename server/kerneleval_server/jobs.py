@@ -27,6 +27,7 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 from . import faults
 from .compile_cache import CompileCache
 from .config import Config
+from .deadline import Deadline
 from .events import EventHub, OpsLog
 from .framing import FrameError
 from .job_processes import JobChannels, WorkerState, WorkerTable
@@ -35,6 +36,7 @@ from .metrics import Metrics
 from .sandbox_report import SandboxReport, is_sandbox_feature
 from .scheduler import FairQueue, GpuGate, QueuedJob
 from .store import TERMINAL, Store
+from .timing_windows import WATCHDOG_REPLY_S, TimingWindows, Window, public_conditions
 from .watchdog import AttachedFd
 
 log = logging.getLogger("kerneleval.jobs")
@@ -63,6 +65,10 @@ class WatchdogLike(Protocol):
     ) -> tuple[bool, list[watchdog_pb2.ResetStepReport]]: ...
     async def status(self) -> watchdog_pb2.StatusReport: ...
     async def shutdown(self, grace_ms: int = 2000) -> None: ...
+    async def open_window(
+        self, device_index: int, holder_worker_id: str, freeze_others: bool
+    ) -> watchdog_pb2.WindowReport: ...
+    async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
 
 
 @dataclass
@@ -74,12 +80,12 @@ class Running:
     pending: str = ""  # what the front end asked of the worker: "timeout" or "cancel"
     xid: faults.XidSeen | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    deadline: asyncio.TimerHandle | None = None
-    grant_asked_at: float = 0.0  # loop time of a pending timing request
+    deadline: Deadline | None = None
+    grant_asked_at: float = 0.0  # loop time of a pending GPU request
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
-    window_waited: float | None = None  # seconds it waited for its timing window, once granted
+    window: Window | None = None  # its timing window, once granted
 
 
 @dataclass
@@ -124,12 +130,8 @@ class JobManager:
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
         self.queue = FairQueue()
-        self.gate = GpuGate(
-            self._grant,
-            on_window=lambda device, seconds: metrics.timing_window.labels(str(device)).inc(
-                seconds
-            ),
-        )
+        self.gate = GpuGate(self._grant, on_window=self._window_ended)
+        self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
         self.workers = WorkerTable()
         self.channels = JobChannels(self)
         # Devices whose job processes have come up warm (a Hello) since the watchdog started.
@@ -244,8 +246,11 @@ class JobManager:
         self.running[job_id] = run
         worker.job_id = job_id
         self.metrics.running.set(len(self.running))
-        loop = asyncio.get_running_loop()
-        run.deadline = loop.call_later(run.timeout_s, self._on_deadline, job_id)
+        run.deadline = Deadline(
+            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
+        )
+        if self.windows.frozen(worker.device_index):
+            run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
             "job started",
             extra={
@@ -329,27 +334,69 @@ class JobManager:
             self.hub.publish(event)
 
     def _grant(self, worker_id: str, exclusive: bool) -> None:
+        """The GPU gate lets the worker use its GPU: checks at once; a timing window once the
+        device's other job processes are frozen."""
         worker = self.workers.by_id.get(worker_id)
         if worker is None or not worker.job_id:
             return
+        if exclusive:
+            self._spawn(self._open_window(worker))
+        else:
+            self._send_grant(worker, job_pb2.PHASE_VALIDATING)
+
+    async def _open_window(self, worker: WorkerState) -> None:
+        device = worker.device_index
+        report = await self.windows.open(self.watchdog, device, worker.worker_id)
+        run = self.running.get(worker.job_id) if worker.job_id else None
+        if run is None or self.gate.holders(device)[0] != worker.worker_id:
+            return  # it ended while the others froze; its release closes the window
+        if self.windows.frozen(device):
+            for other in self.running.values():
+                if other.worker.device_index == device and other is not run and other.deadline:
+                    other.deadline.pause()
+        run.window = Window(
+            others_frozen=report.ok, at_start=public_conditions(report.conditions)
+        )
+        if not report.ok and self.windows.freeze_others:
+            log.warning(
+                "timing window of job %s on device %d: others not frozen: %s",
+                run.job.job_id,
+                device,
+                report.message,
+                extra={"job_id": run.job.job_id},
+            )
+        self._send_grant(worker, job_pb2.PHASE_PROFILING)
+
+    def _send_grant(self, worker: WorkerState, phase: int) -> None:
         run = self.running.get(worker.job_id)
         if run is not None and run.deadline is not None and run.grant_asked_at:
             # Waiting for other jobs' GPU use is not this job's time: push its deadline.
-            loop = asyncio.get_running_loop()
-            waited = loop.time() - run.grant_asked_at
-            if exclusive:
-                run.window_waited = max(waited, 0.0)
+            waited = asyncio.get_running_loop().time() - run.grant_asked_at
+            if run.window is not None and phase == job_pb2.PHASE_PROFILING:
+                run.window.waited_s = waited
             if waited > 0.001:
-                when = run.deadline.when() + waited
-                run.deadline.cancel()
-                run.deadline = loop.call_at(when, self._on_deadline, run.job.job_id)
+                run.deadline.push(waited)
             run.grant_asked_at = 0.0
-        phase = job_pb2.PHASE_PROFILING if exclusive else job_pb2.PHASE_VALIDATING
         worker.send(
             job_channel_pb2.FrontendMessage(
-                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)
+                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)  # type: ignore[arg-type]
             )
         )
+
+    def _window_ended(self, device: int, holder_id: str, seconds: float) -> None:
+        self.metrics.timing_window.labels(str(device)).inc(seconds)
+        holder = self.workers.by_id.get(holder_id)
+        run = self.running.get(holder.job_id) if holder is not None and holder.job_id else None
+        self._spawn(self._close_window(device, run))
+
+    async def _close_window(self, device: int, holder_run: Running | None) -> None:
+        report = await self.windows.close(self.watchdog, device)
+        for run in self.running.values():
+            if run.worker.device_index == device and run.deadline is not None:
+                run.deadline.resume()
+        if holder_run is not None and holder_run.window is not None:
+            holder_run.window.at_end = public_conditions(report.conditions)
+            holder_run.window.closed.set()
 
     def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
@@ -389,9 +436,20 @@ class JobManager:
             run.outcome_wait = asyncio.get_running_loop().call_later(
                 wait, self._finish_outcome, outcome.job_id
             )
+        elif run.window is not None and not run.window.closed.is_set():
+            self._spawn(self._finish_outcome_after_window(run))
         else:
             self._finish_outcome(outcome.job_id)
         self.dispatch()
+
+    async def _finish_outcome_after_window(self, run: Running) -> None:
+        """The result says how the GPU was when its window closed: wait for that reading."""
+        assert run.window is not None
+        try:
+            await asyncio.wait_for(run.window.closed.wait(), WATCHDOG_REPLY_S + 1)
+        except asyncio.TimeoutError:
+            pass
+        self._finish_outcome(run.job.job_id)
 
     def _finish_outcome(self, job_id: str) -> None:
         run = self.running.get(job_id)
@@ -400,9 +458,12 @@ class JobManager:
         result = job_pb2.EvalResult()
         result.CopyFrom(run.outcome.result)
         result.ClearField("timing_window")  # the service's to say, not the job's
-        if run.window_waited is not None:
-            result.timing_window.exclusive = True
-            result.timing_window.waited.FromNanoseconds(int(run.window_waited * 1e9))
+        if run.window is not None:
+            run.window.fill(result.timing_window)
+            # The job process's own report of its wait for others' queued GPU work: it can
+            # only make its own window look worse.
+            result.timing_window.drain.CopyFrom(run.outcome.window_drain)
+            result.timing_window.drained = run.outcome.window_drained
         if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
             result.fault.xid = run.xid.xid
             result.fault.xid_category = run.xid.category

@@ -85,11 +85,11 @@ class GpuGate:
     def __init__(
         self,
         grant: Callable[[str, bool], None],
-        on_window: Callable[[int, float], None] = lambda device, seconds: None,
+        on_window: Callable[[int, str, float], None] = lambda device, holder, seconds: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._grant = grant  # called with (worker id, exclusive) when it may use the GPU
-        self._on_window = on_window  # called with (device, seconds) when a window ends
+        self._on_window = on_window  # called with (device, holder, seconds) when a window ends
         self._clock = clock
         self._devices: dict[int, _DeviceGate] = {}
 
@@ -115,7 +115,7 @@ class GpuGate:
             gate.writer = None
             held = self._clock() - gate.window_since
             gate.window_seconds += held
-            self._on_window(device_index, held)
+            self._on_window(device_index, worker_id, held)
         self._pump(gate)
 
     def _pump(self, gate: _DeviceGate) -> None:

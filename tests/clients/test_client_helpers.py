@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import grpc
@@ -194,6 +195,27 @@ def test_result_table_says_how_the_job_was_timed() -> None:
 
     job = job_pb2.Job(job_id="j2", state=job_pb2.JOB_STATE_DONE)
     job.result.verdict = job_pb2.VERDICT_OK
-    job.result.timing_window.exclusive = True
-    job.result.timing_window.waited.FromMilliseconds(12)
-    assert "window    the GPU to itself, waited 12.0 ms for it" in render.result_table(job)
+    w = job.result.timing_window
+    w.exclusive = w.others_frozen = w.drained = True
+    w.waited.FromMilliseconds(12)
+    w.drain.FromMilliseconds(0)
+    assert render.result_table(job).endswith("window    the GPU to itself, waited 12.0 ms for it")
+    w.at_start.CopyFrom(
+        job_pb2.GpuConditions(
+            known=True, sm_clock_mhz=1980, memory_clock_mhz=2619, temperature_celsius=41,
+            power_watts=312.4, throttle_reasons=["gpu_idle"],
+        )
+    )  # fmt: skip
+    w.at_end.CopyFrom(w.at_start)
+    w.at_end.throttle_reasons[:] = ["sw_thermal_slowdown"]
+    w.drain.FromMilliseconds(7)
+    w.others_frozen = w.drained = False
+    table = re.sub(" +", " ", render.result_table(job))  # the label column's width varies
+    assert (
+        "window the GPU to itself (other job processes not frozen), waited 12.0 ms for it, "
+        "7.0 ms for others' queued GPU work (still busy: times may include it)"
+    ) in table
+    assert "gpu start SM 1980 MHz, memory 2619 MHz, 41 C, 312 W\n" in table
+    assert table.endswith(
+        "gpu end SM 1980 MHz, memory 2619 MHz, 41 C, 312 W, throttled: sw_thermal_slowdown"
+    )

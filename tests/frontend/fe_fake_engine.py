@@ -14,6 +14,10 @@ The kernel source is a JSON command:
       compiles for s seconds, asks for the GPU to check and "checks" for c seconds (0 if not
       given), then asks for the timing window and "times" for s seconds; the result's notes
       hold "<phase> <start> <end>" for prepare, check and profile.
+  {"do": "spin", "cpu_seconds": c}
+      burns c seconds of CPU in its compile phase (which asks for no GPU), noting the wall
+      time every few ms; the notes hold "stall <start> <end>", its longest pause (a job process
+      frozen for another job's timing window pauses there).
 Used with `serve --engine fe_fake_engine` (tests/frontend on PYTHONPATH).
 """
 
@@ -50,6 +54,19 @@ def _record(result: job_pb2.EvalResult, phase: str, start: float, end: float) ->
     result.notes.append(f"{phase} {start} {end}")
 
 
+def _spin(result: job_pb2.EvalResult, cpu_seconds: float) -> None:
+    stall = (0.0, 0.0)
+    last = time.time()
+    end_cpu = time.process_time() + cpu_seconds
+    while time.process_time() < end_cpu:
+        sum(range(2000))  # ~50 us of work between looks at the clock
+        now = time.time()
+        if now - last > stall[1] - stall[0]:
+            stall = (last, now)
+        last = now
+    _record(result, "stall", *stall)
+
+
 def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
     cmd = json.loads(spec.kernel.source_code)
     result = job_pb2.EvalResult(compiled=True)
@@ -81,6 +98,12 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
         result.verdict = job_pb2.VERDICT_OK
         result.correctness = True
         result.timing_window.exclusive = True  # a claim the service must not pass on
+        return Outcome(result)
+    if cmd["do"] == "spin":
+        _spin(result, float(cmd["cpu_seconds"]))
+        reporter.phase(job_pb2.PHASE_VALIDATING)
+        result.verdict = job_pb2.VERDICT_OK
+        result.correctness = True
         return Outcome(result)
     seconds = float(cmd["seconds"])
     start = time.time()

@@ -25,7 +25,10 @@ HERE = Path(__file__).resolve().parent
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("gpu-fakes")
     nvml = root / "fake_nvml"
-    nvml.write_text("device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n")
+    nvml.write_text(
+        "device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n"
+        "clocks 0 sm=1410 mem=2619 temperature=45 power_mw=301500 reasons=0x5\n"
+    )
     service = ServiceProcess(
         root / "state",
         [
@@ -145,6 +148,44 @@ def test_checks_share_the_gpu_and_never_run_during_a_timing_window(svc: ServiceP
     held = occupancy.timing_window.ToNanoseconds() / 1e9
     assert occupancy.device_index == 0 and occupancy.timing_window_count >= 4
     assert held >= sum(b - a for a, b in spans["profile"]) - 0.05, (held, spans["profile"])
+
+
+def test_a_timing_window_freezes_the_other_job_process_and_its_timeout_stands_still(
+    svc: ServiceProcess,
+) -> None:
+    """A neighbour that burns CPU in a phase that asks for no GPU (as a candidate's background
+    thread would launch kernels) is frozen while another job times: it makes no progress during
+    the window, resumes after, and its 3 s timeout does not count the frozen time (2.2 s of
+    work + a 1.5 s window)."""
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    timed = command_spec({"do": "time", "seconds": 1.5})
+    spinner = command_spec({"do": "spin", "cpu_seconds": 2.2})
+    spinner.options.timeout.FromSeconds(3)
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(lambda: stub.Evaluate(pb.EvaluateRequest(spec=timed), timeout=60).job)
+        time.sleep(0.2)
+        b = pool.submit(lambda: stub.Evaluate(pb.EvaluateRequest(spec=spinner), timeout=60).job)
+        timed_job, spin_job = a.result(), b.result()
+    assert timed_job.result.verdict == job_pb2.VERDICT_OK, timed_job.result
+    assert spin_job.result.verdict == job_pb2.VERDICT_OK, spin_job.result  # no TIMEOUT
+    assert spin_job.worker_id != timed_job.worker_id
+
+    def span(job: job_pb2.Job, phase: str) -> tuple[float, float]:
+        (row,) = [n.split() for n in job.result.notes if n.startswith(phase + " ")]
+        return float(row[1]), float(row[2])
+
+    window = span(timed_job, "profile")
+    stall = span(spin_job, "stall")
+    # The spinner stood still for the whole window (give or take the freeze's round trips).
+    assert stall[0] <= window[0] + 0.1 and stall[1] >= window[1] - 0.1, (stall, window)
+    w = timed_job.result.timing_window
+    assert w.exclusive and w.others_frozen and w.drained, w
+    for conditions in (w.at_start, w.at_end):  # the fake NVML's clocks line
+        assert conditions.known and conditions.sm_clock_mhz == 1410, conditions
+        assert conditions.memory_clock_mhz == 2619 and conditions.temperature_celsius == 45
+        assert conditions.power_watts == pytest.approx(301.5)
+        assert list(conditions.throttle_reasons) == ["gpu_idle", "sw_power_cap"]
 
 
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:

@@ -63,8 +63,8 @@ def test_gpu_gate_checks_share_a_window_is_alone_per_device() -> None:
 
 def test_gpu_gate_counts_the_time_windows_are_held() -> None:
     now = [100.0]
-    ended: list[tuple[int, float]] = []
-    gate = GpuGate(lambda w, x: None, on_window=lambda d, s: ended.append((d, s)),
+    ended: list[tuple[int, str, float]] = []
+    gate = GpuGate(lambda w, x: None, on_window=lambda d, w, s: ended.append((d, w, s)),
                    clock=lambda: now[0])  # fmt: skip
     gate.request(0, "c", False)
     now[0] += 5.0  # checks are no window
@@ -76,7 +76,7 @@ def test_gpu_gate_counts_the_time_windows_are_held() -> None:
     gate.request(0, "t2", True)
     gate.request(1, "u", True)
     now[0] += 0.5
-    assert ended == [(0, 2.0)]
+    assert ended == [(0, "t1", 2.0)]
     # the windows held now count too: 2 + 0.5 on device 0, 0.5 on device 1
     assert gate.occupancy() == {0: (2.5, 2), 1: (0.5, 1)}
 

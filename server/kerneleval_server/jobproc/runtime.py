@@ -50,6 +50,7 @@ from . import (
     POISONED_EXIT,
     TRITON_CACHE_ENV,
     WORKER_ID_ENV,
+    drain,
     warm_job,
 )
 
@@ -273,6 +274,7 @@ class _Reporter:
         self._channel = channel
         self._job_id = job_id
         self._granted: set[int] = set()
+        self.window_drain: tuple[float, bool] = (0.0, False)  # (seconds, drained)
 
     def phase(self, phase: int) -> None:
         wait = phase in GATED_PHASES and phase not in self._granted
@@ -285,6 +287,8 @@ class _Reporter:
         if event is not None:
             event.wait()
             self._granted.add(phase)
+            if phase == job_pb2.PHASE_PROFILING:
+                self.window_drain = drain.wait_for_idle_gpu()
 
     def progress(self, phase: int, done: int, total: int) -> None:
         self._channel.send(
@@ -393,16 +397,15 @@ def _run_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.Assi
         poisoned = False
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
-    channel.send(
-        job_channel_pb2.JobProcessMessage(
-            outcome=job_channel_pb2.JobOutcome(
-                job_id=assign.job_id,
-                result=result,
-                context_poisoned=poisoned,
-                compile_cache=added,
-            )
-        )
+    outcome_msg = job_channel_pb2.JobOutcome(
+        job_id=assign.job_id,
+        result=result,
+        context_poisoned=poisoned,
+        compile_cache=added,
+        window_drained=reporter.window_drain[1],
     )
+    outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
+    channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
     if not poisoned:  # the private /tmp goes with the process; without one, clean up
         shutil.rmtree(job_dir, ignore_errors=True)
         shutil.rmtree(cache_dir, ignore_errors=True)

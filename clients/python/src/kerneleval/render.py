@@ -194,6 +194,35 @@ def _indent(text: str, limit: int = 40) -> str:
     return "\n".join("             " + line for line in lines).lstrip()
 
 
+def _gpu_conditions(c: job_pb2.GpuConditions) -> str:
+    if not c.known:
+        return "not read (no NVML)"
+    text = (
+        f"SM {c.sm_clock_mhz} MHz, memory {c.memory_clock_mhz} MHz, {c.temperature_celsius} C, "
+        f"{c.power_watts:.0f} W"
+    )
+    reasons = [x for x in c.throttle_reasons if x != "gpu_idle"]
+    return text + (f", throttled: {', '.join(reasons)}" if reasons else "")
+
+
+def _window_rows(w: job_pb2.TimingWindow) -> list[tuple[str, str]]:
+    """How a result was timed: alone or not, how long it waited, the GPU at both ends."""
+    how = "the GPU to itself" if w.exclusive else "shared"
+    if w.exclusive and not w.others_frozen:
+        how += " (other job processes not frozen)"
+    text = f"{how}, waited {w.waited.ToNanoseconds() / 1e6:.1f} ms for it"
+    drain_ms = w.drain.ToNanoseconds() / 1e6
+    if w.HasField("drain") and (drain_ms >= 0.05 or not w.drained):
+        text += f", {drain_ms:.1f} ms for others' queued GPU work"
+        text += "" if w.drained else " (still busy: times may include it)"
+    rows = [("window", text)]
+    if w.HasField("at_start"):
+        rows.append(("gpu start", _gpu_conditions(w.at_start)))
+    if w.HasField("at_end"):
+        rows.append(("gpu end", _gpu_conditions(w.at_end)))
+    return rows
+
+
 def result_table(job: job_pb2.Job) -> str:
     """The result of a finished job as `key  value` rows."""
     r = job.result
@@ -222,10 +251,7 @@ def result_table(job: job_pb2.Job) -> str:
     if r.reference_runtime.trial_count or r.reference_runtime.median_ms:
         rows.append(("reference", _stats(r.reference_runtime)))
     if r.HasField("timing_window"):
-        w = r.timing_window
-        waited = w.waited.ToNanoseconds() / 1e6
-        how = "the GPU to itself" if w.exclusive else "shared"
-        rows.append(("window", f"{how}, waited {waited:.1f} ms for it"))
+        rows.extend(_window_rows(r.timing_window))
     if r.speedup:
         flag = "  (suspicious: over 10x, check for a timing hack)" if r.speedup_suspicious else ""
         rows.append(("speedup", f"{r.speedup:.3g}x{flag}"))
