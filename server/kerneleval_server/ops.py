@@ -211,8 +211,9 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             sandbox_warnings=self.m.sandbox.to_proto(),
             sandbox_state=self.m.sandbox.state(),
         )
-        for index, (seconds, count) in self.m.gate.occupancy().items():
+        for index, (seconds, count, wanted) in self.m.gate.occupancy().items():
             occupancy = resp.device_occupancy.add(device_index=index, timing_window_count=count)
             occupancy.timing_window.FromNanoseconds(int(seconds * 1e9))
+            occupancy.timing_wanted.FromNanoseconds(int(wanted * 1e9))
         resp.uptime.FromNanoseconds(int((time.time() - self.m.started_at) * 1e9))
         return resp

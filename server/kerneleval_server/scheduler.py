@@ -74,6 +74,11 @@ class _DeviceGate:
     window_since: float = 0.0  # clock time the current window was granted
     window_seconds: float = 0.0  # windows held before the current one, summed
     window_count: int = 0
+    wanted_since: float | None = None  # since when a window is held or asked for
+    wanted_seconds: float = 0.0  # such spells before the current one, summed
+
+    def timing_wanted(self) -> bool:
+        return self.writer is not None or any(exclusive for _, exclusive in self.queue)
 
 
 class GpuGate:
@@ -103,6 +108,7 @@ class GpuGate:
             gate.queue = deque((w, x) for w, x in gate.queue if w != worker_id)
         gate.queue.append((worker_id, exclusive))
         self._pump(gate)
+        self._track_wanted(gate)
 
     def release(self, device_index: int, worker_id: str) -> None:
         """The worker no longer uses the GPU (job ended, worker gone); the next ones go."""
@@ -117,6 +123,15 @@ class GpuGate:
             gate.window_seconds += held
             self._on_window(device_index, worker_id, held)
         self._pump(gate)
+        self._track_wanted(gate)
+
+    def _track_wanted(self, gate: _DeviceGate) -> None:
+        now = self._clock()
+        if gate.timing_wanted() and gate.wanted_since is None:
+            gate.wanted_since = now
+        elif not gate.timing_wanted() and gate.wanted_since is not None:
+            gate.wanted_seconds += now - gate.wanted_since
+            gate.wanted_since = None
 
     def _pump(self, gate: _DeviceGate) -> None:
         while gate.queue and gate.writer is None:
@@ -132,14 +147,16 @@ class GpuGate:
                 gate.readers.add(worker_id)
             self._grant(worker_id, exclusive)
 
-    def occupancy(self) -> dict[int, tuple[float, int]]:
-        """Per device: seconds timing windows were held (the current one so far) and how many
-        were granted."""
+    def occupancy(self) -> dict[int, tuple[float, int, float]]:
+        """Per device: seconds timing windows were held (the current one so far), how many
+        were granted, and seconds a window was held or asked for."""
         now = self._clock()
-        return {
-            index: (g.window_seconds + (now - g.window_since if g.writer else 0.0), g.window_count)
-            for index, g in sorted(self._devices.items())
-        }
+        out = {}
+        for index, g in sorted(self._devices.items()):
+            held = g.window_seconds + (now - g.window_since if g.writer else 0.0)
+            wanted = g.wanted_seconds + (now - g.wanted_since if g.wanted_since else 0.0)
+            out[index] = (held, g.window_count, wanted)
+        return out
 
     def holders(self, device_index: int) -> tuple[str | None, set[str]]:
         """(the timing window's holder, the checks') of a device."""

@@ -135,10 +135,13 @@ def _event(kind: str, t: float, **fields: object) -> job_pb2.JobEvent:
 
 
 def test_timing_window_fraction_is_per_device_and_at_most_one() -> None:
-    before = {0: 10.0}
-    after = {0: 14.0, 1: 1.0}  # device 1 appeared during the batch
+    before = {0: (10.0, 12.0)}
+    after = {0: (14.0, 17.0), 1: (1.0, 1.0)}  # device 1 appeared during the batch
     assert bench_throughput.window_fraction(before, after, 8.0) == {"0": 0.5, "1": 0.125}
-    assert bench_throughput.window_fraction({}, {0: 1.0}, 0.0) == {}
+    assert bench_throughput.window_fraction({}, {0: (1.0, 1.0)}, 0.0) == {}
+    # held 4 s of the 5 s a window was held or asked for on device 0
+    assert bench_throughput.held_of_wanted(before, after) == {"0": 0.8, "1": 1.0}
+    assert bench_throughput.held_of_wanted(after, after) == {}
 
 
 def test_kernelbench_scaling() -> None:

@@ -188,6 +188,53 @@ def test_a_timing_window_freezes_the_other_job_process_and_its_timeout_stands_st
         assert list(conditions.throttle_reasons) == ["gpu_idle", "sw_power_cap"]
 
 
+def test_a_window_ends_when_its_holder_dies_and_a_frozen_job_can_be_cancelled(
+    svc: ServiceProcess,
+) -> None:
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    spinner = command_spec({"do": "spin", "cpu_seconds": 1.0})
+    spinner.options.timeout.FromSeconds(4)
+
+    def frozen_for(holder: kernel_pb2.JobSpec) -> tuple[job_pb2.Job, str]:
+        """Starts the holder, then a spinner once the holder's window is open."""
+        held = stub.Submit(pb.SubmitRequest(spec=holder)).job
+        deadline = time.monotonic() + 30
+        while stub.GetJob(pb.GetJobRequest(job_id=held.job_id)).job.state != (
+            job_pb2.JOB_STATE_RUNNING
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(1.2)  # its 1 s "compile" and into its window
+        return held, stub.Submit(pb.SubmitRequest(spec=spinner)).job.job_id
+
+    def wait_done(job_id: str) -> job_pb2.Job:
+        deadline = time.monotonic() + 30
+        while True:
+            job = stub.GetJob(pb.GetJobRequest(job_id=job_id)).job
+            if job.state not in (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING):
+                return job
+            assert time.monotonic() < deadline, job
+            time.sleep(0.05)
+
+    # The holder dies in its window: the window ends, the frozen spinner thaws and finishes.
+    crasher, spin_id = frozen_for(
+        command_spec({"do": "time", "seconds": 1.0, "crash_in_window": True})
+    )
+    done = wait_done(crasher.job_id)
+    assert done.result.verdict == job_pb2.VERDICT_CRASHED, done.result
+    spun = wait_done(spin_id)
+    assert spun.result.verdict == job_pb2.VERDICT_OK, spun.result
+    # A job cancelled while frozen ends at once, and the window's holder is unaffected.
+    holder, spin_id = frozen_for(command_spec({"do": "time", "seconds": 1.0}))
+    time.sleep(0.2)
+    start = time.monotonic()
+    cancelled = stub.CancelJob(pb.CancelJobRequest(job_id=spin_id), timeout=30).job
+    assert cancelled.state == job_pb2.JOB_STATE_CANCELLED and time.monotonic() - start < 3
+    timed = wait_done(holder.job_id)
+    assert timed.result.verdict == job_pb2.VERDICT_OK and timed.result.timing_window.others_frozen
+
+
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
     # --max-restarts 1: the watchdog gives up on a device after two worker failures. Workers
     # that die running a job were killed by its kernel, which is no failure of the device.

@@ -77,8 +77,9 @@ def test_gpu_gate_counts_the_time_windows_are_held() -> None:
     gate.request(1, "u", True)
     now[0] += 0.5
     assert ended == [(0, "t1", 2.0)]
-    # the windows held now count too: 2 + 0.5 on device 0, 0.5 on device 1
-    assert gate.occupancy() == {0: (2.5, 2), 1: (0.5, 1)}
+    # the windows held now count too: 2 + 0.5 on device 0, 0.5 on device 1; a window was
+    # wanted on device 0 from t1's request at 105 (it waited 1 s for the check) on
+    assert gate.occupancy() == {0: (2.5, 2, 3.5), 1: (0.5, 1, 0.5)}
 
 
 def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
