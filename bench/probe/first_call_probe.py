@@ -1,7 +1,11 @@
 """First call of a small Triton kernel in a warmed process (CUDA, cuBLAS, a Triton kernel run
-before): with an empty Triton cache, and with the files a previous process compiled.
+before): with an empty Triton cache, with the files a previous process compiled copied as
+they are (Triton's group files still name the old folder: a miss), and seeded the way the
+service seeds a job's cache (jobproc.runtime.seed_compile_cache points them at the new one).
+Needs PYTHONPATH=server for the last.
 
     python3 bench/probe/first_call_probe.py
+    FIRST_CALL_PROFILE=1 python3 bench/probe/first_call_probe.py   # + cProfile of first calls
 """
 
 import os
@@ -61,9 +65,21 @@ t1 = time.perf_counter()
 a = torch.randn(4096, device="cuda")
 b = torch.randn(4096, device="cuda")
 o = torch.empty_like(a)
+profile = None
+if os.environ.get("FIRST_CALL_PROFILE"):
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 mod.add[(4,)](a, b, o, 4096, BLOCK=1024)
 torch.cuda.synchronize()
 t2 = time.perf_counter()
+if profile is not None:
+    import pstats
+    profile.disable()
+    print(f"== {LABEL}: where the first call's time goes", flush=True)
+    stats = pstats.Stats(profile).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(28)
+    stats.sort_stats("tottime").print_stats(12)
 mod.add[(4,)](a, b, o, 4096, BLOCK=1024)
 torch.cuda.synchronize()
 t3 = time.perf_counter()
@@ -78,11 +94,25 @@ print(
 
 
 def main() -> None:
+    from pathlib import Path
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.jobproc.runtime import seed_compile_cache
+
     root = tempfile.mkdtemp()
-    for label in ("empty cache", "seeded cache", "seeded cache again"):
+    for label in ("empty cache", "copied cache", "seeded cache", "seeded cache again"):
         d = tempfile.mkdtemp(dir=root)
-        if label != "empty cache":
+        if label == "copied cache":
             shutil.copytree(root + "/first/job", d + "/job")
+        elif label != "empty cache":
+            first = Path(root + "/first/job")
+            given = [
+                job_channel_pb2.CacheFile(path=str(p.relative_to(first)), data=p.read_bytes())
+                for p in sorted(first.rglob("*"))
+                if p.is_file()
+            ]
+            os.makedirs(d + "/job")
+            seed_compile_cache(Path(d + "/job"), given)
         with open(d + "/child.py", "w") as f:
             f.write(CHILD)
         subprocess.run([sys.executable, d + "/child.py", d, label], check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -87,3 +88,25 @@ def test_job_process_seeds_its_cache_and_sends_back_only_what_it_added(tmp_path:
         assert compile_cache_added(root, seeded) == []
     else:
         assert [f.path for f in compile_cache_added(root, seeded)] == ["new/k.json"]
+
+
+def test_seeded_triton_group_files_name_the_members_in_the_new_folder(tmp_path: Path) -> None:
+    """Triton's __grp__ files name their members by absolute path in the folder of the job
+    that compiled them; seeded into another job's folder they must name that folder's."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    old = "/tmp/compile-cache-abc/KEY"
+    group = {"child_paths": {"add.cubin": f"{old}/add.cubin", "add.json": f"{old}/add.json",
+                             "evil": "/etc/passwd/.."}}  # fmt: skip
+    given = [
+        jc.CacheFile(path="KEY/__grp__add.json", data=json.dumps(group).encode()),
+        jc.CacheFile(path="KEY/add.cubin", data=b"cubin"),
+        jc.CacheFile(path="KEY/__grp__bad.json", data=b"not json"),
+    ]
+    seed_compile_cache(root, given)
+    seeded = json.loads((root / "KEY" / "__grp__add.json").read_text())
+    assert seeded["child_paths"] == {
+        "add.cubin": str(root / "KEY" / "add.cubin"),
+        "add.json": str(root / "KEY" / "add.json"),
+    }
+    assert (root / "KEY" / "__grp__bad.json").read_bytes() == b"not json"

@@ -22,6 +22,7 @@ Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
 # annotation must be a real object when Triton reads it.
 
 import importlib
+import json
 import os
 import queue
 import shutil
@@ -350,9 +351,29 @@ def seed_compile_cache(root: Path, files: Any) -> set[str]:
         if path is None:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(f.data)
+        data = f.data
+        if path.name.startswith("__grp__") and path.suffix == ".json":
+            data = _regroup(root, data)
+        path.write_bytes(data)
         seeded.add(f.path)
     return seeded
+
+
+def _regroup(root: Path, data: bytes) -> bytes:
+    """A Triton group file names its members by absolute path, in the cache folder of the job
+    that compiled them: point them into this folder (<root>/<key>/<file>), or Triton misses
+    its own cache and compiles again. A member named outside a <key>/<file> shape is dropped."""
+    try:
+        group = json.loads(data)
+        children = group["child_paths"]
+        group["child_paths"] = {
+            name: str(root / Path(p).parent.name / Path(p).name)
+            for name, p in children.items()
+            if isinstance(p, str) and _cache_path(root, f"{Path(p).parent.name}/{Path(p).name}")
+        }
+        return json.dumps(group).encode()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return data  # not a group file Triton would read: left to Triton to refuse
 
 
 def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.CacheFile]:
