@@ -217,6 +217,30 @@ class Watchdog:
         )
         return event.status
 
+    async def open_window(
+        self, device_index: int, holder_worker_id: str, freeze_others: bool
+    ) -> watchdog_pb2.WindowReport:
+        """Opens the device's timing window for `holder_worker_id`: with `freeze_others`, every
+        other job process of the device is frozen (and any started before the window closes).
+        The report says whether all froze (`ok`), which, and the GPU's conditions."""
+        cmd = watchdog_pb2.WatchdogCommand(
+            open_window=watchdog_pb2.OpenWindow(
+                device_index=device_index,
+                holder_worker_id=holder_worker_id,
+                freeze_others=freeze_others,
+            )
+        )
+        event = await self._call(cmd, "window")
+        return event.window
+
+    async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport:
+        """Closes the device's timing window: the GPU's conditions, then what it froze thaws."""
+        cmd = watchdog_pb2.WatchdogCommand(
+            close_window=watchdog_pb2.CloseWindow(device_index=device_index)
+        )
+        event = await self._call(cmd, "window")
+        return event.window
+
     async def shutdown(self, grace_ms: int = 2000) -> None:
         """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
@@ -390,7 +414,7 @@ class Watchdog:
             elif call.kind in ("ack", "configure"):
                 call.done.set_result(event)
                 finished = True
-        elif kind == "status" and call.kind == "status":
+        elif kind == call.kind and kind in ("status", "window"):
             call.done.set_result(event)
             finished = True
         elif kind == "reset_step" and call.kind == "reset":

@@ -12,6 +12,8 @@ answers commands, one a line:
   "hang"            ignores SIGTERM (answers {"hanging": true})
   "daemon"          double fork + setsid, a grandchild that ignores SIGTERM and sleeps
   "try_escape"      what the seccomp filter answers to unshare/setns/mount/ptrace
+  "burn"            a thread that keeps a CPU busy (answers {"burning": true}): the tests of
+                    timing windows watch its CPU time stop while it is frozen
 STANDIN_MODE: "idle" (default); "crash" segfaults at once; "exit" returns $STANDIN_EXIT
 (default 3) at once, before the report.
 """
@@ -25,6 +27,7 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 
 PLAIN_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TMPDIR", "HOME", "TRITON_CACHE_DIR",
@@ -119,6 +122,15 @@ def daemon() -> None:
     os.wait()
 
 
+def burn() -> None:
+    def spin() -> None:
+        n = 0
+        while True:
+            n += 1
+
+    threading.Thread(target=spin, daemon=True).start()
+
+
 def main(channel_fd: int) -> int:
     mode = os.environ.get("STANDIN_MODE", "idle")
     if mode == "crash":
@@ -150,4 +162,7 @@ def main(channel_fd: int) -> int:
             send({"daemon": True})
         elif cmd[0] == "try_escape":
             send({"escape": try_escape()})
+        elif cmd[0] == "burn":
+            burn()
+            send({"burning": True})
     return 0  # the front end closed the channel

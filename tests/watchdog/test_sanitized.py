@@ -1,7 +1,7 @@
 """The watchdog built with AddressSanitizer and UndefinedBehaviorSanitizer
 (-DKERNELEVAL_SANITIZE=ON, into build/watchdog-asan) runs its unit tests and every integration
-scenario of test_watchdog.py. Any sanitizer report aborts the watchdog, and a leak turns its exit
-status non-zero, so either fails a scenario."""
+scenario of test_watchdog.py and test_windows.py. Any sanitizer report aborts the watchdog, and a
+leak turns its exit status non-zero, so either fails a scenario."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_sanitized_watchdog_passes_unit_and_integration_tests() -> None:
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(HERE / "test_watchdog.py"),
+         str(HERE / "test_watchdog.py"), str(HERE / "test_windows.py"),
          "-k", "not links_only and not ctest"],
         capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
     failed = [line for line in r.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]

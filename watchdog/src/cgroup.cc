@@ -97,26 +97,71 @@ void sleep_ms(int ms) {
   ::nanosleep(&ts, nullptr);
 }
 
-// Kills every process of one folder (and its subfolders), then removes them, deepest first.
-void kill_and_remove_tree(const std::string& dir, bool v2) {
+int64_t monotonic_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
+
+// A freezer folder's state as v1 names it: FROZEN, FREEZING (asked, not there yet), THAWED.
+std::string freezer_state(const std::string& dir, bool v2) {
+  if (!v2) {
+    std::string s = read_small_file(dir + "/freezer.state");
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+    return s.empty() ? "unreadable" : s;
+  }
+  if (read_small_file(dir + "/cgroup.events").find("frozen 1") != std::string::npos)
+    return "FROZEN";
+  return read_small_file(dir + "/cgroup.freeze").rfind("1", 0) == 0 ? "FREEZING" : "THAWED";
+}
+
+// Thaws a folder, whichever freezer file it has (none: nothing to do).
+void thaw(const std::string& dir) {
+  if (exists(dir + "/freezer.state")) write_small_file(dir + "/freezer.state", "THAWED");
+  if (exists(dir + "/cgroup.freeze")) write_small_file(dir + "/cgroup.freeze", "0");
+}
+
+std::vector<std::string> subfolders(const std::string& dir) {
+  std::vector<std::string> subs;
   if (DIR* d = ::opendir(dir.c_str())) {
-    std::vector<std::string> subs;
     while (dirent* e = ::readdir(d)) {
       std::string name = e->d_name;
       if (name == "." || name == "..") continue;
       if (e->d_type == DT_DIR) subs.push_back(dir + "/" + name);
     }
     ::closedir(d);
-    for (const auto& s : subs) kill_and_remove_tree(s, v2);
   }
+  return subs;
+}
+
+// SIGKILL to every process of a folder and its subfolders, then thaws them: a process frozen by
+// a timing window (or a dead watchdog's) takes the signal only when thawed (v1).
+void kill_tree(const std::string& dir, bool v2) {
+  for (const auto& s : subfolders(dir)) kill_tree(s, v2);
+  if (v2 && exists(dir + "/cgroup.kill")) write_small_file(dir + "/cgroup.kill", "1");
+  for (pid_t p : members(dir)) ::kill(p, SIGKILL);
+  thaw(dir);
+}
+
+// Removes a folder and its subfolders, deepest first, killing what is still in them while the
+// processes die.
+void remove_tree(const std::string& dir, bool v2) {
+  for (const auto& s : subfolders(dir)) remove_tree(s, v2);
   for (int i = 0; i < 50; ++i) {
     if (v2 && exists(dir + "/cgroup.kill")) write_small_file(dir + "/cgroup.kill", "1");
-    auto pids = members(dir);
-    for (pid_t p : pids) ::kill(p, SIGKILL);
+    for (pid_t p : members(dir)) ::kill(p, SIGKILL);
     if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) return;
     sleep_ms(20);
   }
   log_line("cannot remove cgroup " + dir + ": " + errno_text(errno));
+}
+
+// Kills every process below these folders and removes them. Every tree is killed and thawed
+// before any is removed: in v1 a process frozen in the freezer hierarchy keeps its memory and
+// pids folders busy until it is thawed and dies.
+void kill_and_remove_trees(const std::vector<std::string>& dirs, bool v2) {
+  for (const auto& d : dirs) kill_tree(d, v2);
+  for (const auto& d : dirs) remove_tree(d, v2);
 }
 
 }  // namespace
@@ -125,6 +170,7 @@ void Cgroups::init(const std::string& cgroup_root,
                    std::vector<std::pair<std::string, std::string>>* warnings) {
   v2_ = exists("/sys/fs/cgroup/cgroup.controllers");
   const std::string mine = "kerneleval-" + std::to_string(::getpid());
+  std::vector<std::string> stale;  // folders of dead watchdogs, removed once all are found
   auto add_root = [&](const std::string& controller, const std::string& mount) -> bool {
     std::string base;
     if (!cgroup_root.empty()) {
@@ -137,28 +183,20 @@ void Cgroups::init(const std::string& cgroup_root,
       base = parent_of(own_path(controller));  // beside the watchdog's own cgroup
     }
     // Folders of dead watchdogs: kerneleval-<pid> whose pid is gone.
-    if (DIR* d = ::opendir((mount + base).c_str())) {
-      std::vector<std::string> stale;
-      while (dirent* e = ::readdir(d)) {
-        std::string name = e->d_name;
-        if (name.rfind("kerneleval-", 0) != 0 || name == mine) continue;
-        const std::string num = name.substr(11);
-        if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos) continue;
-        if (exists("/proc/" + num)) continue;
-        stale.push_back(mount + base + "/" + name);
-      }
-      ::closedir(d);
-      for (const auto& s : stale) {
-        log_line("removing the stale cgroup " + s);
-        kill_and_remove_tree(s, v2_);
-      }
+    for (const auto& dir : subfolders(mount + base)) {
+      const std::string name = dir.substr(dir.rfind('/') + 1);
+      if (name.rfind("kerneleval-", 0) != 0 || name == mine) continue;
+      const std::string num = name.substr(11);
+      if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos) continue;
+      if (exists("/proc/" + num)) continue;
+      log_line("removing the stale cgroup " + dir);
+      stale.push_back(dir);
     }
     const std::string rel = base + "/" + mine;
     if (::mkdir((mount + rel).c_str(), 0755) != 0 && errno != EEXIST) {
       const std::string why = "mkdir " + mount + rel + ": " + errno_text(errno);
-      if (controller == "memory" || controller.empty())
-        warnings->emplace_back("cgroup_memory", why);
-      if (controller == "pids" || controller.empty()) warnings->emplace_back("cgroup_pids", why);
+      for (const std::string c : {"memory", "pids", "freezer"})
+        if (controller == c || controller.empty()) warnings->emplace_back("cgroup_" + c, why);
       return false;
     }
     roots_.push_back({controller, mount, rel});
@@ -166,9 +204,13 @@ void Cgroups::init(const std::string& cgroup_root,
   };
   if (v2_) {
     const std::string mount = "/sys/fs/cgroup";
-    if (!add_root("", mount)) return;
+    const bool made = add_root("", mount);
+    kill_and_remove_trees(stale, true);
+    if (!made) return;
     // Enable memory and pids for the job folders: in the parent (for our folder) and ours.
     const std::string ours = mount + roots_[0].rel;
+    if (!exists(ours + "/cgroup.freeze"))
+      warnings->emplace_back("cgroup_freezer", "no cgroup.freeze in " + ours + " (before 5.2)");
     for (const std::string& c : {std::string("memory"), std::string("pids")}) {
       int e1 = write_small_file(parent_of(ours) + "/cgroup.subtree_control", "+" + c);
       int e2 = write_small_file(ours + "/cgroup.subtree_control", "+" + c);
@@ -180,13 +222,13 @@ void Cgroups::init(const std::string& cgroup_root,
   }
   for (const std::string& c : {std::string("memory"), std::string("pids"), std::string("freezer")}) {
     const std::string mount = v1_mount(c);
-    if (mount.empty()) {
-      if (c != "freezer")
-        warnings->emplace_back("cgroup_" + c, "no cgroup v1 " + c + " hierarchy is mounted");
+    if (mount.empty()) {  // without a freezer a kill still works, but no timing window freezes
+      warnings->emplace_back("cgroup_" + c, "no cgroup v1 " + c + " hierarchy is mounted");
       continue;
     }
     add_root(c, mount);
   }
+  kill_and_remove_trees(stale, false);
 }
 
 std::vector<std::string> Cgroups::roots() const {
@@ -249,9 +291,52 @@ bool Cgroups::oom_killed(const JobCgroup& cg) const {
   return false;
 }
 
+bool Cgroups::can_freeze() const {
+  if (v2_) return !roots_.empty() && exists(roots_[0].mount + roots_[0].rel + "/cgroup.freeze");
+  for (const auto& r : roots_)
+    if (r.controller == "freezer") return true;
+  return false;
+}
+
+std::string Cgroups::freezer_dir(const JobCgroup& cg) const {
+  if (cg.dirs.empty()) return "";
+  if (v2_) return exists(cg.dirs[0] + "/cgroup.freeze") ? cg.dirs[0] : "";
+  for (const auto& r : roots_) {
+    if (r.controller != "freezer") continue;
+    const std::string prefix = r.mount + r.rel + "/";
+    for (const auto& d : cg.dirs)
+      if (d.rfind(prefix, 0) == 0) return d;
+  }
+  return "";
+}
+
+bool Cgroups::freeze(const JobCgroup& cg, bool frozen, int wait_ms, std::string* error) const {
+  const std::string dir = freezer_dir(cg);
+  if (dir.empty()) {
+    *error = "no cgroup freezer for this job process";
+    return false;
+  }
+  const std::string file = dir + (v2_ ? "/cgroup.freeze" : "/freezer.state");
+  const std::string value = v2_ ? (frozen ? "1" : "0") : (frozen ? "FROZEN" : "THAWED");
+  if (int err = write_small_file(file, value); err != 0) {
+    *error = "write " + file + ": " + errno_text(err);
+    return false;
+  }
+  const std::string wanted = frozen ? "FROZEN" : "THAWED";
+  const int64_t deadline = monotonic_ms() + wait_ms;
+  std::string state = freezer_state(dir, v2_);
+  while (state != wanted && monotonic_ms() < deadline) {
+    sleep_ms(1);
+    state = freezer_state(dir, v2_);
+  }
+  if (state == wanted) return true;
+  *error = dir + " is " + state + " after " + std::to_string(wait_ms) + " ms";
+  return false;
+}
+
 bool Cgroups::kill(const JobCgroup& cg) const {
   if (cg.dirs.empty()) return true;
-  if (v2_) {
+  if (v2_) {  // cgroup.kill kills frozen processes too
     const std::string& d = cg.dirs[0];
     if (write_small_file(d + "/cgroup.kill", "1") != 0) {  // before 5.14: freeze, kill, thaw
       write_small_file(d + "/cgroup.freeze", "1");
@@ -260,10 +345,9 @@ bool Cgroups::kill(const JobCgroup& cg) const {
     }
     return is_empty(cg);
   }
-  std::string freezer;
-  for (const auto& d : cg.dirs)
-    if (d.find("/freezer/") != std::string::npos && exists(d + "/freezer.state")) freezer = d;
-  // Frozen, nothing in the cgroup can fork between reading its members and killing them.
+  const std::string freezer = freezer_dir(cg);
+  // Frozen, nothing in the cgroup can fork between reading its members and killing them; the
+  // thaw after the kills also lets a job process that a timing window froze take its SIGKILL.
   if (!freezer.empty()) {
     write_small_file(freezer + "/freezer.state", "FROZEN");
     for (int i = 0; i < 20; ++i) {
@@ -304,7 +388,7 @@ std::string Cgroups::owner_of(pid_t pid) const {
 }
 
 void Cgroups::destroy_all() {
-  for (const auto& r : roots_) kill_and_remove_tree(r.mount + r.rel, v2_);
+  kill_and_remove_trees(roots(), v2_);
   roots_.clear();
 }
 

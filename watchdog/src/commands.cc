@@ -1,5 +1,6 @@
 // The front end's commands: Configure (users, sandbox, cgroups, devices), Start/Stop/
-// RestartWorkers and Shutdown. Part of class Watchdog (watchdog.h).
+// RestartWorkers and Shutdown (OpenWindow and CloseWindow: windows.cc). Part of class Watchdog
+// (watchdog.h).
 #include "watchdog.h"
 
 #include <fcntl.h>
@@ -142,7 +143,9 @@ std::string Watchdog::configure(const pb::Configure& c) {
   std::vector<std::pair<std::string, std::string>> refused;
   cgroups_.init(sb.cgroup_root(), &refused);
   for (const auto& [feature, why] : refused)
-    warn_once(feature, why + "; job processes run without it");
+    warn_once(feature, why + (feature == "cgroup_freezer"
+                                  ? "; timing windows cannot freeze a GPU's other job processes"
+                                  : "; job processes run without it"));
   configured_ = true;
   next_health_ms_ = now_ms() + int64_t{config_.health_interval_seconds()} * 1000;
   return "";
@@ -202,6 +205,7 @@ bool Watchdog::restart_workers(int index, std::string* why) {
 
 void Watchdog::begin_shutdown(int grace_ms) {
   shutting_down_ = true;
+  thaw_windows();  // nothing is timed any more, and a frozen process could not take its SIGTERM
   stop_workers(kAllDevices, grace_ms, "shutdown");
   for (auto& [i, d] : devices_)
     if (d.reset && d.reset->command_pid > 0) ::kill(-d.reset->command_pid, SIGKILL);

@@ -222,6 +222,7 @@ void Watchdog::on_spawned(Device& d, const zpb::JobProcessSpawned& s) {
     return;
   }
   w->pid = s.pid();
+  if (w->exit_reason.empty()) freeze_for_window(*w);  // its device's window is open
   pb::WatchdogEvent ev;
   fill_worker(*w, ev.mutable_worker_started()->mutable_worker());
   ev.mutable_worker_started()->set_channel_attached(true);
@@ -295,6 +296,7 @@ void Watchdog::on_worker_exit(std::string id, int status) {
   // Whatever it left behind (a setsid daemon, a fork bomb) dies with its cgroup.
   cgroups_.kill(w.cgroup);
   if (!cgroups_.remove(w.cgroup)) doomed_.push_back(w.cgroup);
+  window_worker_exited(w);
 
   const bool signaled = WIFSIGNALED(status);
   const int code = signaled ? -1 : WEXITSTATUS(status);

@@ -8,8 +8,13 @@
 //          [remapped_rows=<n>] [remap_pending=0|1] [recovery_action=<text>] [ok=0|1]
 //          [error=<text>]                                               health readings
 //   processes <index> [<pid> ...]                                       processes holding it
+//   clocks <index> [sm=<MHz>] [mem=<MHz>] [temperature=<C>] [power_mw=<mW>]
+//          [reasons=<bitmask, decimal or 0x hex>]                       GPU conditions
 //
-// Devices must be declared before Configure; the other records may come at any time.
+// Devices must be declared before Configure; the other records may come at any time. Like
+// health, a clocks line sets only the fields it names. A declared device's conditions are
+// known and 0 where no clocks line set them, but for the temperature: its health line's until
+// a clocks line names one. An undeclared device's are not known.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -46,6 +51,16 @@ class FakeNvml : public NvmlSource {
     }
     return it->second.reading;
   }
+  Conditions conditions(int index) override {
+    pump();
+    auto it = devices_.find(index);
+    if (it == devices_.end()) return Conditions{};
+    const Dev& d = it->second;
+    Conditions c = d.conditions;
+    c.known = true;
+    if (!d.clocks_temperature) c.temperature_celsius = d.reading.temperature_celsius;
+    return c;
+  }
   bool processes(int index, std::vector<int>& pids) override {
     pump();
     auto it = devices_.find(index);
@@ -64,7 +79,14 @@ class FakeNvml : public NvmlSource {
     DeviceInfo info;
     Reading reading;
     std::vector<int> pids;
+    Conditions conditions;            // as the clocks lines set them
+    bool clocks_temperature = false;  // a clocks line named the temperature
   };
+
+  static uint64_t parse_mask(const std::string& v) {
+    const bool hex = v.size() > 2 && v[0] == '0' && (v[1] == 'x' || v[1] == 'X');
+    return std::stoull(v, nullptr, hex ? 16 : 10);
+  }
 
   void pump() {
     char buf[4096];
@@ -131,6 +153,19 @@ class FakeNvml : public NvmlSource {
           else if (k == "recovery_action") r.recovery_action = v;
           else if (k == "ok") r.ok = v == "1";
           else if (k == "error") r.error = v;
+        }
+      } else if (kind == "clocks") {
+        Dev& d = devices_.at(index);
+        Conditions& c = d.conditions;
+        for (auto& [k, v] : options(in)) {
+          if (k == "sm") c.sm_clock_mhz = std::stoi(v);
+          else if (k == "mem") c.memory_clock_mhz = std::stoi(v);
+          else if (k == "temperature") {
+            c.temperature_celsius = std::stoi(v);
+            d.clocks_temperature = true;
+          }
+          else if (k == "power_mw") c.power_milliwatts = std::stoi(v);
+          else if (k == "reasons") c.throttle_reasons = parse_mask(v);
         }
       } else if (kind == "processes") {
         std::vector<int> pids;

@@ -27,6 +27,8 @@ constexpr nvmlReturn_t NVML_ERROR_TIMEOUT = 10;
 constexpr nvmlReturn_t NVML_ERROR_INSUFFICIENT_SIZE = 7;
 constexpr unsigned long long nvmlEventTypeXidCriticalError = 0x0000000000000008LL;
 constexpr unsigned int NVML_TEMPERATURE_GPU = 0;
+constexpr unsigned int NVML_CLOCK_SM = 1;  // nvmlClockType_t
+constexpr unsigned int NVML_CLOCK_MEM = 2;
 constexpr unsigned int NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230;
 
 struct nvmlMemory_t {
@@ -89,6 +91,9 @@ struct Api {
   nvmlReturn_t (*GetRemappedRows)(nvmlDevice_t, unsigned int*, unsigned int*, unsigned int*,
                                   unsigned int*);
   nvmlReturn_t (*GetFieldValues)(nvmlDevice_t, int, nvmlFieldValue_t*);
+  nvmlReturn_t (*GetClockInfo)(nvmlDevice_t, unsigned int, unsigned int*);
+  nvmlReturn_t (*GetPowerUsage)(nvmlDevice_t, unsigned int*);
+  nvmlReturn_t (*GetClocksEventReasons)(nvmlDevice_t, unsigned long long*);
   nvmlReturn_t (*GetComputeProcs)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
   nvmlReturn_t (*GetGraphicsProcs)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
   nvmlReturn_t (*EventSetCreate)(nvmlEventSet_t*);
@@ -225,6 +230,31 @@ class RealNvml : public NvmlSource {
     return r;
   }
 
+  Conditions conditions(int index) override {
+    Conditions c;
+    nvmlDevice_t h = handle(index);
+    if (!h) return c;
+    unsigned int v = 0;
+    if (api_.GetClockInfo) {
+      if (api_.GetClockInfo(h, NVML_CLOCK_SM, &v) == NVML_SUCCESS) {
+        c.known = true;
+        c.sm_clock_mhz = static_cast<int>(v);
+      }
+      if (api_.GetClockInfo(h, NVML_CLOCK_MEM, &v) == NVML_SUCCESS) {
+        c.known = true;
+        c.memory_clock_mhz = static_cast<int>(v);
+      }
+    }
+    if (api_.GetTemperature(h, NVML_TEMPERATURE_GPU, &v) == NVML_SUCCESS)
+      c.temperature_celsius = static_cast<int>(v);
+    if (api_.GetPowerUsage && api_.GetPowerUsage(h, &v) == NVML_SUCCESS)
+      c.power_milliwatts = static_cast<int>(v);
+    unsigned long long reasons = 0;
+    if (api_.GetClocksEventReasons && api_.GetClocksEventReasons(h, &reasons) == NVML_SUCCESS)
+      c.throttle_reasons = reasons;
+    return c;
+  }
+
   bool processes(int index, std::vector<int>& pids) override {
     nvmlDevice_t h = handle(index);
     if (!h) return false;
@@ -318,6 +348,8 @@ std::unique_ptr<NvmlSource> open_real_nvml(std::string* error) {
             bind(lib, "nvmlDeviceGetUtilizationRates", api.GetUtilization, true, error) &&
             bind(lib, "nvmlDeviceGetRemappedRows", api.GetRemappedRows, false, error) &&
             bind(lib, "nvmlDeviceGetFieldValues", api.GetFieldValues, false, error) &&
+            bind(lib, "nvmlDeviceGetClockInfo", api.GetClockInfo, false, error) &&
+            bind(lib, "nvmlDeviceGetPowerUsage", api.GetPowerUsage, false, error) &&
             bind(lib, "nvmlDeviceGetComputeRunningProcesses_v3", api.GetComputeProcs, false,
                  error) &&
             bind(lib, "nvmlDeviceGetGraphicsRunningProcesses_v3", api.GetGraphicsProcs, false,
@@ -326,6 +358,11 @@ std::unique_ptr<NvmlSource> open_real_nvml(std::string* error) {
             bind(lib, "nvmlDeviceRegisterEvents", api.RegisterEvents, true, error) &&
             bind(lib, "nvmlEventSetWait_v2", api.EventSetWait, true, error) &&
             bind(lib, "nvmlEventSetFree", api.EventSetFree, true, error);
+  // The throttle reasons' newer name (drivers 535 and later), else the older one.
+  bind(lib, "nvmlDeviceGetCurrentClocksEventReasons", api.GetClocksEventReasons, false, error);
+  if (!api.GetClocksEventReasons)
+    bind(lib, "nvmlDeviceGetCurrentClocksThrottleReasons", api.GetClocksEventReasons, false,
+         error);
   if (!ok) {
     dlclose(lib);
     return nullptr;

@@ -24,6 +24,14 @@ struct Reading {
   std::string recovery_action;  // "", "none", "gpu_reset", "node_reboot", "drain_p2p", ...
 };
 
+// A GPU's clocks and what holds them back, read at the edges of a timing window
+// (WindowReport.conditions); a field NVML cannot give is 0.
+struct Conditions {
+  bool known = false;  // a reading was taken (at least the clocks answered)
+  int sm_clock_mhz = 0, memory_clock_mhz = 0, temperature_celsius = 0, power_milliwatts = 0;
+  uint64_t throttle_reasons = 0;  // NVML's clocks event reasons bitmask
+};
+
 struct XidEvent {
   int device_index = 0;
   int xid = 0;
@@ -35,6 +43,8 @@ class NvmlSource {
   virtual ~NvmlSource() = default;
   virtual std::vector<DeviceInfo> devices() = 0;
   virtual Reading read(int index) = 0;
+  // Clocks, temperature, power and throttle reasons now; known=false for an unknown device.
+  virtual Conditions conditions(int index) = 0;
   // Processes holding the GPU; false when this source cannot tell.
   virtual bool processes(int index, std::vector<int>& pids) = 0;
   // A descriptor that becomes readable when events may be waiting, or -1 (poll every tick).

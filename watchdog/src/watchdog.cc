@@ -232,6 +232,7 @@ void Watchdog::kill_everything() {
     if (d.reset && d.reset->command_pid > 0) ::kill(-d.reset->command_pid, SIGKILL);
   }
   for (auto& cg : doomed_) cgroups_.kill(cg);
+  thaw_windows();  // the kills thawed what they killed; nothing else stays frozen either
   // Whatever is left below our cgroup folder (a job process mid-spawn) dies with it.
   if (exit_code_ >= 0 || closed_) cgroups_.destroy_all();
 }
@@ -344,6 +345,20 @@ void Watchdog::handle_command(const pb::WatchdogCommand& cmd) {
       if (d->reset) return ack(id, false, "a reset of this GPU is already running");
       ack(id, true);
       return begin_reset(*d, r.grace_ms(), id);
+    }
+    case pb::WatchdogCommand::kOpenWindow: {
+      const int index = cmd.open_window().device_index();
+      Device* d = device(index);
+      if (!d) return ack(id, false, "no device " + std::to_string(index));
+      ack(id, true);
+      return open_window(*d, id, cmd.open_window());
+    }
+    case pb::WatchdogCommand::kCloseWindow: {
+      const int index = cmd.close_window().device_index();
+      Device* d = device(index);
+      if (!d) return ack(id, false, "no device " + std::to_string(index));
+      ack(id, true);
+      return close_window(*d, id);
     }
     case pb::WatchdogCommand::kShutdown:
       ack(id, true);

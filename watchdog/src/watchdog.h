@@ -5,6 +5,8 @@
 // Per device it keeps one zygote (zygote.h) and, made by it, workers_per_device job-taking job
 // processes plus spare_count warm spares ("workers" in the protocol: a worker takes one job and
 // exits). Each job process has its own cgroup (cgroup.h), killed as a whole when it ends.
+// While one job process times on a GPU (a timing window, windows.cc) the device's other job
+// processes are frozen.
 #pragma once
 
 #include <sys/types.h>
@@ -12,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -61,6 +64,14 @@ struct ResetRun {
   int command_status = 0;
 };
 
+// A device's timing window, from OpenWindow to CloseWindow (windows.cc): the job process that
+// times, and the other job processes frozen meanwhile.
+struct Window {
+  std::string holder;
+  bool freeze_others = false;
+  std::set<std::string> frozen;  // worker ids whose cgroups it froze (dropped when they exit)
+};
+
 struct Device {
   DeviceInfo info;
   pb::Health health = pb::HEALTH_HEALTHY;
@@ -73,6 +84,7 @@ struct Device {
   std::unique_ptr<ResetRun> reset;
   Zygote zygote;
   int64_t fill_due_ms = 0;  // no new job processes before (backoff after a failure)
+  std::optional<Window> window;
 };
 
 struct PendingXid {
@@ -139,6 +151,14 @@ class Watchdog {
   void poll_xids(int64_t now);
   void handle_xid(const XidEvent& e);
   void require_reset(Device& d, const std::string& why, bool auto_reset);
+  // timing windows (windows.cc)
+  void open_window(Device& d, uint64_t command_id, const pb::OpenWindow& o);
+  void close_window(Device& d, uint64_t command_id);
+  bool match_window(Device& d, std::string* why);
+  void freeze_for_window(Worker& w);
+  void window_worker_exited(const Worker& w);
+  void thaw_windows();
+  void fill_conditions(const Device& d, pb::GpuConditions* out);
   // reset (reset.cc)
   void begin_reset(Device& d, int grace_ms, uint64_t command_id);
   void advance_reset(Device& d, int64_t now);

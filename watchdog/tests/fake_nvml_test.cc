@@ -48,6 +48,48 @@ TEST(FakeNvml, DevicesHealthProcessesAndXids) {
   std::remove(path);
 }
 
+TEST(FakeNvml, ClocksRecordSetsTheConditions) {
+  char path[] = "/tmp/fake_nvml_test_XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream f(path);
+    f << "device 0\nhealth 0 temperature=63\n";
+  }
+  std::string error;
+  auto nvml = watchdog::open_fake_nvml(path, &error);
+  ASSERT_TRUE(nvml) << error;
+  // Before any clocks line: known, zeros, the health line's temperature.
+  auto c = nvml->conditions(0);
+  EXPECT_TRUE(c.known);
+  EXPECT_EQ(c.temperature_celsius, 63);
+  EXPECT_EQ(c.sm_clock_mhz, 0);
+  EXPECT_EQ(c.throttle_reasons, 0u);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "clocks 0 sm=1980 mem=2619 power_mw=301500 reasons=0x8000000000000024\n"
+         "clocks 7 sm=1\n";  // an undeclared device: a bad line, ignored
+  }
+  c = nvml->conditions(0);
+  EXPECT_TRUE(c.known);
+  EXPECT_EQ(c.sm_clock_mhz, 1980);
+  EXPECT_EQ(c.memory_clock_mhz, 2619);
+  EXPECT_EQ(c.power_milliwatts, 301500);
+  EXPECT_EQ(c.throttle_reasons, 0x8000000000000024ull);
+  EXPECT_EQ(c.temperature_celsius, 63);  // no clocks line named one yet
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "clocks 0 temperature=44 reasons=8\nhealth 0 temperature=70\n";
+  }
+  c = nvml->conditions(0);
+  EXPECT_EQ(c.temperature_celsius, 44);  // a clocks line's wins over later health lines
+  EXPECT_EQ(c.throttle_reasons, 8u);
+  EXPECT_EQ(c.sm_clock_mhz, 1980);  // kept: the line did not name it
+  EXPECT_FALSE(nvml->conditions(7).known);
+  std::remove(path);
+}
+
 TEST(RealNvml, FailsCleanlyWithoutTheLibrary) {
   std::string error;
   auto nvml = watchdog::open_real_nvml(&error);

@@ -1,0 +1,161 @@
+// Timing windows. While one job process times its kernels on a GPU (the front end's GPU gate
+// gave it the window: OpenWindow .. CloseWindow), the device's other job processes are frozen
+// through their cgroups' freezer, so that none of them starts GPU work meanwhile. Part of class
+// Watchdog (watchdog.h).
+//
+// Freezing stops a process's threads, not the GPU: work it queued before keeps running (the
+// holder's job process waits for the GPU to drain before it times). A job process started while
+// the window is open is frozen when the zygote reports it, before WorkerStarted; not when its
+// cgroup is made, because the zygote's child that joins the cgroup must run on to fork it.
+// Frozen processes can be killed (v2 cgroup.kill takes them as they are; v1 Cgroups::kill thaws
+// after it signals). A window never outlives its holder, and nothing stays frozen after
+// Shutdown or the watchdog's exit.
+#include <algorithm>
+
+#include "log.h"
+#include "watchdog.h"
+
+namespace watchdog {
+
+namespace {
+
+// How long OpenWindow waits, for all the others together, until they read frozen: a process
+// in the kernel (a driver call) stops only when it leaves it.
+constexpr int kFreezeWaitMs = 500;
+
+}  // namespace
+
+void Watchdog::open_window(Device& d, uint64_t command_id, const pb::OpenWindow& o) {
+  pb::WatchdogEvent ev;
+  ev.set_command_id(command_id);
+  auto* report = ev.mutable_window();
+  report->set_device_index(d.info.index);
+  const Worker* holder = find_worker(o.holder_worker_id());
+  std::string why;
+  bool ok = false;
+  if (!holder || holder->device != d.info.index) {
+    // Frozen with the others, a wrong holder's job would wait for ever: change nothing.
+    why = "no job process '" + o.holder_worker_id() + "' on device " +
+          std::to_string(d.info.index) + "; the window is unchanged";
+  } else {
+    if (!d.window) d.window.emplace();
+    d.window->holder = o.holder_worker_id();
+    d.window->freeze_others = o.freeze_others();
+    ok = match_window(d, &why);
+    for (const auto& id : d.window->frozen) report->add_frozen_worker_ids(id);
+  }
+  if (!ok) log_line("OpenWindow on device " + std::to_string(d.info.index) + ": " + why);
+  report->set_ok(ok);
+  report->set_message(why);
+  fill_conditions(d, report->mutable_conditions());  // the GPU as the holder starts
+  emit(ev);
+}
+
+void Watchdog::close_window(Device& d, uint64_t command_id) {
+  pb::WatchdogEvent ev;
+  ev.set_command_id(command_id);
+  auto* report = ev.mutable_window();
+  report->set_device_index(d.info.index);
+  fill_conditions(d, report->mutable_conditions());  // before the others run again
+  std::string why;
+  if (d.window) {
+    d.window->freeze_others = false;
+    match_window(d, &why);
+    d.window.reset();
+  }
+  report->set_ok(why.empty());
+  report->set_message(why);
+  emit(ev);
+}
+
+// Makes what is frozen match the window: every other job process of the device when it freezes
+// the others, none otherwise. Thaws first (a new holder may have been frozen for the last one),
+// then asks every cgroup to freeze before waiting for any, so that they stop together. A cgroup
+// that does not read frozen in time stays on the list: CloseWindow thaws it.
+bool Watchdog::match_window(Device& d, std::string* why) {
+  Window& win = *d.window;
+  const bool freeze = win.freeze_others && cgroups_.can_freeze();
+  std::set<std::string> wanted;
+  for (auto& [id, w] : workers_) {
+    // One already SIGKILLed is left alone: dying, it must run (v1 delivers no signal to a
+    // frozen process).
+    const bool killed = !w.exit_reason.empty() && !w.kill_at_ms;
+    if (freeze && w.device == d.info.index && w.spawned() && !killed && id != win.holder)
+      wanted.insert(id);
+  }
+  std::vector<std::string> failed;
+  std::string error;
+  for (auto it = win.frozen.begin(); it != win.frozen.end();) {
+    if (wanted.count(*it)) {
+      ++it;
+      continue;
+    }
+    Worker* w = find_worker(*it);
+    if (w && !cgroups_.freeze(w->cgroup, false, 0, &error))
+      failed.push_back("thaw " + *it + ": " + error);
+    it = win.frozen.erase(it);
+  }
+  for (const auto& id : wanted)
+    if (win.frozen.insert(id).second) cgroups_.freeze(workers_.at(id).cgroup, true, 0, &error);
+  const int64_t deadline = now_ms() + kFreezeWaitMs;
+  for (const auto& id : win.frozen) {
+    const int left = static_cast<int>(std::max<int64_t>(0, deadline - now_ms()));
+    if (!cgroups_.freeze(workers_.at(id).cgroup, true, left, &error))
+      failed.push_back("freeze " + id + ": " + error);
+  }
+  if (win.freeze_others && !cgroups_.can_freeze())
+    failed.insert(failed.begin(), "this host has no cgroup freezer: nothing is frozen");
+  if (failed.empty()) return true;
+  *why = failed[0];
+  if (failed.size() > 1) *why += " (and " + std::to_string(failed.size() - 1) + " more)";
+  return false;
+}
+
+// A job process started while its device's window is open: frozen before anyone hears of it.
+void Watchdog::freeze_for_window(Worker& w) {
+  Device* d = device(w.device);
+  if (!d || !d->window || !d->window->freeze_others || !cgroups_.can_freeze()) return;
+  if (w.id == d->window->holder) return;
+  d->window->frozen.insert(w.id);
+  std::string error;
+  if (!cgroups_.freeze(w.cgroup, true, kFreezeWaitMs, &error))
+    log_line("job process " + w.id + ", started in a timing window: " + error);
+}
+
+// A job process exited: it is off its window's list. When it held the window, nothing times any
+// more: the others run again (a later CloseWindow finds no window).
+void Watchdog::window_worker_exited(const Worker& w) {
+  Device* d = device(w.device);
+  if (!d || !d->window) return;
+  d->window->frozen.erase(w.id);
+  if (w.id != d->window->holder) return;
+  log_line("the holder of device " + std::to_string(w.device) + "'s timing window exited: closed");
+  d->window->freeze_others = false;
+  std::string why;
+  if (!match_window(*d, &why)) log_line(why);
+  d->window.reset();
+}
+
+// Shutdown and exit: no cgroup is left frozen, and job processes take their SIGTERM.
+void Watchdog::thaw_windows() {
+  for (auto& [i, d] : devices_) {
+    if (!d.window) continue;
+    d.window->freeze_others = false;
+    std::string why;
+    if (!match_window(d, &why)) log_line(why);
+    d.window.reset();
+  }
+}
+
+void Watchdog::fill_conditions(const Device& d, pb::GpuConditions* out) {
+  if (!nvml_ || d.info.index < 0) return;  // known = false: no NVML, or the CPU
+  const Conditions c = nvml_->conditions(d.info.index);
+  out->set_known(c.known);
+  out->set_sm_clock_mhz(c.sm_clock_mhz);
+  out->set_memory_clock_mhz(c.memory_clock_mhz);
+  out->set_temperature_celsius(c.temperature_celsius);
+  out->set_power_milliwatts(c.power_milliwatts);
+  out->set_throttle_reasons(c.throttle_reasons);
+}
+
+}  // namespace watchdog
