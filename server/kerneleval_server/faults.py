@@ -77,6 +77,13 @@ def classify_exit(
         else f"exited with code {exited.exit_code}"
     )
     restarted = "; replaced" if exited.restarting else ""
+    if exited.reason == "killed:gpu_outside_phase":
+        fault.description = (
+            f"its GPU work kept running while it was frozen for another job's timing window "
+            f"(work launched outside its phases, e.g. from a thread) in {where}; worker "
+            f"{worker.worker_id} killed{restarted}"
+        )
+        return Decision(job_pb2.VERDICT_RUNTIME_ERROR, fault)
     if pending == "timeout":
         fault.description = (
             f"ran past its {timeout_s:g} s timeout in {where}; worker {worker.worker_id} "

@@ -50,6 +50,7 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
+STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
 
 
 class QueueFull(Exception):
@@ -69,6 +70,7 @@ class WatchdogLike(Protocol):
         self, device_index: int, holder_worker_id: str, freeze_others: bool
     ) -> watchdog_pb2.WindowReport: ...
     async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
+    async def stop_gpu_users(self, device_index: int) -> watchdog_pb2.GpuUsersReport: ...
 
 
 @dataclass
@@ -332,6 +334,8 @@ class JobManager:
         elif kind == "log":
             event.log.text = msg.log.text
             self.hub.publish(event)
+        elif kind == "drain":
+            self._on_drain_status(worker, run, msg.drain.busy)
 
     def _grant(self, worker_id: str, exclusive: bool) -> None:
         """The GPU gate lets the worker use its GPU: checks at once; a timing window once the
@@ -366,6 +370,44 @@ class JobManager:
                 extra={"job_id": run.job.job_id},
             )
         self._send_grant(worker, job_pb2.PHASE_PROFILING)
+
+    def _on_drain_status(self, worker: WorkerState, run: Running, busy: bool) -> None:
+        """The window's holder finds the GPU still busy with the others frozen: work they
+        queued outside their phases runs into its window. Until it says the wait is over, the
+        watchdog is asked (every STOP_GPU_USERS_S: NVML samples come late) to kill the frozen
+        processes that NVML sees using the GPU."""
+        if run.window is None or self.gate.holders(worker.device_index)[0] != worker.worker_id:
+            return  # only a window's holder waits for the GPU to drain
+        run.window.draining = busy
+        if busy and self.windows.frozen(worker.device_index):
+            self._spawn(self._stop_gpu_users(worker.device_index, run))
+
+    async def _stop_gpu_users(self, device: int, run: Running) -> None:
+        assert run.window is not None
+        while (
+            run.window.draining
+            and not run.window.closed.is_set()
+            and self.running.get(run.job.job_id) is run
+            and self.watchdog is not None
+        ):
+            try:
+                report = await self.watchdog.stop_gpu_users(device)
+            except Exception as exc:  # noqa: BLE001 - the window goes on; its result says so
+                log.warning("stopping GPU users on device %d failed: %r", device, exc)
+                return
+            if not report.known:
+                return  # NVML cannot tell: nothing to wait for
+            if report.killed_worker_ids:
+                log.warning(
+                    "device %d: %s kept the GPU busy while frozen for job %s's timing window: "
+                    "killed (%s)",
+                    device,
+                    ", ".join(report.killed_worker_ids),
+                    run.job.job_id,
+                    report.message,
+                    extra={"job_id": run.job.job_id},
+                )
+            await asyncio.sleep(STOP_GPU_USERS_S)
 
     def _send_grant(self, worker: WorkerState, phase: int) -> None:
         run = self.running.get(worker.job_id)

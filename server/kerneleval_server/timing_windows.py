@@ -76,6 +76,7 @@ class Window:
     at_start: job_pb2.GpuConditions = field(default_factory=job_pb2.GpuConditions)
     at_end: job_pb2.GpuConditions | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    draining: bool = False  # the holder waits for a GPU others' queued work keeps busy
 
     def fill(self, out: job_pb2.TimingWindow) -> None:
         out.exclusive = True

@@ -14,7 +14,9 @@ The kernel source is a JSON command:
       compiles for s seconds, asks for the GPU to check and "checks" for c seconds (0 if not
       given), then asks for the timing window and "times" for s seconds; the result's notes
       hold "<phase> <start> <end>" for prepare, check and profile. With "crash_in_window":
-      true the job process dies with SIGSEGV half way through its window.
+      true the job process dies with SIGSEGV half way through its window; with "busy_for": b
+      its window starts as if the GPU stayed busy with others' queued work for b seconds
+      (DrainStatus busy, then not busy).
   {"do": "spin", "cpu_seconds": c}
       burns c seconds of CPU in its compile phase (which asks for no GPU), noting the wall
       time every few ms; the notes hold "stall <start> <end>", its longest pause (a job process
@@ -117,6 +119,10 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
         _record(result, "check", start, time.time())
     reporter.phase(job_pb2.PHASE_PROFILING)
     start = time.time()
+    if cmd.get("busy_for"):
+        reporter.drain_status(True)
+        time.sleep(float(cmd["busy_for"]))
+        reporter.drain_status(False)
     if cmd.get("crash_in_window"):
         time.sleep(seconds / 2)
         ctypes.string_at(0)

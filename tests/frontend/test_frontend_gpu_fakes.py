@@ -235,6 +235,56 @@ def test_a_window_ends_when_its_holder_dies_and_a_frozen_job_can_be_cancelled(
     assert timed.result.verdict == job_pb2.VERDICT_OK and timed.result.timing_window.others_frozen
 
 
+def test_a_frozen_job_whose_queued_gpu_work_runs_into_a_window_is_stopped(
+    svc: ServiceProcess,
+) -> None:
+    """The window's holder finds the GPU busy although the others are frozen (their queued
+    work); NVML (here the fake's utilization line) names the frozen process whose work it is:
+    that job is killed with a verdict saying why, and the holder's job is unaffected."""
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    svc.wait_serving()
+    holder = stub.Submit(
+        pb.SubmitRequest(spec=command_spec({"do": "time", "seconds": 0.5, "busy_for": 4.0}))
+    ).job
+
+    def running(job_id: str) -> job_pb2.Job:
+        deadline = time.monotonic() + 30
+        while True:
+            job = stub.GetJob(pb.GetJobRequest(job_id=job_id)).job
+            if job.state != job_pb2.JOB_STATE_QUEUED:
+                return job
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    running(holder.job_id)
+    time.sleep(0.8)  # through its 0.5 s "compile", into its window
+    spinner = command_spec({"do": "spin", "cpu_seconds": 5.0})
+    spin = running(stub.Submit(pb.SubmitRequest(spec=spinner)).job.job_id)
+    devices = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+    (pid,) = [w.pid for d in devices for w in d.workers if w.worker_id == spin.worker_id]
+    with open(svc.fake_nvml, "a") as f:  # type: ignore[attr-defined]
+        f.write(f"utilization 0 {pid} sm=80\n")
+    deadline = time.monotonic() + 30
+    while (job := stub.GetJob(pb.GetJobRequest(job_id=spin.job_id)).job).state in (
+        job_pb2.JOB_STATE_QUEUED,
+        job_pb2.JOB_STATE_RUNNING,
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
+    assert "frozen for another job's timing window" in job.result.fault.description
+    held = stub.Evaluate(pb.EvaluateRequest(spec=command_spec({"do": "time", "seconds": 0.1})))
+    assert held.job.result.verdict == job_pb2.VERDICT_OK
+    deadline = time.monotonic() + 30
+    while (job := stub.GetJob(pb.GetJobRequest(job_id=holder.job_id)).job).state != (
+        job_pb2.JOB_STATE_DONE
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert job.result.verdict == job_pb2.VERDICT_OK and job.result.timing_window.others_frozen
+
+
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
     # --max-restarts 1: the watchdog gives up on a device after two worker failures. Workers
     # that die running a job were killed by its kernel, which is no failure of the device.

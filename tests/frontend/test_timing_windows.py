@@ -88,16 +88,35 @@ def _fake_torch(clock: _FakeClock, busy_probes: int) -> types.ModuleType:
 def test_drain_waits_until_probes_are_quick_in_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _FakeClock()
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock, busy_probes=10))
-    waited, drained = drain.wait_for_idle_gpu(clock=clock)
-    assert drained
+    said: list[bool] = []
+    waited, drained = drain.wait_for_idle_gpu(clock=clock, on_busy=said.append)
+    assert drained and said == []  # 20 ms: not long enough to call anyone
     assert waited == pytest.approx(10 * 2e-3 + (drain.IDLE_RUNS + 1) * 20e-6, rel=0.01)
+
+
+def test_drain_says_when_the_gpu_stays_busy_and_when_it_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Busy past BUSY_AFTER_S: the front end hears of it (it has the frozen processes whose
+    queued work this is stopped), then hears that the wait is over."""
+    clock = _FakeClock()
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock, busy_probes=200))  # 0.4 s
+    said: list[tuple[bool, float]] = []
+    waited, drained = drain.wait_for_idle_gpu(
+        clock=clock, on_busy=lambda busy: said.append((busy, clock.now))
+    )
+    assert drained and waited == pytest.approx(0.4, abs=0.01)
+    assert [b for b, _ in said] == [True, False]
+    assert said[0][1] == pytest.approx(drain.BUSY_AFTER_S, abs=0.003)
 
 
 def test_drain_gives_up_at_its_limit_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _FakeClock()
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock, busy_probes=10**9))
-    waited, drained = drain.wait_for_idle_gpu(limit_s=0.5, clock=clock)
+    said: list[bool] = []
+    waited, drained = drain.wait_for_idle_gpu(limit_s=0.5, clock=clock, on_busy=said.append)
     assert not drained and 0.5 <= waited < 0.51
+    assert said == [True, False]
 
 
 def test_drain_without_a_cuda_context_is_immediate(monkeypatch: pytest.MonkeyPatch) -> None:

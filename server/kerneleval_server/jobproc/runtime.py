@@ -289,7 +289,15 @@ class _Reporter:
             event.wait()
             self._granted.add(phase)
             if phase == job_pb2.PHASE_PROFILING:
-                self.window_drain = drain.wait_for_idle_gpu()
+                self.window_drain = drain.wait_for_idle_gpu(on_busy=self.drain_status)
+
+    def drain_status(self, busy: bool) -> None:
+        """DrainStatus: the GPU stays busy at the start of the window (or no longer)."""
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                drain=job_channel_pb2.DrainStatus(job_id=self._job_id, busy=busy)
+            )
+        )
 
     def progress(self, phase: int, done: int, total: int) -> None:
         self._channel.send(
