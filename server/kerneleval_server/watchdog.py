@@ -241,6 +241,17 @@ class Watchdog:
         event = await self._call(cmd, "window")
         return event.window
 
+    async def stop_gpu_users(self, device_index: int) -> watchdog_pb2.GpuUsersReport:
+        """Kills the frozen job processes of the device's open timing window that NVML saw use
+        the GPU since their freeze (their queued work runs into the holder's window); each exits
+        with reason "killed:gpu_outside_phase". The report says whether NVML could tell
+        (`known`), whom it killed (`killed_worker_ids`) and why (`message`)."""
+        cmd = watchdog_pb2.WatchdogCommand(
+            stop_gpu_users=watchdog_pb2.StopGpuUsers(device_index=device_index)
+        )
+        event = await self._call(cmd, "gpu_users")
+        return event.gpu_users
+
     async def shutdown(self, grace_ms: int = 2000) -> None:
         """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
@@ -414,7 +425,7 @@ class Watchdog:
             elif call.kind in ("ack", "configure"):
                 call.done.set_result(event)
                 finished = True
-        elif kind == call.kind and kind in ("status", "window"):
+        elif kind == call.kind and kind in ("status", "window", "gpu_users"):
             call.done.set_result(event)
             finished = True
         elif kind == "reset_step" and call.kind == "reset":

@@ -263,6 +263,7 @@ def test_a_frozen_job_whose_queued_gpu_work_runs_into_a_window_is_stopped(
     spin = running(stub.Submit(pb.SubmitRequest(spec=spinner)).job.job_id)
     devices = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
     (pid,) = [w.pid for d in devices for w in d.workers if w.worker_id == spin.worker_id]
+    time.sleep(0.3)  # the watchdog counts NVML samples from 250 ms after a process's freeze
     with open(svc.fake_nvml, "a") as f:  # type: ignore[attr-defined]
         f.write(f"utilization 0 {pid} sm=80\n")
     deadline = time.monotonic() + 30

@@ -1,7 +1,8 @@
 """Timing windows (OpenWindow/CloseWindow): the real watchdog freezes a device's other job
-processes through their cgroups' freezer while one times, and reports the GPU's conditions.
-On the CPU a frozen stand-in is seen from outside: its CPU time stops (it burns a CPU when told
-to) and its cgroup reads frozen."""
+processes through their cgroups' freezer while one times, and reports the GPU's conditions;
+StopGpuUsers kills the frozen ones that the (fake) NVML's per-process utilization samples show
+using the GPU since their freeze. On the CPU a frozen stand-in is seen from outside: its CPU
+time stops (it burns a CPU when told to) and its cgroup reads frozen."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2 as pb
 from kerneleval_server.watchdog import WatchdogError
-from wd_harness import Harness, pid_alive
+from wd_harness import Harness, cgroup_members, pid_alive
 
 CGROUP = Path("/sys/fs/cgroup")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="job cgroups need root")
@@ -328,3 +329,192 @@ def test_frozen_cgroups_of_a_dead_watchdog_are_thawed_and_removed(harness: Harne
             for p in (d, d.parent):
                 with contextlib.suppress(OSError):
                     p.rmdir()
+
+
+# ---------------------------------------------------------------- StopGpuUsers
+
+GPU_KILL = "killed:gpu_outside_phase"
+SAMPLE_MARGIN_S = 0.3  # windows.cc counts NVML samples from 250 ms after a freeze
+
+
+def test_stop_gpu_users_kills_the_frozen_job_process_that_used_the_gpu(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(
+            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        require_freezer(harness)
+        a, b, c = await harness.started(3)  # a and b take jobs, c is the spare
+        assert c.spare and not b.spare
+        await burning(harness, [a, b, c])
+        await wd.set_job(b.worker_id, "job-hostile")
+        report = await wd.open_window(0, a.worker_id, True)
+        assert report.ok and sorted(report.frozen_worker_ids) == sorted([b.worker_id, c.worker_id])
+        # A sample right after the freeze may still cover work from before it: not counted.
+        harness.nvml(f"utilization 0 {b.pid} sm=80")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids, users.message
+        await asyncio.sleep(SAMPLE_MARGIN_S)
+        harness.nvml(f"utilization 0 {b.pid} sm=80")
+        users = await wd.stop_gpu_users(0)
+        assert users.device_index == 0 and users.known
+        assert list(users.killed_worker_ids) == [b.worker_id]
+        assert f"pids {b.pid} ({b.worker_id}) used the GPU while frozen" in users.message
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == b.worker_id and ex.worker.job_id == "job-hostile"
+        assert ex.reason == GPU_KILL and ex.signal == 9 and ex.restarting and ex.backoff_ms == 0
+        assert not pid_alive(b.pid)
+        # Its slot went to the spare, which stays frozen; the new spare starts frozen.
+        assert [e.worker_promoted.worker_id for e in harness.of("worker_promoted")] == [
+            c.worker_id]
+        new = (await harness.started(4))[3]
+        assert new.spare and freezer_state(new.pid) == "FROZEN"
+        assert pid_alive(c.pid) and freezer_state(c.pid) == "FROZEN"
+        assert freezer_state(a.pid) == "THAWED"
+        assert await running([a.pid, c.pid]) == {a.pid: True, c.pid: False}
+        # Asked again, the same sample kills nobody more (b is gone).
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids
+        report = await wd.close_window(0)
+        assert report.ok, report.message
+        assert freezer_state(c.pid) == freezer_state(new.pid) == "THAWED"
+        assert all((await running([a.pid, c.pid])).values())
+        assert len(harness.of("worker_exited")) == 1
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_stop_gpu_users_counts_the_processes_of_a_job_cgroup(harness: Harness) -> None:
+    """A pid that is not the job process itself but lives in its cgroup (a child, a daemon)
+    counts for that job process."""
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1, warm_spare=True))
+        require_freezer(harness)
+        holder, spare = await harness.started(2)
+        info = await harness.report(spare.worker_id)
+        harness.command(spare.worker_id, "daemon")
+        await harness.wait_for(lambda: harness.channels[spare.worker_id].of("daemon"), 5,
+                               "daemon")
+        (child,) = cgroup_members(info["cgroup"]) - {spare.pid}
+        await wd.open_window(0, holder.worker_id, True)
+        await asyncio.sleep(SAMPLE_MARGIN_S)
+        harness.nvml(f"utilization 0 {child} mem=5")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and list(users.killed_worker_ids) == [spare.worker_id]
+        assert f"{child} ({spare.worker_id})" in users.message
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == spare.worker_id and ex.reason == GPU_KILL
+        await harness.wait_for(lambda: not pid_alive(child), 2, "the daemon gone")
+        assert (await wd.close_window(0)).ok
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_stop_gpu_users_ignores_samples_from_before_the_freeze(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(
+            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        require_freezer(harness)
+        a, b, c = await harness.started(3)
+        await burning(harness, [b])
+        # A sample of b before the window: StopGpuUsers without a window reads (and so stamps)
+        # it now.
+        harness.nvml(f"utilization 0 {b.pid} sm=90 mem=40")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids
+        await asyncio.sleep(0.01)
+        assert (await wd.open_window(0, a.worker_id, True)).ok
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids
+        assert "no frozen job process used the GPU" in users.message
+        # The holder's own sample, then the window moves to b: a is frozen from then on, and
+        # its sample from its own window does not count.
+        harness.nvml(f"utilization 0 {a.pid} sm=70")
+        users = await wd.stop_gpu_users(0)  # reads a's sample while a holds the window
+        assert not users.killed_worker_ids and f"{a.pid} ({a.worker_id}, the holder)" in (
+            users.message)
+        await asyncio.sleep(0.01)
+        report = await wd.open_window(0, b.worker_id, True)
+        assert sorted(report.frozen_worker_ids) == sorted([a.worker_id, c.worker_id])
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids
+        assert f"{a.pid} ({a.worker_id}, before its freeze)" in users.message
+        assert await running([b.pid, a.pid]) == {b.pid: True, a.pid: False}
+        assert (await wd.close_window(0)).ok
+        assert not harness.of("worker_exited")
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_stop_gpu_users_never_kills_the_holder_or_another_device(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=2, warm_spare=True))
+        require_freezer(harness)
+        workers = await harness.started(4)
+        d0 = [w for w in workers if w.device_index == 0]
+        d1 = [w for w in workers if w.device_index == 1]
+        holder, frozen = sorted(d0, key=lambda w: w.spare)
+        report = await wd.open_window(0, holder.worker_id, True)
+        assert list(report.frozen_worker_ids) == [frozen.worker_id]
+        outsider = os.getpid()  # a process in no job cgroup (the test itself)
+        for pid in (holder.pid, d1[0].pid, d1[1].pid, outsider):
+            harness.nvml(f"utilization 0 {pid} sm=100 mem=100")
+        harness.nvml(f"utilization 1 {frozen.pid} sm=100")  # another GPU's sample
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids, users.message
+        assert f"{holder.pid} ({holder.worker_id}, the holder)" in users.message
+        assert f"{d1[0].pid} ({d1[0].worker_id}, not frozen here)" in users.message
+        assert f"{outsider} (not a frozen job process)" in users.message
+        # Device 1 has no window: nothing is killed there either.
+        users = await wd.stop_gpu_users(1)
+        assert users.known and users.device_index == 1 and not users.killed_worker_ids
+        assert "no timing window" in users.message
+        await asyncio.sleep(0.2)
+        assert not harness.of("worker_exited")
+        assert all(pid_alive(w.pid) for w in workers)
+        assert (await wd.close_window(0)).ok
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_stop_gpu_users_without_a_window_kills_nothing(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1, warm_spare=True))
+        holder, spare = await harness.started(2)
+        harness.nvml(f"utilization 0 {spare.pid} sm=50")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids
+        assert "no timing window with frozen job processes is open on device 0" in users.message
+        # A window that freezes nothing (timing isolation off) is no better.
+        assert (await wd.open_window(0, holder.worker_id, False)).ok
+        harness.nvml(f"utilization 0 {spare.pid} sm=50")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids and "no timing window" in users.message
+        assert (await wd.close_window(0)).ok
+        with pytest.raises(WatchdogError, match="no device 3"):
+            await wd.stop_gpu_users(3)
+        await asyncio.sleep(0.2)
+        assert not harness.of("worker_exited")
+        await wd.shutdown(0)
+
+    run(body())
+
+
+def test_stop_gpu_users_without_nvml_cannot_tell(harness: Harness) -> None:
+    async def body() -> None:
+        wd = await harness.start(harness.configure(warm_spare=True))  # NVML_SOURCE_NONE
+        holder, spare = await harness.started(2)
+        users = await wd.stop_gpu_users(-1)
+        assert users.device_index == -1 and not users.known and not users.killed_worker_ids
+        report = await wd.open_window(-1, holder.worker_id, True)
+        if report.frozen_worker_ids:  # a host with a freezer: a window with a frozen process
+            users = await wd.stop_gpu_users(-1)
+            assert not users.known and not users.killed_worker_ids
+            assert "no NVML" in users.message and "nothing killed" in users.message
+        assert (await wd.close_window(-1)).ok
+        assert not harness.of("worker_exited")
+        await wd.shutdown(0)
+
+    run(body())

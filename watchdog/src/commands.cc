@@ -1,6 +1,6 @@
 // The front end's commands: Configure (users, sandbox, cgroups, devices), Start/Stop/
-// RestartWorkers and Shutdown (OpenWindow and CloseWindow: windows.cc). Part of class Watchdog
-// (watchdog.h).
+// RestartWorkers and Shutdown (OpenWindow, CloseWindow and StopGpuUsers: windows.cc). Part of
+// class Watchdog (watchdog.h).
 #include "watchdog.h"
 
 #include <fcntl.h>

@@ -10,14 +10,23 @@
 //   processes <index> [<pid> ...]                                       processes holding it
 //   clocks <index> [sm=<MHz>] [mem=<MHz>] [temperature=<C>] [power_mw=<mW>]
 //          [reasons=<bitmask, decimal or 0x hex>]                       GPU conditions
+//   utilization <index> <pid> [sm=<percent>] [mem=<percent>]           a per-process sample
 //
 // Devices must be declared before Configure; the other records may come at any time. Like
 // health, a clocks line sets only the fields it names. A declared device's conditions are
 // known and 0 where no clocks line set them, but for the temperature: its health line's until
 // a clocks line names one. An undeclared device's are not known.
+//
+// A utilization line adds one per-process utilization sample (as nvmlDeviceGetProcessUtilization
+// gives them; sm and mem default to 0), stamped with the time the fake reads the line
+// (CLOCK_REALTIME in microseconds, NVML's clock; the watchdog reads the file at least every
+// 50 ms tick and whenever it asks the fake something). gpu_users(index, since) answers the
+// pids with a sample newer than since whose sm or mem is above 0; a declared device without
+// such samples has none; an undeclared device cannot tell.
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <map>
 #include <sstream>
@@ -68,6 +77,15 @@ class FakeNvml : public NvmlSource {
     pids = it->second.pids;
     return true;
   }
+  bool gpu_users(int index, uint64_t since_us, std::map<int, uint64_t>& users) override {
+    pump();
+    auto it = devices_.find(index);
+    if (it == devices_.end()) return false;
+    for (const Sample& s : it->second.samples)
+      if (s.time_us > since_us && (s.sm > 0 || s.mem > 0))
+        users[s.pid] = std::max(users[s.pid], s.time_us);
+    return true;
+  }
   int event_fd() const override { return -1; }
   std::vector<XidEvent> poll_events() override {
     pump();
@@ -75,12 +93,18 @@ class FakeNvml : public NvmlSource {
   }
 
  private:
+  struct Sample {  // one per-process utilization sample
+    int pid = 0;
+    uint64_t time_us = 0;
+    int sm = 0, mem = 0;
+  };
   struct Dev {
     DeviceInfo info;
     Reading reading;
     std::vector<int> pids;
     Conditions conditions;            // as the clocks lines set them
     bool clocks_temperature = false;  // a clocks line named the temperature
+    std::vector<Sample> samples;
   };
 
   static uint64_t parse_mask(const std::string& v) {
@@ -172,6 +196,15 @@ class FakeNvml : public NvmlSource {
         int pid;
         while (in >> pid) pids.push_back(pid);
         devices_.at(index).pids = pids;
+      } else if (kind == "utilization") {
+        Sample s;
+        s.time_us = nvml_clock_us();
+        if (!(in >> s.pid)) throw std::invalid_argument("pid");
+        for (auto& [k, v] : options(in)) {
+          if (k == "sm") s.sm = std::stoi(v);
+          else if (k == "mem") s.mem = std::stoi(v);
+        }
+        devices_.at(index).samples.push_back(s);
       } else {
         log_line("fake nvml: unknown record: " + raw);
       }

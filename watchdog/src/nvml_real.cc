@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -24,6 +25,8 @@ using nvmlDevice_t = struct nvmlDevice_st*;
 using nvmlEventSet_t = struct nvmlEventSet_st*;
 constexpr nvmlReturn_t NVML_SUCCESS = 0;
 constexpr nvmlReturn_t NVML_ERROR_TIMEOUT = 10;
+constexpr nvmlReturn_t NVML_ERROR_NOT_SUPPORTED = 3;
+constexpr nvmlReturn_t NVML_ERROR_NOT_FOUND = 6;
 constexpr nvmlReturn_t NVML_ERROR_INSUFFICIENT_SIZE = 7;
 constexpr unsigned long long nvmlEventTypeXidCriticalError = 0x0000000000000008LL;
 constexpr unsigned int NVML_TEMPERATURE_GPU = 0;
@@ -54,6 +57,11 @@ struct nvmlProcessInfo_t {  // nvmlProcessInfo_v2_t, used by the _v3 process que
   unsigned long long usedGpuMemory;
   unsigned int gpuInstanceId;
   unsigned int computeInstanceId;
+};
+struct nvmlProcessUtilizationSample_t {
+  unsigned int pid;
+  unsigned long long timeStamp;  // CPU timestamp, microseconds
+  unsigned int smUtil, memUtil, encUtil, decUtil;
 };
 union nvmlValue_t {
   double dVal;
@@ -96,6 +104,8 @@ struct Api {
   nvmlReturn_t (*GetClocksEventReasons)(nvmlDevice_t, unsigned long long*);
   nvmlReturn_t (*GetComputeProcs)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
   nvmlReturn_t (*GetGraphicsProcs)(nvmlDevice_t, unsigned int*, nvmlProcessInfo_t*);
+  nvmlReturn_t (*GetProcessUtilization)(nvmlDevice_t, nvmlProcessUtilizationSample_t*,
+                                        unsigned int*, unsigned long long);
   nvmlReturn_t (*EventSetCreate)(nvmlEventSet_t*);
   nvmlReturn_t (*RegisterEvents)(nvmlDevice_t, unsigned long long, nvmlEventSet_t);
   nvmlReturn_t (*EventSetWait)(nvmlEventSet_t, nvmlEventData_t*, unsigned int);
@@ -275,6 +285,43 @@ class RealNvml : public NvmlSource {
     return true;
   }
 
+  // nvmlDeviceGetProcessUtilization: first without a buffer for the count, then with one
+  // (a little larger: samples may come in between). NOT_FOUND: no sample since since_us.
+  // Seen on an H100 (driver 580): the first call answers INSUFFICIENT_SIZE; pids are those of
+  // our PID namespace; a new sample comes about every 200 ms, and a call returns one sample per
+  // process whose utilization is averaged over the time since since_us (a process whose queued
+  // kernels ran for 1 s after since_us read sm 100, then decayed: 48 at 2 s, 24 at 4 s), so any
+  // GPU use after since_us keeps it above 0; an idle process has samples with sm 0 and mem 0.
+  bool gpu_users(int index, uint64_t since_us, std::map<int, uint64_t>& users) override {
+    nvmlDevice_t h = handle(index);
+    if (!h || !api_.GetProcessUtilization) return false;
+    unsigned int count = 0;
+    nvmlReturn_t r = api_.GetProcessUtilization(h, nullptr, &count, since_us);
+    if (r == NVML_ERROR_NOT_FOUND) return true;
+    if (r != NVML_SUCCESS && r != NVML_ERROR_INSUFFICIENT_SIZE) return false;
+    std::vector<nvmlProcessUtilizationSample_t> samples;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      samples.assign(count + 16, nvmlProcessUtilizationSample_t{});
+      count = static_cast<unsigned int>(samples.size());
+      r = api_.GetProcessUtilization(h, samples.data(), &count, since_us);
+      if (r != NVML_ERROR_INSUFFICIENT_SIZE) break;
+    }
+    if (r == NVML_ERROR_NOT_FOUND) return true;
+    if (r != NVML_SUCCESS) {
+      if (r != NVML_ERROR_NOT_SUPPORTED)
+        log_line("nvmlDeviceGetProcessUtilization(GPU " + std::to_string(index) + "): " +
+                 api_.ErrorString(r));
+      return false;
+    }
+    for (unsigned int i = 0; i < count && i < samples.size(); ++i) {
+      const auto& s = samples[i];
+      if (s.timeStamp <= since_us || (s.smUtil == 0 && s.memUtil == 0)) continue;
+      uint64_t& last = users[static_cast<int>(s.pid)];
+      last = std::max<uint64_t>(last, s.timeStamp);
+    }
+    return true;
+  }
+
   int event_fd() const override { return read_end_.get(); }
 
   std::vector<XidEvent> poll_events() override {
@@ -353,6 +400,8 @@ std::unique_ptr<NvmlSource> open_real_nvml(std::string* error) {
             bind(lib, "nvmlDeviceGetComputeRunningProcesses_v3", api.GetComputeProcs, false,
                  error) &&
             bind(lib, "nvmlDeviceGetGraphicsRunningProcesses_v3", api.GetGraphicsProcs, false,
+                 error) &&
+            bind(lib, "nvmlDeviceGetProcessUtilization", api.GetProcessUtilization, false,
                  error) &&
             bind(lib, "nvmlEventSetCreate", api.EventSetCreate, true, error) &&
             bind(lib, "nvmlDeviceRegisterEvents", api.RegisterEvents, true, error) &&

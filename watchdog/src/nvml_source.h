@@ -2,7 +2,10 @@
 // (nvml_real.cc, libnvidia-ml.so.1 opened with dlopen) or a fake fed by tests (nvml_fake.cc).
 #pragma once
 
+#include <time.h>
+
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,10 +50,22 @@ class NvmlSource {
   virtual Conditions conditions(int index) = 0;
   // Processes holding the GPU; false when this source cannot tell.
   virtual bool processes(int index, std::vector<int>& pids) = 0;
+  // Processes that used the GPU after since_us (Unix time in microseconds, CLOCK_REALTIME, as
+  // NVML stamps its samples): pid -> the time of its newest per-process utilization sample
+  // newer than since_us with SM or memory utilization above 0. False when this source cannot
+  // tell (no per-process utilization on this GPU or driver, an unknown device).
+  virtual bool gpu_users(int index, uint64_t since_us, std::map<int, uint64_t>& users) = 0;
   // A descriptor that becomes readable when events may be waiting, or -1 (poll every tick).
   virtual int event_fd() const = 0;
   virtual std::vector<XidEvent> poll_events() = 0;
 };
+
+// Now on the clock of NVML's per-process utilization samples: Unix time in microseconds.
+inline uint64_t nvml_clock_us() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
+}
 
 // Real NVML; nullptr and *error set when the library or its init fails.
 std::unique_ptr<NvmlSource> open_real_nvml(std::string* error);

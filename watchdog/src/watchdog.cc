@@ -360,6 +360,13 @@ void Watchdog::handle_command(const pb::WatchdogCommand& cmd) {
       ack(id, true);
       return close_window(*d, id);
     }
+    case pb::WatchdogCommand::kStopGpuUsers: {
+      const int index = cmd.stop_gpu_users().device_index();
+      Device* d = device(index);
+      if (!d) return ack(id, false, "no device " + std::to_string(index));
+      ack(id, true);
+      return stop_gpu_users(*d, id);
+    }
     case pb::WatchdogCommand::kShutdown:
       ack(id, true);
       return begin_shutdown(cmd.shutdown().grace_ms());

@@ -69,7 +69,9 @@ struct ResetRun {
 struct Window {
   std::string holder;
   bool freeze_others = false;
-  std::set<std::string> frozen;  // worker ids whose cgroups it froze (dropped when they exit)
+  // Worker ids whose cgroups it froze (dropped when they exit) -> when their freeze completed
+  // (nvml_clock_us(): NVML's sample clock), the start of what StopGpuUsers counts as theirs.
+  std::map<std::string, uint64_t> frozen;
 };
 
 struct Device {
@@ -159,6 +161,7 @@ class Watchdog {
   void window_worker_exited(const Worker& w);
   void thaw_windows();
   void fill_conditions(const Device& d, pb::GpuConditions* out);
+  void stop_gpu_users(Device& d, uint64_t command_id);
   // reset (reset.cc)
   void begin_reset(Device& d, int grace_ms, uint64_t command_id);
   void advance_reset(Device& d, int64_t now);

@@ -10,6 +10,10 @@
 // Frozen processes can be killed (v2 cgroup.kill takes them as they are; v1 Cgroups::kill thaws
 // after it signals). A window never outlives its holder, and nothing stays frozen after
 // Shutdown or the watchdog's exit.
+//
+// StopGpuUsers: when the holder finds the GPU still busy (a frozen process's queued kernels),
+// NVML's per-process utilization samples since each frozen process's freeze completed name the
+// ones whose work still runs; they are killed ("killed:gpu_outside_phase").
 #include <algorithm>
 
 #include "log.h"
@@ -18,6 +22,11 @@
 namespace watchdog {
 
 namespace {
+
+// NVML samples per-process utilization about every 200 ms, so a sample taken soon after a
+// freeze can still cover work from before it (an innocent check's last kernel): only samples
+// this long after a process's freeze count against it.
+constexpr uint64_t kSampleMarginUs = 250'000;
 
 // How long OpenWindow waits, for all the others together, until they read frozen: a process
 // in the kernel (a driver call) stops only when it leaves it.
@@ -42,7 +51,7 @@ void Watchdog::open_window(Device& d, uint64_t command_id, const pb::OpenWindow&
     d.window->holder = o.holder_worker_id();
     d.window->freeze_others = o.freeze_others();
     ok = match_window(d, &why);
-    for (const auto& id : d.window->frozen) report->add_frozen_worker_ids(id);
+    for (const auto& [id, at] : d.window->frozen) report->add_frozen_worker_ids(id);
   }
   if (!ok) log_line("OpenWindow on device " + std::to_string(d.info.index) + ": " + why);
   report->set_ok(ok);
@@ -71,7 +80,8 @@ void Watchdog::close_window(Device& d, uint64_t command_id) {
 // Makes what is frozen match the window: every other job process of the device when it freezes
 // the others, none otherwise. Thaws first (a new holder may have been frozen for the last one),
 // then asks every cgroup to freeze before waiting for any, so that they stop together. A cgroup
-// that does not read frozen in time stays on the list: CloseWindow thaws it.
+// that does not read frozen in time stays on the list: CloseWindow thaws it. Each newly frozen
+// one's time is taken once all have been waited for.
 bool Watchdog::match_window(Device& d, std::string* why) {
   Window& win = *d.window;
   const bool freeze = win.freeze_others && cgroups_.can_freeze();
@@ -86,23 +96,26 @@ bool Watchdog::match_window(Device& d, std::string* why) {
   std::vector<std::string> failed;
   std::string error;
   for (auto it = win.frozen.begin(); it != win.frozen.end();) {
-    if (wanted.count(*it)) {
+    if (wanted.count(it->first)) {
       ++it;
       continue;
     }
-    Worker* w = find_worker(*it);
+    Worker* w = find_worker(it->first);
     if (w && !cgroups_.freeze(w->cgroup, false, 0, &error))
-      failed.push_back("thaw " + *it + ": " + error);
+      failed.push_back("thaw " + it->first + ": " + error);
     it = win.frozen.erase(it);
   }
   for (const auto& id : wanted)
-    if (win.frozen.insert(id).second) cgroups_.freeze(workers_.at(id).cgroup, true, 0, &error);
+    if (win.frozen.emplace(id, 0).second) cgroups_.freeze(workers_.at(id).cgroup, true, 0, &error);
   const int64_t deadline = now_ms() + kFreezeWaitMs;
-  for (const auto& id : win.frozen) {
+  for (const auto& [id, at] : win.frozen) {
     const int left = static_cast<int>(std::max<int64_t>(0, deadline - now_ms()));
     if (!cgroups_.freeze(workers_.at(id).cgroup, true, left, &error))
       failed.push_back("freeze " + id + ": " + error);
   }
+  const uint64_t frozen_us = nvml_clock_us();
+  for (auto& [id, at] : win.frozen)
+    if (at == 0) at = frozen_us;
   if (win.freeze_others && !cgroups_.can_freeze())
     failed.insert(failed.begin(), "this host has no cgroup freezer: nothing is frozen");
   if (failed.empty()) return true;
@@ -116,10 +129,10 @@ void Watchdog::freeze_for_window(Worker& w) {
   Device* d = device(w.device);
   if (!d || !d->window || !d->window->freeze_others || !cgroups_.can_freeze()) return;
   if (w.id == d->window->holder) return;
-  d->window->frozen.insert(w.id);
   std::string error;
   if (!cgroups_.freeze(w.cgroup, true, kFreezeWaitMs, &error))
     log_line("job process " + w.id + ", started in a timing window: " + error);
+  d->window->frozen[w.id] = nvml_clock_us();
 }
 
 // A job process exited: it is off its window's list. When it held the window, nothing times any
@@ -145,6 +158,74 @@ void Watchdog::thaw_windows() {
     if (!match_window(d, &why)) log_line(why);
     d.window.reset();
   }
+}
+
+// StopGpuUsers: the frozen job processes of the device's window that NVML saw use the GPU after
+// their freeze completed are killed as KillWorker kills (their slots go to spares). The holder,
+// other devices' job processes, the zygote and anything outside a job cgroup are never touched:
+// only a sampled pid whose cgroup (or own pid) is a frozen job process of this window counts.
+void Watchdog::stop_gpu_users(Device& d, uint64_t command_id) {
+  pb::WatchdogEvent ev;
+  ev.set_command_id(command_id);
+  auto* report = ev.mutable_gpu_users();
+  const int index = d.info.index;
+  report->set_device_index(index);
+  const bool window = d.window && !d.window->frozen.empty();
+  uint64_t since = nvml_clock_us();
+  if (window)
+    for (const auto& [id, at] : d.window->frozen) since = std::min(since, at);
+  std::map<int, uint64_t> users;  // pid -> its newest sample with SM or memory use
+  const bool known = nvml_ && index >= 0 && nvml_->gpu_users(index, since, users);
+  report->set_known(known);
+  const std::string where = "device " + std::to_string(index);
+  if (!window) {
+    report->set_message("no timing window with frozen job processes is open on " + where +
+                        ": nothing killed");
+    return emit(ev);
+  }
+  if (!known) {
+    report->set_message(std::string(!nvml_ || index < 0 ? "no NVML for " + where
+                                                        : "NVML gives no per-process "
+                                                          "utilization for " + where) +
+                        ": cannot tell which processes use the GPU; nothing killed");
+    return emit(ev);
+  }
+  std::vector<std::string> culprits, kept;  // "pid (worker)" for the message
+  std::set<std::string> doomed;             // worker ids to kill
+  for (const auto& [pid, last_us] : users) {
+    Worker* w = worker_for_pid(pid);
+    const auto f = w ? d.window->frozen.find(w->id) : d.window->frozen.end();
+    if (w && f != d.window->frozen.end() && last_us > f->second + kSampleMarginUs) {
+      culprits.push_back(std::to_string(pid) + " (" + w->id + ")");
+      doomed.insert(w->id);
+    } else {
+      std::string who = "not a frozen job process";
+      if (w && w->id == d.window->holder) who = w->id + ", the holder";
+      else if (w && f != d.window->frozen.end()) who = w->id + ", before its freeze";
+      else if (w) who = w->id + ", not frozen here";
+      kept.push_back(std::to_string(pid) + " (" + who + ")");
+    }
+  }
+  auto join = [](const std::vector<std::string>& items) {
+    std::string out;
+    for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+    return out;
+  };
+  std::string message =
+      culprits.empty() ? "NVML: no frozen job process used the GPU since its freeze"
+                       : "NVML: pids " + join(culprits) + " used the GPU while frozen";
+  if (!kept.empty()) message += "; left alone: pids " + join(kept);
+  for (const auto& id : doomed) {
+    Worker& w = workers_.at(id);
+    if (w.exit_reason.empty()) report->add_killed_worker_ids(id);
+    else message += "; " + id + " was already being stopped (" + w.exit_reason + ")";
+  }
+  report->set_message(message);
+  log_line("StopGpuUsers on " + where + ": " + message);
+  emit(ev);
+  // As KillWorker: at once, replaced, a spare takes the slot. One already being stopped
+  // (its SIGTERM grace running) is killed now too.
+  for (const auto& id : doomed) terminate(workers_.at(id), 0, "killed:gpu_outside_phase", true);
 }
 
 void Watchdog::fill_conditions(const Device& d, pb::GpuConditions* out) {

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 
 #include "nvml_source.h"
 
@@ -87,6 +88,59 @@ TEST(FakeNvml, ClocksRecordSetsTheConditions) {
   EXPECT_EQ(c.throttle_reasons, 8u);
   EXPECT_EQ(c.sm_clock_mhz, 1980);  // kept: the line did not name it
   EXPECT_FALSE(nvml->conditions(7).known);
+  std::remove(path);
+}
+
+TEST(FakeNvml, UtilizationSamplesNameTheGpuUsersSinceATime) {
+  char path[] = "/tmp/fake_nvml_test_XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream f(path);
+    f << "device 0\ndevice 1\n";
+  }
+  std::string error;
+  auto nvml = watchdog::open_fake_nvml(path, &error);
+  ASSERT_TRUE(nvml) << error;
+  std::map<int, uint64_t> users;
+  ASSERT_TRUE(nvml->gpu_users(0, 0, users));  // a declared device with no samples: nobody
+  EXPECT_TRUE(users.empty());
+  EXPECT_FALSE(nvml->gpu_users(5, 0, users));  // an undeclared one: cannot tell
+  const uint64_t before = watchdog::nvml_clock_us();
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "utilization 0 100 sm=80\n"
+         "utilization 0 101 mem=3\n"
+         "utilization 0 102 sm=0 mem=0\n"  // idle: not a user
+         "utilization 0 103\n"             // both default to 0
+         "utilization 1 200 sm=10\n"       // another GPU
+         "utilization 0 oops sm=1\n"       // no pid: a bad line, ignored
+         "utilization 9 300 sm=1\n";       // an undeclared device: ignored
+  }
+  ASSERT_TRUE(nvml->gpu_users(0, before - 1, users));  // the lines are read (stamped) now
+  const uint64_t after = watchdog::nvml_clock_us();
+  ASSERT_EQ(users.size(), 2u);
+  for (int pid : {100, 101}) {
+    ASSERT_TRUE(users.count(pid));
+    EXPECT_GE(users[pid], before);
+    EXPECT_LE(users[pid], after);
+  }
+  users.clear();
+  ASSERT_TRUE(nvml->gpu_users(1, before - 1, users));
+  EXPECT_EQ(users, (std::map<int, uint64_t>{{200, users[200]}}));
+  // Samples no newer than since do not count; a later sample does, with its own time.
+  users.clear();
+  ASSERT_TRUE(nvml->gpu_users(0, after, users));
+  EXPECT_TRUE(users.empty());
+  usleep(2000);
+  {
+    std::ofstream f(path, std::ios::app);
+    f << "utilization 0 101 sm=50\n";
+  }
+  ASSERT_TRUE(nvml->gpu_users(0, after, users));
+  ASSERT_EQ(users.size(), 1u);
+  EXPECT_GT(users[101], after);
   std::remove(path);
 }
 
