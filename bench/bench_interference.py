@@ -139,10 +139,12 @@ def run_scenario(
             time.sleep(0.1)
         time.sleep(0.5 if neighbours else 0.0)  # the neighbours reach their checks
         job = c.evaluate(timed)
-        for i in ids:
-            c.cancel_job(i)
+        ended = [c.cancel_job(i) for i in ids]
     if job.result.verdict != job_pb2.VERDICT_OK:
         raise SystemExit(f"the timed job failed: {job.result}")
+    # Neighbours the service stopped for GPU work that ran into the timed job's window.
+    stopped = sum("timing window" in j.result.fault.description for j in ended)
+    job.result.notes.append(f"neighbours stopped {stopped}")
     return job
 
 
@@ -157,6 +159,12 @@ def summarise(jobs: list[job_pb2.Job]) -> dict[str, Any]:
         "drain_ms": statistics.median(w.drain.ToNanoseconds() / 1e6 for w in windows),
         "sm_mhz_start": statistics.median(w.at_start.sm_clock_mhz for w in windows),
         "sm_mhz_end": statistics.median(w.at_end.sm_clock_mhz for w in windows),
+        "neighbours_stopped": sum(
+            int(n.split()[-1])
+            for j in jobs
+            for n in j.result.notes
+            if n.startswith("neighbours stopped")
+        ),
         "throttle_reasons": sorted(
             {r for w in windows for c in (w.at_start, w.at_end) for r in c.throttle_reasons}
         ),
@@ -229,7 +237,7 @@ def main() -> int:
         [name, len(s["medians_ms"]), s["median_ms"], min(s["medians_ms"]), max(s["medians_ms"]),
          C.ratio(s["median_ms"], alone), f"{s['others_frozen']}/{len(s['medians_ms'])}",
          s["drain_ms"], f"{s['drained']}/{len(s['medians_ms'])}",
-         f"{s['sm_mhz_start']:.0f} -> {s['sm_mhz_end']:.0f}",
+         f"{s['sm_mhz_start']:.0f} -> {s['sm_mhz_end']:.0f}", s["neighbours_stopped"],
          ", ".join(s["throttle_reasons"]) or "-"]
         for name, s in data["scenarios"].items()
     ]  # fmt: skip
@@ -244,7 +252,9 @@ def main() -> int:
         "service with --freeze-during-timing false, ratios to the frozen service's alone.",
         "frozen / drained: results whose window had the GPU's other job processes frozen, and "
         "whose wait for their queued GPU work ended idle; drain ms: the median of that wait; "
-        "SM MHz and throttle reasons: NVML at the window's start and end (medians).",
+        "SM MHz and throttle reasons: NVML at the window's start and end (medians); stopped: "
+        "neighbours the service killed because their GPU work ran into the window while they "
+        "were frozen (VERDICT_RUNTIME_ERROR, StopGpuUsers).",
     ]
     if smoke:
         notes.append("CPU smoke run: no GPU, CPU timings; not a benchmark.")
@@ -252,7 +262,7 @@ def main() -> int:
         args.out, "bench_interference", "Timing under load", info, data,
         [("Timed job's median (ms)", ["scenario", "runs", "median", "min", "max", "x alone",
                                       "frozen", "drain ms", "drained", "SM MHz",
-                                      "throttle reasons"], rows)],
+                                      "stopped", "throttle reasons"], rows)],
         notes,
     )  # fmt: skip
     return 0
