@@ -24,7 +24,7 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from . import faults
+from . import faults, static_checks
 from .compile_cache import CompileCache
 from .config import Config
 from .deadline import Deadline
@@ -168,14 +168,29 @@ class JobManager:
             spec.options.device_index if spec.options.HasField("device_index") else -1
         )
         _stamp(job.create_time)
+        # Static checks of the candidate, here on the trusted side, never in its process; the
+        # flags stay in job.result until _finish puts them in the final result.
+        flags = static_checks.check(spec)
+        job.result.flags.extend(flags)
         event = self.hub.next_event(job.job_id)
         event.queued.position = len(self.queue)
         self.store.insert(job, event)
         self.hub.publish(event, persisted=True)
+        if flags and spec.options.reject_flagged:
+            self._reject(job)
+            return job
         self._enqueue(job)
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         self.dispatch()
         return job
+
+    def _reject(self, job: job_pb2.Job) -> None:
+        """reject_flagged and the candidate is flagged: it ends now, never run."""
+        rules = static_checks.rule_names(job.result.flags)
+        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_REJECTED, correctness=False)
+        log.info("job rejected", extra={"job_id": job.job_id, "rules": rules})
+        reason = f"rejected: static checks flagged {rules}"
+        self._finish(job, job_pb2.JOB_STATE_DONE, result, reason)
 
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
@@ -645,7 +660,12 @@ class JobManager:
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         job.state = state  # type: ignore[assignment]
+        # The flags are the front end's (submit), whatever the job process's outcome says.
+        flags = job_pb2.EvalResult()
+        flags.flags.extend(job.result.flags)
         job.result.CopyFrom(result)
+        job.result.ClearField("flags")
+        job.result.flags.extend(flags.flags)
         job.state_reason = reason
         _stamp(job.end_time)
         event = self.hub.next_event(job.job_id)

@@ -96,6 +96,15 @@ def test_compare_json_and_exit_code_of_a_bad_verdict(fake, capsys, tmp_path, tri
     assert code == cli.EXIT_VERDICT and "expected ';'" in out and "| error" in err
 
 
+def test_reject_flagged_reaches_the_options(fake, capsys, triton_file):
+    code, _, err = run(fake, capsys, "evaluate", str(triton_file), "--reject-flagged")
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    assert sent.spec.options.reject_flagged
+    code, _, err = run(fake, capsys, "evaluate", str(triton_file))
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    assert not sent.spec.options.reject_flagged
+
+
 def test_invalid_argument_exit_code_and_field_violations(fake, capsys, tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("")

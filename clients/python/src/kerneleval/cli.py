@@ -58,6 +58,11 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dsa", action="store_true", help="device-side assertions")
     g.add_argument("--sanitize", action="store_true", help="compute-sanitizer memcheck")
     g.add_argument("--device-metrics", action="store_true", help="Nsight Compute metrics")
+    g.add_argument(
+        "--reject-flagged",
+        action="store_true",
+        help="do not run a candidate that static checks flag (VERDICT_REJECTED)",
+    )
     g.add_argument("--tag", default="", help="client tag")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the finished job as JSON")
@@ -94,6 +99,7 @@ def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
     o.device_side_assertions = a.dsa
     o.sanitize = a.sanitize
     o.device_metrics = a.device_metrics
+    o.reject_flagged = a.reject_flagged
     return o
 
 

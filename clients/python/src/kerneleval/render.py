@@ -244,6 +244,9 @@ def result_table(job: job_pb2.Job) -> str:
             f"max rel err {v.max_rel_error:.3g}, atol {v.atol:g}, rtol {v.rtol:g})"
         )
     rows.append(("correct", correct))
+    if r.flags:
+        flags = "\n".join(f"{f.rule_id}: {f.message}" for f in r.flags)
+        rows.append(("flags", _indent(flags)))
     if r.validation_error:
         rows.append(("mismatch", r.validation_error))
     if r.runtime.trial_count or r.runtime.median_ms:
@@ -298,6 +301,9 @@ def job_summary(job: job_pb2.Job) -> str:
     reason = r.compilation_error or r.validation_error or r.error.message or r.fault.description
     if reason and r.verdict != job_pb2.VERDICT_OK:
         text += "  " + printable(reason.strip().splitlines()[0][:120])
+    if r.flags:
+        rules = ", ".join(dict.fromkeys(f.rule_id for f in r.flags))
+        text += "  flags: " + printable(rules[:120])
     return text
 
 
