@@ -102,12 +102,10 @@ def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
     rows = [note.split() for j in jobs for note in j.result.notes if note.startswith("pr")]
     profile = sorted((float(a), float(b)) for p, a, b in rows if p == "profile")
     prepare = sorted((float(a), float(b)) for p, a, b in rows if p == "prepare")
-    assert len(profile) == 4
+    assert len(profile) == 4 and len(prepare) == 4
     for (_, end), (start, _) in zip(profile, profile[1:], strict=False):
         assert start >= end - 0.01, profile  # never two timings at once on one device
-    # ... while the other job process kept compiling/validating: some preparation overlapped
-    # a timing.
-    assert any(ps < pe and qs < ps + 0.6 and qe > ps for ps, pe in profile for qs, qe in prepare)
+    # (The other job process is frozen while one times: see the spinner test below.)
     assert len({j.worker_id for j in jobs}) == 4  # one job process a job
 
 
@@ -155,16 +153,16 @@ def test_a_timing_window_freezes_the_other_job_process_and_its_timeout_stands_st
 ) -> None:
     """A neighbour that burns CPU in a phase that asks for no GPU (as a candidate's background
     thread would launch kernels) is frozen while another job times: it makes no progress during
-    the window, resumes after, and its 3 s timeout does not count the frozen time (2.2 s of
-    work + a 1.5 s window)."""
+    the window, resumes after, and its 2.5 s timeout does not count the frozen time (1.2 s of
+    work + a 1.6 s window)."""
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
     svc.wait_serving()
-    timed = command_spec({"do": "time", "seconds": 1.5})
-    spinner = command_spec({"do": "spin", "cpu_seconds": 2.2})
-    spinner.options.timeout.FromSeconds(3)
+    timed = command_spec({"do": "time", "seconds": 1.6})
+    spinner = command_spec({"do": "spin", "cpu_seconds": 1.2})
+    spinner.options.timeout.FromNanoseconds(2_500_000_000)
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(lambda: stub.Evaluate(pb.EvaluateRequest(spec=timed), timeout=60).job)
-        time.sleep(0.2)
+        time.sleep(1.0)  # the spinner still spins when the window opens (after a 1.6 s prepare)
         b = pool.submit(lambda: stub.Evaluate(pb.EvaluateRequest(spec=spinner), timeout=60).job)
         timed_job, spin_job = a.result(), b.result()
     assert timed_job.result.verdict == job_pb2.VERDICT_OK, timed_job.result
