@@ -156,8 +156,11 @@ class JobManager:
 
     # ---- submission -------------------------------------------------------------------
 
-    def submit(self, spec: kernel_pb2.JobSpec) -> job_pb2.Job:
-        """Persists a new QUEUED job and queues it. Raises QueueFull past the queue limit."""
+    def submit(
+        self, spec: kernel_pb2.JobSpec, flags: list[job_pb2.IntegrityFlag] | None = None
+    ) -> job_pb2.Job:
+        """Persists a new QUEUED job and queues it (flags: the static checks' result, when
+        the caller ran them off the event loop). Raises QueueFull past the queue limit."""
         if len(self.queue) >= self.config.max_queue:
             raise QueueFull(
                 f"the queue holds {len(self.queue)} jobs (limit {self.config.max_queue})"
@@ -170,7 +173,8 @@ class JobManager:
         _stamp(job.create_time)
         # Static checks of the candidate, here on the trusted side, never in its process; the
         # flags stay in job.result until _finish puts them in the final result.
-        flags = static_checks.check(spec)
+        if flags is None:
+            flags = static_checks.check(spec)
         job.result.flags.extend(flags)
         event = self.hub.next_event(job.job_id)
         event.queued.position = len(self.queue)
