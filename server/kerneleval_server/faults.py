@@ -28,6 +28,9 @@ KERNEL_SIGNALS = {
 # Reasons (WorkerExited.reason) of exits the front end or an operator asked for.
 SERVICE_REASONS = ("stopped", "restart", "reset", "shutdown", "killed:restart", "killed:reset")
 
+# The watchdog's exit reason for a job process killed by StopGpuUsers (windows.cc).
+GPU_OUTSIDE_PHASE_KILL = "killed:gpu_outside_phase"
+
 
 @dataclass
 class Decision:
@@ -77,7 +80,7 @@ def classify_exit(
         else f"exited with code {exited.exit_code}"
     )
     restarted = "; replaced" if exited.restarting else ""
-    if exited.reason == "killed:gpu_outside_phase":
+    if exited.reason == GPU_OUTSIDE_PHASE_KILL:
         fault.description = (
             f"its GPU work kept running while it was frozen for another job's timing window "
             f"(work launched outside its phases, e.g. from a thread) in {where}; worker "

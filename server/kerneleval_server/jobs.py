@@ -752,6 +752,9 @@ class JobManager:
         result = job_pb2.EvalResult(fault=decision.fault)
         result.verdict = decision.verdict  # type: ignore[assignment]
         result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+        if exited.reason == faults.GPU_OUTSIDE_PHASE_KILL:
+            result.error.exception_type = "GpuWorkOutsidePhase"
+            result.error.message = decision.fault.description
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(decision.fault)
         self.hub.publish(event)

@@ -273,6 +273,7 @@ def test_a_frozen_job_whose_queued_gpu_work_runs_into_a_window_is_stopped(
         time.sleep(0.05)
     assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
     assert "frozen for another job's timing window" in job.result.fault.description
+    assert job.result.error.exception_type == "GpuWorkOutsidePhase"
     held = stub.Evaluate(pb.EvaluateRequest(spec=command_spec({"do": "time", "seconds": 0.1})))
     assert held.job.result.verdict == job_pb2.VERDICT_OK
     deadline = time.monotonic() + 30
