@@ -59,7 +59,7 @@ class QueueFull(Exception):
 
 class WatchdogLike(Protocol):
     async def kill_worker(self, worker_id: str, reason: str) -> None: ...
-    async def set_job(self, worker_id: str, job_id: str) -> None: ...
+    async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None: ...
     async def restart_workers(self, device_index: int = -2) -> None: ...
     async def reset_gpu(
         self, device_index: int, grace_ms: int
@@ -470,10 +470,13 @@ class JobManager:
             )
             if why:
                 log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
-        # A job process runs one job: it exits now and the watchdog promotes a spare. Until
-        # then the watchdog keeps it as the job's worker, so that an XID to come names this job.
+        # A job process runs one job: it exits now, and its slot goes to a spare at once
+        # (SetJob finished). Until it has exited the watchdog keeps it as the job's worker, so
+        # that an XID to come names this job.
         worker.gone = True
         self._watch_exit(worker)
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
         if outcome.context_poisoned:
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid

@@ -176,9 +176,9 @@ class Watchdog:
         )
         await self._call(cmd, "ack")
 
-    async def set_job(self, worker_id: str, job_id: str) -> None:
+    async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
         cmd = watchdog_pb2.WatchdogCommand(
-            set_job=watchdog_pb2.SetJob(worker_id=worker_id, job_id=job_id)
+            set_job=watchdog_pb2.SetJob(worker_id=worker_id, job_id=job_id, finished=finished)
         )
         await self._call(cmd, "ack")
 

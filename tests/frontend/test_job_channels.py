@@ -129,8 +129,8 @@ class FakeWatchdog:
     async def kill_worker(self, worker_id: str, reason: str) -> None:
         self.kills.append((worker_id, reason))
 
-    async def set_job(self, worker_id: str, job_id: str) -> None:
-        self.jobs.append((worker_id, job_id))
+    async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
+        self.jobs.append((worker_id, job_id + (" finished" if finished else "")))
 
     async def restart_workers(self, device_index: int = -2) -> None:
         pass
@@ -228,6 +228,9 @@ def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
         await m.wait_finished(job.job_id, 5)
         done = m.store.get(job.job_id)
         assert done is not None and done.result.verdict == job_pb2.VERDICT_OK
+        # Its slot goes to a spare as soon as its outcome is in (it keeps the job for XIDs).
+        await until(lambda: len(wd.jobs) == 2)
+        assert wd.jobs[1] == ("c-w1", f"{job.job_id} finished")
         # Never a second job for it, though it is still alive.
         second = m.submit(job_spec())
         await asyncio.sleep(0.1)

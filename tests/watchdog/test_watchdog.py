@@ -182,6 +182,35 @@ def test_segfault_promotes_spare_and_starts_a_new_one(harness: Harness) -> None:
     run(body())
 
 
+def test_a_finished_job_process_hands_its_slot_to_a_spare_before_it_exits(
+    harness: Harness,
+) -> None:
+    """SetJob finished (its outcome is in): a spare takes the slot at once, while the finished
+    process is still alive (its teardown, or a timing window that froze it, must not hold
+    the slot); its exit later promotes nobody else and names its job."""
+    async def body() -> None:
+        wd = await harness.start(harness.configure(warm_spare=True, spare_count=2))
+        workers = await harness.started(3)
+        taker = next(w for w in workers if not w.spare)
+        await harness.report(taker.worker_id)
+        await wd.set_job(taker.worker_id, "job-9")
+        await wd.set_job(taker.worker_id, "job-9", finished=True)
+        await harness.wait_for(lambda: harness.of("worker_promoted"), 5, "a promotion")
+        (promoted,) = [p.worker_promoted.worker_id for p in harness.of("worker_promoted")]
+        assert promoted != taker.worker_id and pid_alive(taker.pid)
+        await wd.set_job(taker.worker_id, "job-9", finished=True)  # said twice: still one
+        harness.command(taker.worker_id, "exit 0")
+        (ex,) = await harness.exited(1)
+        assert ex.worker.worker_id == taker.worker_id and ex.worker.job_id == "job-9"
+        await asyncio.sleep(0.3)
+        assert len(harness.of("worker_promoted")) == 1  # the exit promoted no second spare
+        status = await wd.status()
+        assert sum(not w.spare for w in status.workers) == 1  # never more than one taker
+        await wd.shutdown(0)
+
+    run(body())
+
+
 def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(retire_exit_codes=[5], max_restarts=1))

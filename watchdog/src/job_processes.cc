@@ -139,7 +139,7 @@ void Watchdog::failed_start(Device& d, const std::string& why) {
 int Watchdog::live_workers(int device, bool spare) const {
   int n = 0;
   for (const auto& [id, w] : workers_)
-    if (w.device == device && w.spare == spare && w.exit_reason.empty()) ++n;
+    if (w.device == device && w.spare == spare && w.exit_reason.empty() && !w.finished) ++n;
   return n;
 }
 
@@ -322,7 +322,7 @@ void Watchdog::on_worker_exit(std::string id, int status) {
     if (!tripped && d.wanted && d.health == pb::HEALTH_HEALTHY && !d.reset && !shutting_down_) {
       restarting = true;
       backoff = failure ? d.intensity.backoff_ms(now) : 0;
-      promote = !w.spare;  // a spare takes its place at once (if none did at the kill)
+      promote = !w.spare && !w.finished;  // a spare takes its place (if none did already)
       if (backoff > 0) d.fill_due_ms = std::max(d.fill_due_ms, now + backoff);
     }
   }

@@ -326,6 +326,10 @@ void Watchdog::handle_command(const pb::WatchdogCommand& cmd) {
       Worker* w = find_worker(cmd.set_job().worker_id());
       if (!w) return ack(id, false, "no worker " + cmd.set_job().worker_id());
       w->job_id = cmd.set_job().job_id();
+      if (cmd.set_job().finished() && !w->finished && !w->spare) {
+        w->finished = true;  // no longer a job-taking process: a spare takes its slot now
+        promote_spare(devices_[w->device]);
+      }
       return ack(id, true);
     }
     case pb::WatchdogCommand::kGetStatus: {

@@ -49,6 +49,7 @@ struct Worker {
   UniqueFd channel;         // the front end's end, until WorkerStarted carries it
   std::string exit_reason;  // set when the watchdog ends it on purpose
   bool replace = false;     // start a replacement when it exits (KillWorker, XID)
+  bool finished = false;    // sent its outcome: its slot went to a spare (SetJob.finished)
   int64_t kill_at_ms = 0;   // cgroup kill deadline after a SIGTERM
   bool spawned() const { return pid > 0; }
 };
