@@ -398,7 +398,16 @@ class JobManager:
         if run.window is None or self.gate.holders(worker.device_index)[0] != worker.worker_id:
             return  # only a window's holder waits for the GPU to drain
         run.window.draining = busy
-        if busy and self.windows.frozen(worker.device_index):
+        if not busy:
+            return
+        frozen = self.windows.frozen(worker.device_index)
+        event = self.hub.next_event(run.job.job_id)
+        event.log.text = (
+            "kerneleval: the timing window waits for GPU work that other jobs queued before "
+            "they were frozen" + ("; those still using the GPU are stopped" if frozen else "")
+        )
+        self.hub.publish(event)
+        if frozen:
             self._spawn(self._stop_gpu_users(worker.device_index, run))
 
     async def _stop_gpu_users(self, device: int, run: Running) -> None:

@@ -283,6 +283,9 @@ def test_a_frozen_job_whose_queued_gpu_work_runs_into_a_window_is_stopped(
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert job.result.verdict == job_pb2.VERDICT_OK and job.result.timing_window.others_frozen
+    # The holder's own events said why its window waited.
+    logs = [r.event.log.text for r in stub.Watch(pb.WatchRequest(job_id=holder.job_id))]
+    assert any("waits for GPU work that other jobs queued" in t for t in logs), logs
 
 
 def test_crashing_kernels_do_not_take_the_device_out_of_service(svc: ServiceProcess) -> None:
