@@ -411,6 +411,9 @@ class FakeOpsService(operations_service_pb2_grpc.OperationsServiceServicer):
         resp.jobs_by_state["JOB_STATE_DONE"] = len(self.s.jobs)
         resp.sandbox_state = operations_service_pb2.SANDBOX_STATE_COMPLETE
         resp.sandbox_warnings.add(feature="kmsg", message="cannot read /dev/kmsg (EACCES)")
+        occupancy = resp.device_occupancy.add(device_index=0, timing_window_count=40)
+        occupancy.timing_window.FromMilliseconds(9_800)
+        occupancy.timing_wanted.FromMilliseconds(10_000)
         return resp
 
 

@@ -163,6 +163,7 @@ def test_operations_commands(fake, capsys, monkeypatch):
     code, out, _ = run(fake, capsys, "stats")
     assert code == 0 and "faults           1" in out and "XIDs             1" in out
     assert "sandbox          complete" in out
+    assert "timing, gpu 0    40 windows held 9.8 s of 10.0 s wanted" in out
     assert "watchdog warning (kmsg): cannot read /dev/kmsg (EACCES)" in out
     code, out, _ = run(fake, capsys, "stats", "--json")
     assert json.loads(out)["faultCount"] == "1"

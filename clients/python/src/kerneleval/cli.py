@@ -342,6 +342,14 @@ def cmd_stats(a: argparse.Namespace, c: Client) -> int:
         ("GPU resets", str(st.gpu_reset_count)),
         ("XIDs", str(st.xid_count)),
     ]
+    rows.extend(
+        (
+            f"timing, {render.device_label(o.device_index)}",
+            f"{o.timing_window_count} windows held {o.timing_window.ToNanoseconds() / 1e9:.1f} s "
+            f"of {o.timing_wanted.ToNanoseconds() / 1e9:.1f} s wanted",
+        )
+        for o in st.device_occupancy
+    )
     sandbox = render.sandbox_lines(st)
     rows.append(sandbox[0])
     width = max(len(k) for k, _ in rows)
