@@ -350,27 +350,10 @@ void Watchdog::handle_command(const pb::WatchdogCommand& cmd) {
       ack(id, true);
       return begin_reset(*d, r.grace_ms(), id);
     }
-    case pb::WatchdogCommand::kOpenWindow: {
-      const int index = cmd.open_window().device_index();
-      Device* d = device(index);
-      if (!d) return ack(id, false, "no device " + std::to_string(index));
-      ack(id, true);
-      return open_window(*d, id, cmd.open_window());
-    }
-    case pb::WatchdogCommand::kCloseWindow: {
-      const int index = cmd.close_window().device_index();
-      Device* d = device(index);
-      if (!d) return ack(id, false, "no device " + std::to_string(index));
-      ack(id, true);
-      return close_window(*d, id);
-    }
-    case pb::WatchdogCommand::kStopGpuUsers: {
-      const int index = cmd.stop_gpu_users().device_index();
-      Device* d = device(index);
-      if (!d) return ack(id, false, "no device " + std::to_string(index));
-      ack(id, true);
-      return stop_gpu_users(*d, id);
-    }
+    case pb::WatchdogCommand::kOpenWindow:
+    case pb::WatchdogCommand::kCloseWindow:
+    case pb::WatchdogCommand::kStopGpuUsers:
+      return window_command(cmd);
     case pb::WatchdogCommand::kShutdown:
       ack(id, true);
       return begin_shutdown(cmd.shutdown().grace_ms());

@@ -155,6 +155,7 @@ class Watchdog {
   void handle_xid(const XidEvent& e);
   void require_reset(Device& d, const std::string& why, bool auto_reset);
   // timing windows (windows.cc)
+  void window_command(const pb::WatchdogCommand& cmd);
   void open_window(Device& d, uint64_t command_id, const pb::OpenWindow& o);
   void close_window(Device& d, uint64_t command_id);
   bool match_window(Device& d, std::string* why);

@@ -34,6 +34,21 @@ constexpr int kFreezeWaitMs = 500;
 
 }  // namespace
 
+// OpenWindow, CloseWindow, StopGpuUsers: an Ack (refused for an unknown device), then the
+// command's report with the same id.
+void Watchdog::window_command(const pb::WatchdogCommand& cmd) {
+  const uint64_t id = cmd.command_id();
+  const int index = cmd.has_open_window()    ? cmd.open_window().device_index()
+                    : cmd.has_close_window() ? cmd.close_window().device_index()
+                                             : cmd.stop_gpu_users().device_index();
+  Device* d = device(index);
+  if (!d) return ack(id, false, "no device " + std::to_string(index));
+  ack(id, true);
+  if (cmd.has_open_window()) return open_window(*d, id, cmd.open_window());
+  if (cmd.has_close_window()) return close_window(*d, id);
+  stop_gpu_users(*d, id);
+}
+
 void Watchdog::open_window(Device& d, uint64_t command_id, const pb::OpenWindow& o) {
   pb::WatchdogEvent ev;
   ev.set_command_id(command_id);
