@@ -38,6 +38,13 @@ class Config:
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
     warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
     spare_count: int = field(default=2, metadata={"help": "warm spares per GPU (with warm-spare)"})
+    build_processes: int = field(
+        default=-1,
+        metadata={
+            "help": "build processes (no GPU) that compile IOContract kernels ahead of a reused "
+            "launch process; 0 = off, -1 = auto (min(8, CPUs) with a GPU, else 0)"
+        },
+    )
     state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
     database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
     admin_token: str = field(default="", metadata={"help": "OperationsService token"})
@@ -110,6 +117,11 @@ class Config:
     def database_path(self) -> Path:
         return Path(self.database) if self.database else self.state_path() / "jobs.db"
 
+    def effective_build_processes(self) -> int:
+        if self.build_processes >= 0:
+            return self.build_processes
+        return min(8, os.cpu_count() or 1) if os.path.exists("/dev/nvidiactl") else 0
+
     def device_list(self) -> list[int]:
         return [int(d) for d in self.devices.replace(" ", "").split(",") if d]
 
@@ -148,6 +160,8 @@ class Config:
                 "--isolate-network false: job processes always run in a network namespace of "
                 "their own, with only lo (the sandbox has no way back to the host's network)"
             )
+        if self.build_processes < -1:
+            out.append("--build-processes must be >= 0, or -1 for auto")
         if self.compile_cache_mib < 0:
             out.append("--compile-cache-mib must be >= 0")
         if self.job_user == "root":

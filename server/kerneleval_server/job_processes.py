@@ -48,7 +48,12 @@ class WorkerState:
     start_time_ms: int
     writer: asyncio.StreamWriter | None = None
     job_id: str = ""  # the job it runs now ("" before it has one and after its outcome)
-    assigned_job_id: str = ""  # the one job it was ever given
+    assigned_job_id: str = ""  # the job it was given last
+    build_job: bool = False  # that job is a build job (AssignJob.build_only)
+    # A launch process: every job it was given came prebuilt, and each outcome said it may take
+    # another (JobOutcome.reusable). `reusable` holds between such an outcome and the next job.
+    launches: int = 0
+    reusable: bool = False
     completed: int = 0
     gone: bool = False  # finished its job, killed, disconnected or exited: takes no job
     hello: job_channel_pb2.Hello | None = None
@@ -67,8 +72,14 @@ class WorkerState:
 
     @property
     def ready(self) -> bool:
-        """Takes a job now: warm, not a spare, never given one."""
-        return self.connected and not self.spare and not self.job_id and not self.assigned_job_id
+        """Takes a job now: warm, not a spare, never given one (or a launch process between
+        jobs)."""
+        return (
+            self.connected
+            and not self.spare
+            and not self.job_id
+            and (not self.assigned_job_id or self.reusable)
+        )
 
     def send(self, msg: job_channel_pb2.FrontendMessage) -> bool:
         """Queues a frame; False when the channel is closed. FrameError when it is too big."""
@@ -84,13 +95,24 @@ class WorkerState:
         spec: kernel_pb2.JobSpec,
         attempt: int,
         compile_cache: Sequence[job_channel_pb2.CacheFile] = (),
+        *,
+        build_arch: str = "",
+        prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
     ) -> bool:
-        """Sends the process its one job. FrameError (nothing sent, nothing changed) when
-        the job does not fit in a frame; False when the channel is closed. The compile cache's
-        files go with it only where the frame has room for them."""
-        if self.assigned_job_id:
+        """Sends the process a job: its one job, a build job (`build_arch`: build for it), or
+        a job of prebuilt kernels. FrameError (nothing sent, nothing changed) when the job does
+        not fit in a frame; False when the channel is closed. The compile cache's files go
+        with it only where the frame has room for them."""
+        if self.assigned_job_id and not self.reusable:
             raise RuntimeError(f"job process {self.worker_id} already ran {self.assigned_job_id}")
-        assign = job_channel_pb2.AssignJob(job_id=job_id, spec=spec, attempt=attempt)
+        assign = job_channel_pb2.AssignJob(
+            job_id=job_id,
+            spec=spec,
+            attempt=attempt,
+            build_only=bool(build_arch),
+            build_arch=build_arch,
+            prebuilt=prebuilt,
+        )
         msg = job_channel_pb2.FrontendMessage(assign=assign)
         if compile_cache:
             with_cache = job_channel_pb2.FrontendMessage()
@@ -100,6 +122,8 @@ class WorkerState:
                 msg = with_cache
         frame = encode(msg.SerializeToString())
         self.assigned_job_id = self.job_id = job_id
+        self.build_job = bool(build_arch)
+        self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():
             return False
         self.writer.write(frame)
@@ -159,8 +183,8 @@ def _unknown_enum(msg: job_channel_pb2.JobProcessMessage) -> str:
     phase = msg.phase.phase if kind == "phase" else msg.progress.phase if kind == "progress" else 0
     if phase not in _PHASES:
         return f"a {kind} frame with the unknown phase {phase}"
-    if kind == "outcome":
-        result = msg.outcome.result
+    if kind in ("outcome", "build"):
+        result = msg.outcome.result if kind == "outcome" else msg.build.result
         if result.verdict not in _VERDICTS:
             return f"an outcome with the unknown verdict {result.verdict}"
         if result.verdict == job_pb2.VERDICT_REJECTED:
@@ -189,10 +213,11 @@ def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> 
     if not worker.assigned_job_id:
         return f"a {kind} frame for job {_short(job_id)} before it was given a job"
     if job_id != worker.assigned_job_id:
-        return (
-            f"a {kind} frame for job {_short(job_id)}; it was given job "
-            f"{worker.assigned_job_id}"
-        )
+        return f"a {kind} frame for job {_short(job_id)}; it was given job {worker.assigned_job_id}"
+    if kind == "build" and not worker.build_job:
+        return "a build outcome for a job that was not a build job"
+    if kind == "outcome" and worker.build_job:
+        return "a job outcome for a build job"
     return ""
 
 
@@ -278,6 +303,6 @@ class JobChannels:
                 worker.hello = msg.hello
                 self._handler.on_worker_ready(worker)
                 continue
-            if kind == "outcome":
+            if kind in ("outcome", "build"):
                 worker.outcome_seen = True
             self._handler.on_worker_message(worker, msg)

@@ -3,6 +3,8 @@
 A job process (a "worker" in the tables) takes exactly one job: it is dispatched to only once
 it has said hello, is not a spare and was never given a job; after its outcome it exits by
 itself (exit code 0, or POISONED_EXIT when its CUDA context was poisoned) and is not a failure.
+A job of IOContract kernels only (prebuild.py) is first built by a build process, then
+launched by a launch process, which takes the next such job when its outcome says it may.
 
 Every state change is written to the store before anyone hears of it. The manager also turns
 the watchdog's events (workers, XIDs, device readings, resets) into worker state, job verdicts
@@ -24,14 +26,14 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from . import faults, static_checks
+from . import faults, prebuild, static_checks
 from .compile_cache import CompileCache
 from .config import Config
 from .deadline import Deadline
 from .events import EventHub, OpsLog
 from .framing import FrameError
 from .job_processes import JobChannels, WorkerState, WorkerTable
-from .jobproc import GATED_PHASES, POISONED_EXIT
+from .jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
 from .metrics import Metrics
 from .sandbox_report import SandboxReport, is_sandbox_feature
 from .scheduler import FairQueue, GpuGate, QueuedJob
@@ -88,6 +90,9 @@ class Running:
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
     window: Window | None = None  # its timing window, once granted
+    # Built ahead, waiting for a launch process (its deadline paused): what was built.
+    built: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
+    awaiting_launch: bool = False
 
 
 @dataclass
@@ -144,6 +149,10 @@ class JobManager:
         self.compile_cache = CompileCache(config.compile_cache_mib << 20)
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
+        self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
+        self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
+        self.run_whole: set[str] = set()  # the build process said: not buildable ahead
+        self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
         self.watchdog: WatchdogLike | None = None
         self.draining = False
         self.on_health_change: Callable[[], None] = lambda: None
@@ -199,7 +208,8 @@ class JobManager:
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
         device = spec.options.device_index if spec.options.HasField("device_index") else None
-        self.queue.push(QueuedJob(job.job_id, spec.client_tag, device))
+        kind = "" if job.job_id in self.run_whole else prebuild.kind(spec)
+        self.queue.push(QueuedJob(job.job_id, spec.client_tag, device, kind))
         self.metrics.queue_depth.set(len(self.queue))
 
     def recover(self) -> None:
@@ -223,22 +233,86 @@ class JobManager:
     def dispatch(self) -> None:
         if self.draining:
             return
-        for worker in list(self.workers.by_id.values()):
-            if not len(self.queue):
-                break
-            if worker.ready and self.device_takes_jobs(worker.device_index):
-                queued = self.queue.pop_for(worker.device_index)
+        ready = [w for w in self.workers.by_id.values() if w.ready]
+        for worker in ready:
+            if worker.device_index == BUILD_DEVICE and len(self.queue):
+                queued = self.queue.pop_for(None, self._built_ahead)
+                if queued is not None:
+                    self._start(queued.job_id, worker, build_arch=self._build_arch(queued))
+        gpu = [
+            w
+            for w in ready
+            if w.device_index != BUILD_DEVICE and self.device_takes_jobs(w.device_index)
+        ]
+        # Built jobs to launch processes warm from the last one first; other jobs to fresh
+        # processes first (a launch process that takes one runs its code, and then exits).
+        for worker in sorted(gpu, key=lambda w: -w.launches):
+            built = self._next_launch(worker.device_index) if self.launch_queue else ""
+            if built:
+                self._start(built, worker)
+        for worker in sorted(gpu, key=lambda w: w.launches):
+            if worker.ready and len(self.queue):
+                queued = self.queue.pop_for(
+                    worker.device_index, lambda q: not self._built_ahead(q)
+                )
                 if queued is not None:
                     self._start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _start(self, job_id: str, worker: WorkerState) -> None:
+    def _built_ahead(self, queued: QueuedJob) -> bool:
+        """The job goes to a build process first: its kernels can be, there is a build
+        process pool and a GPU to build for (Triton runs in its interpreter without one)."""
+        if not queued.prebuild or not self.device_takes_jobs(BUILD_DEVICE):
+            return False
+        if BUILD_DEVICE not in self.devices:
+            return False  # no build processes configured
+        return queued.prebuild == "cuda" or bool(self._build_arch(queued))
+
+    def _build_arch(self, queued: QueuedJob) -> str:
+        """The architecture to build for: the job's GPU's, else the one all GPUs share."""
+        if queued.device_index is not None:
+            arch = self.device_arch.get(queued.device_index, "")
+        else:
+            archs = set(self.device_arch.values())
+            arch = archs.pop() if len(archs) == 1 else ""
+        if not arch and queued.prebuild == "cuda" and not self.device_arch:
+            return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
+        return arch
+
+    def _next_launch(self, device_index: int) -> str:
+        """The oldest built job that may run on the device."""
+        for job_id in self.launch_queue:
+            run = self.running.get(job_id)
+            if run is None:
+                continue
+            wanted = run.job.spec.options
+            if not wanted.HasField("device_index") or wanted.device_index == device_index:
+                self.launch_queue.remove(job_id)
+                return job_id
+        return ""
+
+    def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
+        """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
+        built ahead, its launch."""
         job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
-        cached = self.compile_cache.files_for(job.spec, worker.device_index)
+        waiting = self.running.get(job_id)  # built ahead: this is its launch
+        prebuilt = waiting.built if waiting is not None else []
+        cached = (
+            []
+            if build_arch or prebuilt
+            else self.compile_cache.files_for(job.spec, worker.device_index)
+        )
         try:
-            sent = worker.assign(job_id, job.spec, job.attempt_count + 1, cached)
+            sent = worker.assign(
+                job_id,
+                job.spec,
+                job.attempt_count + 1,
+                cached,
+                build_arch=build_arch,
+                prebuilt=prebuilt,
+            )
         except FrameError as exc:
             # Validation should have refused it; never leave it RUNNING on a process that
             # never got it. The process stays ready for the next job.
@@ -247,29 +321,38 @@ class JobManager:
             self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
             return
         job.state = job_pb2.JOB_STATE_RUNNING
-        job.attempt_count += 1
+        if not build_arch:  # a build and its launch are one attempt
+            job.attempt_count += 1
+            job.device_index = worker.device_index
         job.worker_id = worker.worker_id
-        job.device_index = worker.device_index
-        _stamp(job.start_time)
+        if waiting is None:
+            _stamp(job.start_time)
         event = self.hub.next_event(job_id)
         event.started.worker_id = worker.worker_id
-        event.started.device_index = worker.device_index
-        event.started.attempt = job.attempt_count
+        event.started.device_index = job.device_index
+        event.started.attempt = job.attempt_count + (1 if build_arch else 0)
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
-        self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
-        run = Running(
-            job=job,
-            worker=worker,
-            timeout_s=timeout_of(job.spec, self.max_timeout_s),
-            compile_cache=list(cached),
-        )
-        self.running[job_id] = run
+        if waiting is None:
+            self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
+            run = Running(
+                job=job,
+                worker=worker,
+                timeout_s=timeout_of(job.spec, self.max_timeout_s),
+                compile_cache=list(cached),
+            )
+            self.running[job_id] = run
+            self.metrics.running.set(len(self.running))
+            run.deadline = Deadline(
+                asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
+            )
+        else:
+            run = waiting
+            run.job, run.worker, run.phase = job, worker, 0
+            run.awaiting_launch, run.built = False, []
+            assert run.deadline is not None
+            run.deadline.resume()
         worker.job_id = job_id
-        self.metrics.running.set(len(self.running))
-        run.deadline = Deadline(
-            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
-        )
         if self.windows.frozen(worker.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
@@ -288,6 +371,13 @@ class JobManager:
     # ---- worker channel ---------------------------------------------------------------
 
     def on_worker_ready(self, worker: WorkerState) -> None:
+        if worker.device_index == BUILD_DEVICE:
+            self.dispatch()
+            return
+        assert worker.hello is not None
+        arch = prebuild.arch_of(worker.hello.device.compute_capability)
+        if arch:
+            self.device_arch[worker.device_index] = arch
         self.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
@@ -330,6 +420,9 @@ class JobManager:
         kind = msg.WhichOneof("kind")
         if kind == "outcome":
             self._on_outcome(worker, msg.outcome)
+            return
+        if kind == "build":
+            self._on_built(worker, msg.build)
             return
         sub = getattr(msg, kind) if kind else None
         run = self.running.get(sub.job_id) if sub is not None else None
@@ -377,9 +470,7 @@ class JobManager:
             for other in self.running.values():
                 if other.worker.device_index == device and other is not run and other.deadline:
                     other.deadline.pause()
-        run.window = Window(
-            others_frozen=report.ok, at_start=public_conditions(report.conditions)
-        )
+        run.window = Window(others_frozen=report.ok, at_start=public_conditions(report.conditions))
         if not report.ok and self.windows.freeze_others:
             log.warning(
                 "timing window of job %s on device %d: others not frozen: %s",
@@ -479,13 +570,19 @@ class JobManager:
             )
             if why:
                 log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
-        # A job process runs one job: it exits now, and its slot goes to a spare at once
-        # (SetJob finished). Until it has exited the watchdog keeps it as the job's worker, so
-        # that an XID to come names this job.
-        worker.gone = True
-        self._watch_exit(worker)
-        if self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
+        # A launch process whose job came wholly prebuilt ran none of the job's code: when it
+        # says it cleaned up, it takes the next built job. Any other job process ran one job:
+        # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
+        # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
+        # (A process given a job whole can never be given another: WorkerState.assign.)
+        if outcome.reusable and not outcome.context_poisoned and run.job.job_id in self._launched:
+            worker.launches += 1
+            worker.reusable = True
+        else:
+            worker.gone = True
+            self._watch_exit(worker)
+            if self.watchdog is not None:
+                self._spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
         if outcome.context_poisoned:
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid
@@ -513,6 +610,58 @@ class JobManager:
             self._spawn(self._finish_outcome_after_window(run))
         else:
             self._finish_outcome(outcome.job_id)
+        self.dispatch()
+
+    def _on_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
+        """A build process's answer: the job ends (a compile error), waits for a launch
+        process with what was built, or goes back to the queue to run whole."""
+        run = self.running.get(built.job_id)
+        if run is None or run.worker is not worker:
+            return
+        worker.gone = True  # a build process builds once, then exits
+        self._watch_exit(worker)
+        self._free_worker(worker, completed=True)
+        job = run.job
+        problem = (
+            ""
+            if built.run_whole or built.HasField("result")
+            else (prebuild.check_artifacts(job.spec, list(built.artifacts)))
+        )
+        if built.HasField("result") or problem:
+            result = job_pb2.EvalResult()
+            if problem:  # the build process broke its contract: as a protocol violation
+                result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+                result.error.exception_type = "ProtocolViolation"
+                result.error.message = f"build process {worker.worker_id}: {problem}"
+            else:
+                result.CopyFrom(built.result)
+                result.ClearField("timing_window")
+            self._finish(job, job_pb2.JOB_STATE_DONE, result)
+            return
+        assert run.deadline is not None
+        run.deadline.pause()  # waiting for a launch process is not the job's time
+        event = self.hub.next_event(job.job_id)
+        if built.run_whole:
+            event.log.text = (
+                f"not built ahead ({built.run_whole}): runs in a job process of its own"
+            )
+            self.hub.publish(event)
+            self.run_whole.add(job.job_id)
+            run.deadline.cancel()
+            self.running.pop(job.job_id, None)
+            job.state = job_pb2.JOB_STATE_QUEUED
+            event = self.hub.next_event(job.job_id)
+            event.queued.position = len(self.queue)
+            self.store.update(job, event)
+            self.hub.publish(event, persisted=True)
+            self._enqueue(job)
+        else:
+            event.log.text = f"built ahead by {worker.worker_id}: waits for a launch process"
+            self.hub.publish(event)
+            run.built = list(built.artifacts)
+            run.awaiting_launch = True
+            self._launched.add(job.job_id)
+            self.launch_queue.append(job.job_id)
         self.dispatch()
 
     async def _finish_outcome_after_window(self, run: Running) -> None:
@@ -642,7 +791,11 @@ class JobManager:
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         else:
             run = self.running.get(job_id)
-            if run is not None and run.outcome is None and not run.pending:
+            if run is not None and run.awaiting_launch:
+                self._finish(
+                    run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
+                )
+            elif run is not None and run.outcome is None and not run.pending:
                 run.pending = "cancel"
                 self._kill(run, "cancel")
             await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
@@ -664,6 +817,10 @@ class JobManager:
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None:
         run = self.running.pop(job.job_id, None)
+        self._launched.discard(job.job_id)
+        self.run_whole.discard(job.job_id)
+        if job.job_id in self.launch_queue:
+            self.launch_queue.remove(job.job_id)
         if run is not None:
             for timer in run.timers:
                 timer.cancel()
@@ -739,8 +896,8 @@ class JobManager:
         self._finish(job, job_pb2.JOB_STATE_DONE, result)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
-        if run.outcome is not None:
-            return  # the result is in; the exit is the poisoned worker leaving
+        if run.outcome is not None or run.awaiting_launch:
+            return  # the result (or the build) is in; the exit is the process leaving
         if run.pending == "cancel":
             result = job_pb2.EvalResult()
             result.fault.worker_restarted = exited.restarting
@@ -888,9 +1045,7 @@ class JobManager:
         )
         if not retired:  # a job process leaving after its one job is no restart
             self.counters["restarts"] += 1
-            self.metrics.worker_restarts.labels(
-                str(w.device_index), exited.reason or "exit"
-            ).inc()
+            self.metrics.worker_restarts.labels(str(w.device_index), exited.reason or "exit").inc()
         ex = ops_pb2.WorkerExitedEvent(
             worker=info,
             signal=max(exited.signal, 0),
@@ -1035,5 +1190,6 @@ class JobManager:
         task.add_done_callback(self._tasks.discard)
 
     def device_indices(self) -> list[int]:
+        """The devices jobs run on (not the build processes' pseudo-device)."""
         known = set(self.devices) | {w.device_index for w in self.workers.by_id.values()}
-        return sorted(known)
+        return sorted(known - {BUILD_DEVICE})

@@ -151,6 +151,7 @@ def build_configure(cfg: Config, state_dir: Path) -> watchdog_pb2.Configure:
         workers_per_device=cfg.workers_per_device,
         warm_spare=cfg.warm_spare,
         spare_count=cfg.spare_count,
+        build_processes=cfg.effective_build_processes(),
         device_indices=cfg.device_list(),
         state_dir=str(state_dir),
         reset_command=cfg.reset_command,

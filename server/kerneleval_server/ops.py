@@ -12,7 +12,14 @@ import grpc
 from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
 from kerneleval.v1 import operations_service_pb2 as pb
 
+from .jobproc import BUILD_DEVICE
 from .jobs import JobManager
+
+
+def _pseudo_name(index: int) -> str:
+    """-1 is the CPU (no GPU on the host), BUILD_DEVICE the build processes (no GPU)."""
+    return "build" if index == BUILD_DEVICE else "cpu" if index < 0 else ""
+
 
 ALL_DEVICES = -2  # RestartWorkers without a device (watchdog.ALL_DEVICES)
 
@@ -59,7 +66,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             s = dev.status
             out[index] = pb.Device(
                 index=index,
-                name=s.name or ("cpu" if index < 0 else ""),
+                name=s.name or _pseudo_name(index),
                 uuid=s.uuid,
                 health=s.health or pb.DEVICE_HEALTH_HEALTHY,  # type: ignore[arg-type]
                 health_reason=s.health_reason,
@@ -80,7 +87,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             if dev_pb is None:
                 dev_pb = out[w.device_index] = pb.Device(
                     index=w.device_index,
-                    name="cpu" if w.device_index < 0 else "",
+                    name=_pseudo_name(w.device_index),
                     health=pb.DEVICE_HEALTH_HEALTHY,
                 )
             info = dev_pb.workers.add(

@@ -19,6 +19,7 @@ class QueuedJob:
     job_id: str
     client_tag: str
     device_index: int | None  # None: any device
+    prebuild: str = ""  # prebuild.kind(spec): "" runs whole, "cuda"/"triton" may be built ahead
 
 
 class FairQueue:
@@ -50,12 +51,17 @@ class FairQueue:
             del self._lanes[job.client_tag]
         return True
 
-    def pop_for(self, device_index: int) -> QueuedJob | None:
-        """The next job that may run on the device, taking clients in turn."""
+    def pop_for(
+        self, device_index: int | None, accept: Callable[[QueuedJob], bool] | None = None
+    ) -> QueuedJob | None:
+        """The next job that may run on the device (None: any) and that `accept` takes,
+        taking clients in turn."""
         for tag in list(self._lanes):
             lane = self._lanes[tag]
             for job in lane:
-                if job.device_index is None or job.device_index == device_index:
+                if accept is not None and not accept(job):
+                    continue
+                if device_index is None or job.device_index in (None, device_index):
                     lane.remove(job)
                     del self._index[job.job_id]
                     # This client goes to the back of the round.

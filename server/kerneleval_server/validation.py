@@ -402,3 +402,12 @@ def _check_options(
             )
     if o.HasField("device_index") and o.device_index < 0:
         out.append(FieldViolation(f"{path}.device_index", "must be >= 0"))
+
+
+def is_triton_launch(k: kernel_pb2.KernelSource) -> bool:
+    """TRITON runs from its IOContract unless it goes through a ModelNew (or Model) class."""
+    if k.type != kernel_pb2.KERNEL_TYPE_TRITON or len(k.io.args) == 0:
+        return False
+    if k.entry_point:
+        return k.entry_point not in ("ModelNew", "Model")
+    return re.search(r"^class\s+ModelNew\b", k.source_code, re.MULTILINE) is None

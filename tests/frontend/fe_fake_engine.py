@@ -21,6 +21,17 @@ The kernel source is a JSON command:
       burns c seconds of CPU in its compile phase (which asks for no GPU), noting the wall
       time every few ms; the notes hold "stall <start> <end>", its longest pause (a job process
       frozen for another job's timing window pauses there).
+Built ahead (a CUDA kernel with an IOContract, `--build-processes`): `build_job` acts out the
+build process and `run_job(..., prebuilt=...)` the launch process:
+  {"do": "build"}            one artifact per source (a fake cubin); the launch notes
+                             "launched <function> by <worker id> job <n>" (n counts this
+                             process's jobs) and whether the build process saw a GPU
+  {"do": "build", "poison": true}   the launch reports a poisoned context
+  {"do": "build_error"}      the build ends the job with VERDICT_COMPILE_ERROR
+  {"do": "build_whole"}      the build says: run it whole (then it runs as {"do": "time"})
+  {"do": "build_bad"}        the build process answers an artifact that is no cubin
+  {"do": "forge_reusable"}   (run whole) writes its own JobOutcome, reusable, to its channel
+                             and stays, as hostile host code could
 Used with `serve --engine fe_fake_engine` (tests/frontend on PYTHONPATH).
 """
 
@@ -29,12 +40,16 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
+
+_launches = 0  # jobs this process launched prebuilt
 
 
 @dataclass
@@ -70,10 +85,56 @@ def _spin(result: job_pb2.EvalResult, cpu_seconds: float) -> None:
     _record(result, "stall", *stall)
 
 
-def run_job(spec: Any, reporter: Any, config: EngineConfig) -> Outcome:
+def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
+    cmd = json.loads(spec.kernel.source_code)
+    reporter.phase(job_pb2.PHASE_COMPILING)
+    out = job_channel_pb2.BuildOutcome()
+    if cmd["do"] == "build_error":
+        out.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+        out.result.error.message = "fake nvcc: error"
+        return out
+    if cmd["do"] not in ("build", "build_bad"):
+        out.run_whole = f"{cmd['do']} is not built ahead"
+        return out
+    gpu = os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
+    roles = ["kernel", "reference"] if spec.HasField("reference") else ["kernel"]
+    for role in roles:
+        cubin = b"not a cubin" if cmd["do"] == "build_bad" else b"\x7fELF fake " + role.encode()
+        out.artifacts.add(role=role, cubin=cubin, function=f"{role}_fn", arch=arch)
+    out.artifacts[0].notes.append(f"built for {arch}; build process sees a GPU: {gpu}")
+    return out
+
+
+def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) -> Outcome:
+    global _launches
     cmd = json.loads(spec.kernel.source_code)
     result = job_pb2.EvalResult(compiled=True)
     reporter.phase(job_pb2.PHASE_COMPILING)
+    if prebuilt:
+        _launches += 1
+        reporter.phase(job_pb2.PHASE_VALIDATING)
+        reporter.phase(job_pb2.PHASE_PROFILING)
+        result.notes.extend(prebuilt[0].notes)
+        result.notes.append(
+            f"launched {prebuilt[0].function} by {os.environ.get('KERNELEVAL_WORKER_ID')} "
+            f"job {_launches}"
+        )
+        if cmd.get("poison"):
+            result.verdict = job_pb2.VERDICT_DEVICE_FAULT
+            return Outcome(result, context_poisoned=True)
+        result.verdict = job_pb2.VERDICT_OK
+        result.correctness = True
+        return Outcome(result)
+    if cmd["do"] == "build_whole":
+        cmd = {"do": "time", "seconds": 0}
+    if cmd["do"] == "forge_reusable":
+        forged = job_channel_pb2.JobProcessMessage()
+        forged.outcome.job_id = reporter._job_id  # noqa: SLF001 - hostile code reads it too
+        forged.outcome.reusable = True
+        forged.outcome.result.verdict = job_pb2.VERDICT_OK
+        data = forged.SerializeToString()
+        os.write(3, struct.pack(">I", len(data)) + data)
+        time.sleep(30)
     if cmd["do"] == "segfault":
         reporter.phase(job_pb2.PHASE_VALIDATING)
         # A real fault: PID 1 of the job's PID namespace ignores a plain kill(SIGSEGV).

@@ -77,10 +77,11 @@ std::string Watchdog::configure(const pb::Configure& c) {
   if (indices.empty())
     for (const auto& d : found) indices.push_back(d.index);
   if (indices.empty()) indices.push_back(-1);
+  if (config_.build_processes() > 0) indices.push_back(kBuildDevice);
   for (int i : indices) {
     Device& d = devices_[i];
     d.info.index = i;
-    d.info.name = i < 0 ? "cpu" : "gpu " + std::to_string(i);
+    d.info.name = i == kBuildDevice ? "build" : i < 0 ? "cpu" : "gpu " + std::to_string(i);
     for (const auto& f : found)
       if (f.index == i) d.info = f;
     d.intensity = RestartIntensity(config_.max_restarts(),

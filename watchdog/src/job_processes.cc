@@ -48,7 +48,7 @@ void Watchdog::start_zygote(Device& d) {
     (*zc.mutable_job_env())[k] = v;
   }
   spec.fresh_root = true;
-  const fs::path root = fs::path(state_dir_) / "roots" / (index < 0 ? "cpu" : "d" + std::to_string(index));
+  const fs::path root = fs::path(state_dir_) / "roots" / device_name(index);
   std::error_code ec;
   fs::create_directories(root, ec);
   ::chmod(root.c_str(), 0755);
@@ -143,8 +143,19 @@ int Watchdog::live_workers(int device, bool spare) const {
   return n;
 }
 
-int Watchdog::spares_wanted() const {
+int Watchdog::workers_wanted(int device) const {
+  return device == kBuildDevice ? config_.build_processes() : config_.workers_per_device();
+}
+
+int Watchdog::spares_wanted(int device) const {
+  // A build process needs no CUDA context: one starts in milliseconds, no spare is kept.
+  if (device == kBuildDevice) return 0;
   return config_.warm_spare() ? std::max(1, config_.spare_count()) : 0;
+}
+
+std::string device_name(int index) {
+  if (index == kBuildDevice) return "build";
+  return index < 0 ? "cpu" : "d" + std::to_string(index);
 }
 
 void Watchdog::fill(Device& d) {
@@ -157,15 +168,16 @@ void Watchdog::fill(Device& d) {
     return;
   }
   if (d.zygote.state != Zygote::State::kReady) return;
-  for (int n = live_workers(d.info.index, false); n < config_.workers_per_device(); ++n)
+  for (int n = live_workers(d.info.index, false); n < workers_wanted(d.info.index); ++n)
     spawn(d, false);
-  for (int n = live_workers(d.info.index, true); n < spares_wanted(); ++n) spawn(d, true);
+  for (int n = live_workers(d.info.index, true); n < spares_wanted(d.info.index); ++n)
+    spawn(d, true);
 }
 
 void Watchdog::promote_spare(Device& d) {
   if (!d.wanted || d.health != pb::HEALTH_HEALTHY || d.reset || shutting_down_) return;
   // Never more job-taking processes than workers_per_device (one on its way out is not one).
-  if (live_workers(d.info.index, false) >= config_.workers_per_device()) return;
+  if (live_workers(d.info.index, false) >= workers_wanted(d.info.index)) return;
   for (auto& [id, s] : workers_) {
     if (s.device == d.info.index && s.spare && s.spawned() && s.exit_reason.empty()) {
       s.spare = false;
@@ -180,8 +192,7 @@ void Watchdog::promote_spare(Device& d) {
 void Watchdog::spawn(Device& d, bool spare) {
   Worker w;
   const int index = d.info.index;
-  w.id = (index < 0 ? std::string("cpu") : "d" + std::to_string(index)) + "-w" +
-         std::to_string(next_worker_++);
+  w.id = device_name(index) + "-w" + std::to_string(next_worker_++);
   w.device = index;
   w.spare = spare;
   w.start_ms = unix_now_ms();

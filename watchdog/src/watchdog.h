@@ -37,6 +37,11 @@ namespace pb = ::kerneleval::internal::v1;
 
 // A command's device_index meaning every device.
 constexpr int kAllDevices = -2;
+// The pseudo-device of build processes (Configure.build_processes): no GPU, never frozen.
+constexpr int kBuildDevice = -3;
+
+// "d0", "cpu", "build": worker ids and sandbox root folders.
+std::string device_name(int index);
 
 struct Worker {
   std::string id;
@@ -134,7 +139,8 @@ class Watchdog {
   void promote_spare(Device& d);
   void on_spawned(Device& d, const zpb::JobProcessSpawned& s);
   void failed_start(Device& d, const std::string& why);
-  int spares_wanted() const;
+  int workers_wanted(int device) const;
+  int spares_wanted(int device) const;
   // SIGTERM, then a cgroup kill after grace_ms (at once when 0). With quiet, no SIGTERM: the
   // job process may finish what it is doing (report a fault) and exit by itself first.
   void terminate(Worker& w, int grace_ms, const std::string& reason, bool replace,

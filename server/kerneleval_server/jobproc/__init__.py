@@ -12,7 +12,7 @@ from __future__ import annotations
 from kerneleval.v1 import job_pb2
 
 # Exit codes of a job process.
-OK_EXIT = 0  # one job done, or the front end went away before one came
+OK_EXIT = 0  # its job(s) done, or the front end went away before one came
 POISONED_EXIT = 3  # the job left the CUDA context poisoned (the watchdog's retire_exit_codes)
 CONFIG_EXIT = 78  # the zygote refused its ZygoteConfig (EX_CONFIG)
 SETUP_FAILED_EXIT = 71  # a sandbox step or the warm-up failed before the job main ran (EX_OSERR)
@@ -23,6 +23,13 @@ DEFAULT_ENGINE = "kerneleval_server.engine"
 JOB_MAIN_ENV = "KERNELEVAL_JOB_MAIN"
 DEFAULT_JOB_MAIN = "kerneleval_server.jobproc.runtime:main"
 WORKER_ID_ENV = "KERNELEVAL_WORKER_ID"
+DEVICE_INDEX_ENV = "KERNELEVAL_DEVICE_INDEX"
+# The pseudo-device of build processes (watchdog.proto Configure.build_processes): no GPU;
+# they compile IOContract kernels into cubins for a launch process to run.
+BUILD_DEVICE = -3
+# A launch process (one that only ever ran prebuilt kernels) takes at most this many jobs,
+# then exits and is replaced: whatever slowly accumulates (driver state, fragmentation) ends.
+MAX_JOBS_PER_LAUNCH_PROCESS = 500
 
 MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.

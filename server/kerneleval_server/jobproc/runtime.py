@@ -1,14 +1,19 @@
-"""The job process's runtime: one job through the engine, over the channel on descriptor 3.
+"""The job process's runtime: jobs through the engine, over the channel on descriptor 3.
 
 `main(channel_fd)` is the default KERNELEVAL_JOB_MAIN. It runs after the zygote's child has
 sandboxed the process (docs/INTERNALS.md, "Job processes"):
 
     Hello (device info, pid) -> AssignJob -> phases / progress / logs -> JobOutcome -> exit
+    a build process:            AssignJob(build_only) -> BuildOutcome -> exit
+    a launch process:           AssignJob(prebuilt) -> ... -> JobOutcome(reusable) -> AssignJob ...
 
-It never waits for a Welcome (one is ignored), takes exactly one AssignJob (a second is
-ignored), waits for a ProfilingGrant after sending PHASE_PROFILING, and returns POISONED_EXIT
-when the engine says the CUDA context is poisoned, 0 otherwise. If the channel closes before a
-job, or while one runs, the front end is gone: it exits 0.
+A job whose code runs on the host (a Model, a Triton module's top level, an extension) is the
+process's only one. A job whose every kernel came prebuilt from a build process runs none of
+its code here, so the process may take another such job once it has cleaned up (`reusable`).
+It never waits for a Welcome (one is ignored), ignores an AssignJob while a job runs, waits for
+a grant after sending PHASE_VALIDATING or PHASE_PROFILING, and returns POISONED_EXIT when the
+engine says the CUDA context is poisoned, 0 otherwise. If the channel closes before a job, or
+while one runs, the front end is gone: it exits 0.
 
 `load_engine()` and `warm_up()` are the steps before that: the zygote calls `load_engine()` once
 (the environment is configured before torch and triton are imported, and no CUDA context is
@@ -21,6 +26,7 @@ Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
 # No `from __future__ import annotations`: the Triton warm-up kernel's `tl.constexpr`
 # annotation must be a real object when Triton reads it.
 
+import gc
 import importlib
 import json
 import os
@@ -43,9 +49,12 @@ from kerneleval.v1 import job_pb2
 from ..compile_cache import MAX_ENTRY_BYTES, MAX_FILES
 from ..framing import FrameError, encode, recv_frame
 from . import (
+    BUILD_DEVICE,
     DEFAULT_ENGINE,
+    DEVICE_INDEX_ENV,
     ENGINE_ENV,
     GATED_PHASES,
+    MAX_JOBS_PER_LAUNCH_PROCESS,
     MAX_LOG_LINE_BYTES,
     OK_EXIT,
     POISONED_EXIT,
@@ -77,7 +86,9 @@ def configure_environment(engine_name: str) -> dict[str, str]:
     # Decided here, from the device nodes, so that the engine's configuration does not ask
     # torch.cuda.is_available(): that initialises the CUDA driver (even NVML-based), and the
     # zygote forks. "0" is Triton's "off".
-    os.environ.setdefault("TRITON_INTERPRET", "0" if gpu_visible() else "1")
+    # Build processes compile for a GPU they do not have: never Triton's interpreter there.
+    compiles = gpu_visible() or os.environ.get(DEVICE_INDEX_ENV) == str(BUILD_DEVICE)
+    os.environ.setdefault("TRITON_INTERPRET", "0" if compiles else "1")
     # Should anything still ask, NVML answers instead of CUDA. Only the zygote's setting.
     os.environ.setdefault(NVML_CHECK_ENV, "1")
     engine = importlib.import_module(engine_name)
@@ -222,17 +233,26 @@ def _truncate(text: str, limit: int = MAX_LOG_LINE_BYTES) -> str:
 
 
 class _Channel:
-    """Descriptor 3: one writer lock, one reader thread. Takes the first AssignJob only."""
+    """Descriptor 3: one writer lock, one reader thread. Takes one AssignJob at a time, and a
+    next one only after the runtime said its process is reusable (`accept_next`)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
-        self._assign_seen = False
+        self._accepting = True
         self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
+
+    def accept_next(self) -> None:
+        """The job is over and the process stays: the next AssignJob is a new job."""
+        self.job_running = False
+        self.finishing = False
+        with self._grants_lock:
+            self._grants.clear()
+        self._accepting = True
 
     def send(self, msg: job_channel_pb2.JobProcessMessage) -> None:
         data = encode(msg.SerializeToString())
@@ -251,12 +271,12 @@ class _Channel:
                     break
                 msg = job_channel_pb2.FrontendMessage.FromString(frame)
                 kind = msg.WhichOneof("kind")
-                if kind == "assign" and not self._assign_seen:
-                    self._assign_seen = True
+                if kind == "assign" and self._accepting:
+                    self._accepting = False
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
-                # A Welcome, or a second AssignJob, is ignored: one job a process.
+                # A Welcome, or an AssignJob while a job runs, is ignored.
         except (OSError, FrameError, DecodeError):
             pass
         if self.job_running and not self.finishing:
@@ -406,43 +426,104 @@ def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.Ca
     return out
 
 
-def _run_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob) -> bool:
-    """Runs the job; sends its outcome; returns whether the CUDA context is poisoned."""
-    reporter = _Reporter(channel, assign.job_id)
+def _job_dirs(assign: job_channel_pb2.AssignJob) -> tuple[Path, Path, set[str]]:
+    """The job's private folder and compile cache (seeded with what the front end sent)."""
     base = os.environ.get("TMPDIR") or "/tmp"
     job_dir = Path(tempfile.mkdtemp(prefix="job-", dir=base))
     cache_dir = Path(tempfile.mkdtemp(prefix="compile-cache-", dir=base))
     os.environ[TRITON_CACHE_ENV] = str(cache_dir)  # read by Triton when it compiles
-    seeded = seed_compile_cache(cache_dir, assign.compile_cache)
+    return job_dir, cache_dir, seed_compile_cache(cache_dir, assign.compile_cache)
+
+
+def _engine_error(exc: Exception) -> job_pb2.EvalResult:
+    result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
+    result.error.message = f"engine error: {exc}"
+    result.error.exception_type = type(exc).__name__
+    result.error.traceback = traceback.format_exc()[-8000:]
+    return result
+
+
+def _build_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob) -> None:
+    """A build job: compile the spec's kernels for assign.build_arch; send BuildOutcome."""
+    reporter = _Reporter(channel, assign.job_id)
+    job_dir, cache_dir, _ = _job_dirs(assign)
     channel.job_running = True
     try:
-        outcome = engine.run_job(assign.spec, reporter, engine.EngineConfig(work_dir=job_dir))
+        built = engine.build_job(
+            assign.spec, reporter, engine.EngineConfig(work_dir=job_dir), assign.build_arch
+        )
+    except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
+        built = job_channel_pb2.BuildOutcome(result=_engine_error(exc))
+    built.job_id = assign.job_id
+    channel.finishing = True
+    channel.send(job_channel_pb2.JobProcessMessage(build=built))
+
+
+def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
+    """Every source of the job comes prebuilt: none of its code runs on this host."""
+    roles = {a.role for a in assign.prebuilt}
+    spec = assign.spec
+    return "kernel" in roles and (not spec.HasField("reference") or "reference" in roles)
+
+
+def _clean_after_launch() -> bool:
+    """Hygiene before a launch process takes another job: the GPU idle, the job's memory back
+    to the driver, nothing of it left in Python. False when the GPU says otherwise."""
+    torch: Any = sys.modules.get("torch")
+    gc.collect()
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a GPU that fails here is not fit for the next job
+        return False
+    return True
+
+
+def _run_one(
+    engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob, last: bool
+) -> tuple[bool, bool]:
+    """Runs the job and sends its outcome. Returns (the CUDA context is poisoned, the process
+    may take another job: it ran prebuilt kernels only and cleaned up). `last`: it may not."""
+    reporter = _Reporter(channel, assign.job_id)
+    job_dir, cache_dir, seeded = _job_dirs(assign)
+    channel.job_running = True
+    prebuilt = list(assign.prebuilt)
+    try:
+        config = engine.EngineConfig(work_dir=job_dir)
+        if prebuilt:
+            outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
+        else:
+            outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
-        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
-        result.error.message = f"engine error: {exc}"
-        result.error.exception_type = type(exc).__name__
-        result.error.traceback = traceback.format_exc()[-8000:]
-        poisoned = False
+        result, poisoned = _engine_error(exc), False
+    reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
+    if not poisoned:  # the private /tmp goes with the process; without one, clean up
+        shutil.rmtree(job_dir, ignore_errors=True)
+    reusable = reusable and _clean_after_launch()
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
+    shutil.rmtree(cache_dir, ignore_errors=True)
     outcome_msg = job_channel_pb2.JobOutcome(
         job_id=assign.job_id,
         result=result,
         context_poisoned=poisoned,
         compile_cache=added,
         window_drained=reporter.window_drain[1],
+        reusable=reusable,
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
+    if reusable:
+        channel.accept_next()  # before the outcome: the next AssignJob may follow at once
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
-    if not poisoned:  # the private /tmp goes with the process; without one, clean up
-        shutil.rmtree(job_dir, ignore_errors=True)
-        shutil.rmtree(cache_dir, ignore_errors=True)
-    return poisoned
+    return poisoned, reusable
 
 
 def main(channel_fd: int) -> int:
-    """The job process: Hello, exactly one job, its outcome. The exit code to use."""
+    """The job process: Hello, then one job and its outcome; a build job's BuildOutcome; or,
+    while it only launches prebuilt kernels, one job after another. The exit code to use."""
     engine = importlib.import_module(os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
     sock = socket.socket(fileno=channel_fd)
     channel = _Channel(sock)
@@ -461,14 +542,21 @@ def main(channel_fd: int) -> int:
     except OSError:
         return OK_EXIT  # the front end is gone
     threading.Thread(target=channel.read_loop, name="job-channel", daemon=True).start()
-    assign = channel.assigned.get()
-    if assign is None:
-        return OK_EXIT
-    try:
-        poisoned = _run_one(engine, channel, assign)
-    except OSError:  # the channel broke while reporting
-        return OK_EXIT
-    return POISONED_EXIT if poisoned else OK_EXIT
+    for done in range(MAX_JOBS_PER_LAUNCH_PROCESS):
+        assign = channel.assigned.get()
+        if assign is None:
+            return OK_EXIT
+        try:
+            if assign.build_only:
+                _build_one(engine, channel, assign)
+                return OK_EXIT
+            last = done + 1 == MAX_JOBS_PER_LAUNCH_PROCESS
+            poisoned, reusable = _run_one(engine, channel, assign, last)
+        except OSError:  # the channel broke while reporting
+            return OK_EXIT
+        if not reusable:
+            return POISONED_EXIT if poisoned else OK_EXIT
+    return OK_EXIT
 
 
 def _standalone() -> None:

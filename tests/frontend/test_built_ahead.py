@@ -1,0 +1,159 @@
+"""Jobs built ahead (prebuild.py) on the CPU, with the fake engine on a fake GPU: a build
+process compiles, a launch process runs what was built and takes the next such job; anything
+else about a job (a compile error, a poisoned context, a hostile claim) ends that reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ke_service import ServiceProcess
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval.v1 import operations_service_pb2 as ops
+from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("built-ahead")
+    nvml = root / "fake_nvml"
+    nvml.write_text("device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n")
+    service = ServiceProcess(
+        root / "state",
+        [
+            "--nvml", "fake", "--fake-nvml-path", str(nvml),
+            "--engine", "fe_fake_engine",
+            "--workers-per-device", "1",
+            "--build-processes", "2",
+        ],
+        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(svc: ServiceProcess) -> Iterator[kernel_eval_service_pb2_grpc.KernelEvalServiceStub]:
+    with svc.channel() as ch:
+        yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+
+
+def io_spec(cmd: dict[str, object], *, reference: bool = False) -> kernel_pb2.JobSpec:
+    """A raw CUDA kernel launched from its IOContract: what a build process takes."""
+    spec = kernel_pb2.JobSpec(client_tag="built-ahead")
+    for k in [spec.kernel, *([spec.reference] if reference else [])]:
+        k.type = kernel_pb2.KERNEL_TYPE_CUDA
+        k.source_code = json.dumps(cmd)
+        k.io.args.add(name="n", int_value=4)
+        k.io.launch.grid.x = k.io.launch.block.x = 1
+    spec.options.timeout.seconds = 60
+    return spec
+
+
+def evaluate(stub, spec: kernel_pb2.JobSpec) -> tuple[job_pb2.Job, list[job_pb2.JobEvent]]:  # type: ignore[no-untyped-def]
+    job = stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=120).job
+    stream = stub.Watch(pb.WatchRequest(job_id=job.job_id), timeout=30)
+    events = [r.event for r in stream]
+    return job, events
+
+
+def started_on(events: list[job_pb2.JobEvent]) -> list[str]:
+    return [e.started.worker_id for e in events if e.WhichOneof("kind") == "started"]
+
+
+def launch_note(job: job_pb2.Job) -> str:
+    return next((n for n in job.result.notes if n.startswith("launched ")), "")
+
+
+def test_a_build_process_builds_and_a_launch_process_takes_job_after_job(stub) -> None:  # type: ignore[no-untyped-def]
+    jobs = [evaluate(stub, io_spec({"do": "build"}, reference=i == 1)) for i in range(3)]
+    launchers = set()
+    for i, (job, events) in enumerate(jobs):
+        assert job.result.verdict == job_pb2.VERDICT_OK, job
+        build_worker, launch_worker = started_on(events)
+        assert build_worker.startswith("build-w") and launch_worker.startswith("d0-w")
+        assert job.worker_id == launch_worker and job.device_index == 0
+        assert job.attempt_count == 1
+        logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
+        assert f"built ahead by {build_worker}: waits for a launch process" in logs
+        # The build process had no GPU; the artifact it built is what the launch ran.
+        assert any("build process sees a GPU: False" in n for n in job.result.notes), job
+        assert launch_note(job) == f"launched kernel_fn by {launch_worker} job {i + 1}", job
+        launchers.add(launch_worker)
+    assert len(launchers) == 1  # one warm launch process took all three
+    builders = {started_on(events)[0] for _, events in jobs}
+    assert len(builders) == 3  # a build process builds once and exits
+
+
+def test_a_compile_error_ends_the_job_in_the_build_process(stub) -> None:  # type: ignore[no-untyped-def]
+    job, events = evaluate(stub, io_spec({"do": "build_error"}))
+    assert job.result.verdict == job_pb2.VERDICT_COMPILE_ERROR, job
+    assert job.result.error.message == "fake nvcc: error"
+    assert [w[:7] for w in started_on(events)] == ["build-w"]
+    assert evaluate(stub, io_spec({"do": "build"}))[0].result.verdict == job_pb2.VERDICT_OK
+
+
+def test_what_cannot_be_built_ahead_runs_whole_in_a_process_of_its_own(stub) -> None:  # type: ignore[no-untyped-def]
+    job, events = evaluate(stub, io_spec({"do": "build_whole"}))
+    assert job.result.verdict == job_pb2.VERDICT_OK, job
+    build_worker, whole_worker = started_on(events)
+    assert build_worker.startswith("build-w") and whole_worker.startswith("d0-w")
+    assert job.attempt_count == 1
+    # That process ran the job's own code: the next built job goes to another one.
+    nxt, _ = evaluate(stub, io_spec({"do": "build"}))
+    assert nxt.result.verdict == job_pb2.VERDICT_OK and nxt.worker_id != whole_worker
+
+
+def test_a_poisoned_launch_process_is_replaced(stub) -> None:  # type: ignore[no-untyped-def]
+    first, _ = evaluate(stub, io_spec({"do": "build"}))
+    poisoned, _ = evaluate(stub, io_spec({"do": "build", "poison": True}))
+    assert poisoned.result.verdict == job_pb2.VERDICT_DEVICE_FAULT
+    assert poisoned.worker_id == first.worker_id  # the warm launch process took it
+    after, _ = evaluate(stub, io_spec({"do": "build"}))
+    assert after.result.verdict == job_pb2.VERDICT_OK
+    assert after.worker_id != poisoned.worker_id
+    assert launch_note(after).endswith(" job 1"), after.result.notes
+
+
+def test_a_build_process_that_answers_no_cubin_ends_its_job(stub) -> None:  # type: ignore[no-untyped-def]
+    job, events = evaluate(stub, io_spec({"do": "build_bad"}))
+    assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job
+    assert job.result.error.exception_type == "ProtocolViolation"
+    assert "not a cubin" in job.result.error.message
+    assert len(started_on(events)) == 1
+
+
+def test_a_whole_job_that_forges_a_reusable_outcome_is_not_reused(stub) -> None:  # type: ignore[no-untyped-def]
+    # A whole job's code runs in its process: it writes its own JobOutcome to its channel,
+    # claiming the process may take another job, and stays. The front end reuses only
+    # processes to which it sent nothing but prebuilt kernels.
+    hostile = kernel_pb2.JobSpec(client_tag="hostile")
+    hostile.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH
+    hostile.kernel.source_code = json.dumps({"do": "forge_reusable"})
+    forged, _ = evaluate(stub, hostile)
+    assert forged.result.verdict == job_pb2.VERDICT_OK  # its own result: issue 13's concern
+    after = [evaluate(stub, io_spec({"do": "build"}))[0] for _ in range(2)]
+    assert all(j.result.verdict == job_pb2.VERDICT_OK for j in after)
+    assert forged.worker_id not in {j.worker_id for j in after}
+
+
+def test_the_build_pool_is_listed_as_its_own_device(svc: ServiceProcess) -> None:
+    with svc.channel() as ch:
+        devices = (
+            ops_grpc.OperationsServiceStub(ch)
+            .ListDevices(ops.ListDevicesRequest(), metadata=svc.auth(), timeout=10)
+            .devices
+        )
+    by_index = {d.index: d for d in devices}
+    assert by_index[-3].name == "build"
+    assert all(w.worker_id.startswith("build-w") for w in by_index[-3].workers)
+    assert 0 in by_index
