@@ -170,6 +170,18 @@ def triton_add_io_spec(n: int, scale: float = 1.0, variant: int = -1) -> kernel_
     return spec
 
 
+def triton_add_io_built_spec(n: int, variant: int = -1) -> kernel_pb2.JobSpec:
+    """The Triton `a + b` from its IOContract compared with the raw CUDA reference: no source
+    of the job has host code, so both are built ahead and launched by a launch process."""
+    spec = triton_add_io_spec(n, variant=variant)
+    spec.client_tag = "bench-triton-built"
+    spec.reference.Clear()
+    spec.reference.type = kernel_pb2.KERNEL_TYPE_CUDA
+    spec.reference.source_code = CUDA_ADD_REF
+    spec.reference.io.CopyFrom(cuda_io(n))
+    return spec
+
+
 def cuda_add_spec(n: int, scale: float = 1.0, variant: int = -1) -> kernel_pb2.JobSpec:
     """A raw CUDA `a * scale + b` compared with a grid-stride CUDA reference."""
     spec = kernel_pb2.JobSpec(client_tag="bench-cuda")

@@ -1,7 +1,9 @@
 """Throughput of many small candidates through RunBatch, against one Evaluate at a time.
 
 --count candidates (default 250; each a distinct source, so each compiles) of one --kind:
-`io` (half Triton launched from its IOContract, half raw CUDA: no candidate host code) or
+`io` (half Triton launched from its IOContract with an eager PyTorch reference, half raw CUDA
+with a raw CUDA reference), `built` (the same, every reference raw CUDA: no source with host
+code, so every job is built ahead by a build process and run by a reused launch process) or
 `modelnew` (Triton ModelNews: candidate host code, one job process each) are compared with
 a reference (2 correctness trials, 20 timed trials); or, timing-bound, `timed`: one Triton
 IOContract kernel, compiled once (the compile cache serves every later job), 100 timed trials
@@ -48,8 +50,10 @@ def candidates(
             spec.options.CopyFrom(K.options(correct=1, perf=100, warmup=3))
             out.append(spec)
             continue
-        if kind == "io" and cuda and i % 2 == 1:
+        if kind in ("io", "built") and cuda and i % 2 == 1:
             spec = K.cuda_add_spec(n, variant=i)
+        elif kind == "built":
+            spec = K.triton_add_io_built_spec(n, variant=i)
         elif kind == "io":
             spec = K.triton_add_io_spec(n, variant=i)
         else:
@@ -190,7 +194,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
     ap.add_argument("--count", type=int, default=None, help="candidates (250; 20 smoke)")
-    ap.add_argument("--kind", choices=("io", "modelnew", "timed"), default="io")
+    ap.add_argument("--kind", choices=("io", "built", "modelnew", "timed"), default="io")
+    ap.add_argument(
+        "--build-processes", type=int, default=None, help="the service's (default: its auto)"
+    )
     ap.add_argument(
         "--compare-unfrozen", action="store_true", help="also run with --freeze-during-timing false"
     )
@@ -209,6 +216,8 @@ def main() -> int:
     cuda = not smoke
     spares = args.spare_count if args.spare_count is not None else wpd
     wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
+    if args.build_processes is not None:
+        wflags += ["--build-processes", str(args.build_processes)]
     data: dict[str, Any] = {
         "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
         "elements": n,
@@ -287,7 +296,10 @@ def main() -> int:
         "timed": "one Triton kernel from its IOContract",
         "io": "Triton from the IOContract"
         if smoke
-        else "alternating Triton (IOContract) and raw CUDA",
+        else "alternating Triton (IOContract, eager PyTorch reference: runs whole) and raw "
+        "CUDA (raw CUDA reference: built ahead)",
+        "built": "alternating Triton (IOContract) and raw CUDA, each with a raw CUDA reference "
+        "(no host code: built ahead by build processes, run by reused launch processes)",
     }[args.kind]
     trials = (
         "the same source each time (compiled once), 1 correctness trial, 3 warm-ups, "

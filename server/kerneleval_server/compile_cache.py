@@ -12,6 +12,10 @@ that ran exactly the code the receiving job runs, so they hold nothing that code
 made in its own process; a job with other code never sees them. The files are checked here
 (relative paths, counts, sizes) and only ever written into a job process's private folder.
 
+The same cache keeps what build processes built for jobs built ahead (prebuild.py): the
+artifacts, one file per source, under the key of the code and the architecture (`built_key`):
+a later job with exactly that code skips its build.
+
 Bounded by bytes (least recently used out first); in memory, so a restart starts empty.
 """
 
@@ -28,7 +32,7 @@ MAX_FILES = 256  # per entry
 MAX_ENTRY_BYTES = 3 << 20  # per entry: it travels with the spec in one frame
 
 
-def cache_key(spec: kernel_pb2.JobSpec, device_index: int) -> str:
+def cache_key(spec: kernel_pb2.JobSpec, device_index: int | str) -> str:
     h = hashlib.sha256()
     for part in (spec.kernel, spec.reference):
         data = part.SerializeToString(deterministic=True)
@@ -36,6 +40,19 @@ def cache_key(spec: kernel_pb2.JobSpec, device_index: int) -> str:
         h.update(data)
     h.update(str(device_index).encode())
     return h.hexdigest()
+
+
+def built_key(arch: str) -> str:
+    """The scope of what build processes built for one GPU architecture."""
+    return f"built:{arch}"
+
+
+def as_files(artifacts: list[job_channel_pb2.KernelArtifact]) -> list[job_channel_pb2.CacheFile]:
+    return [job_channel_pb2.CacheFile(path=a.role, data=a.SerializeToString()) for a in artifacts]
+
+
+def as_artifacts(files: list[job_channel_pb2.CacheFile]) -> list[job_channel_pb2.KernelArtifact]:
+    return [job_channel_pb2.KernelArtifact.FromString(f.data) for f in files]
 
 
 def check_files(files: list[job_channel_pb2.CacheFile]) -> str:
@@ -75,7 +92,7 @@ class CompileCache:
         return sum(len(f.data) + len(f.path) for f in files)
 
     def files_for(
-        self, spec: kernel_pb2.JobSpec, device_index: int
+        self, spec: kernel_pb2.JobSpec, device_index: int | str
     ) -> list[job_channel_pb2.CacheFile]:
         if self.max_bytes <= 0:
             return []
@@ -91,7 +108,7 @@ class CompileCache:
     def store(
         self,
         spec: kernel_pb2.JobSpec,
-        device_index: int,
+        device_index: int | str,
         given: list[job_channel_pb2.CacheFile],
         added: list[job_channel_pb2.CacheFile],
     ) -> str:

@@ -27,7 +27,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from . import faults, prebuild, static_checks
-from .compile_cache import CompileCache
+from .compile_cache import CompileCache, as_artifacts, as_files, built_key
 from .config import Config
 from .deadline import Deadline
 from .events import EventHub, OpsLog
@@ -93,6 +93,7 @@ class Running:
     # Built ahead, waiting for a launch process (its deadline paused): what was built.
     built: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
     awaiting_launch: bool = False
+    build_arch: str = ""  # what its build process built for
 
 
 @dataclass
@@ -235,10 +236,14 @@ class JobManager:
             return
         ready = [w for w in self.workers.by_id.values() if w.ready]
         for worker in ready:
-            if worker.device_index == BUILD_DEVICE and len(self.queue):
+            while worker.device_index == BUILD_DEVICE and len(self.queue):
                 queued = self.queue.pop_for(None, self._built_ahead)
-                if queued is not None:
-                    self._start(queued.job_id, worker, build_arch=self._build_arch(queued))
+                if queued is None:
+                    break
+                arch = self._build_arch(queued)
+                if not self._built_earlier(queued.job_id, arch):
+                    self._start(queued.job_id, worker, build_arch=arch)
+                    break
         gpu = [
             w
             for w in ready
@@ -252,9 +257,7 @@ class JobManager:
                 self._start(built, worker)
         for worker in sorted(gpu, key=lambda w: w.launches):
             if worker.ready and len(self.queue):
-                queued = self.queue.pop_for(
-                    worker.device_index, lambda q: not self._built_ahead(q)
-                )
+                queued = self.queue.pop_for(worker.device_index, lambda q: not self._built_ahead(q))
                 if queued is not None:
                     self._start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
@@ -278,6 +281,39 @@ class JobManager:
         if not arch and queued.prebuild == "cuda" and not self.device_arch:
             return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
         return arch
+
+    def _built_earlier(self, job_id: str, arch: str) -> bool:
+        """A job with exactly this code was built for this architecture: it skips its build
+        and waits for a launch process with what was built then."""
+        job = self.store.get(job_id)
+        if job is None or job.state in TERMINAL:
+            return True  # nothing to build
+        files = self.compile_cache.files_for(job.spec, built_key(arch))
+        artifacts = as_artifacts(files) if files else []
+        if not artifacts or prebuild.check_artifacts(job.spec, artifacts):
+            return False
+        job.state = job_pb2.JOB_STATE_RUNNING
+        job.worker_id = ""
+        _stamp(job.start_time)
+        event = self.hub.next_event(job_id)
+        event.log.text = "built ahead for a job with the same code: waits for a launch process"
+        self.store.update(job)
+        self.hub.publish(event)
+        self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
+        run = Running(
+            job=job, worker=WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True),
+            timeout_s=timeout_of(job.spec, self.max_timeout_s),
+            built=artifacts, awaiting_launch=True,
+        )  # fmt: skip
+        run.deadline = Deadline(
+            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
+        )
+        run.deadline.pause()
+        self.running[job_id] = run
+        self.metrics.running.set(len(self.running))
+        self._launched.add(job_id)
+        self.launch_queue.append(job_id)
+        return True
 
     def _next_launch(self, device_index: int) -> str:
         """The oldest built job that may run on the device."""
@@ -341,6 +377,7 @@ class JobManager:
                 timeout_s=timeout_of(job.spec, self.max_timeout_s),
                 compile_cache=list(cached),
             )
+            run.build_arch = build_arch
             self.running[job_id] = run
             self.metrics.running.set(len(self.running))
             run.deadline = Deadline(
@@ -658,6 +695,11 @@ class JobManager:
         else:
             event.log.text = f"built ahead by {worker.worker_id}: waits for a launch process"
             self.hub.publish(event)
+            why = self.compile_cache.store(
+                job.spec, built_key(run.build_arch), [], as_files(list(built.artifacts))
+            )
+            if why:
+                log.warning("what job %s built is not kept: %s", job.job_id, why)
             run.built = list(built.artifacts)
             run.awaiting_launch = True
             self._launched.add(job.job_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,12 +48,15 @@ def stub(svc: ServiceProcess) -> Iterator[kernel_eval_service_pb2_grpc.KernelEva
         yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
 
 
-def io_spec(cmd: dict[str, object], *, reference: bool = False) -> kernel_pb2.JobSpec:
-    """A raw CUDA kernel launched from its IOContract: what a build process takes."""
+def io_spec(
+    cmd: dict[str, object], *, reference: bool = False, code: str = ""
+) -> kernel_pb2.JobSpec:
+    """A raw CUDA kernel launched from its IOContract: what a build process takes. Each is
+    distinct code (what was built is kept for the same code) unless `code` names one."""
     spec = kernel_pb2.JobSpec(client_tag="built-ahead")
     for k in [spec.kernel, *([spec.reference] if reference else [])]:
         k.type = kernel_pb2.KERNEL_TYPE_CUDA
-        k.source_code = json.dumps(cmd)
+        k.source_code = json.dumps({**cmd, "code": code or uuid.uuid4().hex})
         k.io.args.add(name="n", int_value=4)
         k.io.launch.grid.x = k.io.launch.block.x = 1
     spec.options.timeout.seconds = 60
@@ -92,6 +96,19 @@ def test_a_build_process_builds_and_a_launch_process_takes_job_after_job(stub) -
     assert len(launchers) == 1  # one warm launch process took all three
     builders = {started_on(events)[0] for _, events in jobs}
     assert len(builders) == 3  # a build process builds once and exits
+
+
+def test_what_was_built_serves_later_jobs_with_the_same_code(stub) -> None:  # type: ignore[no-untyped-def]
+    first, first_events = evaluate(stub, io_spec({"do": "build"}, code="same"))
+    again, events = evaluate(stub, io_spec({"do": "build"}, code="same"))
+    assert first.result.verdict == again.result.verdict == job_pb2.VERDICT_OK
+    assert started_on(first_events)[0].startswith("build-w")
+    assert [w[:4] for w in started_on(events)] == ["d0-w"]  # no build process this time
+    logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
+    assert "built ahead for a job with the same code: waits for a launch process" in logs
+    assert again.result.notes[0] == first.result.notes[0]  # the same artifact ran
+    other, other_events = evaluate(stub, io_spec({"do": "build"}, code="other"))
+    assert started_on(other_events)[0].startswith("build-w")
 
 
 def test_a_compile_error_ends_the_job_in_the_build_process(stub) -> None:  # type: ignore[no-untyped-def]

@@ -467,18 +467,39 @@ def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
 
 
 def _clean_after_launch() -> bool:
-    """Hygiene before a launch process takes another job: the GPU idle, the job's memory back
-    to the driver, nothing of it left in Python. False when the GPU says otherwise."""
+    """Hygiene before a launch process takes another job: nothing of the job left in Python,
+    the GPU idle, every byte of device memory the job used zeroed (a later kernel that reads
+    out of its bounds must not find this job's inputs or outputs: with the same seed they are
+    the next job's answers) and given back to the driver. False when any of it fails, or when
+    memory of the job is still allocated: the process then exits."""
     torch: Any = sys.modules.get("torch")
     gc.collect()
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return True
     try:
         torch.cuda.synchronize()
+        segments = torch.cuda.memory_snapshot()
+        if any(b["state"] != "inactive" for s in segments for b in s["blocks"]):
+            return False  # a tensor of the job outlived it
+        zero = _device_memset()
+        for s in segments:
+            if zero(s["address"], s["total_size"]) != 0:
+                return False
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - a GPU that fails here is not fit for the next job
         return False
     return True
+
+
+def _device_memset() -> Any:
+    """cuMemsetD8 (the driver API: torch has no binding) on the current context."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuMemsetD8_v2
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+    return lambda address, size: fn(address, 0, size)
 
 
 def _run_one(
