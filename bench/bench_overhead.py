@@ -2,7 +2,9 @@
 
 A Triton `a + b` is compared with its eager reference, through the real service (sequential
 Evaluate calls over gRPC, one GPU, one job at a time), in two forms: launched from its
-IOContract (`triton_io`) and as a `ModelNew` (`modelnew`), with perf_trial_count=0 (the
+IOContract (`triton_io`) and as a `ModelNew` (`modelnew`); and launched from its IOContract
+compared with a raw CUDA reference (`triton_io_built`: no host code, so built ahead once and
+run by a reused launch process), with perf_trial_count=0 (the
 service's overhead alone) and with a small timing run (perf_trial_count=20). Every job runs in
 a job process of its own that exits after it; calls are paced (--pace-s) so that a warm job
 process is waiting when each call arrives, and one back-to-back series shows what the pool's
@@ -38,7 +40,11 @@ from kerneleval.v1 import job_pb2  # noqa: E402
 BASELINE = Path(__file__).resolve().parent / "_baseline.py"
 
 
-SPECS = {"triton_io": K.triton_add_io_spec, "modelnew": K.triton_add_spec}
+SPECS = {
+    "triton_io": K.triton_add_io_spec,
+    "triton_io_built": K.triton_add_io_built_spec,
+    "modelnew": K.triton_add_spec,
+}
 
 
 SEGMENTS = {
@@ -183,6 +189,8 @@ def main() -> int:
     labels = {
         "triton_io_perf0": "service, Triton from its IOContract, perf_trial_count=0",
         "triton_io_perf20": "service, Triton from its IOContract, perf_trial_count=20",
+        "triton_io_built_perf0": "service, built ahead (CUDA reference), perf_trial_count=0",
+        "triton_io_built_perf20": "service, built ahead (CUDA reference), perf_trial_count=20",
         "modelnew_perf0": "service, Triton ModelNew, perf_trial_count=0",
         "modelnew_perf20": "service, Triton ModelNew, perf_trial_count=20",
         "triton_io_back_to_back": "service, IOContract, back to back (no pause: pool-bound)",

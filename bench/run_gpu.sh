@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs stages of the GPU benchmarks in order, each script under its own time limit, writing
 # every result (JSON, markdown, a log per script) into $OUT; a failing script does not stop
-# the rest. Stages: bench (= overhead recovery fidelity), kernelbench, soak, throughput, cpu.
+# the rest. Stages: bench (= overhead recovery fidelity), kernelbench, soak, throughput,
+# prebuilt, cpu.
 #
 #   OUT=/some/dir bench/run_gpu.sh overhead recovery
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
@@ -10,6 +11,9 @@
 #   OUT=/some/dir bench/run_gpu.sh throughput   # 300 candidates via RunBatch per KINDS, with
 #                                               # and without freezing (WPD per GPU; on a
 #                                               # two-GPU machine it adds the two-GPU run)
+#   OUT=/some/dir bench/run_gpu.sh prebuilt     # built ahead (no GPU) vs JIT, per kernel
+#   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
+#                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
@@ -78,11 +82,13 @@ case "$STAGE" in
     ;;
   watchdog) run 150 gpu_watchdog_check ;;
   interference) run 400 bench_interference ;;
+  prebuilt) run 240 gpu_prebuilt_check ;;
+  hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt hygiene cpu)" >&2
     exit 2
     ;;
 esac

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ke_service import ServiceProcess
-from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
@@ -174,3 +175,87 @@ def test_the_build_pool_is_listed_as_its_own_device(svc: ServiceProcess) -> None
     assert by_index[-3].name == "build"
     assert all(w.worker_id.startswith("build-w") for w in by_index[-3].workers)
     assert 0 in by_index
+
+
+# ---- the real engine: nvcc in a build process, the launch in a CPU job process ------------
+
+CUDA_ADD = r"""
+extern "C" __global__ void add(const float* a, const float* b, float* out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = a[i] + b[i] + VARIANT;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    service = ServiceProcess(
+        tmp_path_factory.mktemp("built-ahead-real") / "state",
+        ["--nvml", "none", "--build-processes", "1"],
+    )
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+
+
+def cuda_io_spec(source: str) -> kernel_pb2.JobSpec:
+    spec = kernel_pb2.JobSpec(client_tag="built-ahead-real")
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
+    spec.kernel.source_code = source
+    io = spec.kernel.io
+    for name, role in (("a", kernel_pb2.ARG_ROLE_INPUT), ("b", kernel_pb2.ARG_ROLE_INPUT),
+                       ("out", kernel_pb2.ARG_ROLE_OUTPUT)):  # fmt: skip
+        arg = io.args.add(name=name, role=role)
+        arg.tensor.shape.append(256)
+        arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
+    io.args.add(name="n", int_value=256)
+    io.launch.grid.x, io.launch.block.x = 1, 256
+    spec.options.timeout.seconds = 120
+    return spec
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_real_engine_builds_raw_cuda_in_a_build_process(real: ServiceProcess) -> None:
+    with real.channel() as ch:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+        job, events = evaluate(stub, cuda_io_spec(CUDA_ADD.replace("VARIANT", "0.0f")))
+        # Built by nvcc in the build process; the CPU job process cannot launch it.
+        assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
+        assert job.result.compiled and "no CUDA device" in job.result.error.message
+        build_worker, launch_worker = started_on(events)
+        assert build_worker.startswith("build-w") and launch_worker.startswith("cpu-w")
+        logs = "\n".join(e.log.text for e in events if e.WhichOneof("kind") == "log")
+        assert "nvcc" in logs and "built ahead by build-w" in logs
+        # nvcc's error comes back from the build process; no job process is used.
+        bad, bad_events = evaluate(stub, cuda_io_spec(CUDA_ADD.replace("VARIANT", "oops")))
+        assert bad.result.verdict == job_pb2.VERDICT_COMPILE_ERROR, bad.result
+        assert "oops" in bad.result.compilation_error, bad.result
+        assert [w[:7] for w in started_on(bad_events)] == ["build-w"]
+
+
+TRITON_ADD = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add(a, b, out, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, tl.load(a + offs, mask=mask) + tl.load(b + offs, mask=mask), mask=mask)
+"""
+
+
+def test_triton_without_a_gpu_runs_whole_in_its_interpreter(real: ServiceProcess) -> None:
+    # No GPU has said what it is: Triton is not built ahead (its interpreter needs the source).
+    spec = cuda_io_spec(TRITON_ADD)
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_TRITON
+    spec.kernel.io.args.add(name="BLOCK", int_value=256, meta=True)
+    spec.kernel.io.launch.ClearField("block")
+    with real.channel() as ch:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+        job, events = evaluate(stub, spec)
+    assert job.result.verdict == job_pb2.VERDICT_OK, job.result
+    assert [w[:4] for w in started_on(events)] == ["cpu-"]

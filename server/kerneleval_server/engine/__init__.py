@@ -4,6 +4,11 @@
     configure_process_environment()          # once, at worker start, before triton is imported
     outcome = run_job(spec, reporter, EngineConfig(work_dir=Path(...)))
 
+Built ahead (issue 12): build_job(spec, reporter, config, "sm_90") in a process without a GPU
+compiles the kernels (BuildOutcome: artifacts, or a result, or run_whole); then
+run_job(spec, reporter, config, prebuilt=outcome.artifacts) launches them without importing
+the job's sources.
+
 See runner.py for the defaults and docs/INTERNALS.md for the seam.
 """
 
@@ -22,6 +27,7 @@ def configure_process_environment() -> None:
             os.environ["TRITON_INTERPRET"] = "1"
 
 
+from .build import build_job  # noqa: E402
 from .device import DeviceLimits  # noqa: E402
 from .runner import Options, run_job  # noqa: E402
 from .types import EngineConfig, NullReporter, Outcome, Reporter  # noqa: E402
@@ -33,6 +39,7 @@ __all__ = [
     "Options",
     "Outcome",
     "Reporter",
+    "build_job",
     "configure_process_environment",
     "run_job",
 ]

@@ -149,10 +149,11 @@ def signature_names(fn: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def cpu_as_device() -> Iterator[None]:
+def cpu_as_device(force: bool = False) -> Iterator[None]:
     """Without a GPU, KernelBench sources that call .cuda() or check .is_cuda run on the CPU
-    unchanged: .cuda() returns the CPU tensor or module and is_cuda reads True."""
-    if torch.cuda.is_available():
+    unchanged: .cuda() returns the CPU tensor or module and is_cuda reads True. `force`: the
+    caller knows there is no GPU (CUDA is not asked)."""
+    if not force and torch.cuda.is_available():
         yield
         return
     saved = (torch.Tensor.cuda, torch.nn.Module.cuda, torch.Tensor.__dict__.get("is_cuda"))

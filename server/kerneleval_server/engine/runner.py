@@ -16,11 +16,12 @@ import contextlib
 import math
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 from .. import validation
@@ -28,6 +29,7 @@ from . import compare, device, errors, loader, preflight, timing
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram
 from .backends.model import to_device
+from .backends.prebuilt import build_prebuilt
 from .backends.triton_launch import TritonLaunch
 from .inputs import TrialArgs, build_args, mix_seed
 from .types import EngineConfig, Outcome, Reporter
@@ -94,16 +96,31 @@ class _SafeReporter:
         self._call(lambda: self.inner.log(text))
 
 
-def run_job(spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig) -> Outcome:
+def run_job(
+    spec: kernel_pb2.JobSpec,
+    reporter: Reporter,
+    config: EngineConfig,
+    prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
+) -> Outcome:
     """Evaluates (no reference) or compares (reference set) one job; never raises for anything
-    the kernel does: every failure is a verdict in the returned Outcome."""
+    the kernel does: every failure is a verdict in the returned Outcome.
+
+    `prebuilt`: kernels a build process compiled (build_job); a source with an artifact of its
+    role is neither imported nor compiled here, its cubin is launched."""
     from . import isolated
 
-    job = _Job(spec, _SafeReporter(reporter), config)
+    job = _Job(spec, _SafeReporter(reporter), config, prebuilt)
     try:
-        isolated_outcome = isolated.maybe_run_isolated(spec, config, job.result, job.reporter)
-        if isolated_outcome is not None:
-            return isolated_outcome
+        if job.prebuilt:
+            # The debug aids run the job in a child that imports the sources: not for
+            # kernels launched from what a build process made.
+            o = spec.options
+            if o.launch_blocking or o.device_side_assertions or o.sanitize or o.device_metrics:
+                job.notes.append("debug aids are not applied to kernels built ahead")
+        else:
+            isolated_outcome = isolated.maybe_run_isolated(spec, config, job.result, job.reporter)
+            if isolated_outcome is not None:
+                return isolated_outcome
         with preserved_torch_state(), loader.forgetting_modules():
             job.run()
     except _Stop:
@@ -111,18 +128,81 @@ def run_job(spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig) 
     except _ReporterError as e:
         raise (e.__cause__ or e) from None
     except Exception as e:  # a bug in the engine: still a result, with the traceback
-        job.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-        job.result.error.CopyFrom(
-            job_pb2.ErrorInfo(
-                message=f"internal engine error: {e}",
-                exception_type=type(e).__name__,
-                traceback=traceback.format_exc()[-8000:],
-            )
-        )
+        internal_error(job.result, e)
         job.poisoned = job.poisoned or errors.context_dead()
     if job.notes:
         job.result.notes.extend(job.notes)
     return Outcome(result=job.result, context_poisoned=job.poisoned)
+
+
+def internal_error(result: job_pb2.EvalResult, e: BaseException) -> None:
+    result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+    result.error.CopyFrom(
+        job_pb2.ErrorInfo(
+            message=f"internal engine error: {e}",
+            exception_type=type(e).__name__,
+            traceback=traceback.format_exc()[-8000:],
+        )
+    )
+
+
+def invalid_spec(
+    spec: kernel_pb2.JobSpec, config: EngineConfig, result: job_pb2.EvalResult
+) -> bool:
+    """Re-checks the spec against config.limits; fills result and returns True when invalid."""
+    violations = validation.validate_spec(spec, config.limits)
+    if not violations:
+        return False
+    result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+    result.error.exception_type = "InvalidArgument"
+    result.error.message = "invalid job: " + "; ".join(
+        f"{v.field}: {v.description}" for v in violations
+    )
+    return True
+
+
+def build_failure(
+    e: BaseException,
+    who: str,
+    result: job_pb2.EvalResult,
+    ctx: BuildContext,
+    notes: list[str],
+) -> bool:
+    """Fills result for an exception raised while a source was imported or compiled (here or
+    in a build process); returns whether the CUDA context is now poisoned."""
+    if isinstance(e, loader.CompileError):
+        result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+        result.compiled = False
+        log = e.log if e.log != str(e) else ""
+        result.compilation_error = (who + str(e) + ("\n" + log if log else ""))[-32000:]
+    elif isinstance(e, NoDeviceError):
+        result.compiled = True
+        result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+        result.error.message = who + str(e)
+        result.error.exception_type = "NoDeviceError"
+        notes.extend(ctx.notes)
+        notes.append("no CUDA device on this worker: the kernel compiled but cannot run")
+    elif isinstance(e, preflight.ResourceLimitError):
+        _resource_limit(result, who + str(e))
+    elif type(e).__name__ == "CompilationError":  # Triton's
+        result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+        result.compiled = False
+        result.compilation_error = who + str(e)[-32000:]
+    else:
+        result.compiled = True
+        f = errors.classify(e, tuple(ctx.source_files))
+        result.verdict = f.verdict
+        f.error.message = who + f.error.message
+        result.error.CopyFrom(f.error)
+        return f.context_poisoned
+    return False
+
+
+def _resource_limit(result: job_pb2.EvalResult, message: str) -> None:
+    result.compiled = True
+    result.verdict = job_pb2.VERDICT_RESOURCE_LIMIT
+    result.error.message = message
+    result.error.exception_type = "ResourceLimit"
 
 
 @contextlib.contextmanager
@@ -151,8 +231,15 @@ def preserved_torch_state() -> Iterator[None]:
 
 
 class _Job:
-    def __init__(self, spec: kernel_pb2.JobSpec, reporter: _SafeReporter, config: EngineConfig):
+    def __init__(
+        self,
+        spec: kernel_pb2.JobSpec,
+        reporter: _SafeReporter,
+        config: EngineConfig,
+        prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
+    ):
         self.spec = spec
+        self.prebuilt = {a.role: a for a in prebuilt}
         self.reporter = reporter
         self.config = config
         self.result = job_pb2.EvalResult(device=device.device_info())
@@ -165,13 +252,7 @@ class _Job:
 
     # -- the steps -----------------------------------------------------------------------
     def run(self) -> None:
-        violations = validation.validate_spec(self.spec, self.config.limits)
-        if violations:
-            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-            self.result.error.exception_type = "InvalidArgument"
-            self.result.error.message = "invalid job: " + "; ".join(
-                f"{v.field}: {v.description}" for v in violations
-            )
+        if invalid_spec(self.spec, self.config, self.result):
             raise _Stop
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
@@ -208,37 +289,19 @@ class _Job:
         who = "" if role == "kernel" else "reference: "
         try:
             with self._cpu_shim():
+                artifact = self.prebuilt.get(role)
+                if artifact is not None:  # compiled by a build process: nothing to import
+                    return build_prebuilt(artifact, k, ctx)
                 return build(k, role, ctx)
-        except loader.CompileError as e:
-            self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
-            self.result.compiled = False
-            log = e.log if e.log != str(e) else ""
-            self.result.compilation_error = (who + str(e) + ("\n" + log if log else ""))[-32000:]
-        except NoDeviceError as e:
-            self.result.compiled = True
-            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-            self.result.error.message = who + str(e)
-            self.result.error.exception_type = "NoDeviceError"
-            self.notes.extend(ctx.notes)
-            self.notes.append("no CUDA device on this worker: the kernel compiled but cannot run")
-        except preflight.ResourceLimitError as e:
-            self._resource_limit(who + str(e))
-        except KeyboardInterrupt:
+        except (_Stop, _ReporterError, KeyboardInterrupt):
             raise
         except BaseException as e:
-            if type(e).__name__ == "CompilationError":
-                self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
-                self.result.compilation_error = who + str(e)[-32000:]
-            else:
-                self.result.compiled = True
-                self._fail(errors.classify(e, tuple(ctx.source_files)), who)
+            poisoned = build_failure(e, who, self.result, ctx, self.notes)
+            self.poisoned = self.poisoned or poisoned
         raise _Stop
 
     def _resource_limit(self, message: str) -> None:
-        self.result.compiled = True
-        self.result.verdict = job_pb2.VERDICT_RESOURCE_LIMIT
-        self.result.error.message = message
-        self.result.error.exception_type = "ResourceLimit"
+        _resource_limit(self.result, message)
 
     def _fail(self, f: errors.Failure, who: str = "") -> None:
         self.result.verdict = f.verdict

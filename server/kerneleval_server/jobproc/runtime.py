@@ -468,23 +468,24 @@ def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
 
 def _clean_after_launch() -> bool:
     """Hygiene before a launch process takes another job: nothing of the job left in Python,
-    the GPU idle, every byte of device memory the job used zeroed (a later kernel that reads
+    the GPU idle, every byte of device memory the job freed zeroed (a later kernel that reads
     out of its bounds must not find this job's inputs or outputs: with the same seed they are
-    the next job's answers) and given back to the driver. False when any of it fails, or when
-    memory of the job is still allocated: the process then exits."""
+    the next job's answers) and given back to the driver. Memory still allocated belongs to
+    the process (cuBLAS's workspace, the engine's own buffers) and is left as it is. False
+    when any of it fails: the process then exits."""
     torch: Any = sys.modules.get("torch")
     gc.collect()
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return True
     try:
         torch.cuda.synchronize()
-        segments = torch.cuda.memory_snapshot()
-        if any(b["state"] != "inactive" for s in segments for b in s["blocks"]):
-            return False  # a tensor of the job outlived it
         zero = _device_memset()
-        for s in segments:
-            if zero(s["address"], s["total_size"]) != 0:
-                return False
+        for segment in torch.cuda.memory_snapshot():
+            address = segment["address"]
+            for block in segment["blocks"]:  # in address order within the segment
+                if block["state"] == "inactive" and zero(address, block["size"]) != 0:
+                    return False
+                address += block["size"]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001 - a GPU that fails here is not fit for the next job
