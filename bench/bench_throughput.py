@@ -27,6 +27,8 @@ Results: <out>/bench_throughput_<kind>_<workers per device>wpd.json and .md.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import threading
 import time
@@ -99,6 +101,21 @@ def held_of_wanted(
         if wanted - b_wanted > 0:
             out[str(d)] = (held - b_held) / (wanted - b_wanted)
     return out
+
+
+def window_costs(svc: C.Service) -> dict[str, float]:
+    """Medians over the service's timing windows so far, from its log: the OpenWindow and
+    CloseWindow round trips (freeze and thaw, GPU conditions read) and the time held."""
+    values: dict[str, list[float]] = {"open_ms": [], "close_ms": [], "held_ms": []}
+    if svc.log.exists():
+        for line in svc.log.read_text(errors="replace").splitlines():
+            if '"timing window ' not in line:
+                continue
+            rec = json.loads(line)
+            for key, got in values.items():
+                if key in rec:
+                    got.append(float(rec[key]))
+    return {k: statistics.median(v) for k, v in values.items() if v}
 
 
 def run_batch(svc: C.Service, specs: list[kernel_pb2.JobSpec], in_flight: int) -> dict[str, Any]:
@@ -237,6 +254,7 @@ def main() -> int:
         data["batch_1gpu"] = run_batch(svc, candidates(count, n, cuda, args.kind), args.in_flight)
         data["pool"]["started_per_s"] = counter.count / (time.perf_counter() - t_pool)
         counter.close()
+        data["windows"] = window_costs(svc)
         print(f"batch on one GPU: {data['batch_1gpu']['evals_per_s']:.2f}/s", flush=True)
     finally:
         svc.stop()
@@ -323,6 +341,13 @@ def main() -> int:
         "share of the time timed work was ready that the GPU spent timing.",
         f"Verdicts: batch {data['batch_1gpu']['verdicts']}, sequential {seq['verdicts']}.",
     ]
+    if data.get("windows"):
+        w = data["windows"]
+        notes.append(
+            "Timing windows (medians, from the service's log, both runs): OpenWindow "
+            f"{w.get('open_ms', 0):.1f} ms, CloseWindow {w.get('close_ms', 0):.1f} ms, held "
+            f"{w.get('held_ms', 0):.1f} ms (grant to release: drain, warm-ups, timed trials)."
+        )
     unfrozen = data.get("batch_1gpu_unfrozen")
     if unfrozen:
         data["frozen_over_unfrozen"] = C.ratio(b1["evals_per_s"], unfrozen["evals_per_s"])

@@ -499,7 +499,13 @@ class JobManager:
 
     async def _open_window(self, worker: WorkerState) -> None:
         device = worker.device_index
+        began = time.perf_counter()
         report = await self.windows.open(self.watchdog, device, worker.worker_id)
+        log.info(
+            "timing window opened",
+            extra={"worker_id": worker.worker_id, "device_index": device,
+                   "open_ms": round((time.perf_counter() - began) * 1e3, 2)},
+        )  # fmt: skip
         run = self.running.get(worker.job_id) if worker.job_id else None
         if run is None or self.gate.holders(device)[0] != worker.worker_id:
             return  # it ended while the others froze; its release closes the window
@@ -585,10 +591,18 @@ class JobManager:
         self.metrics.timing_window.labels(str(device)).inc(seconds)
         holder = self.workers.by_id.get(holder_id)
         run = self.running.get(holder.job_id) if holder is not None and holder.job_id else None
-        self._spawn(self._close_window(device, run))
+        self._spawn(self._close_window(device, run, seconds))
 
-    async def _close_window(self, device: int, holder_run: Running | None) -> None:
+    async def _close_window(
+        self, device: int, holder_run: Running | None, held_s: float = 0.0
+    ) -> None:
+        began = time.perf_counter()
         report = await self.windows.close(self.watchdog, device)
+        log.info(
+            "timing window closed",
+            extra={"device_index": device, "held_ms": round(held_s * 1e3, 2),
+                   "close_ms": round((time.perf_counter() - began) * 1e3, 2)},
+        )  # fmt: skip
         for run in self.running.values():
             if run.worker.device_index == device and run.deadline is not None:
                 run.deadline.resume()

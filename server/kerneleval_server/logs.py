@@ -8,7 +8,18 @@ import sys
 import time
 
 # Fields a caller may pass through `extra=` that go into the JSON object.
-_FIELDS = ("job_id", "worker_id", "device_index", "verdict", "client_tag", "event", "rpc")
+_FIELDS = (
+    "job_id",
+    "worker_id",
+    "device_index",
+    "verdict",
+    "client_tag",
+    "event",
+    "rpc",
+    "open_ms",  # a timing window's OpenWindow round trip (jobs.py)
+    "close_ms",
+    "held_ms",
+)
 
 
 class JsonFormatter(logging.Formatter):

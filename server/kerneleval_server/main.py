@@ -105,6 +105,12 @@ def job_env(cfg: Config) -> dict[str, str]:
     }
     if cfg.engine:
         env["KERNELEVAL_ENGINE"] = cfg.engine
+    if cfg.cuda_max_connections > 0:
+        # Hardware queues per CUDA context. With one, a context is made in a third of the time
+        # when several start at once (CUDA serialises their creation; H100: 8 at once made 5.7
+        # warm processes a second instead of 2.8); its cost: kernels a job puts on different
+        # streams run one after the other.
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(cfg.cuda_max_connections)
     # Job processes check against the same limits (validation.Limits.from_env).
     env.update({k: v for k, v in os.environ.items() if k.startswith("KERNELEVAL_LIMIT_")})
     return env

@@ -10,8 +10,9 @@ sandboxed the process (docs/INTERNALS.md, "Job processes"):
 A job whose code runs on the host (a Model, a Triton module's top level, an extension) is the
 process's only one. A job whose every kernel came prebuilt from a build process runs none of
 its code here, so the process may take another such job once it has cleaned up (`reusable`).
-It never waits for a Welcome (one is ignored), ignores an AssignJob while a job runs, waits for
-a grant after sending PHASE_VALIDATING or PHASE_PROFILING, and returns POISONED_EXIT when the
+It never waits for a Welcome (one is ignored), reads the next AssignJob only once the job before
+is over and the process clean, waits for a grant after sending PHASE_VALIDATING or
+PHASE_PROFILING, and returns POISONED_EXIT when the
 engine says the CUDA context is poisoned, 0 otherwise. If the channel closes before a job, or
 while one runs, the front end is gone: it exits 0.
 
@@ -233,14 +234,13 @@ def _truncate(text: str, limit: int = MAX_LOG_LINE_BYTES) -> str:
 
 
 class _Channel:
-    """Descriptor 3: one writer lock, one reader thread. Takes one AssignJob at a time, and a
-    next one only after the runtime said its process is reusable (`accept_next`)."""
+    """Descriptor 3: one writer lock, one reader thread. AssignJobs queue; the runtime takes
+    a next one only when its process is reusable (the front end sends one only then)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
-        self._accepting = True
         self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
         self.job_running = False
@@ -252,7 +252,6 @@ class _Channel:
         self.finishing = False
         with self._grants_lock:
             self._grants.clear()
-        self._accepting = True
 
     def send(self, msg: job_channel_pb2.JobProcessMessage) -> None:
         data = encode(msg.SerializeToString())
@@ -271,12 +270,11 @@ class _Channel:
                     break
                 msg = job_channel_pb2.FrontendMessage.FromString(frame)
                 kind = msg.WhichOneof("kind")
-                if kind == "assign" and self._accepting:
-                    self._accepting = False
+                if kind == "assign":  # the runtime takes the next once its job is over
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
-                # A Welcome, or an AssignJob while a job runs, is ignored.
+                # A Welcome is ignored.
         except (OSError, FrameError, DecodeError):
             pass
         if self.job_running and not self.finishing:
@@ -524,7 +522,6 @@ def _run_one(
     reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
     if not poisoned:  # the private /tmp goes with the process; without one, clean up
         shutil.rmtree(job_dir, ignore_errors=True)
-    reusable = reusable and _clean_after_launch()
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
     shutil.rmtree(cache_dir, ignore_errors=True)
@@ -537,15 +534,23 @@ def _run_one(
         reusable=reusable,
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
-    if reusable:
-        channel.accept_next()  # before the outcome: the next AssignJob may follow at once
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
+    # The result (and the GPU's timing window) does not wait for the cleanup; the next job
+    # does: it is read only once the process is clean, and a failed cleanup ends the process
+    # (a job given meanwhile runs again elsewhere: the exit is not its doing).
+    if reusable and _clean_after_launch():
+        channel.accept_next()
+    else:
+        reusable = False
     return poisoned, reusable
 
 
 def main(channel_fd: int) -> int:
     """The job process: Hello, then one job and its outcome; a build job's BuildOutcome; or,
     while it only launches prebuilt kernels, one job after another. The exit code to use."""
+    # Everything made so far (modules, the warm-up's objects) is the process's own: a full
+    # collection after each job (_clean_after_launch) then scans only what the job made.
+    gc.freeze()
     engine = importlib.import_module(os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
     sock = socket.socket(fileno=channel_fd)
     channel = _Channel(sock)
