@@ -12,6 +12,7 @@ GEN_OUT := clients/python/src
 PROTOS := $(shell find proto -name '*.proto')
 STAMPS := .stamps
 APT_PACKAGES := protobuf-compiler libprotobuf-dev libgtest-dev libgrpc++-dev protobuf-compiler-grpc \
+  postgresql \
   pkg-config cmake g++ openssl
 
 .PHONY: setup serve test lint gen watchdog clients-cpp clean job-user

@@ -54,6 +54,13 @@ class Config:
     )
     state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
     database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
+    store: str = field(
+        default="",
+        metadata={
+            "help": "job store: a postgresql://user:pass@host/db URL (PostgreSQL), or empty for "
+            "SQLite (--database)"
+        },
+    )
     admin_token: str = field(default="", metadata={"help": "OperationsService token"})
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
     max_attempts: int = field(default=2, metadata={"help": "starts of one job at most"})
@@ -172,6 +179,8 @@ class Config:
             )
         if not 0 <= self.cuda_max_connections <= 32:
             out.append("--cuda-max-connections: 0 (CUDA's default) to 32")
+        if self.store and not self.store.startswith(("postgresql://", "postgres://")):
+            out.append(f"--store {self.store[:40]!r}: a postgresql:// URL (SQLite: --database)")
         if self.build_processes < -1:
             out.append("--build-processes must be >= 0, or -1 for auto")
         if self.compile_cache_mib < 0:

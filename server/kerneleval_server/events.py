@@ -21,7 +21,7 @@ from typing import Any
 from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from .store import TERMINAL, Store
+from .store import TERMINAL, JobStore
 from .validation import LOG_EVENT_OVERHEAD, Limits
 
 # The note that ends a job's stored log output when it was cut.
@@ -51,7 +51,7 @@ class _LogBudget:
 
 
 class EventHub:
-    def __init__(self, store: Store, max_log_bytes: int | None = None) -> None:
+    def __init__(self, store: JobStore, max_log_bytes: int | None = None) -> None:
         self._store = store
         self._next: dict[str, int] = {}
         self._watchers: dict[str, set[asyncio.Queue[job_pb2.JobEvent]]] = {}

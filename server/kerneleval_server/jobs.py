@@ -37,7 +37,7 @@ from .jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
 from .metrics import Metrics
 from .sandbox_report import SandboxReport, is_sandbox_feature
 from .scheduler import FairQueue, GpuGate, QueuedJob
-from .store import TERMINAL, Store
+from .store import TERMINAL, JobStore
 from .timing_windows import WATCHDOG_REPLY_S, TimingWindows, Window, public_conditions
 from .watchdog import AttachedFd
 
@@ -125,7 +125,7 @@ class JobManager:
     def __init__(
         self,
         config: Config,
-        store: Store,
+        store: JobStore,
         hub: EventHub,
         ops: OpsLog,
         metrics: Metrics,

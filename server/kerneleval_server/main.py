@@ -41,7 +41,7 @@ from .jobs import JobManager
 from .metrics import Metrics, MetricsInterceptor
 from .ops import OperationsService
 from .service import KernelEvalService
-from .store import Store
+from .store import StoreError, open_store
 
 log = logging.getLogger("kerneleval.main")
 
@@ -203,8 +203,7 @@ class Server:
         self.state = cfg.state_path()
         self.state.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_state(self.state)
-        self.store = Store(cfg.database_path())
-        os.chmod(cfg.database_path(), 0o600)
+        self.store = open_store(cfg.store or cfg.database_path())
         self.metrics = Metrics()
         self.limits = validation.Limits.from_env()
         self.manager = JobManager(
@@ -402,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(cfg.log_level, cfg.log_file)
     try:
         server = Server(cfg)
-    except StateInUse as exc:
+    except (StateInUse, StoreError) as exc:
         log.error("%s", exc)
         return 2
     return asyncio.run(server.run())

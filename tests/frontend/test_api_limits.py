@@ -33,7 +33,7 @@ from kerneleval_server.jobs import JobManager
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
 from kerneleval_server.ops import OperationsService
 from kerneleval_server.service import KernelEvalService
-from kerneleval_server.store import Store
+from kerneleval_server.store import SqliteStore
 
 MIB = 1 << 20
 MESSAGE_LIMIT = 64 * MIB
@@ -73,7 +73,7 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def serve(tmp_path: Path) -> AsyncIterator[Harness]:
-    store = Store(tmp_path / "jobs.db")
+    store = SqliteStore(tmp_path / "jobs.db")
     metrics = Metrics()
     manager = JobManager(Config(), store, EventHub(store), OpsLog(), metrics, max_timeout_s=600.0)
     server = grpc.aio.server(
@@ -390,7 +390,7 @@ def test_after_sequence_past_int64_is_out_of_range(tmp_path: Path) -> None:
 
 
 def test_store_never_overflows_on_client_numbers(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     assert store.events_after("j", 2**64 - 1) == []
     assert store.list(limit=2**70, before_rowid=2**80, state=2**40) == []
     store.close()
@@ -453,12 +453,12 @@ def _log(hub: EventHub, job_id: str, text: str) -> None:
     hub.publish(event)
 
 
-def _stored(store: Store, job_id: str) -> list[job_pb2.JobEvent]:
+def _stored(store: SqliteStore, job_id: str) -> list[job_pb2.JobEvent]:
     return store.events_after(job_id, 0)
 
 
 def test_log_flood_is_capped_with_a_note(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     hub = EventHub(store, max_log_bytes=10_000)
     seen: list[job_pb2.JobEvent] = []
 
@@ -497,7 +497,7 @@ def test_log_flood_is_capped_with_a_note(tmp_path: Path) -> None:
 
 
 def test_log_cap_counts_lines_and_survives_a_restart(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     hub = EventHub(store, max_log_bytes=1000)
     for _ in range(100):  # empty lines count 64 bytes each
         _log(hub, "j", "")

@@ -14,7 +14,7 @@ from kerneleval_server import config as config_mod
 from kerneleval_server import faults
 from kerneleval_server.events import EventHub, OpsLog
 from kerneleval_server.scheduler import FairQueue, GpuGate, QueuedJob
-from kerneleval_server.store import Store
+from kerneleval_server.store import SqliteStore
 
 
 def test_fair_queue_round_robin_and_devices() -> None:
@@ -97,7 +97,7 @@ def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
     assert granted == ["c0", "t0", "c1", "c2", "c3", "t1", "c4"]
 
 
-def _job(store: Store, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job:
+def _job(store: SqliteStore, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job:
     job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_QUEUED)
     job.spec.client_tag = tag
     job.spec.kernel.source_code = "src"
@@ -110,7 +110,7 @@ def _job(store: Store, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job
 
 
 def test_store_pages_filters_and_survives_reopen(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     hub = EventHub(store)
     for i in range(5):
         _job(store, hub, f"j{i}", "even" if i % 2 == 0 else "odd")
@@ -127,7 +127,7 @@ def test_store_pages_filters_and_survives_reopen(tmp_path: Path) -> None:
     store.update(done)
     store.close()
 
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     assert [j.job_id for j in store.unfinished()] == ["j1", "j2", "j3", "j4"]
     assert EventHub(store).next_event("j1").sequence == 2  # numbering continues
     assert store.delete_finished_before(2000) == 1
@@ -138,7 +138,7 @@ def test_store_pages_filters_and_survives_reopen(tmp_path: Path) -> None:
 
 def test_event_hub_replay_then_live_without_gaps(tmp_path: Path) -> None:
     async def scenario() -> list[int]:
-        store = Store(tmp_path / "db.sqlite")
+        store = SqliteStore(tmp_path / "db.sqlite")
         hub = EventHub(store)
         _job(store, hub, "j", "")
         for _ in range(3):
@@ -167,7 +167,7 @@ def test_event_hub_replay_then_live_without_gaps(tmp_path: Path) -> None:
     assert asyncio.run(scenario()) == list(range(2, 11))
 
     async def after_the_end() -> list[int]:
-        store = Store(tmp_path / "db.sqlite")
+        store = SqliteStore(tmp_path / "db.sqlite")
         hub = EventHub(store)
         job = store.get("j")
         assert job is not None
@@ -297,7 +297,7 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval_server.jobs import JobManager, Running
     from kerneleval_server.metrics import Metrics
 
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
 
     def run(job_id: str, worker_id: str, pid: int) -> Running:

@@ -20,7 +20,7 @@ from kerneleval_server.events import EventHub, OpsLog
 from kerneleval_server.framing import MAX_FRAME, encode, read_frame
 from kerneleval_server.jobs import JobManager
 from kerneleval_server.metrics import Metrics
-from kerneleval_server.store import Store
+from kerneleval_server.store import SqliteStore
 from kerneleval_server.watchdog import AttachedFd, Watchdog
 
 pytestmark = pytest.mark.timeout(60)
@@ -165,7 +165,7 @@ class FakeJobProcess:
 
 
 def new_manager(tmp_path: Path, **cfg: Any) -> tuple[JobManager, FakeWatchdog]:
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     config = config_mod.Config(nvml="none", **cfg)
     m = JobManager(config, store, EventHub(store), OpsLog(), Metrics(), 600.0)
     wd = FakeWatchdog()

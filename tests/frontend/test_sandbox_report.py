@@ -12,7 +12,7 @@ from kerneleval_server.events import EventHub, OpsLog
 from kerneleval_server.jobs import JobManager
 from kerneleval_server.metrics import Metrics
 from kerneleval_server.sandbox_report import SandboxReport
-from kerneleval_server.store import Store
+from kerneleval_server.store import SqliteStore
 
 
 def _warning(feature: str, message: str) -> watchdog_pb2.WatchdogEvent:
@@ -58,7 +58,7 @@ def test_unknown_features_count_as_missing_sandbox_parts() -> None:
 
 
 def test_manager_logs_each_feature_once_and_serves_it(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     ops_log = OpsLog()
     m = JobManager(config_mod.Config(), store, EventHub(store), ops_log, Metrics(), 600.0)
     caplog.set_level(logging.INFO, logger="kerneleval")
@@ -84,7 +84,7 @@ def test_manager_logs_each_feature_once_and_serves_it(tmp_path: Path, caplog) ->
 
 
 def test_manager_says_complete_only_once_a_job_process_started(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    store = Store(tmp_path / "db.sqlite")
+    store = SqliteStore(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
     caplog.set_level(logging.INFO, logger="kerneleval")
     assert m.sandbox.state() == ops.SANDBOX_STATE_UNSPECIFIED

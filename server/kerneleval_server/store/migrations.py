@@ -1,0 +1,97 @@
+"""The store's schema, as numbered steps, applied in order when a store opens.
+
+`kerneleval_schema` records each step applied (version, what it does, when). A store opens
+only when its schema is at most as new as this code: a database a newer kerneleval migrated is
+refused with the versions named, never written by older code. Each step is written for both
+engines; a step once released is never edited, a change is a new step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    sqlite: str
+    postgres: str
+
+
+MIGRATIONS = (
+    Migration(
+        1,
+        "jobs and their events",
+        # IF NOT EXISTS: databases made before the schema had versions already have them.
+        sqlite="""
+CREATE TABLE IF NOT EXISTS jobs (
+  rowid INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT NOT NULL UNIQUE,
+  state INTEGER NOT NULL,
+  verdict INTEGER NOT NULL DEFAULT 0,
+  client_tag TEXT NOT NULL DEFAULT '',
+  create_time REAL NOT NULL,
+  end_time REAL,
+  job BLOB NOT NULL,
+  spec BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE INDEX IF NOT EXISTS jobs_tag ON jobs(client_tag);
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs(create_time);
+CREATE TABLE IF NOT EXISTS events (
+  job_id TEXT NOT NULL,
+  sequence INTEGER NOT NULL,
+  event BLOB NOT NULL,
+  PRIMARY KEY (job_id, sequence)
+) WITHOUT ROWID;
+""",
+        postgres="""
+CREATE TABLE IF NOT EXISTS jobs (
+  rowid BIGSERIAL PRIMARY KEY,
+  job_id TEXT NOT NULL UNIQUE,
+  state INTEGER NOT NULL,
+  verdict INTEGER NOT NULL DEFAULT 0,
+  client_tag TEXT NOT NULL DEFAULT '',
+  create_time DOUBLE PRECISION NOT NULL,
+  end_time DOUBLE PRECISION,
+  job BYTEA NOT NULL,
+  spec BYTEA NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE INDEX IF NOT EXISTS jobs_tag ON jobs(client_tag);
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs(create_time);
+CREATE TABLE IF NOT EXISTS events (
+  job_id TEXT NOT NULL,
+  sequence BIGINT NOT NULL,
+  event BYTEA NOT NULL,
+  PRIMARY KEY (job_id, sequence)
+);
+""",
+    ),
+)
+
+LATEST = MIGRATIONS[-1].version
+
+SCHEMA_TABLE = """
+CREATE TABLE IF NOT EXISTS kerneleval_schema (
+  version INTEGER PRIMARY KEY,
+  description TEXT NOT NULL,
+  applied_at DOUBLE PRECISION NOT NULL
+)"""
+
+
+def too_new(found: int) -> str:
+    """Why a database at schema version `found` cannot be used ("" when it can)."""
+    if found <= LATEST:
+        return ""
+    return (
+        f"the job store's schema is at version {found}, newer than this kerneleval knows "
+        f"({LATEST}): a newer kerneleval migrated it; run that one, or another database"
+    )
+
+
+def statements(script: str) -> list[str]:
+    """A step's statements, one by one (neither engine's driver runs a script in one call
+    inside a transaction the same way)."""
+    return [s.strip() for s in script.split(";") if s.strip()]

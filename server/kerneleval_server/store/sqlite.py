@@ -1,0 +1,60 @@
+"""The SQLite job store: one file in WAL mode, for one service on one machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import migrations
+from .base import SqlStore, StoreError
+
+
+class SqliteStore(SqlStore):
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        os.chmod(path, 0o600)  # tenants' sources: the service's user only
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: survives a process kill
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._tx() as cur:
+            cur.execute(migrations.SCHEMA_TABLE)
+            row = cur.execute("SELECT MAX(version) FROM kerneleval_schema").fetchone()
+            found = int(row[0] or 0)
+            if why := migrations.too_new(found):
+                raise StoreError(f"{self.path}: {why}")
+            for step in migrations.MIGRATIONS:
+                if step.version <= found:
+                    continue
+                for statement in migrations.statements(step.sqlite):
+                    cur.execute(statement)
+                cur.execute(
+                    "INSERT INTO kerneleval_schema (version, description, applied_at)"
+                    " VALUES (?, ?, ?)",
+                    (step.version, step.description, time.time()),
+                )
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Any]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db.cursor()
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, args).fetchall()

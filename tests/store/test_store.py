@@ -1,0 +1,179 @@
+"""The job store suite, run on both engines: SQLite and a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kerneleval.v1 import job_pb2
+from kerneleval_server.store import (
+    TERMINAL,
+    JobStore,
+    PostgresStore,
+    SqliteStore,
+    StoreError,
+    migrations,
+    open_store,
+)
+from pg_server import PostgresServer
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    if request.param == "sqlite":
+        s: JobStore = open_store(tmp_path / "jobs.db")
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres")
+        s = open_store(server.new_database())
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def make_job(job_id: str, *, state: int = job_pb2.JOB_STATE_QUEUED, tag: str = "") -> job_pb2.Job:
+    job = job_pb2.Job(job_id=job_id, state=state)  # type: ignore[arg-type]
+    job.spec.client_tag = tag
+    job.spec.kernel.source_code = f"# source of {job_id}"
+    job.create_time.FromSeconds(1_000)
+    return job
+
+
+def event(job_id: str, seq: int) -> job_pb2.JobEvent:
+    ev = job_pb2.JobEvent(job_id=job_id, sequence=seq)
+    ev.log.text = f"event {seq}"
+    return ev
+
+
+def test_a_job_round_trips_with_its_spec_and_events(store: JobStore) -> None:
+    job = make_job("a", tag="t")
+    store.insert(job, event("a", 1))
+    got = store.get("a")
+    assert got is not None and got.spec.kernel.source_code == "# source of a"
+    bare = store.get("a", include_spec=False)
+    assert bare is not None and not bare.HasField("spec")
+    spec = store.get_spec("a")
+    assert spec is not None and spec.client_tag == "t"
+    job.state = job_pb2.JOB_STATE_DONE
+    job.result.verdict = job_pb2.VERDICT_OK
+    job.end_time.FromSeconds(2_000)
+    store.update(job, event("a", 2))
+    store.add_event(event("a", 3))
+    done = store.get("a")
+    assert done is not None and done.state == job_pb2.JOB_STATE_DONE
+    assert done.result.verdict == job_pb2.VERDICT_OK
+    assert [e.sequence for e in store.events_after("a", 0)] == [1, 2, 3]
+    assert [e.log.text for e in store.events_after("a", 2)] == ["event 3"]
+    assert store.last_sequence("a") == 3 and store.last_sequence("nobody") == 0
+    assert store.get("nobody") is None and store.get_spec("nobody") is None
+
+
+def test_a_failed_write_leaves_nothing_half_done(store: JobStore) -> None:
+    job = make_job("a")
+    store.insert(job, event("a", 1))
+    job.state = job_pb2.JOB_STATE_RUNNING
+    with pytest.raises(Exception):  # noqa: B017 - each driver's own IntegrityError
+        store.update(job, event("a", 1))  # the event's sequence is taken
+    got = store.get("a")
+    assert got is not None and got.state == job_pb2.JOB_STATE_QUEUED
+    store.update(job, event("a", 2))  # the store works on after the failed transaction
+    assert store.last_sequence("a") == 2
+
+
+def test_list_pages_newest_first_and_filters(store: JobStore) -> None:
+    for i in range(5):
+        state = job_pb2.JOB_STATE_DONE if i % 2 else job_pb2.JOB_STATE_QUEUED
+        store.insert(make_job(f"j{i}", state=state, tag="x" if i < 3 else "y"), event(f"j{i}", 1))
+    page = store.list(limit=2)
+    assert [j.job_id for _, j in page] == ["j4", "j3"]
+    rest = store.list(limit=10, before_rowid=page[-1][0])
+    assert [j.job_id for _, j in rest] == ["j2", "j1", "j0"]
+    assert [j.job_id for _, j in store.list(limit=10, state=job_pb2.JOB_STATE_DONE)] == [
+        "j3",
+        "j1",
+    ]
+    assert [j.job_id for _, j in store.list(limit=10, client_tag="y")] == ["j4", "j3"]
+    with_spec = store.list(limit=1, include_spec=True)
+    assert with_spec[0][1].spec.kernel.source_code == "# source of j4"
+    assert not store.list(limit=1)[0][1].HasField("spec")
+    # Numbers from clients past int64 are clamped, not an error.
+    assert store.list(limit=2**70, before_rowid=2**70)
+    assert store.events_after("j0", 2**70) == []
+
+
+def test_unfinished_counts_and_retention(store: JobStore) -> None:
+    states = [job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_QUEUED]
+    for i, state in enumerate(states):
+        job = make_job(f"j{i}", state=state)
+        if state in TERMINAL:
+            job.end_time.FromSeconds(1_500)
+            job.result.verdict = job_pb2.VERDICT_INCORRECT
+        store.insert(job, event(f"j{i}", 1))
+        store.update(job, event(f"j{i}", 2))
+    assert [j.job_id for j in store.unfinished()] == ["j0", "j2"]
+    by_state, by_verdict = store.counts()
+    assert by_state == {job_pb2.JOB_STATE_RUNNING: 1, job_pb2.JOB_STATE_DONE: 1,
+                        job_pb2.JOB_STATE_QUEUED: 1}  # fmt: skip
+    assert by_verdict == {job_pb2.VERDICT_INCORRECT: 1}
+    assert store.delete_finished_before(1_000) == 0
+    assert store.delete_finished_before(2_000) == 1
+    assert store.get("j1") is None and store.events_after("j1", 0) == []
+    assert store.get("j0") is not None and len(store.events_after("j0", 0)) == 2
+
+
+def test_the_schema_is_versioned_and_migrated_once(store: JobStore) -> None:
+    assert store.schema_version() == migrations.LATEST
+    store.insert(make_job("a"), event("a", 1))
+    again = (
+        open_store(store.url)
+        if isinstance(store, PostgresStore)
+        else open_store(store.path)  # type: ignore[attr-defined]
+    )
+    try:
+        assert again.schema_version() == migrations.LATEST and again.get("a") is not None
+    finally:
+        again.close()
+
+
+def test_a_schema_newer_than_the_code_is_refused(tmp_path: Path, postgres: PostgresServer) -> None:
+    newer = migrations.LATEST + 1
+    path = tmp_path / "jobs.db"
+    SqliteStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO kerneleval_schema VALUES (?, 'from the future', 0)", (newer,))
+    with pytest.raises(StoreError, match=f"version {newer}, newer than this kerneleval"):
+        SqliteStore(path)
+    url = postgres.new_database()
+    PostgresStore(url).close()
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("INSERT INTO kerneleval_schema VALUES (%s, 'from the future', 0)", (newer,))
+    with pytest.raises(StoreError, match=f"version {newer}"):
+        PostgresStore(url)
+
+
+def test_a_database_from_before_versions_keeps_its_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with sqlite3.connect(path) as db:  # the tables as the unversioned store made them
+        db.executescript(migrations.MIGRATIONS[0].sqlite)
+        db.execute(
+            "INSERT INTO jobs (job_id, state, create_time, job, spec) VALUES (?, ?, ?, ?, ?)",
+            ("old", 1, 1.0, make_job("old").SerializeToString(), b""),
+        )
+    store = SqliteStore(path)
+    try:
+        assert store.schema_version() == migrations.LATEST
+        got = store.get("old")
+        assert got is not None and got.job_id == "old"
+    finally:
+        store.close()
+
+
+def test_an_unreachable_postgresql_says_so_without_its_password(tmp_path: Path) -> None:
+    url = f"postgresql://kerneleval:s3cret@/postgres?host={tmp_path}&port=1"
+    with pytest.raises(StoreError) as err:
+        PostgresStore(url, connect_timeout_s=1.0)
+    assert "s3cret" not in str(err.value) and "kerneleval:***@" in str(err.value)
