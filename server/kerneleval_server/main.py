@@ -59,7 +59,9 @@ def admin_token(cfg: Config, state: Path) -> str:
     path = state / "admin_token"
     if path.exists():
         return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
+    # A prefix: a bare token_urlsafe starts with "-" one time in 64, and then
+    # `kerneleval --admin-token "$(cat state/admin_token)"` reads it as an option.
+    token = "ket_" + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")

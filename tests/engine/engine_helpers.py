@@ -120,3 +120,23 @@ def get_inputs():
 def get_init_inputs():
     return []
 """
+
+
+# A Triton a + b launched from its IOContract, and its eager reference (several suites).
+TRITON_ADD = """
+import triton
+import triton.language as tl
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
+             mask=mask)
+"""
+TORCH_ADD = """
+import torch
+class Model(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+"""

@@ -26,6 +26,7 @@ from engine_helpers import (
     IN,
     OUT,
     TORCH,
+    TORCH_ADD,
     TRITON,
     RecordingReporter,
     V,
@@ -36,6 +37,7 @@ from engine_helpers import (
     source,
     tensor,
 )
+from engine_helpers import TRITON_ADD as ADD
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import dtype_pb2, kernel_pb2
 from kerneleval_server.engine import EngineConfig, build_job, run_job
@@ -44,17 +46,6 @@ F16 = dtype_pb2.DTYPE_FLOAT16
 ARCH = "sm_90"
 cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks what happens without a GPU")
 
-ADD = """
-import triton
-import triton.language as tl
-
-@triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
-             mask=mask)
-"""
 SCALARS = """
 import triton
 import triton.language as tl
@@ -67,43 +58,22 @@ def scaled(x_ptr, out_ptr, n, alpha, one, big, flag, BLOCK: tl.constexpr):
     y = x * alpha + (big > 0).to(tl.float32) + flag.to(tl.float32)
     tl.store(out_ptr + offs, y.to(tl.float16), mask=mask)
 """
-AUTOTUNED = """
-import triton
-import triton.language as tl
-
-@triton.autotune(configs=[triton.Config({}, num_warps=2), triton.Config({}, num_warps=4)],
-                 key=["n"])
-@triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
-             mask=mask)
-"""
-MODEL_NEW = """
-import torch
-import triton
-import triton.language as tl
-
-@triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
-             mask=mask)
-
+AUTOTUNED = ADD.replace(
+    "@triton.jit",
+    "@triton.autotune(configs=[triton.Config({}, num_warps=2), triton.Config({}, num_warps=4)],"
+    '\n                 key=["n"])\n@triton.jit',
+)
+MODEL_NEW = (
+    "import torch\n"
+    + ADD
+    + """
 class ModelNew(torch.nn.Module):
     def forward(self, x, y):
         out = torch.empty_like(x)
         add_kernel[(4,)](x, y, out, x.numel(), BLOCK=256)
         return out
 """
-TORCH_ADD = """
-import torch
-class Model(torch.nn.Module):
-    def forward(self, x, y):
-        return x + y
-"""
+)
 CUDA_ADD = """
 __global__ void add(const float* x, const float* y, float* out, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

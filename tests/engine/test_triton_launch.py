@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import F32, INOUT, OUT, TORCH, TRITON, V, job, scalar, source, tensor
+from engine_helpers import (
+    F32,
+    INOUT,
+    OUT,
+    TORCH,
+    TORCH_ADD,
+    TRITON,
+    V,
+    job,
+    scalar,
+    source,
+    tensor,
+)
+from engine_helpers import TRITON_ADD as ADD
 from kerneleval.v1 import dtype_pb2
-
-ADD = """
-import triton
-import triton.language as tl
-
-@triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
-             mask=mask)
-"""
-TORCH_ADD = """
-import torch
-class Model(torch.nn.Module):
-    def forward(self, x, y):
-        return x + y
-"""
 
 
 def add_args(n: int = 1000, dtype: int = F32):

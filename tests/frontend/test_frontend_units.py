@@ -371,3 +371,13 @@ def test_interceptor_counts_codes_and_turns_bugs_into_internal() -> None:
     ctx = asyncio.run(scenario())
     assert ctx.aborted is not None and ctx.aborted[0] == grpc.StatusCode.INTERNAL
     assert "ValueError: oops" in ctx.aborted[1]
+
+
+def test_a_generated_admin_token_never_reads_as_an_option(tmp_path: Path) -> None:
+    # A bare token_urlsafe starts with "-" one time in 64: `--admin-token "$(cat ...)"` broke.
+    from kerneleval_server.main import admin_token
+
+    cfg = config_mod.Config()
+    tokens = {admin_token(cfg, d) for d in (tmp_path / str(i) for i in range(8)) if not d.mkdir()}
+    assert len(tokens) == 8 and all(t.startswith("ket_") and len(t) > 40 for t in tokens)
+    assert admin_token(cfg, tmp_path / "0") in tokens  # read back, not made again

@@ -91,8 +91,7 @@ class SqlStore:
         with self._tx() as cur:
             cur.execute(
                 self._sql(
-                    "UPDATE jobs SET state = ?, verdict = ?, end_time = ?, job = ? "
-                    "WHERE job_id = ?"
+                    "UPDATE jobs SET state = ?, verdict = ?, end_time = ?, job = ? WHERE job_id = ?"
                 ),
                 (job.state, job.result.verdict, end, _bare(job), job.job_id),
             )

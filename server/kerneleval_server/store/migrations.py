@@ -8,7 +8,9 @@ engines; a step once released is never edited, a change is a new step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,23 @@ def statements(script: str) -> list[str]:
     """A step's statements, one by one (neither engine's driver runs a script in one call
     inside a transaction the same way)."""
     return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def apply(cur: Any, engine: str, placeholder: str) -> str:
+    """Brings the schema up to date in the caller's transaction (`cur`: a DB-API cursor;
+    `engine`: "sqlite" or "postgres"). Returns why the database cannot be used ("" when
+    it can): then nothing was changed."""
+    cur.execute(SCHEMA_TABLE)
+    cur.execute("SELECT MAX(version) FROM kerneleval_schema")
+    found = int(cur.fetchone()[0] or 0)
+    if why := too_new(found):
+        return why
+    insert = "INSERT INTO kerneleval_schema (version, description, applied_at) VALUES (?, ?, ?)"
+    for step in MIGRATIONS:
+        if step.version > found:
+            for statement in statements(getattr(step, engine)):
+                cur.execute(statement)
+            cur.execute(
+                insert.replace("?", placeholder), (step.version, step.description, time.time())
+            )
+    return ""

@@ -8,7 +8,6 @@ that start together do not race to migrate it.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,21 +40,8 @@ class PostgresStore(SqlStore):
     def _migrate(self) -> None:
         with self._tx() as cur:
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            cur.execute(migrations.SCHEMA_TABLE)
-            cur.execute("SELECT MAX(version) FROM kerneleval_schema")
-            found = int(cur.fetchone()[0] or 0)
-            if why := migrations.too_new(found):
+            if why := migrations.apply(cur, "postgres", self.placeholder):
                 raise StoreError(why)
-            for step in migrations.MIGRATIONS:
-                if step.version <= found:
-                    continue
-                for statement in migrations.statements(step.postgres):
-                    cur.execute(statement)
-                cur.execute(
-                    "INSERT INTO kerneleval_schema (version, description, applied_at)"
-                    " VALUES (%s, %s, %s)",
-                    (step.version, step.description, time.time()),
-                )
 
     def close(self) -> None:
         self._pool.close()

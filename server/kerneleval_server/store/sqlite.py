@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,21 +26,8 @@ class SqliteStore(SqlStore):
 
     def _migrate(self) -> None:
         with self._tx() as cur:
-            cur.execute(migrations.SCHEMA_TABLE)
-            row = cur.execute("SELECT MAX(version) FROM kerneleval_schema").fetchone()
-            found = int(row[0] or 0)
-            if why := migrations.too_new(found):
+            if why := migrations.apply(cur, "sqlite", self.placeholder):
                 raise StoreError(f"{self.path}: {why}")
-            for step in migrations.MIGRATIONS:
-                if step.version <= found:
-                    continue
-                for statement in migrations.statements(step.sqlite):
-                    cur.execute(statement)
-                cur.execute(
-                    "INSERT INTO kerneleval_schema (version, description, applied_at)"
-                    " VALUES (?, ?, ?)",
-                    (step.version, step.description, time.time()),
-                )
 
     def close(self) -> None:
         self._db.close()
