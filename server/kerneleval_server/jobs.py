@@ -293,6 +293,7 @@ class JobManager:
         if not artifacts or prebuild.check_artifacts(job.spec, artifacts):
             return False
         job.state = job_pb2.JOB_STATE_RUNNING
+        job.attempt_count += 1
         job.worker_id = ""
         _stamp(job.start_time)
         event = self.hub.next_event(job_id)
@@ -344,7 +345,7 @@ class JobManager:
             sent = worker.assign(
                 job_id,
                 job.spec,
-                job.attempt_count + 1,
+                job.attempt_count + (1 if waiting is None else 0),
                 cached,
                 build_arch=build_arch,
                 prebuilt=prebuilt,
@@ -357,16 +358,16 @@ class JobManager:
             self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
             return
         job.state = job_pb2.JOB_STATE_RUNNING
-        if not build_arch:  # a build and its launch are one attempt
+        if waiting is None:  # a build and its launch are one attempt
             job.attempt_count += 1
+            _stamp(job.start_time)
+        if not build_arch:
             job.device_index = worker.device_index
         job.worker_id = worker.worker_id
-        if waiting is None:
-            _stamp(job.start_time)
         event = self.hub.next_event(job_id)
         event.started.worker_id = worker.worker_id
         event.started.device_index = job.device_index
-        event.started.attempt = job.attempt_count + (1 if build_arch else 0)
+        event.started.attempt = job.attempt_count
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
         if waiting is None:
@@ -698,6 +699,7 @@ class JobManager:
             )
             self.hub.publish(event)
             self.run_whole.add(job.job_id)
+            job.attempt_count -= 1  # its whole run is the same attempt
             run.deadline.cancel()
             self.running.pop(job.job_id, None)
             job.state = job_pb2.JOB_STATE_QUEUED

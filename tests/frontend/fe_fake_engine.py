@@ -27,6 +27,8 @@ build process and `run_job(..., prebuilt=...)` the launch process:
                              "launched <function> by <worker id> job <n>" (n counts this
                              process's jobs) and whether the build process saw a GPU
   {"do": "build", "poison": true}   the launch reports a poisoned context
+  {"do": "build", "launch_seconds": s}   the launch checks for s seconds
+  {"do": "build", "build_hangs": true} / "build_crashes"   the build never ends / faults
   {"do": "build_error"}      the build ends the job with VERDICT_COMPILE_ERROR
   {"do": "build_whole"}      the build says: run it whole (then it runs as {"do": "time"})
   {"do": "build_bad"}        the build process answers an artifact that is no cubin
@@ -89,6 +91,10 @@ def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
     cmd = json.loads(spec.kernel.source_code)
     reporter.phase(job_pb2.PHASE_COMPILING)
     out = job_channel_pb2.BuildOutcome()
+    if cmd.get("build_hangs"):
+        time.sleep(3600)
+    if cmd.get("build_crashes"):
+        ctypes.string_at(0)  # a candidate's module top level that faults in the build
     if cmd["do"] == "build_error":
         out.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
         out.result.error.message = "fake nvcc: error"
@@ -113,6 +119,7 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
     if prebuilt:
         _launches += 1
         reporter.phase(job_pb2.PHASE_VALIDATING)
+        time.sleep(float(cmd.get("launch_seconds", 0)))
         reporter.phase(job_pb2.PHASE_PROFILING)
         result.notes.extend(prebuilt[0].notes)
         result.notes.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +163,41 @@ def test_a_whole_job_that_forges_a_reusable_outcome_is_not_reused(stub) -> None:
     after = [evaluate(stub, io_spec({"do": "build"}))[0] for _ in range(2)]
     assert all(j.result.verdict == job_pb2.VERDICT_OK for j in after)
     assert forged.worker_id not in {j.worker_id for j in after}
+
+
+def test_a_build_that_hangs_times_out_and_one_that_faults_crashes(stub) -> None:  # type: ignore[no-untyped-def]
+    spec = io_spec({"do": "build", "build_hangs": True})
+    spec.options.timeout.seconds = 2
+    hung, events = evaluate(stub, spec)
+    assert hung.result.verdict == job_pb2.VERDICT_TIMEOUT, hung
+    assert [w[:7] for w in started_on(events)] == ["build-w"]
+    crashed, _ = evaluate(stub, io_spec({"do": "build", "build_crashes": True}))
+    assert crashed.result.verdict == job_pb2.VERDICT_CRASHED, crashed
+    assert crashed.attempt_count == 1  # the job's own code faulted: not run again
+    assert evaluate(stub, io_spec({"do": "build"}))[0].result.verdict == job_pb2.VERDICT_OK
+
+
+def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: ignore[no-untyped-def]
+    slow = stub.Submit(
+        pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 3})), timeout=30
+    ).job
+    waiting = stub.Submit(pb.SubmitRequest(spec=io_spec({"do": "build"})), timeout=30).job
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # built, waiting: the one launch process is busy
+        job = stub.GetJob(pb.GetJobRequest(job_id=waiting.job_id)).job
+        if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("build-w"):
+            break
+        time.sleep(0.05)
+    started = time.monotonic()
+    cancelled = stub.CancelJob(pb.CancelJobRequest(job_id=waiting.job_id), timeout=30).job
+    assert cancelled.state == job_pb2.JOB_STATE_CANCELLED, cancelled
+    assert time.monotonic() - started < 2  # nothing to kill: it was not on a process
+    done = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
+    while done.state != job_pb2.JOB_STATE_DONE and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+        done = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
+    assert done.result.verdict == job_pb2.VERDICT_OK, done
+    assert evaluate(stub, io_spec({"do": "build"}))[0].result.verdict == job_pb2.VERDICT_OK
 
 
 def test_the_build_pool_is_listed_as_its_own_device(svc: ServiceProcess) -> None:
