@@ -34,6 +34,7 @@ from kerneleval.v1 import (
 from . import config as config_mod
 from . import logs, validation
 from .api_errors import DecodeErrors
+from .auth import AdminAuth
 from .config import Config
 from .events import EventHub, OpsLog
 from .jobproc import POISONED_EXIT
@@ -287,7 +288,7 @@ class Server:
             except asyncio.TimeoutError:
                 pass
 
-    def _grpc_server(self) -> grpc.aio.Server:
+    def _grpc_server(self, token: str) -> grpc.aio.Server:
         cfg = self.cfg
         size = cfg.max_message_mb * 1024 * 1024
         options = [
@@ -298,17 +299,17 @@ class Server:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
-        interceptors = [MetricsInterceptor(self.metrics), DecodeErrors()]
+        # Auth before decoding: a caller without the token learns nothing of its request.
+        interceptors = [MetricsInterceptor(self.metrics), AdminAuth(token), DecodeErrors()]
         return grpc.aio.server(interceptors=interceptors, options=options)
 
     async def run(self) -> int:
         cfg = self.cfg
-        token = admin_token(cfg, self.state)
-        server = self._grpc_server()
+        server = self._grpc_server(admin_token(cfg, self.state))
         kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
             KernelEvalService(self.manager, self.limits), server
         )
-        ops = OperationsService(self.manager, token)
+        ops = OperationsService(self.manager)
         operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (

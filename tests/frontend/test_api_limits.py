@@ -5,7 +5,7 @@ is capped with a note.
 
 The server here is in-process: grpc.aio with the real KernelEvalService and OperationsService
 over a real JobManager and store (no watchdog, no job processes: accepted jobs stay QUEUED),
-and the interceptors the service registers (metrics, then api_errors.DecodeErrors).
+and the interceptors the service registers (metrics, auth.AdminAuth, then api_errors.DecodeErrors).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kerneleval.v1 import kernel_eval_service_pb2_grpc as pb_grpc
 from kerneleval.v1 import operations_service_pb2 as ops_pb
 from kerneleval_server import validation
 from kerneleval_server.api_errors import DecodeErrors
+from kerneleval_server.auth import AdminAuth
 from kerneleval_server.config import Config
 from kerneleval_server.events import LOG_CUT_PREFIX, EventHub, OpsLog
 from kerneleval_server.jobs import JobManager
@@ -77,13 +78,14 @@ async def serve(tmp_path: Path) -> AsyncIterator[Harness]:
     metrics = Metrics()
     manager = JobManager(Config(), store, EventHub(store), OpsLog(), metrics, max_timeout_s=600.0)
     server = grpc.aio.server(
-        interceptors=[MetricsInterceptor(metrics), DecodeErrors()], options=OPTIONS
+        interceptors=[MetricsInterceptor(metrics), AdminAuth(ADMIN), DecodeErrors()],
+        options=OPTIONS,
     )
     pb_grpc.add_KernelEvalServiceServicer_to_server(
         KernelEvalService(manager, validation.Limits()), server
     )
     operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(
-        OperationsService(manager, ADMIN), server
+        OperationsService(manager), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -321,7 +323,8 @@ def test_truncated_bytes_are_invalid_argument(tmp_path: Path) -> None:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "job_id declares 127 bytes but only 10 follow" in err.details()
         assert h.stored_jobs() == []
-        # Operations too (the deserializer runs before the token check).
+        # Operations too, with the token; without it, the token check comes first and says
+        # nothing about the request.
         ops_call = h.channel.unary_unary(
             "/kerneleval.v1.OperationsService/RestartWorkers",
             request_serializer=_identity,
@@ -329,6 +332,9 @@ def test_truncated_bytes_are_invalid_argument(tmp_path: Path) -> None:
         )
         err = await error_of(ops_call(b"\x08", metadata=AUTH))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        err = await error_of(ops_call(b"\x08"))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "authorization: Bearer" in err.details()
 
     run(tmp_path, scenario)
 
