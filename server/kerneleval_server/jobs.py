@@ -859,6 +859,10 @@ class JobManager:
             await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
         return self.store.get(job_id)
 
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancels in the background (its client went away: nobody waits for the answer)."""
+        self._spawn(self.cancel(job_id))
+
     async def wait_finished(self, job_id: str, timeout: float | None = None) -> None:
         job = self.store.get(job_id, include_spec=False)
         if job is None or job.state in TERMINAL:
@@ -1241,7 +1245,7 @@ class JobManager:
             try:
                 await coro
             except Exception as exc:  # noqa: BLE001 - a failed command is logged, not fatal
-                log.warning("watchdog command failed: %s", exc)
+                log.warning("background task failed (a watchdog command, a cancel): %s", exc)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

@@ -162,9 +162,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         if self.m.draining:
             return  # the service is stopping, not the client: the job runs after the restart
         log.info("client went away: cancelling", extra={"job_id": job_id})
-        task = asyncio.get_running_loop().create_task(self.m.cancel(job_id))
-        self.m._tasks.add(task)
-        task.add_done_callback(self.m._tasks.discard)
+        self.m.cancel_soon(job_id)
 
     async def Run(self, request: pb.RunRequest, context: Any) -> AsyncIterator[pb.RunResponse]:
         job = await self._submit_or_abort(request.spec, context)
