@@ -53,6 +53,8 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
+# engine/integrity.py's rules (the front end does not import the engine: torch).
+RUNTIME_RULES = ("output_aliases_input", "output_aliases_reference", "faster_than_memory")
 
 
 class QueueFull(Exception):
@@ -895,12 +897,23 @@ class JobManager:
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         job.state = state  # type: ignore[assignment]
-        # The flags are the front end's (submit), whatever the job process's outcome says.
+        # The static flags are the front end's (submit), whatever the job process says; the
+        # engine adds runtime ones (engine/integrity.py), only of the rules it knows.
         flags = job_pb2.EvalResult()
         flags.flags.extend(job.result.flags)
+        runtime = [
+            job_pb2.IntegrityFlag(rule_id=f.rule_id, message=f.message[:500], source=f.source)
+            for f in result.flags
+            if f.source == job_pb2.FLAG_SOURCE_RUNTIME and f.rule_id in RUNTIME_RULES
+        ][: len(RUNTIME_RULES)]
         job.result.CopyFrom(result)
         job.result.ClearField("flags")
         job.result.flags.extend(flags.flags)
+        job.result.flags.extend(runtime)
+        if runtime and job.spec.options.reject_flagged and result.verdict == job_pb2.VERDICT_OK:
+            job.result.verdict = job_pb2.VERDICT_REJECTED
+            job.result.correctness = False
+            reason = reason or f"rejected: runtime checks flagged {[f.rule_id for f in runtime]}"
         job.state_reason = reason
         _stamp(job.end_time)
         event = self.hub.next_event(job.job_id)

@@ -32,6 +32,7 @@ build process and `run_job(..., prebuilt=...)` the launch process:
   {"do": "build_error"}      the build ends the job with VERDICT_COMPILE_ERROR
   {"do": "build_whole"}      the build says: run it whole (then it runs as {"do": "time"})
   {"do": "build_bad"}        the build process answers an artifact that is no cubin
+  {"do": "flags"}            OK with a runtime flag, one of an unknown rule and a "static" one
   {"do": "forge_reusable"}   (run whole) writes its own JobOutcome, reusable, to its channel
                              and stays, as hostile host code could
 Used with `serve --engine fe_fake_engine` (tests/frontend on PYTHONPATH).
@@ -134,6 +135,14 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
         return Outcome(result)
     if cmd["do"] == "build_whole":
         cmd = {"do": "time", "seconds": 0}
+    if cmd["do"] == "flags":  # what an engine's runtime checks report, and what it may not
+        result.verdict = job_pb2.VERDICT_OK
+        result.correctness = True
+        for rule, source in (("output_aliases_input", job_pb2.FLAG_SOURCE_RUNTIME),
+                             ("made_up_rule", job_pb2.FLAG_SOURCE_RUNTIME),
+                             ("timer_patch", job_pb2.FLAG_SOURCE_STATIC)):  # fmt: skip
+            result.flags.add(rule_id=rule, message="x" * 2000, source=source)
+        return Outcome(result)
     if cmd["do"] == "forge_reusable":
         forged = job_channel_pb2.JobProcessMessage()
         forged.outcome.job_id = reporter._job_id  # noqa: SLF001 - hostile code reads it too

@@ -330,3 +330,18 @@ def test_compile_cache_reaches_only_jobs_with_the_same_code(svc: ServiceProcess)
     assert other == []  # other code: nothing of alpha's
     third, _ = held("alpha")
     assert third == ["abc/alpha.cubin"]  # beta's file went to beta's entry only
+
+
+def test_runtime_flags_are_kept_only_as_runtime_flags_of_known_rules(svc: ServiceProcess) -> None:
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    job = stub.Evaluate(pb.EvaluateRequest(spec=command_spec({"do": "flags"})), timeout=60).job
+    assert job.result.verdict == job_pb2.VERDICT_OK
+    assert [(f.rule_id, f.source) for f in job.result.flags] == [
+        ("output_aliases_input", job_pb2.FLAG_SOURCE_RUNTIME)
+    ]
+    assert len(job.result.flags[0].message) == 500  # cut
+    spec = command_spec({"do": "flags"})
+    spec.options.reject_flagged = True
+    rejected = stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=60).job
+    assert rejected.result.verdict == job_pb2.VERDICT_REJECTED and not rejected.result.correctness
+    assert "runtime checks flagged ['output_aliases_input']" in rejected.state_reason

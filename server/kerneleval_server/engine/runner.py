@@ -25,7 +25,7 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 from .. import validation
-from . import compare, device, errors, loader, preflight, timing
+from . import compare, device, errors, integrity, loader, preflight, timing
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram
 from .backends.model import to_device
@@ -249,6 +249,7 @@ class _Job:
         self.dev = device.device()
         self.compare_mode = spec.HasField("reference")
         self.nvtx = os.environ.get("KERNELEVAL_NVTX") == "1"
+        self._output_bytes = 0  # what the kernel must write: the memory-bandwidth floor
 
     # -- the steps -----------------------------------------------------------------------
     def run(self) -> None:
@@ -424,6 +425,7 @@ class _Job:
         args = make_args(0)
         self._poison_outputs(args, 0)
         out = self._run(cand, args, "")
+        self._output_bytes = compare.nbytes_of(out)
         self.result.correctness = True
         self.result.validation.trial_count = 1
         self.result.validation.trials_passed = 1
@@ -465,6 +467,13 @@ class _Job:
                 ref_out = self._run(ref, ref_args, "reference: ")
                 out_bytes = compare.nbytes_of(ref_out)
             names = self._output_names(cand, ref, pristine)
+            self._output_bytes = out_bytes
+            self._flag(
+                integrity.aliasing(
+                    cand_out, names, _inputs_of(cand, cand_args), ref_out,
+                    allowed=integrity.aliased_outputs(ref_out, _inputs_of(ref, ref_args)),
+                )
+            )  # fmt: skip
             check = compare.compare_outputs(
                 cand_out, ref_out, names, self.opts.atol, self.opts.rtol
             )
@@ -538,6 +547,11 @@ class _Job:
         self.reporter.phase(job_pb2.PHASE_PROFILING)
         stats = self._measure(cand, cand_args, "", lambda d: self._progress(d, total))
         self.result.runtime.CopyFrom(stats)
+        if self.dev.type == "cuda":
+            bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
+            l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
+            floor = integrity.memory_floor(stats.median_ms, self._output_bytes, bandwidth, l2)
+            self._flag([floor] if floor is not None else [])
         if ref is not None and ref_args is not None:
             n = self.opts.perf_trials
             rstats = self._measure(
@@ -554,6 +568,15 @@ class _Job:
                     )
         if self.dev.type == "cpu":
             self.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+
+    def _flag(self, flags: list[job_pb2.IntegrityFlag]) -> None:
+        """Runtime integrity flags, each rule once (the first trial that shows it)."""
+        seen = {f.rule_id for f in self.result.flags}
+        for f in flags:
+            if f.rule_id not in seen:
+                seen.add(f.rule_id)
+                self.result.flags.append(f)
+                self.notes.append(f"integrity flag {f.rule_id}: {f.message}")
 
     def _progress(self, done: int, total: int) -> None:
         self.reporter.progress(job_pb2.PHASE_PROFILING, done, total)
@@ -582,3 +605,12 @@ class _Job:
 
 
 __all__ = ["LaunchProgram", "Options", "is_triton_launch", "run_job"]
+
+
+def _inputs_of(prog: Program, args: TrialArgs) -> list[Any]:
+    """What the program reads and must not hand back: a model's forward arguments; a launched
+    kernel's non-output args (its OUTPUT and INOUT args are its outputs)."""
+    if prog.kind == "model":
+        return args.model_inputs()
+    outputs = set(args.output_indices())
+    return [v for i, v in enumerate(args.values) if i not in outputs]
