@@ -206,7 +206,7 @@ class Server:
         self.state = cfg.state_path()
         self.state.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_state(self.state)
-        self.store = open_store(cfg.store or cfg.database_path())
+        self.store = open_store(cfg.store or cfg.database_path(), exclusive=True)
         self.metrics = Metrics()
         self.limits = validation.Limits.from_env()
         self.manager = JobManager(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
@@ -26,6 +27,11 @@ def test_jobs_and_events_live_in_postgresql_across_a_restart(
             job = stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), timeout=120).job
             queued = stub.Submit(pb.SubmitRequest(spec=k.spec(k.HANG, timeout_s=60)), timeout=30)
         assert job.result.verdict == job_pb2.VERDICT_OK, job
+        # A second service on the same database is refused: it would re-run the first's jobs.
+        second = ServiceProcess(tmp_path / "state2", ["--nvml", "none", "--store", url])
+        with pytest.raises(RuntimeError, match="another kerneleval front end uses this database"):
+            second.start(timeout=60)
+        second.stop()
         svc.kill()  # SIGKILL: the hanging job is RUNNING in the store
         assert not (tmp_path / "state" / "jobs.db").exists()  # nothing went to SQLite
         svc.start()

@@ -127,9 +127,7 @@ def test_the_schema_is_versioned_and_migrated_once(store: JobStore) -> None:
     assert store.schema_version() == migrations.LATEST
     store.insert(make_job("a"), event("a", 1))
     again = (
-        open_store(store.url)
-        if isinstance(store, PostgresStore)
-        else open_store(store.path)  # type: ignore[attr-defined]
+        open_store(store.url) if isinstance(store, PostgresStore) else open_store(store.path)  # type: ignore[attr-defined]
     )
     try:
         assert again.schema_version() == migrations.LATEST and again.get("a") is not None
@@ -177,3 +175,24 @@ def test_an_unreachable_postgresql_says_so_without_its_password(tmp_path: Path) 
     with pytest.raises(StoreError) as err:
         PostgresStore(url, connect_timeout_s=1.0)
     assert "s3cret" not in str(err.value) and "kerneleval:***@" in str(err.value)
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+def test_one_front_end_per_store(
+    engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Two services on one store would both re-run each other's RUNNING jobs at start.
+    if engine == "sqlite":
+        location: str | Path = tmp_path / "jobs.db"
+    else:
+        location = request.getfixturevalue("postgres").new_database()
+    first = open_store(location, exclusive=True)
+    try:
+        with pytest.raises(StoreError, match="another kerneleval front end uses"):
+            open_store(location, exclusive=True)
+        reader = open_store(location)  # not a front end: tools may still read it
+        reader.close()
+    finally:
+        first.close()
+    again = open_store(location, exclusive=True)  # the lock went with the first
+    again.close()

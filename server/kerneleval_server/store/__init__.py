@@ -23,10 +23,11 @@ from .sqlite import SqliteStore
 __all__ = ["TERMINAL", "JobStore", "PostgresStore", "SqliteStore", "StoreError", "open_store"]
 
 
-def open_store(location: str | Path) -> JobStore:
+def open_store(location: str | Path, *, exclusive: bool = False) -> JobStore:
     """A postgresql:// (or postgres://) URL opens PostgreSQL; anything else is a SQLite file
-    (a sqlite:/// URL or a path)."""
+    (a sqlite:/// URL or a path). `exclusive`: this process is the store's one front end
+    (StoreError when another holds it)."""
     text = str(location)
     if text.startswith(("postgresql://", "postgres://")):
-        return PostgresStore(text)
-    return SqliteStore(Path(text.removeprefix("sqlite://")))
+        return PostgresStore(text, exclusive=exclusive)
+    return SqliteStore(Path(text.removeprefix("sqlite://")), exclusive=exclusive)

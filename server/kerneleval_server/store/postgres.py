@@ -2,7 +2,8 @@
 
 Each call takes a pooled connection for one transaction; a write commits before it returns, as
 SQLite's does. The schema is migrated under a transaction-scoped advisory lock, so front ends
-that start together do not race to migrate it.
+that start together do not race to migrate it; a service holds a session lock for as long as
+it runs (`exclusive`), so a second one on the same database is refused.
 """
 
 from __future__ import annotations
@@ -15,26 +16,41 @@ from . import migrations
 from .base import SqlStore, StoreError
 
 _MIGRATION_LOCK = 0x6B65_7276  # "kerv": pg_advisory_xact_lock's key for schema changes
+# One front end per database (a session lock, held while the service runs): two would both
+# re-run each other's RUNNING jobs at start. The gateway and node roles will share one.
+_FRONT_END_LOCK = 0x6B65_7266  # "kerf"
+IN_USE = "another kerneleval front end uses this database (one per database for now)"
 POOL_MAX = 8
 
 
 class PostgresStore(SqlStore):
     placeholder = "%s"
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout_s: float = 10.0, exclusive: bool = False
+    ) -> None:
         import psycopg  # the SQLite default needs neither
         from psycopg_pool import ConnectionPool
 
         self.url = url
-        self._errors = psycopg.Error
         self._pool = ConnectionPool(
             url, min_size=1, max_size=POOL_MAX, open=False, name="kerneleval-store"
         )
+        self._owner: Any = None  # the connection that holds the front end's lock
         try:
+            if exclusive:
+                self._owner = psycopg.connect(
+                    url, autocommit=True, connect_timeout=max(1, int(connect_timeout_s))
+                )
+                got = self._owner.execute(
+                    "SELECT pg_try_advisory_lock(%s)", (_FRONT_END_LOCK,)
+                ).fetchone()
+                if not got or not got[0]:
+                    raise StoreError(IN_USE)
             self._pool.open(wait=True, timeout=connect_timeout_s)
             self._migrate()
         except Exception as exc:
-            self._pool.close()
+            self.close()
             raise StoreError(f"PostgreSQL job store {_redacted(url)}: {exc}") from exc
 
     def _migrate(self) -> None:
@@ -45,6 +61,9 @@ class PostgresStore(SqlStore):
 
     def close(self) -> None:
         self._pool.close()
+        if self._owner is not None:
+            self._owner.close()  # ends the session: its lock goes with it
+            self._owner = None
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -14,9 +15,17 @@ from .base import SqlStore, StoreError
 
 
 class SqliteStore(SqlStore):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, exclusive: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._lock_fd = -1
+        if exclusive:  # one front end per file: two would both re-run RUNNING jobs at start
+            self._lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                os.close(self._lock_fd)
+                raise StoreError(f"{path}: another kerneleval front end uses it") from exc
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         os.chmod(path, 0o600)  # tenants' sources: the service's user only
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -31,6 +40,9 @@ class SqliteStore(SqlStore):
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the lock goes with the descriptor
+            self._lock_fd = -1
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[Any]:
