@@ -46,7 +46,7 @@ $(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0'
-	$(PY) -m pip install -q -e clients/python -e '.[dev]'
+	$(PY) -m pip install -q -e 'clients/python[mcp]' -e '.[dev]'
 	@touch $@
 
 # Python code generated from proto/ (never edited by hand).

@@ -501,6 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_stats)
 
+    s = sub.add_parser(
+        "mcp", help="serve the tools for LLM agents over MCP (needs kerneleval-client[mcp])"
+    )
+    s.add_argument("--http-port", type=int, default=0, help="streamable HTTP here; else stdio")
+    s.add_argument("--http-host", default="127.0.0.1", help="address for --http-port")
+
     s = sub.add_parser("doctor", help="print a diagnostics report to paste into an issue")
     s.add_argument("--json", action="store_true")
     s.add_argument(
@@ -514,6 +520,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_mcp(a: argparse.Namespace) -> int:
+    try:
+        from .mcp_server import serve
+    except ImportError as e:
+        print(f"error: kerneleval mcp needs the mcp extra ({e}): "
+              "pip install 'kerneleval-client[mcp]'", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    return serve(
+        resolve_address(a.address),
+        admin_token=a.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+        credentials=_credentials(a),
+        http_port=a.http_port,
+        http_host=a.http_host,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -524,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if head.command == "serve":
             return cmd_serve(args_list[i + 1 :])
     a = parser.parse_args(args_list)
+    if a.command == "mcp":
+        return cmd_mcp(a)
     try:
         with Client(
             resolve_address(a.address),
