@@ -125,3 +125,39 @@ def test_list_devices_with_the_admin_token(svc) -> None:  # type: ignore[no-unty
         assert [d["index"] for d in result.structured_content["devices"]] == [0]
 
     with_tools(svc, body, token=True)
+
+
+def test_streamable_http(svc) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(KERNELEVAL), "--address", svc.address, "mcp", "--http-port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+
+        async def main() -> None:
+            async with Client(f"http://127.0.0.1:{port}/mcp", read_timeout_seconds=120) as c:
+                result = await c.call_tool(
+                    "evaluate_kernel",
+                    {"source": CANDIDATE, "reference_source": REFERENCE, "perf_trials": 0},
+                )
+                assert not result.is_error, result
+                assert result.structured_content["verdict"] == "OK"
+
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
