@@ -302,21 +302,39 @@ class JobManager:
         event.log.text = "built ahead for a job with the same code: waits for a launch process"
         self.store.update(job)
         self.hub.publish(event)
+        run = self._track(job, WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True))
+        self._await_launch(run, artifacts)
+        return True
+
+    def _track(
+        self,
+        job: job_pb2.Job,
+        worker: WorkerState,
+        compile_cache: list[job_channel_pb2.CacheFile] | None = None,
+    ) -> Running:
+        """A job that starts now: followed until it ends, its timeout running."""
         self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
         run = Running(
-            job=job, worker=WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True),
+            job=job,
+            worker=worker,
             timeout_s=timeout_of(job.spec, self.max_timeout_s),
-            built=artifacts, awaiting_launch=True,
-        )  # fmt: skip
-        run.deadline = Deadline(
-            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
+            compile_cache=compile_cache or [],
         )
-        run.deadline.pause()
-        self.running[job_id] = run
+        self.running[job.job_id] = run
         self.metrics.running.set(len(self.running))
-        self._launched.add(job_id)
-        self.launch_queue.append(job_id)
-        return True
+        run.deadline = Deadline(
+            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job.job_id)
+        )
+        return run
+
+    def _await_launch(self, run: Running, artifacts: list[job_channel_pb2.KernelArtifact]) -> None:
+        """Built: the job waits, its deadline paused, for a launch process."""
+        assert run.deadline is not None
+        run.deadline.pause()
+        run.built = artifacts
+        run.awaiting_launch = True
+        self._launched.add(run.job.job_id)
+        self.launch_queue.append(run.job.job_id)
 
     def _next_launch(self, device_index: int) -> str:
         """The oldest built job that may run on the device."""
@@ -373,24 +391,14 @@ class JobManager:
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
         if waiting is None:
-            self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
-            run = Running(
-                job=job,
-                worker=worker,
-                timeout_s=timeout_of(job.spec, self.max_timeout_s),
-                compile_cache=list(cached),
-            )
+            run = self._track(job, worker, list(cached))
             run.build_arch = build_arch
-            self.running[job_id] = run
-            self.metrics.running.set(len(self.running))
-            run.deadline = Deadline(
-                asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job_id)
-            )
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
             run.awaiting_launch, run.built = False, []
-            assert run.deadline is not None
+        assert run.deadline is not None
+        if waiting is not None:
             run.deadline.resume()
         worker.job_id = job_id
         if self.windows.frozen(worker.device_index):
@@ -692,8 +700,6 @@ class JobManager:
                 result.ClearField("timing_window")
             self._finish(job, job_pb2.JOB_STATE_DONE, result)
             return
-        assert run.deadline is not None
-        run.deadline.pause()  # waiting for a launch process is not the job's time
         event = self.hub.next_event(job.job_id)
         if built.run_whole:
             event.log.text = (
@@ -702,14 +708,10 @@ class JobManager:
             self.hub.publish(event)
             self.run_whole.add(job.job_id)
             job.attempt_count -= 1  # its whole run is the same attempt
+            assert run.deadline is not None
             run.deadline.cancel()
             self.running.pop(job.job_id, None)
-            job.state = job_pb2.JOB_STATE_QUEUED
-            event = self.hub.next_event(job.job_id)
-            event.queued.position = len(self.queue)
-            self.store.update(job, event)
-            self.hub.publish(event, persisted=True)
-            self._enqueue(job)
+            self._requeue(job)
         else:
             event.log.text = f"built ahead by {worker.worker_id}: waits for a launch process"
             self.hub.publish(event)
@@ -718,10 +720,7 @@ class JobManager:
             )
             if why:
                 log.warning("what job %s built is not kept: %s", job.job_id, why)
-            run.built = list(built.artifacts)
-            run.awaiting_launch = True
-            self._launched.add(job.job_id)
-            self.launch_queue.append(job.job_id)
+            self._await_launch(run, list(built.artifacts))
         self.dispatch()
 
     async def _finish_outcome_after_window(self, run: Running) -> None:
@@ -953,13 +952,7 @@ class JobManager:
             event = self.hub.next_event(job.job_id)
             event.fault.CopyFrom(fault)
             self.hub.publish(event)
-            job.state = job_pb2.JOB_STATE_QUEUED
-            job.ClearField("start_time")
-            event = self.hub.next_event(job.job_id)
-            event.queued.position = len(self.queue)
-            self.store.update(job, event)
-            self.hub.publish(event, persisted=True)
-            self._enqueue(job)
+            self._requeue(job)
             return
         result = job_pb2.EvalResult()
         result.fault.CopyFrom(fault)
@@ -969,6 +962,16 @@ class JobManager:
             return
         result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
         self._finish(job, job_pb2.JOB_STATE_DONE, result)
+
+    def _requeue(self, job: job_pb2.Job) -> None:
+        """Back to QUEUED (told, stored) and into the queue; its start is stamped again."""
+        job.state = job_pb2.JOB_STATE_QUEUED
+        job.ClearField("start_time")
+        event = self.hub.next_event(job.job_id)
+        event.queued.position = len(self.queue)
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        self._enqueue(job)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
         if run.outcome is not None or run.awaiting_launch:

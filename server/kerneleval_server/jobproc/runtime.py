@@ -27,6 +27,7 @@ Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
 # No `from __future__ import annotations`: the Triton warm-up kernel's `tl.constexpr`
 # annotation must be a real object when Triton reads it.
 
+import functools
 import gc
 import importlib
 import json
@@ -496,8 +497,10 @@ def _clean_after_launch() -> bool:
     return True
 
 
+@functools.cache
 def _device_memset() -> Any:
-    """cuMemsetD8 (the driver API: torch has no binding) on the current context."""
+    """cuMemsetD8 (the driver API: torch has no binding) on the current context; bound once
+    a process."""
     import ctypes
 
     lib = ctypes.CDLL("libcuda.so.1")

@@ -13,7 +13,8 @@ content plus a short text an LLM reads well; bad input is a tool error that says
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -23,6 +24,7 @@ from .client import AsyncClient
 from .v1 import job_pb2, kernel_pb2
 
 KernelType = Literal["auto", "torch", "torch_cuda", "triton", "cuda"]
+T = TypeVar("T")
 MAX_TEXT_LINES = 12  # of a compiler's or a traceback's output, in the text an LLM reads
 
 INSTRUCTIONS = """Compile, check and time GPU kernels on a kerneleval server.
@@ -71,6 +73,13 @@ def summary(job: job_pb2.Job) -> dict[str, Any]:
     if job.state_reason:
         out["state_reason"] = job.state_reason
     return out
+
+
+def answer(job: job_pb2.Job) -> dict[str, Any]:
+    """summary() with its text under "summary": what every tool about a job returns."""
+    s = summary(job)
+    s["summary"] = text_of(s)
+    return s
 
 
 def text_of(s: dict[str, Any]) -> str:
@@ -162,6 +171,14 @@ def make_server(
     def client() -> AsyncClient:
         return AsyncClient(address, admin_token=admin_token, credentials=credentials)
 
+    async def call(method: Callable[[AsyncClient], Awaitable[T]]) -> T:
+        """One call to the server; its errors as tool errors."""
+        async with client() as c:
+            try:
+                return await method(c)
+            except errors.KernelEvalError as e:
+                raise tool_error(e) from e
+
     async def run(spec: kernel_pb2.JobSpec, ctx: Context) -> dict[str, Any]:
         step = 0
         job: job_pb2.Job | None = None
@@ -184,9 +201,7 @@ def make_server(
                 raise tool_error(e) from e
         if job is None:
             raise ToolError("the server ended the job's stream without its result; get_job")
-        s = summary(job)
-        s["summary"] = text_of(s)
-        return s
+        return answer(job)
 
     @server.tool()
     async def evaluate_kernel(
@@ -231,35 +246,17 @@ def make_server(
     @server.tool()
     async def get_job(job_id: str) -> dict[str, Any]:
         """A job's state and result, by the job_id an evaluation returned."""
-        async with client() as c:
-            try:
-                job = await c.get_job(job_id)
-            except errors.KernelEvalError as e:
-                raise tool_error(e) from e
-        s = summary(job)
-        s["summary"] = text_of(s)
-        return s
+        return answer(await call(lambda c: c.get_job(job_id)))
 
     @server.tool()
     async def cancel_job(job_id: str) -> dict[str, Any]:
         """Cancels a queued or running job; returns it as it ended."""
-        async with client() as c:
-            try:
-                job = await c.cancel_job(job_id)
-            except errors.KernelEvalError as e:
-                raise tool_error(e) from e
-        s = summary(job)
-        s["summary"] = text_of(s)
-        return s
+        return answer(await call(lambda c: c.cancel_job(job_id)))
 
     @server.tool()
     async def list_devices() -> dict[str, Any]:
         """The server's GPUs and their health (needs the server's admin token)."""
-        async with client() as c:
-            try:
-                devices = await c.list_devices()
-            except errors.KernelEvalError as e:
-                raise tool_error(e) from e
+        devices = await call(lambda c: c.list_devices())
         rows = [
             {"index": d.index, "name": d.name, "health": render.health_name(d.health)}
             for d in devices
