@@ -478,7 +478,7 @@ def main() -> int:
         "cu_host_pch: nvcc preprocesses the .cu with gcc -E for each pass and feeds the "
         "expanded text to cudafe++ and cicc, so a g++ PCH cannot stand in for the torch "
         "headers there; -include also puts them before nvcc's cuda_runtime.h",
-        "split_*: ex_add split by hand (kernel + extern \"C\" launcher in the .cu, torch only "
+        'split_*: ex_add split by hand (kernel + extern "C" launcher in the .cu, torch only '
         "in the host wrapper): the bound of what a device/host split gives",
     ]
     C.write_results(

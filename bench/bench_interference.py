@@ -172,8 +172,11 @@ def summarise(jobs: list[job_pb2.Job]) -> dict[str, Any]:
 
 
 def run_all(
-    svc: C.Service, timed: kernel_pb2.JobSpec, scenarios: dict[str, list[kernel_pb2.JobSpec]],
-    repeats: int, label: str = "",
+    svc: C.Service,
+    timed: kernel_pb2.JobSpec,
+    scenarios: dict[str, list[kernel_pb2.JobSpec]],
+    repeats: int,
+    label: str = "",
 ) -> dict[str, Any]:
     out = {}
     for name, neighbours in scenarios.items():

@@ -57,9 +57,7 @@ SEGMENTS = {
 }
 
 
-def breakdown(
-    c: Any, job: job_pb2.Job, client_done: float
-) -> dict[str, float]:
+def breakdown(c: Any, job: job_pb2.Job, client_done: float) -> dict[str, float]:
     """Seconds of each segment of one job, from its persisted events' timestamps."""
     at: dict[str, float] = {"created": C.ts(job.create_time), "client": client_done}
     for ev in c.watch(job.job_id):
@@ -69,9 +67,7 @@ def breakdown(
         elif kind in ("started", "finished"):
             at.setdefault(kind, C.ts(ev.time))
     at["after_validating"] = at.get("PHASE_PROFILING", at.get("finished", 0.0))
-    return {
-        name: at[b] - at[a] for name, (a, b) in SEGMENTS.items() if a in at and b in at
-    }
+    return {name: at[b] - at[a] for name, (a, b) in SEGMENTS.items() if a in at and b in at}
 
 
 def service_latencies(

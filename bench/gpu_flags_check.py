@@ -74,8 +74,9 @@ def main() -> int:
     passed = all(r["ok"] for r in rows) and bool(bandwidth)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_flags_check.json").write_text(
-        json.dumps({"rows": rows, "peak_bandwidth_bytes_per_s": bandwidth, "passed": passed},
-                   indent=1)  # fmt: skip
+        json.dumps(
+            {"rows": rows, "peak_bandwidth_bytes_per_s": bandwidth, "passed": passed}, indent=1
+        )  # fmt: skip
     )
     print(f"peak bandwidth {bandwidth}; passed {passed}")
     return 0 if passed else 1

@@ -71,8 +71,9 @@ def warm_up() -> None:
         x = torch.ones(1024, device="cpu" if dry else "cuda")
         if not dry:
             torch.cuda.synchronize()
-        _job.update(torch=torch, x=x,
-                    device="cpu (dry run)" if dry else torch.cuda.get_device_name(0))
+        _job.update(
+            torch=torch, x=x, device="cpu (dry run)" if dry else torch.cuda.get_device_name(0)
+        )
 
         @triton.jit
         def oob_store(ptr):
@@ -92,9 +93,15 @@ def warm_up() -> None:
 
 
 def _about() -> dict[str, Any]:
-    return {"pid": os.getpid(), "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(),
-            "device": _job.get("device", ""), "precompiled": _job.get("precompiled", False),
-            "error": _job.get("error", "")}
+    return {
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "gid": os.getgid(),
+        "device": _job.get("device", ""),
+        "precompiled": _job.get("precompiled", False),
+        "error": _job.get("error", ""),
+    }
 
 
 def _op() -> dict[str, Any]:
@@ -108,18 +115,32 @@ def _op() -> dict[str, Any]:
 def _oob() -> dict[str, Any]:
     launched_ms = time.time() * 1000
     if "kernel" not in _job:
-        return {"cmd": "oob", "faulted": False, "launched_ms": launched_ms,
-                "error": f"nothing launched: {_job.get('error', 'no kernel')}"}
+        return {
+            "cmd": "oob",
+            "faulted": False,
+            "launched_ms": launched_ms,
+            "error": f"nothing launched: {_job.get('error', 'no kernel')}",
+        }
     if _job["dry"]:
-        return {"cmd": "oob", "faulted": True, "launched_ms": launched_ms,
-                "fault_ms": time.time() * 1000, "error": "dry run"}
+        return {
+            "cmd": "oob",
+            "faulted": True,
+            "launched_ms": launched_ms,
+            "fault_ms": time.time() * 1000,
+            "error": "dry run",
+        }
     try:
         _job["kernel"][(1,)](_job["x"])
         _job["torch"].cuda.synchronize()
         return {"cmd": "oob", "faulted": False, "launched_ms": launched_ms}
     except Exception as exc:  # noqa: BLE001 - the expected illegal address
-        return {"cmd": "oob", "faulted": True, "launched_ms": launched_ms,
-                "fault_ms": time.time() * 1000, "error": str(exc)[:300]}
+        return {
+            "cmd": "oob",
+            "faulted": True,
+            "launched_ms": launched_ms,
+            "fault_ms": time.time() * 1000,
+            "error": str(exc)[:300],
+        }
     # Either way it stays up (with a dead context): the watchdog must notice the XID.
 
 
@@ -196,8 +217,11 @@ class LogTee:
 
     def printed(self, last: int = 3) -> list[str]:
         """The last lines that are not the watchdog's own: its zygotes' and job processes'."""
-        return [line for line in self.lines
-                if line.strip() and not line.startswith("kerneleval-watchdog")][-last:]
+        return [
+            line
+            for line in self.lines
+            if line.strip() and not line.startswith("kerneleval-watchdog")
+        ][-last:]
 
 
 class Channel:
@@ -247,8 +271,14 @@ class Run:
         return [e.worker_started.worker for e in self.of("worker_started")]
 
     def exit_of(self, worker_id: str) -> Any:
-        return next((e.worker_exited for e in self.of("worker_exited")
-                     if e.worker_exited.worker.worker_id == worker_id), None)
+        return next(
+            (
+                e.worker_exited
+                for e in self.of("worker_exited")
+                if e.worker_exited.worker.worker_id == worker_id
+            ),
+            None,
+        )
 
     async def wait_for(self, pred: Callable[[], Any], timeout: float) -> Any:
         deadline = time.monotonic() + timeout
@@ -268,8 +298,9 @@ class Run:
         if not ch.send(cmd):
             return None
         reply = await self.wait_for(
-            lambda: next((m for m in ch.messages[seen:] if m.get("cmd") == cmd), None)
-            or ch.closed, timeout)
+            lambda: next((m for m in ch.messages[seen:] if m.get("cmd") == cmd), None) or ch.closed,
+            timeout,
+        )
         return reply if isinstance(reply, dict) else None
 
     def why(self, worker_id: str) -> str:
@@ -282,8 +313,11 @@ class Run:
 
         def settled() -> bool:
             ch = self.channels.get(worker_id)
-            return (ch is not None and (ch.ready() is not None or ch.closed)
-                    or self.exit_of(worker_id) is not None)
+            return (
+                ch is not None
+                and (ch.ready() is not None or ch.closed)
+                or self.exit_of(worker_id) is not None
+            )
 
         await self.wait_for(settled, timeout)
         ch = self.channels.get(worker_id)
@@ -295,24 +329,32 @@ class Run:
         await self.wait_for(lambda: self.exit_of(worker_id), 3)
         ex = self.exit_of(worker_id)
         if ex is None:
-            raise JobStartFailed(f"job process {worker_id} not ready after {timeout:.0f} s"
-                                 + self.why(worker_id))
+            raise JobStartFailed(
+                f"job process {worker_id} not ready after {timeout:.0f} s" + self.why(worker_id)
+            )
         meaning = {
             SETUP_FAILED_EXIT: "a sandbox step, the drop to the job user or the warm-up failed "
-                               "before the job main ran",
+            "before the job main ran",
             CONFIG_EXIT: "the zygote refused its config",
         }.get(ex.exit_code, "")
-        how = (f"signal {ex.signal}" if ex.signal else
-               f"exit code {ex.exit_code}" + (f": {meaning}" if meaning else ""))
-        raise JobStartFailed(f"job process {worker_id} exited before it was ready "
-                             f"({how}; {ex.reason}){self.why(worker_id)}")
+        how = (
+            f"signal {ex.signal}"
+            if ex.signal
+            else f"exit code {ex.exit_code}" + (f": {meaning}" if meaning else "")
+        )
+        raise JobStartFailed(
+            f"job process {worker_id} exited before it was ready "
+            f"({how}; {ex.reason}){self.why(worker_id)}"
+        )
 
     async def start_failure(self, wd: Any, warnings: dict[str, str]) -> str:
         """Why no job process started on the device."""
         parts = [("", warnings.get("unprivileged_user", ""))]
         with contextlib.suppress(Exception):
-            parts += [(f"device {dev.device_index}: ", dev.health_reason)
-                      for dev in (await wd.status()).devices]
+            parts += [
+                (f"device {dev.device_index}: ", dev.health_reason)
+                for dev in (await wd.status()).devices
+            ]
         said: list[str] = []
         for label, text in parts:  # the same reason comes by several ways
             if text and not any(text in s for s in said):
@@ -323,8 +365,9 @@ class Run:
         return "; ".join(["no job process started", *said])
 
 
-def build_config(args: argparse.Namespace, root: Path, code_dir: Path, user: str,
-                 reset_command: str) -> Any:
+def build_config(
+    args: argparse.Namespace, root: Path, code_dir: Path, user: str, reset_command: str
+) -> Any:
     """The service's own Configure (main.build_configure), with this file's job main."""
     from kerneleval_server.config import Config
     from kerneleval_server.jobproc import JOB_MAIN_ENV
@@ -332,8 +375,13 @@ def build_config(args: argparse.Namespace, root: Path, code_dir: Path, user: str
 
     fake, kmsg = root / "fake_nvml", root / "kmsg"
     cfg = Config(
-        devices=str(args.device), workers_per_device=2, warm_spare=False,
-        reset_command=reset_command, auto_reset=False, health_interval_s=2, job_user=user,
+        devices=str(args.device),
+        workers_per_device=2,
+        warm_spare=False,
+        reset_command=reset_command,
+        auto_reset=False,
+        health_interval_s=2,
+        job_user=user,
         sandbox_path=str(code_dir),  # shown read-only, like the service's code
         nvml="fake" if args.dry_run else "real",
     )
@@ -364,7 +412,7 @@ def make_code_dir() -> Path:
 
 async def check(args: argparse.Namespace, user: str, log: LogTee) -> dict[str, Any]:
     from kerneleval.internal.v1 import watchdog_pb2 as pb
-    from kerneleval_server.watchdog import Watchdog, WatchdogError, find_watchdog_binary
+    from kerneleval_server.fleet.watchdog import Watchdog, WatchdogError, find_watchdog_binary
 
     root = Path(tempfile.mkdtemp(prefix="kew-gpu-"))
     code_dir = make_code_dir()
@@ -384,26 +432,35 @@ async def check(args: argparse.Namespace, user: str, log: LogTee) -> dict[str, A
         with log.as_stderr():
             wd = await Watchdog.start(binary, cfg, run.events.append, run.on_channel)
         unhealthy = lambda: any(  # noqa: E731
-            e.device.device.health == pb.HEALTH_UNHEALTHY for e in run.of("device"))
-        await run.wait_for(lambda: len(run.started()) >= 2 or unhealthy()
-                           or run.of("worker_exited"), args.start_timeout)
+            e.device.device.health == pb.HEALTH_UNHEALTHY for e in run.of("device")
+        )
+        await run.wait_for(
+            lambda: len(run.started()) >= 2 or unhealthy() or run.of("worker_exited"),
+            args.start_timeout,
+        )
         warnings = {e.warning.feature: e.warning.message for e in run.of("warning")}
         results["warnings"] = warnings
         workers = run.started()[:2]
-        readies = await asyncio.gather(*(run.ready(w.worker_id, args.ready_timeout)
-                                         for w in workers))  # JobStartFailed says why
+        readies = await asyncio.gather(
+            *(run.ready(w.worker_id, args.ready_timeout) for w in workers)
+        )  # JobStartFailed says why
         if len(workers) < 2:
             raise JobStartFailed(await run.start_failure(wd, warnings))
-        results["job_processes"] = {w.worker_id: {"host_pid": w.pid, **r}
-                                    for w, r in zip(workers, readies, strict=True)}
+        results["job_processes"] = {
+            w.worker_id: {"host_pid": w.pid, **r} for w, r in zip(workers, readies, strict=True)
+        }
         checks["job_processes_started"] = True
         checks["job_user_not_root"] = all(r["uid"] != 0 and r["euid"] != 0 for r in readies)
         status = await wd.status()
         dev = status.devices[0]
-        results["device"] = {"name": dev.name, "uuid": dev.uuid, "driver": dev.driver_version,
-                             "memory_total_bytes": dev.memory_total_bytes,
-                             "temperature_c": dev.temperature_celsius,
-                             "recovery_action": dev.recovery_action}
+        results["device"] = {
+            "name": dev.name,
+            "uuid": dev.uuid,
+            "driver": dev.driver_version,
+            "memory_total_bytes": dev.memory_total_bytes,
+            "temperature_c": dev.temperature_celsius,
+            "recovery_action": dev.recovery_action,
+        }
         checks["kmsg_readable"] = "kmsg" not in warnings
         victim, survivor = workers[0], workers[1]
         for w in workers:
@@ -424,11 +481,18 @@ async def check(args: argparse.Namespace, user: str, log: LogTee) -> dict[str, A
         if xid_event:
             x = xid_event[0].xid
             checks["xid_observed"] = x.xid == 31
-            results["xid"] = {"xid": x.xid, "pid": x.pid, "category": x.category,
-                              "action": x.action, "worker_ids": list(x.worker_ids),
-                              "job_ids": list(x.job_ids), "time_ms": x.time_ms}
-            checks["xid_pid_is_victim"] = x.pid == victim.pid if checks["kmsg_readable"] else (
-                "n/a (kmsg not readable)")
+            results["xid"] = {
+                "xid": x.xid,
+                "pid": x.pid,
+                "category": x.category,
+                "action": x.action,
+                "worker_ids": list(x.worker_ids),
+                "job_ids": list(x.job_ids),
+                "time_ms": x.time_ms,
+            }
+            checks["xid_pid_is_victim"] = (
+                x.pid == victim.pid if checks["kmsg_readable"] else ("n/a (kmsg not readable)")
+            )
             checks["xid_names_victim"] = list(x.worker_ids) == [victim.worker_id]
             if fault and fault.get("fault_ms"):
                 results["fault_to_xid_ms"] = round(x.time_ms - fault["fault_ms"], 1)
@@ -452,18 +516,25 @@ async def check(args: argparse.Namespace, user: str, log: LogTee) -> dict[str, A
         checks["survivor_same_pid"] = live.get(survivor.worker_id) == survivor.pid
         r = await run.ask(survivor.worker_id, "op")
         checks["survivor_cuda_op_after_fault"] = bool(r and r["ok"])
-        checks["device_healthy_after_xid31"] = (
-            (await wd.status()).devices[0].health == pb.HEALTH_HEALTHY)
+        checks["device_healthy_after_xid31"] = (await wd.status()).devices[
+            0
+        ].health == pb.HEALTH_HEALTHY
 
         t0 = time.monotonic()
         ok, steps = await wd.reset_gpu(args.device, grace_ms=1000)
         results["reset_seconds"] = round(time.monotonic() - t0, 2)
-        results["reset_steps"] = [{"step": s.step, "ok": s.ok, "message": s.message}
-                                  for s in steps]
+        results["reset_steps"] = [{"step": s.step, "ok": s.ok, "message": s.message} for s in steps]
         checks["reset_all_steps_ok"] = ok and [s.step for s in steps] == [
-            "drain", "stop_workers", "check_processes", "reset", "check_health", "start_workers"]
-        checks["reset_command_recorded_only"] = (
-            record.exists() and record.read_text().split() == [str(args.device)])
+            "drain",
+            "stop_workers",
+            "check_processes",
+            "reset",
+            "check_health",
+            "start_workers",
+        ]
+        checks["reset_command_recorded_only"] = record.exists() and record.read_text().split() == [
+            str(args.device)
+        ]
         await run.wait_for(lambda: len(run.started()) >= 5, 15)
     except JobStartFailed as exc:
         checks["job_processes_started"] = f"no: {exc}"
@@ -487,16 +558,24 @@ def passed(value: Any) -> bool:
 def write_outputs(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_watchdog_check.json").write_text(json.dumps(results, indent=2))
-    lines = ["# Watchdog GPU check", "", f"- host: {results['host']}",
-             f"- device: {results.get('device', {})}",
-             f"- worker user: {results.get('worker_user')}",
-             f"- fault to XID event: {results.get('fault_to_xid_ms', 'n/a')} ms",
-             f"- reset procedure: {results.get('reset_seconds', 'n/a')} s", "",
-             "| check | result |", "| --- | --- |"]
+    lines = [
+        "# Watchdog GPU check",
+        "",
+        f"- host: {results['host']}",
+        f"- device: {results.get('device', {})}",
+        f"- worker user: {results.get('worker_user')}",
+        f"- fault to XID event: {results.get('fault_to_xid_ms', 'n/a')} ms",
+        f"- reset procedure: {results.get('reset_seconds', 'n/a')} s",
+        "",
+        "| check | result |",
+        "| --- | --- |",
+    ]
     lines += [f"| {k} | {v} |" for k, v in results["checks"].items()]
     lines += ["", "| reset step | ok | message |", "| --- | --- | --- |"]
-    lines += [f"| {s['step']} | {s['ok']} | {s['message'][:120]} |"
-              for s in results.get("reset_steps", [])]
+    lines += [
+        f"| {s['step']} | {s['ok']} | {s['message'][:120]} |"
+        for s in results.get("reset_steps", [])
+    ]
     if results.get("job_processes"):
         lines += ["", f"Job processes: `{json.dumps(results['job_processes'])}`"]
     if results.get("xid"):
@@ -511,15 +590,24 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--binary", default="", help="watchdog binary (default: the built one)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="rehearse on a CPU machine: fake NVML, no CUDA")
-    ap.add_argument("--worker-user", default="",
-                    help="SandboxConfig.user: the job user (default: the watchdog's, "
-                         "kerneleval-job else nobody; never root)")
-    ap.add_argument("--start-timeout", type=float, default=90,
-                    help="seconds for the zygote to start the first job processes")
-    ap.add_argument("--ready-timeout", type=float, default=120,
-                    help="seconds for a job process's warm-up")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="rehearse on a CPU machine: fake NVML, no CUDA"
+    )
+    ap.add_argument(
+        "--worker-user",
+        default="",
+        help="SandboxConfig.user: the job user (default: the watchdog's, "
+        "kerneleval-job else nobody; never root)",
+    )
+    ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=90,
+        help="seconds for the zygote to start the first job processes",
+    )
+    ap.add_argument(
+        "--ready-timeout", type=float, default=120, help="seconds for a job process's warm-up"
+    )
     args = ap.parse_args()
     sys.path[:0] = [str(REPO / "server"), str(REPO / "clients" / "python" / "src")]
     t0 = time.monotonic()
@@ -536,8 +624,10 @@ def main() -> int:
     print(f"{'check'.ljust(width)}  result")
     for k, v in results["checks"].items():
         print(f"{k.ljust(width)}  {v}")
-    print(f"fault -> XID event: {results.get('fault_to_xid_ms', 'n/a')} ms; "
-          f"reset: {results.get('reset_seconds', 'n/a')} s; total {results['total_seconds']} s")
+    print(
+        f"fault -> XID event: {results.get('fault_to_xid_ms', 'n/a')} ms; "
+        f"reset: {results.get('reset_seconds', 'n/a')} s; total {results['total_seconds']} s"
+    )
     for s in results.get("reset_steps", []):
         print(f"  reset step {s['step']:<16} ok={s['ok']} {s['message'][:100]}")
     print(f"results in {args.out}/gpu_watchdog_check.{{json,md}}; passed={results['passed']}")

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 def real_watchdog_available() -> bool:
-    client = REPO / "server" / "kerneleval_server" / "watchdog.py"
+    client = REPO / "server" / "kerneleval_server" / "fleet" / "watchdog.py"
     return WATCHDOG_BINARY.exists() and client.exists()
 
 

@@ -31,18 +31,19 @@ from kerneleval.v1 import (
     operations_service_pb2_grpc,
 )
 
-from . import config as config_mod
-from . import logs, validation
-from .api_errors import DecodeErrors
-from .auth import AdminAuth
-from .config import Config
-from .events import EventHub, OpsLog
-from .jobproc import POISONED_EXIT
-from .jobs import JobManager
-from .metrics import Metrics, MetricsInterceptor
-from .ops import OperationsService
-from .service import KernelEvalService
-from .store import StoreError, open_store
+from kerneleval_server import config as config_mod
+from kerneleval_server import logs
+from kerneleval_server.api import validation
+from kerneleval_server.api.auth import AdminAuth
+from kerneleval_server.api.errors import DecodeErrors
+from kerneleval_server.api.kernel_eval_service import KernelEvalService
+from kerneleval_server.api.operations_service import OperationsService
+from kerneleval_server.config import Config
+from kerneleval_server.jobproc import POISONED_EXIT
+from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.store import StoreError, open_store
+from kerneleval_server.metrics import Metrics, MetricsInterceptor
 
 log = logging.getLogger("kerneleval.main")
 
@@ -241,7 +242,7 @@ class Server:
             asyncio.get_running_loop().create_task(self.health.set(name, status))
 
     async def _supervise_watchdog(self) -> None:
-        from .watchdog import Watchdog
+        from kerneleval_server.fleet.watchdog import Watchdog
 
         binary = self.cfg.watchdog_binary()
         failures = 0

@@ -17,7 +17,7 @@ import grpc
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 except ImportError:  # a host without it (e.g. a bare GPU box) still serves; --metrics-port fails
-    from ._nometrics import (  # type: ignore[assignment]
+    from kerneleval_server._nometrics import (  # type: ignore[assignment]
         CollectorRegistry,
         Counter,
         Gauge,

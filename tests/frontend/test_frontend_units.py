@@ -11,10 +11,10 @@ import pytest
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2
 from kerneleval_server import config as config_mod
-from kerneleval_server import faults
-from kerneleval_server.events import EventHub, OpsLog
-from kerneleval_server.scheduler import FairQueue, GpuGate, QueuedJob
-from kerneleval_server.store import SqliteStore
+from kerneleval_server.fleet import faults
+from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
+from kerneleval_server.jobs.store import SqliteStore
 
 
 def test_fair_queue_round_robin_and_devices() -> None:
@@ -293,8 +293,8 @@ def test_job_sandbox_flags() -> None:
 
 def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.job_processes import WorkerState
-    from kerneleval_server.jobs import JobManager, Running
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.manager import JobManager, Running
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")

@@ -16,12 +16,12 @@ import pytest
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server import config as config_mod
-from kerneleval_server.events import EventHub, OpsLog
+from kerneleval_server.fleet.watchdog import AttachedFd, Watchdog
 from kerneleval_server.framing import MAX_FRAME, encode, read_frame
-from kerneleval_server.jobs import JobManager
+from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.store import SqliteStore
 from kerneleval_server.metrics import Metrics
-from kerneleval_server.store import SqliteStore
-from kerneleval_server.watchdog import AttachedFd, Watchdog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -256,7 +256,9 @@ def test_exit_reported_before_the_outcome_is_read(tmp_path: Path) -> None:
         await proc.receive()
         outcome = job_channel_pb2.JobOutcome(job_id=job.job_id)
         outcome.result.verdict = job_pb2.VERDICT_INCORRECT
-        proc.send_raw(encode(job_channel_pb2.JobProcessMessage(outcome=outcome).SerializeToString()))
+        proc.send_raw(
+            encode(job_channel_pb2.JobProcessMessage(outcome=outcome).SerializeToString())
+        )
         proc.writer.close()
         # The watchdog's WorkerExited is handled before the job channel is read.
         m.on_watchdog_event(exited("c-w1"))

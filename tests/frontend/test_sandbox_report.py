@@ -8,11 +8,11 @@ from pathlib import Path
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval_server import config as config_mod
-from kerneleval_server.events import EventHub, OpsLog
-from kerneleval_server.jobs import JobManager
+from kerneleval_server.fleet.sandbox_report import SandboxReport
+from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.store import SqliteStore
 from kerneleval_server.metrics import Metrics
-from kerneleval_server.sandbox_report import SandboxReport
-from kerneleval_server.store import SqliteStore
 
 
 def _warning(feature: str, message: str) -> watchdog_pb2.WatchdogEvent:

@@ -9,9 +9,9 @@ import types
 
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2
-from kerneleval_server.deadline import Deadline
+from kerneleval_server.fleet.timing_windows import TimingWindows, public_conditions
 from kerneleval_server.jobproc import drain
-from kerneleval_server.timing_windows import TimingWindows, public_conditions
+from kerneleval_server.jobs.deadline import Deadline
 
 
 def test_a_paused_deadline_keeps_its_remaining_time() -> None:

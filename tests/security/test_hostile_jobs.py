@@ -600,8 +600,11 @@ def test_an_outcome_sent_by_the_candidate_neither_keeps_its_process_nor_poisons_
     opstub = ops_grpc.OperationsServiceStub(svc.channel())
     deadline = time.monotonic() + 20
     while True:
-        live = {w.worker_id for d in opstub.ListDevices(
-            ops.ListDevicesRequest(), metadata=svc.auth()).devices for w in d.workers}
+        live = {
+            w.worker_id
+            for d in opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+            for w in d.workers
+        }
         if first.job.worker_id not in live:
             break
         assert time.monotonic() < deadline, f"{first.job.worker_id} still runs after its outcome"
@@ -620,8 +623,11 @@ def test_a_candidate_that_closes_its_channel_and_stays_is_killed(stub, svc: Serv
     assert ran.seconds < 50, ran.describe()  # lost and killed, not held to its 60 s timeout
     opstub = ops_grpc.OperationsServiceStub(svc.channel())
     deadline = time.monotonic() + 20
-    while ran.job.worker_id in {w.worker_id for d in opstub.ListDevices(
-            ops.ListDevicesRequest(), metadata=svc.auth()).devices for w in d.workers}:
+    while ran.job.worker_id in {
+        w.worker_id
+        for d in opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+        for w in d.workers
+    }:
         assert time.monotonic() < deadline, f"{ran.job.worker_id} still runs"
         time.sleep(0.2)
     next_tenants_are_judged_right(stub, svc, ran)

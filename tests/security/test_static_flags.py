@@ -19,7 +19,7 @@ from ke_service import ServiceProcess
 from kerneleval import render
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
-from kerneleval_server import static_checks
+from kerneleval_server.jobs import static_checks
 
 KERNELBENCH = Path(__file__).resolve().parents[3] / "shared" / "kernelbench"
 if not KERNELBENCH.exists():
@@ -88,8 +88,11 @@ CUDA_DECOY = model_new(
 EXPLOITS = [
     (
         "perf_counter_ns divided",
-        model_new("return x + 1", "import time\n_real = time.perf_counter_ns\n"
-                  "time.perf_counter_ns = lambda: _real() // 5"),
+        model_new(
+            "return x + 1",
+            "import time\n_real = time.perf_counter_ns\n"
+            "time.perf_counter_ns = lambda: _real() // 5",
+        ),
         "timer_patch",
     ),
     (
@@ -315,7 +318,8 @@ def test_result_table_lists_the_flags_printably() -> None:
     job.result.verdict = job_pb2.VERDICT_REJECTED
     job.state_reason = "rejected: static checks flagged timer_patch"
     job.result.flags.add(
-        rule_id="timer_patch", message="line 3: replaces time.perf_counter\x1b[2J",
+        rule_id="timer_patch",
+        message="line 3: replaces time.perf_counter\x1b[2J",
         source=job_pb2.FLAG_SOURCE_STATIC,
     )
     job.result.flags.add(rule_id="cuda_stream", message="line 9: calls torch.cuda.Stream")
@@ -393,7 +397,7 @@ def test_without_the_option_it_runs_and_carries_the_flag(stub) -> None:  # type:
 
 def test_a_job_process_cannot_claim_rejected() -> None:
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server import job_processes
+    from kerneleval_server.fleet import job_processes
 
     msg = job_channel_pb2.JobProcessMessage()
     msg.outcome.result.verdict = job_pb2.VERDICT_REJECTED

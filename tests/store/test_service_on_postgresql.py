@@ -39,9 +39,7 @@ def test_jobs_and_events_live_in_postgresql_across_a_restart(
             stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
             again = stub.GetJob(pb.GetJobRequest(job_id=job.job_id)).job
             assert again.result == job.result and again.spec.kernel.source_code == k.GOOD
-            events = [
-                r.event for r in stub.Watch(pb.WatchRequest(job_id=job.job_id), timeout=30)
-            ]
+            events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=job.job_id), timeout=30)]
             kinds = [e.WhichOneof("kind") for e in events]
             assert kinds[0] == "queued" and kinds[-1] == "finished" and "started" in kinds
             assert [e.sequence for e in events] == sorted(e.sequence for e in events)

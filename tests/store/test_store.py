@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from kerneleval.v1 import job_pb2
-from kerneleval_server.store import (
+from kerneleval_server.jobs.store import (
     TERMINAL,
     JobStore,
     PostgresStore,

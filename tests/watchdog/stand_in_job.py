@@ -30,8 +30,16 @@ import socket
 import threading
 import time
 
-PLAIN_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "TMPDIR", "HOME", "TRITON_CACHE_DIR",
-             "TORCH_EXTENSIONS_DIR", "PATH", "PYTHONPATH")
+PLAIN_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "TMPDIR",
+    "HOME",
+    "TRITON_CACHE_DIR",
+    "TORCH_EXTENSIONS_DIR",
+    "PATH",
+    "PYTHONPATH",
+)
 
 
 def configure_process_environment() -> None:
@@ -41,8 +49,9 @@ def configure_process_environment() -> None:
 
 def _status() -> dict[str, str]:
     with open("/proc/self/status") as f:
-        return {k: v.strip() for k, v in (line.rstrip("\n").split(":", 1) for line in f
-                                          if ":" in line)}
+        return {
+            k: v.strip() for k, v in (line.rstrip("\n").split(":", 1) for line in f if ":" in line)
+        }
 
 
 def _mounts() -> dict[str, str]:
@@ -68,7 +77,9 @@ def report() -> dict:
     return {
         "pid": os.getpid(),
         "ppid": os.getppid(),
-        "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(),
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "gid": os.getgid(),
         "groups": os.getgroups(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("KERNELEVAL_", "STANDIN_"))}
         | {k: os.environ.get(k, "") for k in PLAIN_ENV},

@@ -27,8 +27,14 @@ def has_nvidia_gpu() -> bool:
 
 def run_check(out: Path, binary: str, *extra: str, rc: int = 0) -> dict:
     env = dict(os.environ, KERNELEVAL_WATCHDOG=binary)
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *extra],
-                       capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == rc, r.stdout[-4000:] + r.stderr[-4000:]
     results = json.loads((out / "gpu_watchdog_check.json").read_text())
     assert (out / "gpu_watchdog_check.md").read_text().startswith("# Watchdog GPU check")
@@ -50,12 +56,14 @@ def test_gpu_check_script_dry_run(tmp_path: Path, watchdog_binary: str) -> None:
     assert results["job_processes"][victim]["pid"] == 1  # PID 1 of its own namespace
 
 
-def test_gpu_check_reports_why_job_processes_did_not_start(tmp_path: Path,
-                                                           watchdog_binary: str) -> None:
+def test_gpu_check_reports_why_job_processes_did_not_start(
+    tmp_path: Path, watchdog_binary: str
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("the job user is chosen only when the watchdog runs as root")
-    results = run_check(tmp_path, watchdog_binary, "--dry-run",
-                        "--worker-user", "kew-no-such-user", rc=1)
+    results = run_check(
+        tmp_path, watchdog_binary, "--dry-run", "--worker-user", "kew-no-such-user", rc=1
+    )
     assert not results["passed"]
     why = results["checks"]["job_processes_started"]
     assert why.startswith("no: ") and "kew-no-such-user" in why

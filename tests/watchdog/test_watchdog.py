@@ -1,5 +1,5 @@
 """Integration tests: the real kerneleval-watchdog binary, driven through
-kerneleval_server.watchdog, with the real zygote (kerneleval_server.jobproc.zygote) running
+kerneleval_server.fleet.watchdog, with the real zygote (kerneleval_server.jobproc.zygote) running
 the stand-in job main (stand_in_job.py), a fake NVML and a kernel log file."""
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2 as pb
-from kerneleval_server.watchdog import Watchdog, WatchdogError, encode_frame, find_watchdog_binary
+from kerneleval_server.fleet.watchdog import (
+    Watchdog,
+    WatchdogError,
+    encode_frame,
+    find_watchdog_binary,
+)
 from wd_harness import BUILD, REPO, Harness, pid_alive
 
 HEALTHY, UNHEALTHY = pb.HEALTH_HEALTHY, pb.HEALTH_UNHEALTHY
@@ -77,7 +82,11 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
         wd = await harness.start(cfg)
         workers = await harness.started(4)
         assert sorted((w.device_index, w.spare) for w in workers) == [
-            (0, False), (0, True), (1, False), (1, True)]
+            (0, False),
+            (0, True),
+            (1, False),
+            (1, True),
+        ]
         assert all(e.worker_started.channel_attached for e in harness.of("worker_started"))
         warnings = {e.warning.feature: e.warning.message for e in harness.of("warning")}
         assert not warnings, warnings
@@ -94,8 +103,14 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
             assert info["netns"] != os.readlink("/proc/self/ns/net")
             assert info["mntns"] != os.readlink("/proc/self/ns/mnt")
             visible = info["visible"]
-            for hidden in (harness.state_dir, REPO / "tests", REPO / ".git", harness.root,
-                           harness.fake_nvml, "/home"):
+            for hidden in (
+                harness.state_dir,
+                REPO / "tests",
+                REPO / ".git",
+                harness.root,
+                harness.fake_nvml,
+                "/home",
+            ):
                 assert visible[str(hidden)] is False, hidden
             assert visible[str(REPO / "server")] and visible[str(harness.code_dir)]
             assert set(info["root_listing"]) <= {".pyenv"}  # /root holds only the bound Python
@@ -105,8 +120,19 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
             way = {p.split("/")[2] for p in cfg.sandbox.read_only_paths if p.startswith("/tmp/")}
             assert info["tmp_listing"] == sorted({f"standin-{w.worker_id}"} | way)
             assert info["root_mount"].startswith("tmpfs ro")
-            assert set(info["dev"]) == {"fd", "full", "null", "random", "shm", "stderr", "stdin",
-                                        "stdout", "tty", "urandom", "zero"}
+            assert set(info["dev"]) == {
+                "fd",
+                "full",
+                "null",
+                "random",
+                "shm",
+                "stderr",
+                "stdin",
+                "stdout",
+                "tty",
+                "urandom",
+                "zero",
+            }
             assert info["fds"] in ([0, 1, 2, 3], [0, 1, 2, 3, 4])  # 4: listdir's own
             env = info["env"]
             assert env["KERNELEVAL_WORKER_ID"] == w.worker_id
@@ -132,11 +158,18 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
             assert "memory.limit_in_bytes" in limited or "memory.max" in limited
         # The seccomp filter answers the ways out.
         harness.command(workers[0].worker_id, "try_escape")
-        escape = (await harness.wait_for(
-            lambda: harness.channels[workers[0].worker_id].of("escape"), 5, "escape"))[0]
+        escape = (
+            await harness.wait_for(
+                lambda: harness.channels[workers[0].worker_id].of("escape"), 5, "escape"
+            )
+        )[0]
         assert {k: escape[k] for k in ("unshare", "unshare_user", "setns", "mount", "ptrace")} == {
-            "unshare": "EPERM", "unshare_user": "EPERM", "setns": "EPERM", "mount": "EPERM",
-            "ptrace": "EPERM"}
+            "unshare": "EPERM",
+            "unshare_user": "EPERM",
+            "setns": "EPERM",
+            "mount": "EPERM",
+            "ptrace": "EPERM",
+        }
         status = await wd.status()
         assert {w.worker_id for w in status.workers} == {w.worker_id for w in workers}
         assert [d.device_index for d in status.devices] == [0, 1]
@@ -176,7 +209,9 @@ def test_segfault_promotes_spare_and_starts_a_new_one(harness: Harness) -> None:
         assert new.spare and new.device_index == -1
         status = await wd.status()
         assert {(w.worker_id, w.spare) for w in status.workers} == {
-            (spare.worker_id, False), (new.worker_id, True)}
+            (spare.worker_id, False),
+            (new.worker_id, True),
+        }
         await wd.shutdown(0)
 
     run(body())
@@ -188,6 +223,7 @@ def test_a_finished_job_process_hands_its_slot_to_a_spare_before_it_exits(
     """SetJob finished (its outcome is in): a spare takes the slot at once, while the finished
     process is still alive (its teardown, or a timing window that froze it, must not hold
     the slot); its exit later promotes nobody else and names its job."""
+
     async def body() -> None:
         wd = await harness.start(harness.configure(warm_spare=True, spare_count=2))
         workers = await harness.started(3)
@@ -228,7 +264,11 @@ def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
             harness.command(w.worker_id, f"exit {code}")
             x = (await harness.exited(n))[n - 1]
             assert (x.exit_code, x.reason, x.restarting, x.backoff_ms) == (
-                int(code), "exited", True, 0)
+                int(code),
+                "exited",
+                True,
+                0,
+            )
         await harness.started(5)
         assert (await wd.status()).devices[0].health == HEALTHY
         await wd.shutdown(0)
@@ -239,6 +279,7 @@ def test_exit_codes_failures_and_retirement(harness: Harness) -> None:
 def test_exit_before_the_spawned_frame_is_still_reported(harness: Harness) -> None:
     """Job processes that exit at once (often before the zygote's JobProcessSpawned arrives):
     each is announced, then its exit, and the device keeps making them."""
+
     async def body() -> None:
         cfg = harness.configure(mode="exit", worker_env={"STANDIN_EXIT": "0"})
         wd = await harness.start(cfg)
@@ -248,9 +289,11 @@ def test_exit_before_the_spawned_frame_is_still_reported(harness: Harness) -> No
             ex = x.worker_exited
             assert ex.worker.worker_id in started and ex.exit_code == 0 and ex.restarting
             assert ex.reason == "exited"
-        order = [e.worker_started.worker.worker_id or e.worker_exited.worker.worker_id
-                 for e in harness.events if e.WhichOneof("kind") in ("worker_started",
-                                                                     "worker_exited")]
+        order = [
+            e.worker_started.worker.worker_id or e.worker_exited.worker.worker_id
+            for e in harness.events
+            if e.WhichOneof("kind") in ("worker_started", "worker_exited")
+        ]
         for wid in started[:5]:
             assert order.index(wid) < len(order) - 1 - order[::-1].index(wid)  # start, then exit
         assert (await wd.status()).devices[0].health == HEALTHY
@@ -262,7 +305,8 @@ def test_exit_before_the_spawned_frame_is_still_reported(harness: Harness) -> No
 def test_spare_count_keeps_that_many_spares(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=1, warm_spare=True, spare_count=2))
+            harness.configure(gpus=1, workers_per_device=1, warm_spare=True, spare_count=2)
+        )
         started = await harness.started(3)
         assert sorted(w.spare for w in started) == [False, True, True]
         worker = next(w for w in started if not w.spare)
@@ -313,8 +357,9 @@ def test_hung_job_killed_on_request_with_its_daemon(harness: Harness) -> None:
         assert ex.reason == "killed:deadline" and ex.signal == 9
         assert ex.worker.job_id == "job-hung" and ex.restarting and ex.backoff_ms == 0
         await harness.wait_for(lambda: not any(pid_alive(p) for p in pids), 2, "all gone")
-        await harness.wait_for(lambda: not any(d.exists() for d in cgroup_dirs(info)), 2,
-                               "cgroup removed")
+        await harness.wait_for(
+            lambda: not any(d.exists() for d in cgroup_dirs(info)), 2, "cgroup removed"
+        )
         await harness.started(2)
         with pytest.raises(WatchdogError, match="no worker"):
             await wd.kill_worker("no-such-worker", "x")
@@ -339,8 +384,9 @@ def test_daemon_dies_when_its_job_process_exits(harness: Harness) -> None:
         (ex,) = await harness.exited(1)
         assert (ex.exit_code, ex.reason) == (0, "exited")
         await harness.wait_for(lambda: not any(pid_alive(p) for p in pids), 2, "daemon gone")
-        await harness.wait_for(lambda: not any(d.exists() for d in cgroup_dirs(info)), 2,
-                               "cgroup removed")
+        await harness.wait_for(
+            lambda: not any(d.exists() for d in cgroup_dirs(info)), 2, "cgroup removed"
+        )
         await wd.shutdown(0)
 
     run(body())
@@ -348,12 +394,19 @@ def test_daemon_dies_when_its_job_process_exits(harness: Harness) -> None:
 
 def test_crash_flood_trips_restart_intensity(harness: Harness) -> None:
     async def body() -> None:
-        cfg = harness.configure(mode="crash", max_restarts=3, restart_window_seconds=30,
-                                backoff_initial_ms=10, backoff_max_ms=40)
+        cfg = harness.configure(
+            mode="crash",
+            max_restarts=3,
+            restart_window_seconds=30,
+            backoff_initial_ms=10,
+            backoff_max_ms=40,
+        )
         wd = await harness.start(cfg)
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
-            15, "device unhealthy")
+            15,
+            "device unhealthy",
+        )
         exits = [e.worker_exited for e in harness.of("worker_exited")]
         assert len(exits) == 4  # more than max_restarts = 3
         assert all(x.signal == 11 for x in exits)
@@ -375,7 +428,8 @@ def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -
     async def body() -> None:
         cfg = harness.configure(gpus=2, workers_per_device=2)
         harness.fake_nvml.write_text(
-            "device 0 pci=00000000:06:00.0\ndevice 1 pci=00000000:07:00.0\n")
+            "device 0 pci=00000000:06:00.0\ndevice 1 pci=00000000:07:00.0\n"
+        )
         wd = await harness.start(cfg)
         workers = await harness.started(4)
         reports = {w.worker_id: await harness.report(w.worker_id) for w in workers}
@@ -388,10 +442,14 @@ def test_xid31_restarts_the_faulting_worker_on_that_gpu_only(harness: Harness) -
         await wd.set_job(d0[0].worker_id, "job-bad")
         await wd.set_job(d0[1].worker_id, "job-good")
         # NVML names no pid; the kernel log does, matched by the GPU's PCI address.
-        harness.kernel_log(f"4,99,123,-;NVRM: Xid (PCI:0000:06:00): 31, pid={culprit}, "
-                           "name=python3, Ch 00000008, intr 00000000. MMU Fault")
-        harness.kernel_log(f"4,100,124,-;NVRM: Xid (PCI:0000:07:00): 31, pid={d1[0].pid}, "
-                           "name=python3, Ch 00000008")  # another GPU's line: not this event
+        harness.kernel_log(
+            f"4,99,123,-;NVRM: Xid (PCI:0000:06:00): 31, pid={culprit}, "
+            "name=python3, Ch 00000008, intr 00000000. MMU Fault"
+        )
+        harness.kernel_log(
+            f"4,100,124,-;NVRM: Xid (PCI:0000:07:00): 31, pid={d1[0].pid}, "
+            "name=python3, Ch 00000008"
+        )  # another GPU's line: not this event
         harness.nvml("xid 0 31")
         xid = (await harness.wait_for(lambda: harness.of("xid"), 5, "xid")).pop().xid  # type: ignore[attr-defined]
         assert (xid.device_index, xid.xid, xid.pid) == (0, 31, culprit)
@@ -463,15 +521,24 @@ def test_xid79_auto_reset_runs_every_step_and_brings_workers_back(harness: Harne
         (xid,) = [e.xid for e in harness.of("xid")]
         assert (xid.xid, xid.category, xid.action) == (79, "reset", "reset_gpu")
         steps = [e.reset_step for e in harness.of("reset_step")]
-        assert [s.step for s in steps] == ["drain", "stop_workers", "check_processes", "reset",
-                                           "check_health", "start_workers"]
+        assert [s.step for s in steps] == [
+            "drain",
+            "stop_workers",
+            "check_processes",
+            "reset",
+            "check_health",
+            "start_workers",
+        ]
         assert all(s.ok and s.device_index == 0 for s in steps)
         assert "recorded reset of GPU 0" in steps[3].message
         fin = harness.of("reset_finished")[0]
         assert fin.command_id == 0 and fin.reset_finished.success
         assert harness.reset_record.read_text() == "0\n"
-        healths = [e.device.device.health for e in harness.of("device")
-                   if e.device.device.device_index == 0]
+        healths = [
+            e.device.device.health
+            for e in harness.of("device")
+            if e.device.device.device_index == 0
+        ]
         for h in (UNHEALTHY, pb.HEALTH_DRAINING, pb.HEALTH_RESETTING):
             assert h in healths
         assert healths[-1] == HEALTHY
@@ -480,7 +547,8 @@ def test_xid79_auto_reset_runs_every_step_and_brings_workers_back(harness: Harne
         await harness.started(6)
         status = await wd.status()
         assert {w.worker_id for w in status.workers if w.device_index == 1} == {
-            w.worker_id for w in d1}
+            w.worker_id for w in d1
+        }
         assert len([w for w in status.workers if w.device_index == 0]) == 2
         assert all(d.health == HEALTHY for d in status.devices)
         # A GPU that keeps failing: three automatic resets an hour, then it waits for a person.
@@ -511,7 +579,9 @@ def test_xid79_without_auto_reset_waits_for_reset_gpu(harness: Harness) -> None:
         harness.nvml("xid 0 79")
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
-            5, "unhealthy")
+            5,
+            "unhealthy",
+        )
         await asyncio.sleep(0.3)
         assert not harness.reset_record.exists() and not harness.of("reset_step")
         with pytest.raises(WatchdogError, match="needs ResetGpu"):
@@ -563,9 +633,11 @@ def test_channel_close_kills_every_job_process_and_daemon(harness: Harness) -> N
 def test_stale_cgroup_folders_of_dead_watchdogs_are_removed(harness: Harness) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (cgroups)")
-    stale = [d / "kerneleval-999999" / "d0-w1" for d in (Path("/sys/fs/cgroup/pids"),
-                                                        Path("/sys/fs/cgroup/freezer"))
-             if d.is_dir()]
+    stale = [
+        d / "kerneleval-999999" / "d0-w1"
+        for d in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/freezer"))
+        if d.is_dir()
+    ]
     if not stale:
         pytest.skip("no cgroup v1 pids/freezer hierarchy here")
     for d in stale:
@@ -591,9 +663,12 @@ class RawChannel:
 
     def __init__(self, binary: str, user: int | None = None) -> None:
         self.sock, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([binary, "--control-fd", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE,
-                                     user=user)
+        self.proc = subprocess.Popen(
+            [binary, "--control-fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stderr=subprocess.PIPE,
+            user=user,
+        )
         theirs.close()
         self.sock.settimeout(5)
         self.buf = b""
@@ -605,8 +680,8 @@ class RawChannel:
         while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack(">I", self.buf[:4])[0]:
             self.buf += self.sock.recv(65536)
         n = struct.unpack(">I", self.buf[:4])[0]
-        ev = pb.WatchdogEvent.FromString(self.buf[4:4 + n])
-        self.buf = self.buf[4 + n:]
+        ev = pb.WatchdogEvent.FromString(self.buf[4 : 4 + n])
+        self.buf = self.buf[4 + n :]
         return ev
 
     def until(self, pred: Callable[[pb.WatchdogEvent], bool]) -> list[pb.WatchdogEvent]:
@@ -627,8 +702,9 @@ class RawChannel:
         return self.proc.stderr.read().decode()
 
 
-def test_garbage_on_the_channel_is_rejected_and_logged(harness: Harness,
-                                                       watchdog_binary: str) -> None:
+def test_garbage_on_the_channel_is_rejected_and_logged(
+    harness: Harness, watchdog_binary: str
+) -> None:
     ch = RawChannel(watchdog_binary)
     try:
         ch.send(pb.WatchdogCommand(command_id=1, get_status=pb.GetStatus()))
@@ -677,8 +753,9 @@ def test_bad_configure_is_refused(harness: Harness) -> None:
 
 def test_policy_override_and_stop_start(harness: Harness) -> None:
     async def body() -> None:
-        cfg = harness.configure(gpus=1, xid_policy=[
-            pb.XidPolicyEntry(xid=31, category="custom", action="ignore")])
+        cfg = harness.configure(
+            gpus=1, xid_policy=[pb.XidPolicyEntry(xid=31, category="custom", action="ignore")]
+        )
         wd = await harness.start(cfg)
         (w,) = await harness.started(1)
         harness.nvml(f"xid 0 31 pid={w.pid}")
@@ -709,13 +786,17 @@ def test_health_readings_and_recovery_action(harness: Harness) -> None:
         harness.nvml("health 0 temperature=66 utilization=12 memory_used=1000 remapped_rows=2")
         await harness.wait_for(
             lambda: any(e.device.device.temperature_celsius == 66 for e in harness.of("device")),
-            3, "periodic reading")
+            3,
+            "periodic reading",
+        )
         d = [e.device.device for e in harness.of("device")][-1]
         assert (d.utilization_percent, d.memory_used_bytes, d.remapped_row_count) == (12, 1000, 2)
         harness.nvml("health 0 recovery_action=node_reboot")
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
-            3, "unhealthy from recovery action")
+            3,
+            "unhealthy from recovery action",
+        )
         status = await wd.status()
         assert "node_reboot" in status.devices[0].health_reason
         await wd.shutdown(0)
@@ -732,9 +813,12 @@ def test_missing_job_user_marks_the_devices_unhealthy_never_root(harness: Harnes
         wd = await harness.start(cfg)
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
-            5, "unhealthy")
-        warning = [e.warning for e in harness.of("warning") if e.warning.feature ==
-                   "unprivileged_user"]
+            5,
+            "unhealthy",
+        )
+        warning = [
+            e.warning for e in harness.of("warning") if e.warning.feature == "unprivileged_user"
+        ]
         assert len(warning) == 1 and "no-such-user-kew" in warning[0].message
         status = await wd.status()
         assert "no-such-user-kew" in status.devices[0].health_reason
@@ -748,8 +832,12 @@ def test_missing_job_user_marks_the_devices_unhealthy_never_root(harness: Harnes
 
 
 def test_ctest_unit_tests_pass(watchdog_binary: str) -> None:
-    r = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["ctest", "--test-dir", str(BUILD), "--output-on-failure"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tests passed" in r.stdout
 
@@ -757,8 +845,15 @@ def test_ctest_unit_tests_pass(watchdog_binary: str) -> None:
 def test_binary_links_only_libc_level_libraries(watchdog_binary: str) -> None:
     out = subprocess.run(["ldd", watchdog_binary], capture_output=True, text=True).stdout
     libs = {line.split()[0] for line in out.splitlines() if line.strip()}
-    allowed = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "/lib64/ld-linux",
-               "ld-linux")
+    allowed = (
+        "linux-vdso",
+        "libc.so",
+        "libm.so",
+        "libdl.so",
+        "libpthread.so",
+        "/lib64/ld-linux",
+        "ld-linux",
+    )
     assert libs and all(lib.startswith(allowed) for lib in libs), libs
 
 
@@ -769,10 +864,13 @@ def test_missing_zygote_command_is_reported_and_trips_the_intensity(harness: Har
         wd = await harness.start(cfg)
         await harness.wait_for(
             lambda: any(e.device.device.health == UNHEALTHY for e in harness.of("device")),
-            5, "unhealthy")
+            5,
+            "unhealthy",
+        )
         assert not harness.of("worker_exited") and not harness.of("worker_started")
-        warnings = [e.warning for e in harness.of("warning")
-                    if e.warning.feature == "worker_command"]
+        warnings = [
+            e.warning for e in harness.of("warning") if e.warning.feature == "worker_command"
+        ]
         assert len(warnings) == 1 and "No such file" in warnings[0].message
         status = await wd.status()
         assert "the zygote did not start" in status.devices[0].health_reason

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2 as pb
-from kerneleval_server.watchdog import WatchdogError
+from kerneleval_server.fleet.watchdog import WatchdogError
 from wd_harness import Harness, cgroup_members, pid_alive
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -63,8 +63,9 @@ async def running(pids: list[int], seconds: float = 0.4) -> dict[int, bool]:
 def require_freezer(harness: Harness) -> None:
     if os.geteuid() != 0:
         pytest.skip("job cgroups need root")
-    refused = [e.warning.message for e in harness.of("warning")
-               if e.warning.feature == "cgroup_freezer"]
+    refused = [
+        e.warning.message for e in harness.of("warning") if e.warning.feature == "cgroup_freezer"
+    ]
     if refused:
         pytest.skip(f"this host has no writable cgroup freezer: {refused[0]}")
 
@@ -81,8 +82,7 @@ async def burning(harness: Harness, workers: list[pb.Worker]) -> None:
 
 def test_window_freezes_the_others_and_close_thaws_them(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
         require_freezer(harness)
         workers = await harness.started(3)
         await burning(harness, workers)
@@ -94,14 +94,12 @@ def test_window_freezes_the_others_and_close_thaws_them(harness: Harness) -> Non
         assert sorted(report.frozen_worker_ids) == sorted(w.worker_id for w in others)
         assert [freezer_state(w.pid) for w in others] == ["FROZEN", "FROZEN"]
         assert freezer_state(holder.pid) == "THAWED"
-        assert await running(pids) == {holder.pid: True, others[0].pid: False,
-                                       others[1].pid: False}
+        assert await running(pids) == {holder.pid: True, others[0].pid: False, others[1].pid: False}
         # A new holder: the old one is frozen with the others, the new one runs.
         report = await wd.open_window(0, others[0].worker_id, True)
         assert report.ok
         assert sorted(report.frozen_worker_ids) == sorted([holder.worker_id, others[1].worker_id])
-        assert await running(pids) == {holder.pid: False, others[0].pid: True,
-                                       others[1].pid: False}
+        assert await running(pids) == {holder.pid: False, others[0].pid: True, others[1].pid: False}
 
         report = await wd.close_window(0)
         assert report.ok and report.device_index == 0 and not report.frozen_worker_ids
@@ -148,8 +146,7 @@ def test_job_process_started_in_a_window_is_frozen_until_it_closes(harness: Harn
 
 def test_frozen_job_process_killed_dies_and_leaves_the_window(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
         require_freezer(harness)
         holder, victim, spare = await harness.started(3)
         await burning(harness, [victim])
@@ -165,7 +162,8 @@ def test_frozen_job_process_killed_dies_and_leaves_the_window(harness: Harness) 
         assert not pid_alive(victim.pid)
         # The spare took its place and stays frozen; the new spare starts frozen.
         assert [e.worker_promoted.worker_id for e in harness.of("worker_promoted")] == [
-            spare.worker_id]
+            spare.worker_id
+        ]
         new = (await harness.started(4))[3]
         assert freezer_state(spare.pid) == freezer_state(new.pid) == "FROZEN"
         report = await wd.open_window(0, holder.worker_id, True)  # the same window, again
@@ -180,6 +178,7 @@ def test_frozen_job_process_killed_dies_and_leaves_the_window(harness: Harness) 
 
 def test_window_closes_when_its_holder_exits(harness: Harness) -> None:
     """A window never outlives its holder: the others run again when it exits."""
+
     async def body() -> None:
         wd = await harness.start(harness.configure(gpus=1, warm_spare=True))
         require_freezer(harness)
@@ -208,13 +207,22 @@ def test_window_reports_the_gpu_conditions(harness: Harness) -> None:
         c = report.conditions
         assert report.ok and c.known and c.temperature_celsius == 55  # before any clocks line
         assert (c.sm_clock_mhz, c.memory_clock_mhz, c.power_milliwatts, c.throttle_reasons) == (
-            0, 0, 0, 0)
+            0,
+            0,
+            0,
+            0,
+        )
         harness.nvml("clocks 0 sm=1980 mem=2619 temperature=41 power_mw=312000 reasons=0x24")
         report = await wd.close_window(0)
         c = report.conditions
         assert report.ok and c.known
-        assert (c.sm_clock_mhz, c.memory_clock_mhz, c.temperature_celsius, c.power_milliwatts,
-                c.throttle_reasons) == (1980, 2619, 41, 312000, 0x24)
+        assert (
+            c.sm_clock_mhz,
+            c.memory_clock_mhz,
+            c.temperature_celsius,
+            c.power_milliwatts,
+            c.throttle_reasons,
+        ) == (1980, 2619, 41, 312000, 0x24)
         harness.nvml("clocks 0 sm=1410 reasons=4")  # only what it names changes
         c = (await wd.open_window(0, w.worker_id, False)).conditions
         assert (c.sm_clock_mhz, c.memory_clock_mhz, c.throttle_reasons) == (1410, 2619, 4)
@@ -244,11 +252,9 @@ def test_window_without_nvml_has_unknown_conditions(harness: Harness) -> None:
 
 
 @pytest.mark.parametrize("end", ["shutdown", "channel_closed"])
-def test_watchdog_exit_with_a_window_open_leaves_nothing_frozen(harness: Harness,
-                                                               end: str) -> None:
+def test_watchdog_exit_with_a_window_open_leaves_nothing_frozen(harness: Harness, end: str) -> None:
     async def body() -> None:
-        wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
         require_freezer(harness)
         workers = await harness.started(3)
         await burning(harness, workers)
@@ -262,8 +268,7 @@ def test_watchdog_exit_with_a_window_open_leaves_nothing_frozen(harness: Harness
             await wd.shutdown(grace_ms=300)
             assert await wd.wait() == 0
             exits = [x.worker_exited for x in harness.of("worker_exited")]
-            assert sorted(x.worker.worker_id for x in exits) == sorted(
-                w.worker_id for w in workers)
+            assert sorted(x.worker.worker_id for x in exits) == sorted(w.worker_id for w in workers)
             assert {x.reason for x in exits} == {"shutdown"}
         else:
             await wd.close()
@@ -278,12 +283,16 @@ def test_watchdog_exit_with_a_window_open_leaves_nothing_frozen(harness: Harness
 def test_host_without_a_freezer_says_so(harness: Harness) -> None:
     """Job cgroups that cannot be made (a cgroup_root outside any cgroup hierarchy): one
     cgroup_freezer warning at Configure, and OpenWindow says it froze nothing."""
+
     async def body() -> None:
         sandbox = pb.SandboxConfig(cgroup_root="/nonexistent/kew-no-cgroups")
         wd = await harness.start(harness.configure(gpus=1, warm_spare=True, sandbox=sandbox))
         holder, _ = await harness.started(2)
-        warned = [e.warning.message for e in harness.of("warning")
-                  if e.warning.feature == "cgroup_freezer"]
+        warned = [
+            e.warning.message
+            for e in harness.of("warning")
+            if e.warning.feature == "cgroup_freezer"
+        ]
         assert len(warned) == 1 and "timing windows" in warned[0]
         report = await wd.open_window(0, holder.worker_id, True)
         assert not report.ok and "no cgroup freezer" in report.message
@@ -339,8 +348,7 @@ SAMPLE_MARGIN_S = 0.3  # windows.cc counts NVML samples from 250 ms after a free
 
 def test_stop_gpu_users_kills_the_frozen_job_process_that_used_the_gpu(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
         require_freezer(harness)
         a, b, c = await harness.started(3)  # a and b take jobs, c is the spare
         assert c.spare and not b.spare
@@ -363,8 +371,7 @@ def test_stop_gpu_users_kills_the_frozen_job_process_that_used_the_gpu(harness: 
         assert ex.reason == GPU_KILL and ex.signal == 9 and ex.restarting and ex.backoff_ms == 0
         assert not pid_alive(b.pid)
         # Its slot went to the spare, which stays frozen; the new spare starts frozen.
-        assert [e.worker_promoted.worker_id for e in harness.of("worker_promoted")] == [
-            c.worker_id]
+        assert [e.worker_promoted.worker_id for e in harness.of("worker_promoted")] == [c.worker_id]
         new = (await harness.started(4))[3]
         assert new.spare and freezer_state(new.pid) == "FROZEN"
         assert pid_alive(c.pid) and freezer_state(c.pid) == "FROZEN"
@@ -386,14 +393,14 @@ def test_stop_gpu_users_kills_the_frozen_job_process_that_used_the_gpu(harness: 
 def test_stop_gpu_users_counts_the_processes_of_a_job_cgroup(harness: Harness) -> None:
     """A pid that is not the job process itself but lives in its cgroup (a child, a daemon)
     counts for that job process."""
+
     async def body() -> None:
         wd = await harness.start(harness.configure(gpus=1, warm_spare=True))
         require_freezer(harness)
         holder, spare = await harness.started(2)
         info = await harness.report(spare.worker_id)
         harness.command(spare.worker_id, "daemon")
-        await harness.wait_for(lambda: harness.channels[spare.worker_id].of("daemon"), 5,
-                               "daemon")
+        await harness.wait_for(lambda: harness.channels[spare.worker_id].of("daemon"), 5, "daemon")
         (child,) = cgroup_members(info["cgroup"]) - {spare.pid}
         await wd.open_window(0, holder.worker_id, True)
         await asyncio.sleep(SAMPLE_MARGIN_S)
@@ -412,8 +419,7 @@ def test_stop_gpu_users_counts_the_processes_of_a_job_cgroup(harness: Harness) -
 
 def test_stop_gpu_users_ignores_samples_from_before_the_freeze(harness: Harness) -> None:
     async def body() -> None:
-        wd = await harness.start(
-            harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
         require_freezer(harness)
         a, b, c = await harness.started(3)
         await burning(harness, [b])
@@ -432,7 +438,8 @@ def test_stop_gpu_users_ignores_samples_from_before_the_freeze(harness: Harness)
         harness.nvml(f"utilization 0 {a.pid} sm=70")
         users = await wd.stop_gpu_users(0)  # reads a's sample while a holds the window
         assert not users.killed_worker_ids and f"{a.pid} ({a.worker_id}, the holder)" in (
-            users.message)
+            users.message
+        )
         await asyncio.sleep(0.01)
         report = await wd.open_window(0, b.worker_id, True)
         assert sorted(report.frozen_worker_ids) == sorted([a.worker_id, c.worker_id])

@@ -1,7 +1,7 @@
 """Helpers for the watchdog tests: building the binary and a harness that runs it for real.
 
-`Harness` starts the real kerneleval-watchdog through kerneleval_server.watchdog. Its zygote is
-the real one (python -m kerneleval_server.jobproc.zygote) with the stand-in job main
+`Harness` starts the real kerneleval-watchdog through kerneleval_server.fleet.watchdog. Its
+zygote is the real one (python -m kerneleval_server.jobproc.zygote) with the stand-in job main
 (stand_in_job.py, also the light engine), copied into a code folder that the sandbox shows
 read-only; the repository's tests and .git are not shown. Each job process's channel reaches the
 harness as a descriptor (on_channel); the stand-in reports over it and takes commands on it.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kerneleval.internal.v1 import watchdog_pb2
-from kerneleval_server.watchdog import AttachedFd, Watchdog
+from kerneleval_server.fleet.watchdog import AttachedFd, Watchdog
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -38,10 +38,12 @@ Event = watchdog_pb2.WatchdogEvent
 def build(build_dir: Path, *extra: str) -> Path:
     subprocess.run(
         ["cmake", "-S", str(REPO / "watchdog"), "-B", str(build_dir), *extra],
-        check=True, stdout=subprocess.DEVNULL,
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
-    subprocess.run(["cmake", "--build", str(build_dir), "-j2"], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["cmake", "--build", str(build_dir), "-j2"], check=True, stdout=subprocess.DEVNULL
+    )
     return build_dir / "kerneleval-watchdog"
 
 
@@ -99,11 +101,20 @@ class Harness:
         self.tasks: list[asyncio.Task] = []
         self.wd: Watchdog | None = None
 
-    def configure(self, *, gpus: int = 0, mode: str = "idle", **fields: object
-                  ) -> watchdog_pb2.Configure:
+    def configure(
+        self, *, gpus: int = 0, mode: str = "idle", **fields: object
+    ) -> watchdog_pb2.Configure:
         """A Configure for the real zygote and the stand-in job; gpus > 0 declares fake GPUs."""
-        probes = [str(self.state_dir), str(REPO / "tests"), str(REPO / ".git"), str(self.root),
-                  str(self.fake_nvml), "/home", str(REPO / "server"), str(self.code_dir)]
+        probes = [
+            str(self.state_dir),
+            str(REPO / "tests"),
+            str(REPO / ".git"),
+            str(self.root),
+            str(self.fake_nvml),
+            "/home",
+            str(REPO / "server"),
+            str(self.code_dir),
+        ]
         cfg = watchdog_pb2.Configure(
             worker_command=ZYGOTE,
             worker_env={
@@ -122,7 +133,8 @@ class Harness:
             reset_command=f"{RECORD_RESET} {self.reset_record} {{index}}",
             kmsg_path=str(self.kmsg),
             sandbox=watchdog_pb2.SandboxConfig(
-                read_only_paths=[*code_paths(), str(self.code_dir)], isolate_network=True),
+                read_only_paths=[*code_paths(), str(self.code_dir)], isolate_network=True
+            ),
         )
         if gpus:
             self.fake_nvml.write_text("".join(f"device {i}\n" for i in range(gpus)))
@@ -171,8 +183,9 @@ class Harness:
     async def hang(self, worker_id: str) -> None:
         """Makes the stand-in ignore SIGTERM, and waits until it does."""
         self.command(worker_id, "hang")
-        await self.wait_for(lambda: self.channels[worker_id].of("hanging"), 5,
-                            f"{worker_id} to ignore SIGTERM")
+        await self.wait_for(
+            lambda: self.channels[worker_id].of("hanging"), 5, f"{worker_id} to ignore SIGTERM"
+        )
 
     def cleanup(self) -> None:
         shutil.rmtree(self.code_dir, ignore_errors=True)
@@ -180,8 +193,9 @@ class Harness:
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.WhichOneof("kind") == kind]
 
-    async def wait_for(self, pred: Callable[[], object], timeout: float = 5.0,
-                       what: str = "condition") -> object:
+    async def wait_for(
+        self, pred: Callable[[], object], timeout: float = 5.0, what: str = "condition"
+    ) -> object:
         deadline = time.monotonic() + timeout
         while True:
             value = pred()
@@ -199,19 +213,25 @@ class Harness:
 
     async def report(self, worker_id: str, timeout: float = 10.0, index: int = 0) -> dict:
         """The stand-in's report (the first, or the index-th), sent over its channel."""
-        await self.wait_for(lambda: worker_id in self.channels and
-                            len(self.channels[worker_id].of("report")) > index,
-                            timeout, f"{worker_id} to report")
+        await self.wait_for(
+            lambda: (
+                worker_id in self.channels and len(self.channels[worker_id].of("report")) > index
+            ),
+            timeout,
+            f"{worker_id} to report",
+        )
         return self.channels[worker_id].of("report")[index]
 
     async def started(self, n: int, timeout: float = 15.0) -> list[watchdog_pb2.Worker]:
-        await self.wait_for(lambda: len(self.of("worker_started")) >= n, timeout,
-                            f"{n} workers started")
+        await self.wait_for(
+            lambda: len(self.of("worker_started")) >= n, timeout, f"{n} workers started"
+        )
         return [e.worker_started.worker for e in self.of("worker_started")]
 
     async def exited(self, n: int = 1, timeout: float = 10.0) -> list[watchdog_pb2.WorkerExited]:
-        await self.wait_for(lambda: len(self.of("worker_exited")) >= n, timeout,
-                            f"{n} workers exited")
+        await self.wait_for(
+            lambda: len(self.of("worker_exited")) >= n, timeout, f"{n} workers exited"
+        )
         return [e.worker_exited for e in self.of("worker_exited")]
 
 

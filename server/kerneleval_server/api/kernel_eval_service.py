@@ -14,8 +14,8 @@ from grpc_status import rpc_status
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
-from . import static_checks, validation
-from .jobs import JobManager, QueueFull
+from kerneleval_server.api import validation
+from kerneleval_server.jobs.manager import JobManager, QueueFull, static_checks
 
 log = logging.getLogger("kerneleval.service")
 

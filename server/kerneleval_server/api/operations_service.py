@@ -11,8 +11,8 @@ import grpc
 from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
 from kerneleval.v1 import operations_service_pb2 as pb
 
-from .jobproc import BUILD_DEVICE
-from .jobs import JobManager
+from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.jobs.manager import JobManager
 
 
 def _pseudo_name(index: int) -> str:

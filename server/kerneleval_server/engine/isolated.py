@@ -108,8 +108,17 @@ def _sanitize(
     env = {**env, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}  # so memcheck sees each tensor's bounds
     # API errors off: the engine's own probing (cuFuncGetParamInfo past the last parameter)
     # would fill the report; the kernel's bad accesses and launch failures stay in it.
-    prefix = [sanitizer, "--tool", "memcheck", "--print-limit", "20", "--report-api-errors", "no",
-              "--target-processes", "all"]
+    prefix = [
+        sanitizer,
+        "--tool",
+        "memcheck",
+        "--print-limit",
+        "20",
+        "--report-api-errors",
+        "no",
+        "--target-processes",
+        "all",
+    ]
     child = _run_child(s, config, env, prefix=prefix)
     report = child.log
     child.result.notes[:0] = list(result.notes)

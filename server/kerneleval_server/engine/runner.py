@@ -24,7 +24,8 @@ import torch
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from .. import validation
+from kerneleval_server.api import validation
+
 from . import compare, device, errors, integrity, loader, preflight, timing
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram

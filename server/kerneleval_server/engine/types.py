@@ -8,7 +8,8 @@ from typing import Protocol
 
 from kerneleval.v1 import job_pb2
 
-from .. import validation
+from kerneleval_server.api import validation
+
 from .device import DeviceLimits
 
 

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from .framing import MAX_FRAME, FrameError, encode, read_frame
+from kerneleval_server.framing import MAX_FRAME, FrameError, encode, read_frame
 
 log = logging.getLogger("kerneleval.job_processes")
 

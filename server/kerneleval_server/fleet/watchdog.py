@@ -26,7 +26,7 @@ from typing import Protocol
 
 from kerneleval.internal.v1 import watchdog_pb2
 
-from .framing import MAX_FRAME, FrameError, encode, read_frame
+from kerneleval_server.framing import MAX_FRAME, FrameError, encode, read_frame
 
 ALL_DEVICES = -2
 RECV_BYTES = 256 * 1024
@@ -255,9 +255,7 @@ class Watchdog:
     async def shutdown(self, grace_ms: int = 2000) -> None:
         """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
-            cmd = watchdog_pb2.WatchdogCommand(
-                shutdown=watchdog_pb2.Shutdown(grace_ms=grace_ms)
-            )
+            cmd = watchdog_pb2.WatchdogCommand(shutdown=watchdog_pb2.Shutdown(grace_ms=grace_ms))
             with contextlib.suppress(WatchdogError):
                 await self._call(cmd, "ack")
         try:

@@ -48,8 +48,9 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
-from ..compile_cache import MAX_ENTRY_BYTES, MAX_FILES
-from ..framing import FrameError, encode, recv_frame
+from kerneleval_server.framing import FrameError, encode, recv_frame
+from kerneleval_server.jobs.compile_cache import MAX_ENTRY_BYTES, MAX_FILES
+
 from . import (
     BUILD_DEVICE,
     DEFAULT_ENGINE,

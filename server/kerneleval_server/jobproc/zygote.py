@@ -44,7 +44,8 @@ from typing import NoReturn
 
 from kerneleval.internal.v1 import zygote_pb2
 
-from ..framing import FdFrameReader, FrameError, send_frame
+from kerneleval_server.framing import FdFrameReader, FrameError, send_frame
+
 from . import (
     CONFIG_EXIT,
     DEFAULT_JOB_MAIN,

@@ -26,20 +26,26 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from . import faults, prebuild, static_checks
-from .compile_cache import CompileCache, as_artifacts, as_files, built_key
-from .config import Config
-from .deadline import Deadline
-from .events import EventHub, OpsLog
-from .framing import FrameError
-from .job_processes import JobChannels, WorkerState, WorkerTable
-from .jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
-from .metrics import Metrics
-from .sandbox_report import SandboxReport, is_sandbox_feature
-from .scheduler import FairQueue, GpuGate, QueuedJob
-from .store import TERMINAL, JobStore
-from .timing_windows import WATCHDOG_REPLY_S, TimingWindows, Window, public_conditions
-from .watchdog import AttachedFd
+from kerneleval_server.config import Config
+from kerneleval_server.fleet import faults
+from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
+from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
+from kerneleval_server.fleet.timing_windows import (
+    WATCHDOG_REPLY_S,
+    TimingWindows,
+    Window,
+    public_conditions,
+)
+from kerneleval_server.fleet.watchdog import AttachedFd
+from kerneleval_server.framing import FrameError
+from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
+from kerneleval_server.jobs import prebuild, static_checks
+from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
+from kerneleval_server.jobs.deadline import Deadline
+from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
+from kerneleval_server.jobs.store import TERMINAL, JobStore
+from kerneleval_server.metrics import Metrics
 
 log = logging.getLogger("kerneleval.jobs")
 

@@ -15,8 +15,8 @@ import os
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from .jobproc import BUILD_DEVICE
-from .validation import is_triton_launch
+from kerneleval_server.api.validation import is_triton_launch
+from kerneleval_server.jobproc import BUILD_DEVICE
 
 __all__ = ["BUILD_DEVICE", "arch_of", "check_artifacts", "kind"]
 

@@ -162,7 +162,7 @@ def _check(kernel: kernel_pb2.KernelSource) -> list[job_pb2.IntegrityFlag]:
 
 
 def rule_names(flags: Iterable[job_pb2.IntegrityFlag]) -> str:
-    """"timer_patch, cuda_stream": for state_reason and logs."""
+    """ "timer_patch, cuda_stream": for state_reason and logs."""
     return ", ".join(dict.fromkeys(f.rule_id for f in flags))
 
 
@@ -423,8 +423,12 @@ def _decoys(tree: ast.Module, hits: _Hits) -> None:
     ]
     cuda = "\n".join(t for t in texts if "__global__" in t)
     if cuda and "<<<" not in cuda and not re.search(r"cudaLaunch\w*|cuLaunchKernel", cuda):
-        hits.add(DECOY_KERNEL, None, "its CUDA source defines __global__ kernels and never "
-                 "launches one (no <<<...>>> and no launch API)")
+        hits.add(
+            DECOY_KERNEL,
+            None,
+            "its CUDA source defines __global__ kernels and never "
+            "launches one (no <<<...>>> and no launch API)",
+        )
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     for node in ast.walk(tree):
         if (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kerneleval.v1 import kernel_pb2
 
-from ...validation import is_triton_launch
+from kerneleval_server.api.validation import is_triton_launch
+
 from .base import BuildContext, LaunchProgram, ModelProgram, NoDeviceError, Program
 from .cuda import build_cuda
 from .model import build_model
