@@ -67,6 +67,13 @@ class Config:
     compile_cache_mib: int = field(
         default=256, metadata={"help": "compiled kernels kept for jobs with the same code; 0 = off"}
     )
+    result_cache_hours: float = field(
+        default=24.0,
+        metadata={
+            "help": "a job identical to one that finished OK or INCORRECT this recently (same "
+            "kernel, reference, options and target) returns that result; 0 = off"
+        },
+    )
     retention_hours: float = field(default=168.0, metadata={"help": "keep finished jobs this long"})
     sweep_interval_s: float = field(default=600.0, metadata={"help": "retention sweep period"})
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "running jobs' grace on stop"})
