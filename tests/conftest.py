@@ -8,10 +8,16 @@ unix socket listener, metrics on); reuse it, since every worker imports torch on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from ke_service import ServiceProcess, free_port
+
+# Most tests run one job again after another (a hostile job, then the next tenant's) and need
+# it to run: every service the tests start has the result cache off unless the test turns it
+# on (tests/frontend/test_result_cache.py passes --result-cache-hours).
+os.environ.setdefault("KERNELEVAL_RESULT_CACHE_HOURS", "0")
 
 
 @pytest.fixture(scope="session")

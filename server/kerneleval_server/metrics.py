@@ -49,6 +49,13 @@ class Metrics:
         self.verdicts = Counter(
             "kerneleval_verdicts_total", "Finished jobs by verdict.", ["verdict"], registry=r
         )
+        self.result_cache = Counter(
+            "kerneleval_result_cache_total",
+            "Submitted jobs by what the result cache did: hit (a cached result), shared (waited "
+            "for an identical running job), miss (ran), bypass (bypass_cache or cache off).",
+            ["outcome"],
+            registry=r,
+        )
         self.queue_depth = Gauge("kerneleval_queue_depth", "Jobs waiting.", registry=r)
         self.running = Gauge("kerneleval_running_jobs", "Jobs on a worker.", registry=r)
         self.job_seconds = Histogram(

@@ -1,7 +1,10 @@
 """An in-process KernelEvalService/OperationsService with canned jobs, for client tests.
 
 It speaks real gRPC on a real socket; jobs finish with a scripted event sequence. Knobs let
-tests drop streams (UNAVAILABLE mid-stream) and check what the client sent.
+tests drop streams (UNAVAILABLE mid-stream), fail calls (`FakeState.fail`: a status, with a
+google.rpc.RetryInfo when asked) and check what the client sent. Submit keeps idempotency keys,
+ListJobs filters by labels, events carry the job's labels, and a source containing "CACHED"
+finishes as a cached result (result_origin CACHE).
 """
 
 from __future__ import annotations
@@ -60,6 +63,30 @@ def bad_request(context: grpc.ServicerContext, bad: list[tuple[str, str]]) -> No
     context.abort_with_status(rpc_status.to_status(status))
 
 
+def abort_with(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    retry_delay: float | None = None,
+) -> None:
+    """Ends the call with `code`, and a google.rpc.RetryInfo when retry_delay is given."""
+    status = status_pb2.Status(code=code.value[0], message=message)
+    if retry_delay is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromNanoseconds(int(retry_delay * 1e9))
+        status.details.add().Pack(info)
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+@dataclass
+class Failure:
+    """A scripted failure of one call."""
+
+    code: grpc.StatusCode
+    message: str = "failed (test)"
+    retry_delay: float | None = None
+
+
 def verdict_for(spec: kernel_pb2.JobSpec) -> int:
     """Scripted outcome: sources containing "COMPILE_ERROR" or "INCORRECT" get that verdict."""
     if "COMPILE_ERROR" in spec.kernel.source_code:
@@ -90,6 +117,23 @@ class FakeState:
         self.received: list[Any] = []  # requests, for assertions
         self.metadata: list[dict[str, str]] = []
         self.reset_calls: list[int] = []
+        self.failures: dict[str, list[Failure]] = {}  # method name -> the next calls' failures
+        self.attempts: dict[str, int] = {}  # method name -> calls received
+        self.idempotency: dict[tuple[str, str], str] = {}  # (client_tag, key) -> job id
+
+    def fail(self, method: str, *failures: Failure) -> None:
+        """The next len(failures) calls of `method` (e.g. "Submit") fail, one each."""
+        with self.lock:
+            self.failures.setdefault(method, []).extend(failures)
+
+    def check_failure(self, method: str, context: grpc.ServicerContext) -> None:
+        """Counts the call; aborts it when a failure is scripted for it."""
+        with self.lock:
+            self.attempts[method] = self.attempts.get(method, 0) + 1
+            queue = self.failures.get(method)
+            failure = queue.pop(0) if queue else None
+        if failure is not None:
+            abort_with(context, failure.code, failure.message, failure.retry_delay)
 
     def new_job(self, spec: kernel_pb2.JobSpec) -> FakeJob:
         with self.lock:
@@ -104,7 +148,12 @@ class FakeState:
 
     def _emit(self, fj: FakeJob, **kind: Any) -> None:
         with fj.cond:
-            ev = job_pb2.JobEvent(job_id=fj.job.job_id, sequence=len(fj.events) + 1, **kind)
+            ev = job_pb2.JobEvent(
+                job_id=fj.job.job_id,
+                sequence=len(fj.events) + 1,
+                labels=fj.job.spec.labels,
+                **kind,
+            )
             ev.time.GetCurrentTime()
             fj.events.append(ev)
             fj.cond.notify_all()
@@ -169,6 +218,11 @@ class FakeState:
                 result.reference_runtime.median_ms = 2.5
                 result.speedup = 2.0
         fj.job.result.CopyFrom(result)
+        if "CACHED" in spec.kernel.source_code:
+            fj.job.result_origin = job_pb2.RESULT_ORIGIN_CACHE
+            fj.job.result_job_id = "job-cached-0001"
+        else:
+            fj.job.result_origin = job_pb2.RESULT_ORIGIN_RUN
         self._finish(fj, job_pb2.JOB_STATE_DONE)
 
     def _finish(self, fj: FakeJob, state: int, reason: str = "") -> None:
@@ -217,6 +271,7 @@ class FakeEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         self, request: Any, context: grpc.ServicerContext, compare: bool = False
     ) -> FakeJob:
         self.s.received.append(request)
+        self.s.check_failure(type(request).__name__.removesuffix("Request"), context)
         bad = violations(request.spec, require_reference=compare)
         if bad:
             bad_request(context, bad)
@@ -241,10 +296,23 @@ class FakeEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             yield kernel_eval_service_pb2.RunResponse(event=ev)
 
     def Submit(self, request, context):  # noqa: N802
+        key = (request.spec.client_tag, request.idempotency_key)
+        if request.idempotency_key and key in self.s.idempotency:
+            self.s.received.append(request)
+            self.s.check_failure("Submit", context)
+            first = self.s.jobs[self.s.idempotency[key]]
+            if first.job.spec != request.spec:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, "idempotency key used by another")
+            return kernel_eval_service_pb2.SubmitResponse(job=first.job)
         fj = self._accept(request, context)
+        if request.idempotency_key:
+            self.s.idempotency[key] = fj.job.job_id
         job = job_pb2.Job()
         job.CopyFrom(fj.job)
         self.s.start(fj)
+        # "Submit.after": the job is made, then the answer is lost (a retry must not make
+        # another).
+        self.s.check_failure("Submit.after", context)
         return kernel_eval_service_pb2.SubmitResponse(job=job)
 
     def _get(self, job_id: str, context: grpc.ServicerContext) -> FakeJob:
@@ -261,16 +329,22 @@ class FakeEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             yield kernel_eval_service_pb2.WatchResponse(event=ev)
 
     def GetJob(self, request, context):  # noqa: N802
+        self.s.check_failure("GetJob", context)
         return kernel_eval_service_pb2.GetJobResponse(job=self._get(request.job_id, context).job)
 
     def ListJobs(self, request, context):  # noqa: N802
         self.s.received.append(request)
+        self.s.check_failure("ListJobs", context)
         ids = list(reversed(self.s.order))
         jobs = [self.s.jobs[i].job for i in ids]
         if request.state:
             jobs = [j for j in jobs if j.state == request.state]
         if request.client_tag:
             jobs = [j for j in jobs if j.spec.client_tag == request.client_tag]
+        if request.labels:
+            jobs = [
+                j for j in jobs if all(j.spec.labels.get(k) == v for k, v in request.labels.items())
+            ]
         start = int(request.page_token or 0)
         size = request.page_size or 50
         page = jobs[start : start + size]
@@ -285,6 +359,7 @@ class FakeEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         return out
 
     def CancelJob(self, request, context):  # noqa: N802
+        self.s.check_failure("CancelJob", context)
         fj = self._get(request.job_id, context)
         self.s.cancel(fj)
         return kernel_eval_service_pb2.CancelJobResponse(job=fj.job)
@@ -354,6 +429,7 @@ class FakeOpsService(operations_service_pb2_grpc.OperationsServiceServicer):
 
     def ListDevices(self, request, context):  # noqa: N802
         self._auth(context)
+        self.s.check_failure("ListDevices", context)
         gpu = operations_service_pb2.Device(
             index=0,
             name="NVIDIA H200",

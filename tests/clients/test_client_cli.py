@@ -105,6 +105,13 @@ def test_reject_flagged_reaches_the_options(fake, capsys, triton_file):
     assert not sent.spec.options.reject_flagged
 
 
+def test_no_cache_reaches_the_options(fake, capsys, triton_file):
+    for args, bypass in ((["--no-cache"], True), ([], False)):
+        run(fake, capsys, "evaluate", str(triton_file), *args)
+        sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)]
+        assert sent[-1].spec.options.bypass_cache is bypass
+
+
 def test_invalid_argument_exit_code_and_field_violations(fake, capsys, tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("")

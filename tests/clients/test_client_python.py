@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from collections.abc import Iterator
 
+import grpc
 import pytest
-from fake_server import ADMIN_TOKEN, FakeServer, FakeState
-from kerneleval import contracts, errors
-from kerneleval.client import AsyncClient, Client, is_terminal
+from fake_server import ADMIN_TOKEN, Failure, FakeServer, FakeState
+from kerneleval import cli, contracts, errors
+from kerneleval.client import AsyncClient, Client, _SubmitRetry, is_terminal
 from kerneleval.kernelbench import kernel_source
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2, kernel_pb2
 
@@ -301,3 +304,270 @@ def test_watch_of_an_unreachable_server_gives_up_after_its_budget():
         with pytest.raises(errors.Unavailable, match="could not reach the server"):
             list(c.watch("job-x"))
         assert time.monotonic() - started < 5
+
+
+# --- labels ---------------------------------------------------------------------------------
+
+
+def test_labels_reach_the_spec_and_are_added_to_its_own(client: Client, fake: FakeServer):
+    s = spec()
+    s.labels["problem"] = "old"
+    s.labels["rollout"] = "7"
+    job = client.evaluate(s, labels={"problem": "19_ReLU", "step": "420"})
+    sent = fake.state.received[-1]
+    assert dict(sent.spec.labels) == {"problem": "19_ReLU", "rollout": "7", "step": "420"}
+    assert dict(job.spec.labels) == dict(sent.spec.labels)
+    assert dict(s.labels) == {"problem": "old", "rollout": "7"}, "the caller's spec is kept"
+    client.compare(with_reference(spec()), labels={"kind": "compare"})
+    assert dict(fake.state.received[-1].spec.labels) == {"kind": "compare"}
+    events = list(client.run(spec(), labels={"kind": "run"}))
+    assert all(dict(e.labels) == {"kind": "run"} for e in events)
+    client.submit(spec(), labels={"kind": "submit"})
+    assert dict(fake.state.received[-1].spec.labels) == {"kind": "submit"}
+
+
+def with_reference(s: kernel_pb2.JobSpec) -> kernel_pb2.JobSpec:
+    s.reference.CopyFrom(kernel_source("class Model: pass\n", type="torch"))
+    return s
+
+
+def test_list_jobs_filters_by_labels(client: Client, fake: FakeServer):
+    for step in ("1", "2", "2"):
+        client.evaluate(spec(), labels={"suite": "labels-test", "step": step})
+    jobs = list(client.list_jobs(labels={"suite": "labels-test", "step": "2"}, include_spec=True))
+    assert len(jobs) == 2
+    assert all(j.spec.labels["step"] == "2" for j in jobs)
+    sent = fake.state.received[-1]
+    assert dict(sent.labels) == {"suite": "labels-test", "step": "2"}
+    page = client.list_jobs_page(labels={"suite": "labels-test"}, page_size=2)
+    assert len(page.jobs) == 2 and page.next_page_token == "2"
+    rest = client.list_jobs_page(labels={"suite": "labels-test"}, page_token=page.next_page_token)
+    assert len(rest.jobs) == 1 and not rest.next_page_token
+    # A request of your own, with keywords set on a copy of it.
+    mine = kernel_eval_service_pb2.ListJobsRequest(page_size=1)
+    one = client.list_jobs_page(mine, labels={"suite": "labels-test", "step": "1"})
+    assert len(one.jobs) == 1 and not mine.labels
+
+
+def test_async_labels_list_jobs_page_and_health(fake: FakeServer):
+    async def scenario() -> None:
+        async with AsyncClient(fake.address, timeout=20) as c:
+            await c.evaluate(spec(), labels={"suite": "async-labels"})
+            job = await c.submit(spec(), labels={"suite": "async-labels"})
+            assert dict(job.spec.labels) == {"suite": "async-labels"}
+            events = [e async for e in c.run(spec(), labels={"suite": "async-labels"})]
+            assert events[-1].labels["suite"] == "async-labels"
+            page = await c.list_jobs_page(labels={"suite": "async-labels"}, page_size=2)
+            assert len(page.jobs) == 2 and page.next_page_token
+            listed = [j async for j in c.list_jobs(labels={"suite": "async-labels"})]
+            assert len(listed) == 3
+            assert await c.health() == "SERVING"
+
+    asyncio.run(scenario())
+
+
+# --- retries --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own() -> Iterator[FakeServer]:
+    """A server of the test's own, so that attempts and jobs are counted from zero."""
+    server = FakeServer(FakeState())
+    yield server
+    server.stop()
+
+
+def submits(state: FakeState) -> list[kernel_eval_service_pb2.SubmitRequest]:
+    return [r for r in state.received if isinstance(r, kernel_eval_service_pb2.SubmitRequest)]
+
+
+def test_submit_honours_retry_info_and_sends_one_idempotency_key(own: FakeServer):
+    full = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_delay=0.2)
+    own.state.fail("Submit", full, full)
+    with Client(own.address, timeout=10) as c:
+        started = time.monotonic()
+        job = c.submit(spec())
+        took = time.monotonic() - started
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    assert own.state.attempts["Submit"] == 3
+    keys = {r.idempotency_key for r in submits(own.state)}
+    assert len(keys) == 1 and len(keys.pop()) == 36  # one uuid4 for every attempt
+    assert took >= 0.4, "each retry waits the RetryInfo's delay"
+    assert len(own.state.order) == 1
+
+
+def test_submit_backs_off_without_retry_info(own: FakeServer):
+    own.state.fail("Submit", *[Failure(grpc.StatusCode.UNAVAILABLE, "draining")] * 3)
+    with Client(own.address, timeout=10) as c:
+        job = c.submit(spec())
+    assert job.job_id and own.state.attempts["Submit"] == 4
+
+
+def test_a_retried_submit_whose_answer_was_lost_makes_one_job(own: FakeServer):
+    own.state.fail("Submit.after", Failure(grpc.StatusCode.UNAVAILABLE, "connection reset"))
+    with Client(own.address, timeout=10) as c:
+        job = c.submit(spec(), idempotency_key="rollout-17")
+        again = c.submit(spec(), idempotency_key="rollout-17")
+        other = c.submit(spec())
+    assert own.state.attempts["Submit"] == 4
+    assert job.job_id == again.job_id != other.job_id
+    assert len(own.state.order) == 2
+    assert [r.idempotency_key for r in submits(own.state)][:3] == ["rollout-17"] * 3
+    assert len({r.idempotency_key for r in submits(own.state)}) == 2
+
+
+def test_submit_gives_up_after_retry_timeout(own: FakeServer):
+    own.state.fail("Submit", *[Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 0.3)] * 20)
+    with Client(own.address, timeout=10, retry_timeout=1.0) as c:
+        started = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted) as info:
+            c.submit(spec())
+        took = time.monotonic() - started
+    assert info.value.retry_delay == pytest.approx(0.3)
+    assert 2 <= own.state.attempts["Submit"] <= 4
+    assert took < 1.5
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Failure(grpc.StatusCode.INVALID_ARGUMENT, "bad"),
+        Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs 4)"),
+        Failure(grpc.StatusCode.INTERNAL, "boom"),
+    ],
+)
+def test_submit_does_not_retry_what_cannot_succeed(own: FakeServer, failure: Failure):
+    own.state.fail("Submit", failure)
+    with Client(own.address, timeout=10) as c, pytest.raises(errors.KernelEvalError) as info:
+        c.submit(spec())
+    assert info.value.code == failure.code
+    assert own.state.attempts["Submit"] == 1
+
+
+def test_retry_timeout_zero_turns_retries_off(own: FakeServer):
+    own.state.fail("Submit", Failure(grpc.StatusCode.UNAVAILABLE, "draining"))
+    own.state.fail("GetJob", Failure(grpc.StatusCode.UNAVAILABLE, "draining"))
+    with Client(own.address, timeout=10, retry_timeout=0) as c:
+        with pytest.raises(errors.Unavailable):
+            c.submit(spec())
+        job = c.submit(spec())
+        with pytest.raises(errors.Unavailable):
+            c.get_job(job.job_id)
+    assert own.state.attempts["Submit"] == 2 and own.state.attempts["GetJob"] == 1
+
+
+def test_the_channel_retries_idempotent_calls_on_unavailable(own: FakeServer):
+    flaky = Failure(grpc.StatusCode.UNAVAILABLE, "connection reset")
+    with Client(own.address, timeout=10, admin_token=ADMIN_TOKEN) as c:
+        job = c.submit(spec())
+        own.state.fail("GetJob", flaky, flaky)
+        assert c.get_job(job.job_id).job_id == job.job_id
+        assert own.state.attempts["GetJob"] == 3
+        own.state.fail("ListJobs", flaky)
+        assert len(list(c.list_jobs())) == 1
+        own.state.fail("CancelJob", flaky)
+        c.cancel_job(job.job_id)
+        assert own.state.attempts["CancelJob"] == 2
+        own.state.fail("ListDevices", flaky)
+        assert len(c.list_devices()) == 2
+        # Not idempotent: Evaluate makes a job; the channel does not send it again.
+        own.state.fail("Evaluate", flaky)
+        with pytest.raises(errors.Unavailable):
+            c.evaluate(spec())
+        assert own.state.attempts["Evaluate"] == 1
+        # Not UNAVAILABLE: not retried.
+        own.state.fail("GetJob", Failure(grpc.StatusCode.INTERNAL, "boom"))
+        with pytest.raises(errors.Internal):
+            c.get_job(job.job_id)
+
+
+def test_async_submit_retries_with_one_key(own: FakeServer):
+    full = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_delay=0.05)
+    own.state.fail("Submit", full, Failure(grpc.StatusCode.UNAVAILABLE, "draining"))
+    own.state.fail("GetJob", Failure(grpc.StatusCode.UNAVAILABLE, "reset"))
+
+    async def scenario() -> job_pb2.Job:
+        async with AsyncClient(own.address, timeout=10) as c:
+            job = await c.submit(spec(), labels={"a": "b"})
+            assert (await c.get_job(job.job_id)).job_id == job.job_id
+            own.state.fail("Submit", *[full] * 50)
+            async with AsyncClient(own.address, retry_timeout=0.2) as short:
+                with pytest.raises(errors.ResourceExhausted):
+                    await short.submit(spec())
+            return job
+
+    job = asyncio.run(scenario())
+    assert job.spec.labels["a"] == "b"
+    first = submits(own.state)[:3]
+    assert len({r.idempotency_key for r in first}) == 1 and first[0].idempotency_key
+    assert own.state.attempts["GetJob"] == 2
+
+
+def test_submit_retry_schedule():
+    retry = _SubmitRetry(budget=60)
+    busy = errors.ResourceExhausted("queue full")
+    delays = [retry.delay(busy) for _ in range(8)]
+    bounds = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+    for delay, bound in zip(delays, bounds, strict=True):
+        assert delay is not None and bound / 2 <= delay <= bound
+    told = errors.ResourceExhausted("queue full", retry_delay=2.5)
+    assert retry.delay(told) == 2.5
+    assert _SubmitRetry(budget=1).delay(told) is None, "a wait past the budget gives up at once"
+    assert _SubmitRetry(budget=0).delay(errors.Unavailable("x")) is None
+    assert _SubmitRetry(budget=60).delay(errors.DeadlineExceeded("x")) is None
+
+
+def test_resource_exhausted_carries_the_retry_delay(own: FakeServer):
+    own.state.fail("GetJob", Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down", 1.5))
+    with Client(own.address, timeout=10) as c, pytest.raises(errors.ResourceExhausted) as info:
+        c.get_job("x")
+    assert info.value.retry_delay == 1.5 and info.value.details == "slow down"
+
+
+# --- the CLI's labels and result origins -----------------------------------------------------
+
+
+def cli_run(fake: FakeServer, capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["--address", fake.address, "--timeout", "20", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_labels_and_result_origin(fake: FakeServer, capsys, tmp_path):
+    kernel = tmp_path / "k.py"
+    kernel.write_text(TRITON_SRC + "# CACHED\n")
+    code, out, err = cli_run(
+        fake, capsys, "evaluate", str(kernel), "--label", "suite=cli", "--label", "step=3",
+        "--no-progress", "--perf-trials", "0",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "cached from job-cached-0001" in out
+    assert "labels" in out and "step=3, suite=cli" in out
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)]
+    assert dict(sent[-1].spec.labels) == {"suite": "cli", "step": "3"}
+    code, out, err = cli_run(fake, capsys, "jobs", "--label", "suite=cli", "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert len(listed) == 1 and listed[0]["resultOrigin"] == "RESULT_ORIGIN_CACHE"
+    code, out, err = cli_run(fake, capsys, "jobs", "--label", "suite=cli")
+    assert "OK (cached from job-cached-0001)" in out
+    code, out, err = cli_run(fake, capsys, "jobs", "--label", "suite=none")
+    assert code == 0 and len(out.strip().splitlines()) == 2  # headers only
+    code, out, err = cli_run(fake, capsys, "evaluate", str(kernel), "--label", "step=1", "--detach")
+    assert code == 0
+    assert dict(submits(fake.state)[-1].spec.labels) == {"step": "1"}
+
+
+@pytest.mark.parametrize("bad", ["nokey", "=value", ""])
+def test_cli_malformed_label_is_a_usage_error(fake: FakeServer, capsys, tmp_path, bad: str):
+    kernel = tmp_path / "k.py"
+    kernel.write_text(TRITON_SRC)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--address", fake.address, "evaluate", str(kernel), "--label", bad])
+    assert info.value.code == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_cli_label_given_twice_with_two_values(fake: FakeServer, capsys):
+    code, _, err = cli_run(fake, capsys, "jobs", "--label", "a=1", "--label", "a=2")
+    assert code == 2 and "--label a given twice" in err

@@ -166,7 +166,7 @@ class FakeJobProcess:
 
 def new_manager(tmp_path: Path, **cfg: Any) -> tuple[JobManager, FakeWatchdog]:
     store = SqliteStore(tmp_path / "db.sqlite")
-    config = config_mod.Config(nvml="none", **cfg)
+    config = config_mod.Config(nvml="none", result_cache_hours=0, **cfg)
     m = JobManager(config, store, EventHub(store), OpsLog(), Metrics(), 600.0)
     wd = FakeWatchdog()
     m.watchdog = wd

@@ -6,6 +6,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from kerneleval.v1 import job_pb2
 from kerneleval_server.jobs.store import (
@@ -101,6 +102,58 @@ def test_list_pages_newest_first_and_filters(store: JobStore) -> None:
     # Numbers from clients past int64 are clamped, not an error.
     assert store.list(limit=2**70, before_rowid=2**70)
     assert store.events_after("j0", 2**70) == []
+
+
+def test_labels_filter_every_one_must_match(store: JobStore) -> None:
+    for i, labels in enumerate([{"problem": "1", "step": "7"}, {"problem": "1"}, {"step": "7"}]):
+        job = make_job(f"j{i}")
+        job.spec.labels.update(labels)
+        store.insert(job, event(f"j{i}", 1))
+
+    def ids(labels: dict[str, str]) -> list[str]:
+        return [j.job_id for _, j in store.list(limit=10, labels=labels)]
+
+    assert ids({"problem": "1"}) == ["j1", "j0"]
+    assert ids({"problem": "1", "step": "7"}) == ["j0"]
+    assert ids({"problem": "2"}) == []
+    assert store.get("j0") is not None and dict(store.get("j0").spec.labels) == {  # type: ignore[union-attr]
+        "problem": "1",
+        "step": "7",
+    }
+
+
+def test_the_cache_gives_only_recent_ok_or_incorrect_results(store: JobStore) -> None:
+    verdicts = [job_pb2.VERDICT_OK, job_pb2.VERDICT_DEVICE_FAULT, job_pb2.VERDICT_INCORRECT]
+    for i, verdict in enumerate(verdicts):
+        job = make_job(f"j{i}", state=job_pb2.JOB_STATE_DONE)
+        store.insert(job, event(f"j{i}", 1), cache_key=f"k{i}")
+        job.result.verdict = verdict
+        job.end_time.FromSeconds(2_000 + i)
+        store.update(job, event(f"j{i}", 2))
+    hit = store.cached("k0", since_unix=1_500)
+    assert hit is not None and hit.job_id == "j0" and hit.result.verdict == job_pb2.VERDICT_OK
+    assert store.cached("k0", since_unix=2_001) is None  # older than the cache's age
+    assert store.cached("k1", since_unix=0) is None  # a fault is never a cached result
+    assert store.cached("k2", since_unix=0) is not None
+    assert store.cached("", since_unix=0) is None and store.cache_key("j2") == "k2"
+    queued = make_job("q")
+    store.insert(queued, event("q", 1), cache_key="k0")
+    assert store.cached("k0", since_unix=0).job_id == "j0"  # type: ignore[union-attr]
+
+
+def test_an_idempotency_key_names_one_job_per_client_tag(store: JobStore) -> None:
+    store.insert(make_job("a", tag="t"), event("a", 1), idempotency_key="key")
+    store.insert(make_job("b", tag="u"), event("b", 1), idempotency_key="key")
+    found = store.by_idempotency_key("t", "key")
+    assert found is not None and found.job_id == "a" and found.spec.kernel.source_code
+    refused = (sqlite3.IntegrityError, psycopg.errors.IntegrityError)
+    with pytest.raises(refused):  # the database itself refuses a second job for the key
+        store.insert(make_job("c", tag="t"), event("c", 1), idempotency_key="key")
+    assert store.get("c") is None
+    store.forget_idempotency_key("a")
+    assert store.by_idempotency_key("t", "key") is None
+    store.insert(make_job("c", tag="t"), event("c", 1), idempotency_key="key")
+    assert store.by_idempotency_key("t", "key").job_id == "c"  # type: ignore[union-attr]
 
 
 def test_unfinished_counts_and_retention(store: JobStore) -> None:

@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
 from kerneleval_server.api import validation
-from kerneleval_server.jobs.manager import JobManager, QueueFull, static_checks
+from kerneleval_server.jobs.manager import JobManager, KeyReused, QueueFull, static_checks
 
 log = logging.getLogger("kerneleval.service")
 
@@ -33,12 +34,17 @@ class Refused(Exception):
     """A submission refused before it was queued."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, violations: list[validation.FieldViolation]
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        violations: list[validation.FieldViolation],
+        retry_after_s: float = 0.0,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.violations = violations
+        self.retry_after_s = retry_after_s  # > 0: a google.rpc.RetryInfo goes with it
 
     def status(self) -> grpc.Status:
         shown = self.violations[:MAX_DETAIL_VIOLATIONS]
@@ -57,6 +63,10 @@ class Refused(Exception):
         st = status_pb2.Status(code=self.code.value[0], message=self.message)
         if self.violations:
             st.details.add().Pack(detail)
+        if self.retry_after_s > 0:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(self.retry_after_s * 1e9))
+            st.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         return rpc_status.to_status(st)
 
     def submission_error(self) -> pb.SubmissionError:
@@ -94,7 +104,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     # ---- submission -------------------------------------------------------------------
 
     async def _submit(
-        self, spec: kernel_pb2.JobSpec, require_reference: bool = False
+        self, spec: kernel_pb2.JobSpec, require_reference: bool = False, idempotency_key: str = ""
     ) -> job_pb2.Job:
         """Validates, runs the static checks (in a thread: a 2 MiB source takes ~0.3 s) and
         queues; raises Refused."""
@@ -102,6 +112,9 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
         violations = validation.validate_spec(
             spec, self.limits, require_reference=require_reference
+        )
+        validation.check_string(
+            "idempotency_key", idempotency_key, self.limits.max_idempotency_key_bytes, violations
         )
         known = self.m.device_indices()
         if spec.options.HasField("device_index") and known and spec.options.device_index >= 0:
@@ -121,18 +134,23 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         if self.m.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
         try:
-            return self.m.submit(spec, flags)
+            return self.m.submit(spec, flags, idempotency_key)
         except QueueFull as exc:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), []) from exc
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), [], exc.retry_after_s
+            ) from exc
+        except KeyReused as exc:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS, str(exc), []) from exc
 
     async def _submit_or_abort(
         self,
         spec: kernel_pb2.JobSpec,
         context: grpc.aio.ServicerContext,
         require_reference: bool = False,
+        idempotency_key: str = "",
     ) -> job_pb2.Job:
         try:
-            return await self._submit(spec, require_reference)
+            return await self._submit(spec, require_reference, idempotency_key)
         except Refused as err:
             await abort(context, err)
 
@@ -176,7 +194,9 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                 await self._cancel_quietly(job.job_id)
 
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
-        job = await self._submit_or_abort(request.spec, context)
+        job = await self._submit_or_abort(
+            request.spec, context, idempotency_key=request.idempotency_key
+        )
         return pb.SubmitResponse(job=job)
 
     async def _job_or_abort(
@@ -230,11 +250,16 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         )
         if too_long is not None:
             await abort(context, invalid(too_long.field, too_long.description))
+        bad_labels: list[validation.FieldViolation] = []
+        validation.check_labels("labels", request.labels, self.limits, bad_labels)
+        if bad_labels:
+            await abort(context, invalid(bad_labels[0].field, bad_labels[0].description))
         rows = self.m.store.list(
             limit=size + 1,
             before_rowid=before,
             state=request.state,
             client_tag=request.client_tag,
+            labels=request.labels,
             include_spec=request.include_spec,
         )
         resp = pb.ListJobsResponse(jobs=[job for _, job in rows[:size]])

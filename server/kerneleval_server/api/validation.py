@@ -63,6 +63,9 @@ class Limits:
     # framing.MAX_FRAME, 16 MiB) wrapped in an AssignJob: 4 MiB is left for the wrapper.
     max_spec_bytes: int = 12 << 20
     max_client_tag_bytes: int = 256  # JobSpec.client_tag and ListJobsRequest.client_tag
+    max_labels: int = 16  # JobSpec.labels and ListJobsRequest.labels
+    max_label_value_bytes: int = 256  # a label's value (keys: LABEL_KEY)
+    max_idempotency_key_bytes: int = 128  # SubmitRequest.idempotency_key
     max_request_tag_bytes: int = 256  # RunBatchRequest.request_tag (echoed on every event)
     max_job_id_bytes: int = 128  # job ids in GetJob, Watch, CancelJob (the service's are 32)
     max_page_token_bytes: int = 128  # ListJobsRequest.page_token
@@ -109,12 +112,33 @@ def check_string(
     return v
 
 
+# A label's key: lower case, as Kubernetes' and Prometheus' names, so labels travel to either.
+LABEL_KEY = re.compile(r"[a-z][a-z0-9_.-]{0,62}")
+
+
+def check_labels(
+    field: str, labels: Mapping[str, str], limits: Limits, out: list[FieldViolation]
+) -> None:
+    if len(labels) > limits.max_labels:
+        out.append(FieldViolation(field, f"{len(labels)} labels; at most {limits.max_labels}"))
+    for key, value in sorted(labels.items())[: limits.max_labels + 1]:
+        if not LABEL_KEY.fullmatch(key):
+            out.append(
+                FieldViolation(
+                    f"{field}[{key[:64]!r}]",
+                    "a key is 1-63 characters of [a-z0-9_.-] starting with a letter",
+                )
+            )
+        check_string(f"{field}[{key[:64]!r}]", value, limits.max_label_value_bytes, out)
+
+
 def validate_spec(
     spec: kernel_pb2.JobSpec, limits: Limits = Limits(), *, require_reference: bool = False
 ) -> list[FieldViolation]:
     """Every problem with `spec`, or an empty list. Never raises."""
     out: list[FieldViolation] = []
     check_string("spec.client_tag", spec.client_tag, limits.max_client_tag_bytes, out)
+    check_labels("spec.labels", spec.labels, limits, out)
     literals: list[tuple[int, str]] = []  # (bytes, field) of every literal tensor
     if not spec.HasField("kernel"):
         out.append(FieldViolation("spec.kernel", "required"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from kerneleval.v1 import job_pb2
@@ -60,6 +60,12 @@ class EventHub:
             Limits.from_env().max_log_bytes if max_log_bytes is None else max_log_bytes
         )
         self._logs: dict[str, _LogBudget] = {}
+        self._labels: dict[str, dict[str, str]] = {}  # JobSpec.labels of unfinished jobs
+
+    def set_labels(self, job_id: str, labels: Mapping[str, str]) -> None:
+        """Every later event of the job carries these (JobEvent.labels)."""
+        if labels:
+            self._labels[job_id] = dict(labels)
 
     def next_event(self, job_id: str) -> job_pb2.JobEvent:
         """A new event with the job's next sequence number (not yet published)."""
@@ -67,7 +73,10 @@ class EventHub:
         if seq is None:
             seq = self._store.last_sequence(job_id) + 1
         self._next[job_id] = seq + 1
-        return now_event(job_id, seq)
+        event = now_event(job_id, seq)
+        if labels := self._labels.get(job_id):
+            event.labels.update(labels)
+        return event
 
     def publish(self, event: job_pb2.JobEvent, persisted: bool = False) -> None:
         """Persists the event (unless the caller did, in its own transaction) and fans it out.
@@ -83,6 +92,7 @@ class EventHub:
         if event.HasField("finished"):
             self._next.pop(event.job_id, None)
             self._logs.pop(event.job_id, None)
+            self._labels.pop(event.job_id, None)
 
     def _put(self, event: job_pb2.JobEvent, persisted: bool) -> None:
         if not persisted:

@@ -39,7 +39,7 @@ from kerneleval_server.fleet.timing_windows import (
 from kerneleval_server.fleet.watchdog import AttachedFd
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
-from kerneleval_server.jobs import prebuild, static_checks
+from kerneleval_server.jobs import prebuild, result_cache, static_checks
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
 from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.events import EventHub, OpsLog
@@ -58,13 +58,20 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
+IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
 # engine/integrity.py's rules (the front end does not import the engine: torch).
 RUNTIME_RULES = ("output_aliases_input", "output_aliases_reference", "faster_than_memory")
 
 
 class QueueFull(Exception):
-    pass
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # a guess of when room will be made
+
+
+class KeyReused(Exception):
+    """An idempotency key of a recent Submit came again with a different spec."""
 
 
 class WatchdogLike(Protocol):
@@ -171,17 +178,33 @@ class JobManager:
         self.run_latency: deque[float] = deque(maxlen=2000)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finished: dict[str, asyncio.Event] = {}
+        self.inflight = result_cache.InFlight()
+        self._software = result_cache.software()
+        self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
 
     # ---- submission -------------------------------------------------------------------
 
     def submit(
-        self, spec: kernel_pb2.JobSpec, flags: list[job_pb2.IntegrityFlag] | None = None
+        self,
+        spec: kernel_pb2.JobSpec,
+        flags: list[job_pb2.IntegrityFlag] | None = None,
+        idempotency_key: str = "",
     ) -> job_pb2.Job:
         """Persists a new QUEUED job and queues it (flags: the static checks' result, when
-        the caller ran them off the event loop). Raises QueueFull past the queue limit."""
-        if len(self.queue) >= self.config.max_queue:
+        the caller ran them off the event loop), or answers it from the result cache or an
+        identical job in flight (result_cache.py). A Submit retried with its idempotency key
+        gets the job the first one made. Raises QueueFull past the queue limit, KeyReused."""
+        if idempotency_key:
+            earlier = self._submitted_with(spec, idempotency_key)
+            if earlier is not None:
+                return earlier
+        key = self._cache_key(spec)
+        hit = self._cached(key)
+        waiting = len(self.queue) + len(self.inflight)
+        if hit is None and waiting >= self.config.max_queue:
             raise QueueFull(
-                f"the queue holds {len(self.queue)} jobs (limit {self.config.max_queue})"
+                f"the queue holds {waiting} jobs (limit {self.config.max_queue})",
+                self._retry_after_s(),
             )
         job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED)
         job.spec.CopyFrom(spec)
@@ -194,17 +217,109 @@ class JobManager:
         if flags is None:
             flags = static_checks.check(spec)
         job.result.flags.extend(flags)
+        self.hub.set_labels(job.job_id, spec.labels)
         event = self.hub.next_event(job.job_id)
         event.queued.position = len(self.queue)
-        self.store.insert(job, event)
+        self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)
         self.hub.publish(event, persisted=True)
         if flags and spec.options.reject_flagged:
             self._reject(job)
             return job
-        self._enqueue(job)
+        if hit is not None:
+            self.metrics.result_cache.labels("hit").inc()
+            self._answer(job, hit, job_pb2.RESULT_ORIGIN_CACHE)
+            return job
+        self._enqueue_or_wait(job, key)
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         self.dispatch()
         return job
+
+    # ---- the result cache and identical jobs in flight (result_cache.py) ---------------
+
+    def _target(self, spec: kernel_pb2.JobSpec) -> str:
+        """What a result depends on besides the spec: the engine, the software, and the model
+        and driver of the GPUs the job may run on."""
+        pinned = spec.options.device_index if spec.options.HasField("device_index") else None
+        gpus = sorted(
+            {
+                f"{d.status.name}/{d.status.driver_version}"
+                for d in self.devices.values()
+                if pinned is None or d.index == pinned
+            }
+        )
+        return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
+
+    def _cache_key(self, spec: kernel_pb2.JobSpec) -> str:
+        if self.config.result_cache_hours <= 0:
+            return ""
+        return result_cache.cache_key(spec, self._target(spec))
+
+    def _cached(self, key: str) -> job_pb2.Job | None:
+        if not key:
+            return None
+        return self.store.cached(key, time.time() - self.config.result_cache_hours * 3600)
+
+    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> None:
+        """Queues the job, unless an identical one is queued or running: then it waits for
+        that one's result."""
+        if not key:
+            self.metrics.result_cache.labels("bypass").inc()
+        elif self.inflight.leader(key):
+            self.inflight.wait(key, job.job_id)
+            self.metrics.result_cache.labels("shared").inc()
+            return
+        else:
+            self.inflight.lead(key, job.job_id)
+            self.metrics.result_cache.labels("miss").inc()
+        self._enqueue(job)
+
+    def _answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: int) -> None:
+        """Ends `job` with the result `source` computed."""
+        job.result_origin = origin  # type: ignore[assignment]
+        job.result_job_id = source.result_job_id or source.job_id
+        self._finish(job, job_pb2.JOB_STATE_DONE, source.result, source.state_reason)
+
+    def _leader_ended(self, leader: job_pb2.Job) -> None:
+        """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
+        out, was cancelled...)."""
+        key, followers = self.inflight.leader_ended(leader.job_id)
+        shared = (
+            leader.state == job_pb2.JOB_STATE_DONE
+            and leader.result.verdict in result_cache.CACHEABLE
+        )
+        for job_id in followers:
+            follower = self.store.get(job_id)
+            if follower is None or follower.state in TERMINAL:
+                continue
+            if shared:
+                self._answer(follower, leader, job_pb2.RESULT_ORIGIN_SHARED_RUN)
+            else:
+                self._enqueue_or_wait(follower, key)
+
+    def _submitted_with(self, spec: kernel_pb2.JobSpec, key: str) -> job_pb2.Job | None:
+        """The job a Submit with this idempotency key made within IDEMPOTENCY_S, if any."""
+        earlier = self.store.by_idempotency_key(spec.client_tag, key)
+        if earlier is None:
+            return None
+        if earlier.create_time.ToNanoseconds() / 1e9 < time.time() - IDEMPOTENCY_S:
+            self.store.forget_idempotency_key(earlier.job_id)
+            return None
+        if earlier.spec != spec:
+            raise KeyReused(
+                f"idempotency_key {key!r} made job {earlier.job_id} with another spec; a "
+                "key names one submission"
+            )
+        return earlier
+
+    def _retry_after_s(self) -> float:
+        """When a full queue will likely have room for a tenth of it again: from the rate at
+        which jobs finished lately, between 1 and 60 s."""
+        now = time.monotonic()
+        recent = [t for t in self.finish_times if now - t <= 60.0]
+        rate = len(recent) / max(1.0, now - recent[0]) if len(recent) > 1 else 0.0
+        if rate <= 0:
+            return 5.0
+        return max(1.0, min(60.0, 0.1 * self.config.max_queue / rate))
 
     def _reject(self, job: job_pb2.Job) -> None:
         """reject_flagged and the candidate is flagged: it ends now, never run."""
@@ -224,9 +339,13 @@ class JobManager:
     def recover(self) -> None:
         """After a restart: queued jobs queue again; running ones re-run once or fail."""
         for job in self.store.unfinished():
+            self.hub.set_labels(job.job_id, job.spec.labels)
+            key = self.store.cache_key(job.job_id)
             if job.state == job_pb2.JOB_STATE_QUEUED:
-                self._enqueue(job)
+                self._enqueue_or_wait(job, key)
                 continue
+            if key and not self.inflight.leader(key):
+                self.inflight.lead(key, job.job_id)
             fault = job_pb2.FaultInfo(
                 description=f"the front end restarted while the job ran on {job.worker_id}"
             )
@@ -851,7 +970,9 @@ class JobManager:
             return None
         if job.state in TERMINAL:
             return job
-        if self.queue.remove(job_id):
+        if self.inflight.drop_waiting(job_id):
+            self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+        elif self.queue.remove(job_id):
             self.metrics.queue_depth.set(len(self.queue))
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         else:
@@ -902,6 +1023,8 @@ class JobManager:
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         job.state = state  # type: ignore[assignment]
+        if job.HasField("start_time") and not job.result_origin:
+            job.result_origin = job_pb2.RESULT_ORIGIN_RUN
         # The static flags are the front end's (submit), whatever the job process says; the
         # engine adds runtime ones (engine/integrity.py), only of the rules it knows.
         flags = job_pb2.EvalResult()
@@ -929,6 +1052,8 @@ class JobManager:
         done = self._finished.pop(job.job_id, None)
         if done is not None:
             done.set()
+        self.finish_times.append(time.monotonic())
+        self._leader_ended(job)
         state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
         verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
         self.metrics.jobs.labels(state_name).inc()

@@ -5,7 +5,8 @@
         job = c.evaluate(job_from_files("model_new.py", "model.py"))
 
 The names below load on first use, so that `import kerneleval.v1` (the generated code, which
-the server and its workers import too) does not pull in the client and grpc.aio.
+the server and its workers import too) does not pull in the client and grpc.aio. For RL loops,
+`kerneleval.rl` has `reward` and `spec_from_completion`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ _EXPORTS = {
     "kernel_source": "kerneleval.kernelbench",
     "KernelEvalError": "kerneleval.errors",
     "InvalidArgument": "kerneleval.errors",
+    "ResourceExhausted": "kerneleval.errors",
+    "Unavailable": "kerneleval.errors",
 }
+_SUBMODULES = {"rl"}
 
 if TYPE_CHECKING:
+    from kerneleval import rl
     from kerneleval.client import AsyncClient, BatchEvent, Client
-    from kerneleval.errors import InvalidArgument, KernelEvalError
+    from kerneleval.errors import InvalidArgument, KernelEvalError, ResourceExhausted, Unavailable
     from kerneleval.kernelbench import job_from_files, kernel_source, load_kernel
 
 __all__ = [
@@ -37,13 +42,18 @@ __all__ = [
     "Client",
     "InvalidArgument",
     "KernelEvalError",
+    "ResourceExhausted",
+    "Unavailable",
     "job_from_files",
     "kernel_source",
     "load_kernel",
+    "rl",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kerneleval.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kerneleval' has no attribute {name!r}")

@@ -31,6 +31,38 @@ def _to_json(message: Any) -> str:
     return json_format.MessageToJson(message, indent=2)
 
 
+def _label(value: str) -> tuple[str, str]:
+    """A `--label KEY=VALUE` argument (the server checks keys and values further)."""
+    key, sep, val = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE (e.g. --label problem=19_ReLU), got {value!r}"
+        )
+    return key.strip(), val
+
+
+def _add_label_option(p: Any, helptext: str) -> None:  # a parser or an argument group
+    p.add_argument(
+        "--label",
+        dest="labels",
+        action="append",
+        type=_label,
+        default=[],
+        metavar="KEY=VALUE",
+        help=helptext,
+    )
+
+
+def _labels(a: argparse.Namespace) -> dict[str, str]:
+    """The --label arguments as a dict; a key given twice with two values is a usage error."""
+    out: dict[str, str] = {}
+    for key, value in a.labels:
+        if out.get(key, value) != value:
+            raise ValueError(f"--label {key} given twice, as {out[key]!r} and {value!r}")
+        out[key] = value
+    return out
+
+
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument(
@@ -63,7 +95,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not run a candidate that static checks flag (VERDICT_REJECTED)",
     )
+    g.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="run even if an identical job has a result or is running (bypass_cache)",
+    )
     g.add_argument("--tag", default="", help="client tag")
+    _add_label_option(g, "a label of the job, for your bookkeeping and `jobs --label` (repeatable)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the finished job as JSON")
     o.add_argument("--no-progress", action="store_true", help="no progress on stderr")
@@ -100,6 +138,7 @@ def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
     o.sanitize = a.sanitize
     o.device_metrics = a.device_metrics
     o.reject_flagged = a.reject_flagged
+    o.bypass_cache = a.no_cache
     return o
 
 
@@ -113,7 +152,7 @@ def _io(value: str | None) -> kernel_pb2.IOContract | None:
 
 
 def _spec(a: argparse.Namespace, kernel: str, reference: str | None) -> kernel_pb2.JobSpec:
-    return job_from_files(
+    spec = job_from_files(
         kernel,
         reference,
         options=_options(a),
@@ -122,6 +161,8 @@ def _spec(a: argparse.Namespace, kernel: str, reference: str | None) -> kernel_p
         io=_io(a.io),
         entry_point=a.entry_point,
     )
+    spec.labels.update(_labels(a))
+    return spec
 
 
 def _follow(a: argparse.Namespace, events: Iterator[job_pb2.JobEvent]) -> int:
@@ -236,7 +277,11 @@ def cmd_cancel(a: argparse.Namespace, c: Client) -> int:
 def cmd_jobs(a: argparse.Namespace, c: Client) -> int:
     jobs = list(
         c.list_jobs(
-            state=STATES[a.state], client_tag=a.tag, limit=a.limit, page_size=min(a.limit, 1000)
+            state=STATES[a.state],
+            client_tag=a.tag,
+            labels=_labels(a),
+            limit=a.limit,
+            page_size=min(a.limit, 1000),
         )
     )
     if a.json:
@@ -457,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("jobs", help="list jobs, newest first")
     s.add_argument("--state", choices=list(STATES), default="unspecified")
     s.add_argument("--tag", default="")
+    _add_label_option(s, "only jobs with this label (repeatable: every one of them)")
     s.add_argument("--limit", type=int, default=20)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_jobs)

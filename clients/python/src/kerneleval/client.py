@@ -8,15 +8,30 @@
 Streams that follow a job (`run`, `watch`) re-attach after a dropped connection with
 `Watch(after_sequence=last seen)`, so no event is lost or repeated. Every failed call raises a
 typed `kerneleval.errors.KernelEvalError`.
+
+Retries: the channel retries the idempotent calls (GetJob, ListJobs, CancelJob, ListDevices,
+GetStats) on UNAVAILABLE, up to 5 attempts with exponential back-off (a gRPC service config);
+`submit` retries by itself on UNAVAILABLE and RESOURCE_EXHAUSTED (a full queue), waiting what
+the server's google.rpc.RetryInfo asks or else backing off exponentially with jitter, within
+`retry_timeout` seconds (default 30), and sends an idempotency key so that a retried Submit
+never makes a second job. `retry_timeout=0` turns both off. Evaluate, Compare, Run and RunBatch
+make jobs without a key and are never retried.
+
+The logic (requests, retry schedules, re-attach book-keeping) lives in `_Base` and the helpers
+beside it; `Client` and `AsyncClient` only do the I/O, so that the two stay alike
+(tests/clients/test_client_parity.py checks their methods and parameters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +63,44 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+DEFAULT_RETRY_TIMEOUT = 30.0
+# Calls the channel may send again on UNAVAILABLE: they read, or (CancelJob) do what a second
+# call would find done. Submit is retried by the client, with an idempotency key.
+_IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
+    "kerneleval.v1.KernelEvalService": ("GetJob", "ListJobs", "CancelJob"),
+    "kerneleval.v1.OperationsService": ("ListDevices", "GetStats"),
+}
+# gRPC caps maxAttempts at 5; the back-off before attempt n+1 is about
+# min(initialBackoff * backoffMultiplier^(n-1), maxBackoff), jittered: 0.05 + 0.1 + 0.2 + 0.4 s,
+# so a server that stays away costs a call under a second more before its UNAVAILABLE (a
+# blip, a connection reset, a GOAWAY race is what these retries are for; `watch` and `run`
+# ride out longer outages with their own re-attach).
+_RETRY_POLICY: dict[str, Any] = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.05s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": service, "method": method}
+                    for service, methods in _IDEMPOTENT_METHODS.items()
+                    for method in methods
+                ],
+                "retryPolicy": _RETRY_POLICY,
+            }
+        ]
+    }
+)
+# Submit's own retries: the codes, and the back-off without a RetryInfo (seconds).
+_SUBMIT_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+_SUBMIT_BACKOFF_INITIAL = 0.1
+_SUBMIT_BACKOFF_MAX = 5.0
+_SUBMIT_MIN_DELAY = 0.01
 
 Event = job_pb2.JobEvent
 JobSpecLike = kernel_pb2.JobSpec | kernel_pb2.KernelSource
@@ -114,7 +167,13 @@ def _status_code(value: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def _as_spec(spec: JobSpecLike, options: kernel_pb2.EvalOptions | None) -> kernel_pb2.JobSpec:
+def _as_spec(
+    spec: JobSpecLike,
+    options: kernel_pb2.EvalOptions | None,
+    labels: Mapping[str, str] | None = None,
+) -> kernel_pb2.JobSpec:
+    """A copy of the spec (the caller's is never changed) with the options and labels given;
+    `labels` are added to the spec's own, replacing those of the same keys."""
     out = kernel_pb2.JobSpec()
     if isinstance(spec, kernel_pb2.KernelSource):
         out.kernel.CopyFrom(spec)
@@ -122,7 +181,73 @@ def _as_spec(spec: JobSpecLike, options: kernel_pb2.EvalOptions | None) -> kerne
         out.CopyFrom(spec)
     if options is not None:
         out.options.CopyFrom(options)
+    if labels:
+        out.labels.update(labels)
     return out
+
+
+def _list_request(
+    request: kernel_eval_service_pb2.ListJobsRequest | None,
+    *,
+    page_token: str = "",
+    page_size: int = 0,
+    state: int = job_pb2.JOB_STATE_UNSPECIFIED,
+    client_tag: str = "",
+    include_spec: bool = False,
+    labels: Mapping[str, str] | None = None,
+) -> kernel_eval_service_pb2.ListJobsRequest:
+    """A ListJobsRequest: a copy of `request` (or an empty one) with every keyword that is not
+    its default set on it, the labels added to its own."""
+    req = kernel_eval_service_pb2.ListJobsRequest()
+    if request is not None:
+        req.CopyFrom(request)
+    if page_token:
+        req.page_token = page_token
+    if page_size:
+        req.page_size = page_size
+    if state:
+        req.state = state  # type: ignore[assignment]
+    if client_tag:
+        req.client_tag = client_tag
+    if include_spec:
+        req.include_spec = True
+    if labels:
+        req.labels.update(labels)
+    return req
+
+
+def _message_too_large(error: errors.KernelEvalError) -> bool:
+    """RESOURCE_EXHAUSTED for a message over a size limit: sending it again cannot help."""
+    return "larger than max" in error.details or "message too large" in error.details.lower()
+
+
+class _SubmitRetry:
+    """The schedule of a retried Submit: which failures are retried and how long to wait.
+
+    UNAVAILABLE and RESOURCE_EXHAUSTED (but a message over a size limit) are retried: after the
+    server's google.rpc.RetryInfo delay when it gave one, else after an exponential back-off
+    (0.1 s doubling to 5 s, each wait drawn from [half, all] of it), until the next attempt
+    would start more than `budget` seconds after the first."""
+
+    def __init__(self, budget: float) -> None:
+        self.deadline = time.monotonic() + budget
+        self.budget = budget
+        self._backoff = _SUBMIT_BACKOFF_INITIAL
+
+    def delay(self, error: errors.KernelEvalError) -> float | None:
+        """Seconds to wait before the next attempt; None: give up and raise `error`."""
+        if self.budget <= 0 or error.code not in _SUBMIT_RETRY_CODES:
+            return None
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _message_too_large(error):
+            return None
+        if error.retry_delay is not None:
+            delay = max(error.retry_delay, _SUBMIT_MIN_DELAY)
+        else:
+            delay = random.uniform(self._backoff / 2, self._backoff)
+            self._backoff = min(self._backoff * 2, _SUBMIT_BACKOFF_MAX)
+        if time.monotonic() + delay > self.deadline:
+            return None
+        return delay
 
 
 def _duration(seconds: float | None) -> duration_pb2.Duration | None:
@@ -209,17 +334,31 @@ class _Follow:
 
 
 class _Base:
+    """What the sync and asyncio clients share: settings, requests and retry schedules."""
+
     def __init__(
         self,
         address: str | None,
         timeout: float | None,
         admin_token: str | None,
         reconnect_timeout: float,
+        retry_timeout: float,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
         self.admin_token = resolve_admin_token(admin_token)
         self.reconnect_timeout = reconnect_timeout
+        self.retry_timeout = max(0.0, retry_timeout)
+
+    def _channel_options(self) -> list[tuple[str, Any]]:
+        """Channel options: message limits, and the retry policy of the idempotent calls."""
+        if self.retry_timeout <= 0:
+            return list(_CHANNEL_OPTIONS)
+        return [
+            *_CHANNEL_OPTIONS,
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", SERVICE_CONFIG),
+        ]
 
     def _admin_metadata(self) -> list[tuple[str, str]]:
         if not self.admin_token:
@@ -228,9 +367,50 @@ class _Base:
             )
         return [("authorization", f"Bearer {self.admin_token}")]
 
+    def _submit_request(
+        self,
+        spec: JobSpecLike,
+        options: kernel_pb2.EvalOptions | None,
+        labels: Mapping[str, str] | None,
+        idempotency_key: str | None,
+    ) -> kernel_eval_service_pb2.SubmitRequest:
+        """The request every attempt of one `submit` sends: one idempotency key for them all."""
+        return kernel_eval_service_pb2.SubmitRequest(
+            spec=_as_spec(spec, options, labels),
+            idempotency_key=idempotency_key or str(uuid.uuid4()),
+        )
+
+    def _submit_retry(self) -> _SubmitRetry:
+        return _SubmitRetry(self.retry_timeout)
+
+    def _run_request(
+        self,
+        spec: JobSpecLike,
+        options: kernel_pb2.EvalOptions | None,
+        labels: Mapping[str, str] | None,
+        keep_on_disconnect: bool,
+    ) -> kernel_eval_service_pb2.RunRequest:
+        return kernel_eval_service_pb2.RunRequest(
+            spec=_as_spec(spec, options, labels), keep_on_disconnect=keep_on_disconnect
+        )
+
+    def _health_check(self, channel: Any) -> Any:
+        """grpc.health.v1.Health/Check on the channel (sync or asyncio)."""
+        return channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+
 
 class Client(_Base):
-    """Blocking client. Thread-safe; close it (or use `with`) to release the channel."""
+    """Blocking client. Thread-safe; close it (or use `with`) to release the channel.
+
+    `timeout`: deadline of each call (each attempt of a retried one), seconds; None: none.
+    `reconnect_timeout`: how long `run` and `watch` try to re-attach to a job's stream.
+    `retry_timeout`: how long `submit` keeps retrying UNAVAILABLE and RESOURCE_EXHAUSTED;
+    0 turns off its retries and the channel's (see the module's docstring). A `channel` of
+    your own is used as it is (no retry policy unless you gave it `SERVICE_CONFIG`)."""
 
     def __init__(
         self,
@@ -239,16 +419,18 @@ class Client(_Base):
         timeout: float | None = None,
         admin_token: str | None = None,
         reconnect_timeout: float = 60.0,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        super().__init__(address, timeout, admin_token, reconnect_timeout)
+        super().__init__(address, timeout, admin_token, reconnect_timeout, retry_timeout)
+        options = self._channel_options()
         if channel is not None:
             self.channel = channel
         elif credentials is not None:
-            self.channel = grpc.secure_channel(self.address, credentials, _CHANNEL_OPTIONS)
+            self.channel = grpc.secure_channel(self.address, credentials, options)
         else:
-            self.channel = grpc.insecure_channel(self.address, _CHANNEL_OPTIONS)
+            self.channel = grpc.insecure_channel(self.address, options)
         self._stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(self.channel)
         self._ops = operations_service_pb2_grpc.OperationsServiceStub(self.channel)
 
@@ -270,38 +452,66 @@ class Client(_Base):
     # --- KernelEvalService ---------------------------------------------------------------
 
     def evaluate(
-        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> job_pb2.Job:
-        """Evaluates (or compares, when spec.reference is set) and returns the finished job."""
-        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options))
+        """Evaluates (or compares, when spec.reference is set) and returns the finished job.
+
+        `options` replace the spec's; `labels` are added to the spec's (JobSpec.labels: your
+        own bookkeeping, e.g. {"problem": "19", "step": "420"}, filterable in `list_jobs`)."""
+        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options, labels))
         return self._call(self._stub.Evaluate, req).job
 
     def compare(
-        self, spec: kernel_pb2.JobSpec, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: kernel_pb2.JobSpec,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> job_pb2.Job:
         """Compares spec.kernel with spec.reference and returns the finished job."""
-        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options))
+        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options, labels))
         return self._call(self._stub.Compare, req).job
 
     def submit(
-        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> job_pb2.Job:
-        """Queues a job and returns it at once (QUEUED)."""
-        req = kernel_eval_service_pb2.SubmitRequest(spec=_as_spec(spec, options))
-        return self._call(self._stub.Submit, req).job
+        """Queues a job and returns it at once (QUEUED).
+
+        Retried on UNAVAILABLE and RESOURCE_EXHAUSTED within `retry_timeout`, every attempt
+        with the same `idempotency_key` (a new uuid4 per call unless given; at most 128
+        bytes), so the server makes one job however many attempts reach it. Pass your own key
+        to make retries of your own (e.g. after a restart of your process) safe too."""
+        req = self._submit_request(spec, options, labels, idempotency_key)
+        retry = self._submit_retry()
+        while True:
+            try:
+                return self._call(self._stub.Submit, req).job
+            except errors.KernelEvalError as e:
+                delay = retry.delay(e)
+                if delay is None:
+                    raise
+            time.sleep(delay)
 
     def run(
         self,
         spec: JobSpecLike,
         *,
         options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
         keep_on_disconnect: bool = False,
         reconnect: bool = True,
     ) -> Iterator[job_pb2.JobEvent]:
         """Submits a job and yields its events to the last (`finished`)."""
-        req = kernel_eval_service_pb2.RunRequest(
-            spec=_as_spec(spec, options), keep_on_disconnect=keep_on_disconnect
-        )
+        req = self._run_request(spec, options, labels, keep_on_disconnect)
         follow = _Follow("", 0, self.reconnect_timeout)
         opener = lambda: self._stub.Run(req, timeout=self.timeout)  # noqa: E731
         yield from self._follow(follow, opener, reconnect)
@@ -350,25 +560,51 @@ class Client(_Base):
         return self._call(self._stub.GetJob, req).job
 
     def list_jobs_page(
-        self, request: kernel_eval_service_pb2.ListJobsRequest
+        self,
+        request: kernel_eval_service_pb2.ListJobsRequest | None = None,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        state: int = job_pb2.JOB_STATE_UNSPECIFIED,
+        client_tag: str = "",
+        include_spec: bool = False,
+        labels: Mapping[str, str] | None = None,
     ) -> kernel_eval_service_pb2.ListJobsResponse:
-        return self._call(self._stub.ListJobs, request)
+        """One page of jobs, newest first, and the token of the next (`next_page_token`).
+
+        The request is `request` (or an empty one) with the keywords given set on it; `labels`
+        keeps jobs carrying every one of these labels with these values; page_size 0 is the
+        server's default (50)."""
+        req = _list_request(
+            request,
+            page_token=page_token,
+            page_size=page_size,
+            state=state,
+            client_tag=client_tag,
+            include_spec=include_spec,
+            labels=labels,
+        )
+        return self._call(self._stub.ListJobs, req)
 
     def list_jobs(
         self,
         *,
         state: int = job_pb2.JOB_STATE_UNSPECIFIED,
         client_tag: str = "",
+        labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
         page_size: int = 100,
         limit: int | None = None,
     ) -> Iterator[job_pb2.Job]:
-        """Jobs, newest first, fetched page by page; at most `limit` of them."""
-        req = kernel_eval_service_pb2.ListJobsRequest(
+        """Jobs, newest first, fetched page by page; at most `limit` of them. Filters: `state`,
+        `client_tag`, and `labels` (jobs carrying every one of them)."""
+        req = _list_request(
+            None,
             page_size=page_size,
-            state=state,  # type: ignore[arg-type]
+            state=state,
             client_tag=client_tag,
             include_spec=include_spec,
+            labels=labels,
         )
         count = 0
         while True:
@@ -472,16 +708,12 @@ class Client(_Base):
 
     def health(self, service: str = "") -> str:
         """The health status name ("SERVING", "NOT_SERVING", ...) from grpc.health.v1."""
-        check = self.channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_encode_health_request,
-            response_deserializer=_decode_health_response,
-        )
-        return self._call(check, service)
+        return self._call(self._health_check(self.channel), service)
 
 
 class AsyncClient(_Base):
-    """asyncio client (grpc.aio); the same calls as `Client`, awaited or async-iterated."""
+    """asyncio client (grpc.aio); the same calls and parameters as `Client`, awaited or
+    async-iterated."""
 
     def __init__(
         self,
@@ -490,16 +722,18 @@ class AsyncClient(_Base):
         timeout: float | None = None,
         admin_token: str | None = None,
         reconnect_timeout: float = 60.0,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        super().__init__(address, timeout, admin_token, reconnect_timeout)
+        super().__init__(address, timeout, admin_token, reconnect_timeout, retry_timeout)
+        options = self._channel_options()
         if channel is not None:
             self.channel = channel
         elif credentials is not None:
-            self.channel = grpc.aio.secure_channel(self.address, credentials, _CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(self.address, credentials, options)
         else:
-            self.channel = grpc.aio.insecure_channel(self.address, _CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(self.address, options)
         self._stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(self.channel)
         self._ops = operations_service_pb2_grpc.OperationsServiceStub(self.channel)
 
@@ -519,34 +753,58 @@ class AsyncClient(_Base):
             raise errors.from_rpc_error(e) from e
 
     async def evaluate(
-        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> job_pb2.Job:
-        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options))
+        """As `Client.evaluate`."""
+        req = kernel_eval_service_pb2.EvaluateRequest(spec=_as_spec(spec, options, labels))
         return (await self._call(self._stub.Evaluate, req)).job
 
     async def compare(
-        self, spec: kernel_pb2.JobSpec, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: kernel_pb2.JobSpec,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> job_pb2.Job:
-        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options))
+        """As `Client.compare`."""
+        req = kernel_eval_service_pb2.CompareRequest(spec=_as_spec(spec, options, labels))
         return (await self._call(self._stub.Compare, req)).job
 
     async def submit(
-        self, spec: JobSpecLike, *, options: kernel_pb2.EvalOptions | None = None
+        self,
+        spec: JobSpecLike,
+        *,
+        options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> job_pb2.Job:
-        req = kernel_eval_service_pb2.SubmitRequest(spec=_as_spec(spec, options))
-        return (await self._call(self._stub.Submit, req)).job
+        """As `Client.submit`: retried within `retry_timeout`, with one idempotency key."""
+        req = self._submit_request(spec, options, labels, idempotency_key)
+        retry = self._submit_retry()
+        while True:
+            try:
+                return (await self._call(self._stub.Submit, req)).job
+            except errors.KernelEvalError as e:
+                delay = retry.delay(e)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
 
     def run(
         self,
         spec: JobSpecLike,
         *,
         options: kernel_pb2.EvalOptions | None = None,
+        labels: Mapping[str, str] | None = None,
         keep_on_disconnect: bool = False,
         reconnect: bool = True,
     ) -> AsyncIterator[job_pb2.JobEvent]:
-        req = kernel_eval_service_pb2.RunRequest(
-            spec=_as_spec(spec, options), keep_on_disconnect=keep_on_disconnect
-        )
+        """As `Client.run`."""
+        req = self._run_request(spec, options, labels, keep_on_disconnect)
         follow = _Follow("", 0, self.reconnect_timeout)
         return self._follow(follow, lambda: self._stub.Run(req, timeout=self.timeout), reconnect)
 
@@ -592,24 +850,51 @@ class AsyncClient(_Base):
         req = kernel_eval_service_pb2.GetJobRequest(job_id=job_id)
         return (await self._call(self._stub.GetJob, req)).job
 
+    async def list_jobs_page(
+        self,
+        request: kernel_eval_service_pb2.ListJobsRequest | None = None,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        state: int = job_pb2.JOB_STATE_UNSPECIFIED,
+        client_tag: str = "",
+        include_spec: bool = False,
+        labels: Mapping[str, str] | None = None,
+    ) -> kernel_eval_service_pb2.ListJobsResponse:
+        """As `Client.list_jobs_page`."""
+        req = _list_request(
+            request,
+            page_token=page_token,
+            page_size=page_size,
+            state=state,
+            client_tag=client_tag,
+            include_spec=include_spec,
+            labels=labels,
+        )
+        return await self._call(self._stub.ListJobs, req)
+
     async def list_jobs(
         self,
         *,
         state: int = job_pb2.JOB_STATE_UNSPECIFIED,
         client_tag: str = "",
+        labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
         page_size: int = 100,
         limit: int | None = None,
     ) -> AsyncIterator[job_pb2.Job]:
-        req = kernel_eval_service_pb2.ListJobsRequest(
+        """As `Client.list_jobs`."""
+        req = _list_request(
+            None,
             page_size=page_size,
-            state=state,  # type: ignore[arg-type]
+            state=state,
             client_tag=client_tag,
             include_spec=include_spec,
+            labels=labels,
         )
         count = 0
         while True:
-            page = await self._call(self._stub.ListJobs, req)
+            page = await self.list_jobs_page(req)
             for job in page.jobs:
                 if limit is not None and count >= limit:
                     return
@@ -710,6 +995,10 @@ class AsyncClient(_Base):
             operations_service_pb2.GetStatsRequest(),
             metadata=self._admin_metadata(),
         )
+
+    async def health(self, service: str = "") -> str:
+        """As `Client.health`."""
+        return await self._call(self._health_check(self.channel), service)
 
 
 # grpc.health.v1 without grpcio-health-checking: HealthCheckRequest {string service = 1},

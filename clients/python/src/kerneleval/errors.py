@@ -1,4 +1,5 @@
-"""Typed exceptions for gRPC errors, with google.rpc.BadRequest field violations decoded."""
+"""Typed exceptions for gRPC errors, with the google.rpc.Status details decoded: a BadRequest's
+field violations and a RetryInfo's retry delay."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class FieldViolation:
 
 
 class KernelEvalError(Exception):
-    """An RPC failed. `code` is the gRPC status code; `details` its message."""
+    """An RPC failed. `code` is the gRPC status code; `details` its message; `retry_delay` the
+    seconds the server asked the client to wait before trying again (google.rpc.RetryInfo),
+    None when it said nothing."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
@@ -33,11 +36,13 @@ class KernelEvalError(Exception):
         *,
         code: grpc.StatusCode | None = None,
         field_violations: list[FieldViolation] | None = None,
+        retry_delay: float | None = None,
     ) -> None:
         if code is not None:
             self.code = code
         self.details = details
         self.field_violations: list[FieldViolation] = list(field_violations or [])
+        self.retry_delay = retry_delay
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -68,7 +73,8 @@ class PermissionDenied(KernelEvalError):
 
 
 class ResourceExhausted(KernelEvalError):
-    """The queue is full (or a message is too large); retry later."""
+    """The queue is full (or a message is too large); retry later (after `retry_delay`, when
+    the server gave one). `Client.submit` retries it by itself within its `retry_timeout`."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -122,13 +128,22 @@ _BY_CODE: dict[grpc.StatusCode, type[KernelEvalError]] = {
 }
 
 
-def violations_from_status_bytes(raw: bytes) -> list[FieldViolation]:
-    """Field violations of every google.rpc.BadRequest in a serialized google.rpc.Status."""
+def _parse_status(raw: bytes) -> status_pb2.Status | None:
     status = status_pb2.Status()
     try:
         status.ParseFromString(raw)
     except Exception:  # a malformed trailer must not hide the original error
-        return []
+        return None
+    return status
+
+
+def violations_from_status_bytes(raw: bytes) -> list[FieldViolation]:
+    """Field violations of every google.rpc.BadRequest in a serialized google.rpc.Status."""
+    status = _parse_status(raw)
+    return _violations(status) if status is not None else []
+
+
+def _violations(status: status_pb2.Status) -> list[FieldViolation]:
     out: list[FieldViolation] = []
     for detail in status.details:
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
@@ -138,11 +153,24 @@ def violations_from_status_bytes(raw: bytes) -> list[FieldViolation]:
     return out
 
 
-def _trailing_violations(metadata: Any) -> list[FieldViolation]:
+def _retry_delay(status: status_pb2.Status) -> float | None:
+    """Seconds of the first google.rpc.RetryInfo's retry_delay; None without one."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return max(0.0, info.retry_delay.ToNanoseconds() / 1e9)
+    return None
+
+
+def _trailing_status(metadata: Any) -> status_pb2.Status | None:
+    """The google.rpc.Status of a call's trailers (the grpc-status-details-bin entry), decoded
+    as grpc_status.rpc_status.from_call does, for sync and asyncio errors alike, without its
+    check that the status's message matches the call's (a mismatch must not hide details)."""
     for key, value in metadata or ():
         if key == _STATUS_DETAILS_KEY and isinstance(value, bytes):
-            return violations_from_status_bytes(value)
-    return []
+            return _parse_status(value)
+    return None
 
 
 def from_rpc_error(error: grpc.RpcError) -> KernelEvalError:
@@ -152,8 +180,13 @@ def from_rpc_error(error: grpc.RpcError) -> KernelEvalError:
     details_fn = getattr(error, "details", None)
     details = (details_fn() if callable(details_fn) else None) or str(error)
     trailing_fn = getattr(error, "trailing_metadata", None)
-    trailing = trailing_fn() if callable(trailing_fn) else None
+    status = _trailing_status(trailing_fn() if callable(trailing_fn) else None)
     cls = _BY_CODE.get(code, KernelEvalError)
-    exc = cls(details, code=code, field_violations=_trailing_violations(trailing))
+    exc = cls(
+        details,
+        code=code,
+        field_violations=_violations(status) if status is not None else [],
+        retry_delay=_retry_delay(status) if status is not None else None,
+    )
     exc.__cause__ = error
     return exc

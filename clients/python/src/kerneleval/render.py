@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from google.protobuf import timestamp_pb2
@@ -177,6 +177,22 @@ def fault_text(f: job_pb2.FaultInfo) -> str:
     return "; ".join(parts) or "-"
 
 
+def origin_text(job: job_pb2.Job) -> str:
+    """Where a result came from when another job computed it: "cached from job-..." or
+    "shared the run of job-..."; empty when the job ran itself (or it is not known)."""
+    other = job.result_job_id or "an earlier job"
+    if job.result_origin == job_pb2.RESULT_ORIGIN_CACHE:
+        return f"cached from {other}"
+    if job.result_origin == job_pb2.RESULT_ORIGIN_SHARED_RUN:
+        return f"shared the run of {other}"
+    return ""
+
+
+def labels_text(labels: Mapping[str, str]) -> str:
+    """ "problem=19, step=3": a job's labels, sorted by key."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
 def _stats(r: job_pb2.RuntimeStats) -> str:
     source = enum_name(r.source, job_pb2.TimingSource, "TIMING_SOURCE_").lower()
     flushed = ", L2 flushed" if r.l2_flushed else ""
@@ -234,7 +250,11 @@ def result_table(job: job_pb2.Job) -> str:
     rows.append(("job", f"{job.job_id}  {state_name(job.state)} on {where}{attempts}"))
     if job.state_reason:
         rows.append(("reason", job.state_reason))
+    if job.spec.labels:
+        rows.append(("labels", labels_text(job.spec.labels)))
     rows.append(("verdict", verdict_name(r.verdict)))
+    if origin_text(job):
+        rows.append(("origin", origin_text(job)))
     rows.append(("compiled", "yes" if r.compiled else "no"))
     v = r.validation
     correct = "yes" if r.correctness else "no"
@@ -304,6 +324,8 @@ def job_summary(job: job_pb2.Job) -> str:
     if r.flags:
         rules = ", ".join(dict.fromkeys(f.rule_id for f in r.flags))
         text += "  flags: " + printable(rules[:120])
+    if origin_text(job):
+        text += f"  ({origin_text(job)})"
     return text
 
 
@@ -317,6 +339,11 @@ def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
         res = r.result
         why = res.compilation_error or res.validation_error or res.error.message
         why = why or res.fault.description or r.state_reason
+        detail = (
+            printable(why.strip().splitlines()[0][:100])
+            if why and res.verdict != job_pb2.VERDICT_OK
+            else origin_text(r)
+        )
         out.append(
             [
                 name,
@@ -324,9 +351,7 @@ def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
                 verdict_name(res.verdict) if res.verdict else state_name(r.state),
                 f"{res.runtime.median_ms:.4f}" if res.runtime.median_ms else "-",
                 f"{res.speedup:.3g}x" if res.speedup else "-",
-                printable(why.strip().splitlines()[0][:100])
-                if why and res.verdict != job_pb2.VERDICT_OK
-                else "",
+                detail,
             ]
         )
     return table(["FILE", "JOB", "VERDICT", "MEDIAN MS", "SPEEDUP", "DETAIL"], out)
@@ -338,6 +363,8 @@ def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
         median = f"{j.result.runtime.median_ms:.4f}" if j.result.runtime.median_ms else "-"
         speedup = f"{j.result.speedup:.3g}x" if j.result.speedup else "-"
         verdict = verdict_name(j.result.verdict) if j.result.verdict else "-"
+        if origin_text(j):
+            verdict += f" ({origin_text(j)})"
         rows.append(
             [
                 j.job_id,

@@ -4,7 +4,7 @@ supplies its connection, its transactions and its dialect's few differences."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -22,7 +22,14 @@ class StoreError(RuntimeError):
 
 class JobStore(Protocol):
     def close(self) -> None: ...
-    def insert(self, job: job_pb2.Job, first_event: job_pb2.JobEvent) -> None: ...
+    def insert(
+        self,
+        job: job_pb2.Job,
+        first_event: job_pb2.JobEvent,
+        *,
+        cache_key: str = "",
+        idempotency_key: str = "",
+    ) -> None: ...
     def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> None: ...
     def add_event(self, event: job_pb2.JobEvent) -> None: ...
     def get(self, job_id: str, include_spec: bool = True) -> job_pb2.Job | None: ...
@@ -36,9 +43,14 @@ class JobStore(Protocol):
         before_rowid: int | None = None,
         state: int = 0,
         client_tag: str = "",
+        labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
     ) -> list[tuple[int, job_pb2.Job]]: ...
     def unfinished(self) -> Iterator[job_pb2.Job]: ...
+    def cache_key(self, job_id: str) -> str: ...
+    def cached(self, cache_key: str, since_unix: float) -> job_pb2.Job | None: ...
+    def by_idempotency_key(self, client_tag: str, key: str) -> job_pb2.Job | None: ...
+    def forget_idempotency_key(self, job_id: str) -> None: ...
     def delete_finished_before(self, cutoff_unix: float) -> int: ...
     def counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def schema_version(self) -> int: ...
@@ -66,13 +78,21 @@ class SqlStore:
     def _sql(self, sql: str) -> str:
         return sql if self.placeholder == "?" else sql.replace("?", self.placeholder)
 
-    def insert(self, job: job_pb2.Job, first_event: job_pb2.JobEvent) -> None:
-        """Writes a new job and its first event in one transaction."""
+    def insert(
+        self,
+        job: job_pb2.Job,
+        first_event: job_pb2.JobEvent,
+        *,
+        cache_key: str = "",
+        idempotency_key: str = "",
+    ) -> None:
+        """Writes a new job, its labels and its first event in one transaction (cache_key:
+        what identical jobs share, result_cache.py; idempotency_key: its Submit's key)."""
         with self._tx() as cur:
             cur.execute(
                 self._sql(
-                    "INSERT INTO jobs (job_id, state, client_tag, create_time, job, spec)"
-                    " VALUES (?, ?, ?, ?, ?, ?)"
+                    "INSERT INTO jobs (job_id, state, client_tag, create_time, job, spec,"
+                    " cache_key, idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
                 ),
                 (
                     job.job_id,
@@ -81,8 +101,15 @@ class SqlStore:
                     job.create_time.ToNanoseconds() / 1e9,
                     _bare(job),
                     job.spec.SerializeToString(),
+                    cache_key,
+                    idempotency_key or None,
                 ),
             )
+            for label, value in sorted(job.spec.labels.items()):
+                cur.execute(
+                    self._sql("INSERT INTO job_labels (job_id, label, value) VALUES (?, ?, ?)"),
+                    (job.job_id, label, value),
+                )
             self._put_event(cur, first_event)
 
     def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> None:
@@ -138,9 +165,11 @@ class SqlStore:
         before_rowid: int | None = None,
         state: int = 0,
         client_tag: str = "",
+        labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
     ) -> list[tuple[int, job_pb2.Job]]:
-        """Jobs newest first, with the rowid that pages after them."""
+        """Jobs newest first, with the rowid that pages after them (labels: every one must
+        match)."""
         where: list[str] = ["1 = 1"]
         args: list[object] = []
         if before_rowid is not None:
@@ -152,6 +181,9 @@ class SqlStore:
         if client_tag:
             where.append("client_tag = ?")
             args.append(client_tag)
+        for label, value in sorted((labels or {}).items()):
+            where.append("job_id IN (SELECT job_id FROM job_labels WHERE label = ? AND value = ?)")
+            args.extend((label, value))
         spec_col = "spec" if include_spec else "NULL"
         rows = self._query(
             self._sql(
@@ -171,15 +203,52 @@ class SqlStore:
         for job_blob, spec_blob in rows:
             yield _job_from_row(job_blob, spec_blob)
 
-    def delete_finished_before(self, cutoff_unix: float) -> int:
+    def cache_key(self, job_id: str) -> str:
+        rows = self._query(self._sql("SELECT cache_key FROM jobs WHERE job_id = ?"), (job_id,))
+        return str(rows[0][0]) if rows else ""
+
+    def cached(self, cache_key: str, since_unix: float) -> job_pb2.Job | None:
+        """The newest job with this cache key that ended VERDICT_OK or VERDICT_INCORRECT at or
+        after `since_unix` (the only results the cache gives out)."""
+        rows = self._query(
+            self._sql(
+                "SELECT job FROM jobs WHERE cache_key = ? AND end_time >= ? AND state = ?"
+                " AND verdict IN (?, ?) ORDER BY end_time DESC LIMIT 1"
+            ),
+            (
+                cache_key,
+                since_unix,
+                job_pb2.JOB_STATE_DONE,
+                job_pb2.VERDICT_OK,
+                job_pb2.VERDICT_INCORRECT,
+            ),
+        )
+        return _job_from_row(rows[0][0], None) if rows and cache_key else None
+
+    def by_idempotency_key(self, client_tag: str, key: str) -> job_pb2.Job | None:
+        rows = self._query(
+            self._sql("SELECT job, spec FROM jobs WHERE client_tag = ? AND idempotency_key = ?"),
+            (client_tag, key),
+        )
+        return _job_from_row(rows[0][0], rows[0][1]) if rows else None
+
+    def forget_idempotency_key(self, job_id: str) -> None:
+        """The key may make a new job again (its job is past the key's lifetime)."""
         with self._tx() as cur:
             cur.execute(
-                self._sql(
-                    "DELETE FROM events WHERE job_id IN (SELECT job_id FROM jobs"
-                    " WHERE state IN (?, ?, ?) AND end_time < ?)"
-                ),
-                (*TERMINAL, cutoff_unix),
+                self._sql("UPDATE jobs SET idempotency_key = NULL WHERE job_id = ?"), (job_id,)
             )
+
+    def delete_finished_before(self, cutoff_unix: float) -> int:
+        with self._tx() as cur:
+            for table in ("events", "job_labels"):
+                cur.execute(
+                    self._sql(
+                        f"DELETE FROM {table} WHERE job_id IN (SELECT job_id FROM jobs"
+                        " WHERE state IN (?, ?, ?) AND end_time < ?)"
+                    ),
+                    (*TERMINAL, cutoff_unix),
+                )
             cur.execute(
                 self._sql("DELETE FROM jobs WHERE state IN (?, ?, ?) AND end_time < ?"),
                 (*TERMINAL, cutoff_unix),

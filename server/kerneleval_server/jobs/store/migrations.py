@@ -71,6 +71,38 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """,
     ),
+    Migration(
+        2,
+        "result cache keys, idempotency keys of Submit, labels",
+        sqlite="""
+ALTER TABLE jobs ADD COLUMN cache_key TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN idempotency_key TEXT;
+CREATE INDEX jobs_cache ON jobs(cache_key, end_time);
+CREATE UNIQUE INDEX jobs_idempotency ON jobs(client_tag, idempotency_key)
+  WHERE idempotency_key IS NOT NULL;
+CREATE TABLE job_labels (
+  job_id TEXT NOT NULL,
+  label TEXT NOT NULL,
+  value TEXT NOT NULL,
+  PRIMARY KEY (job_id, label)
+) WITHOUT ROWID;
+CREATE INDEX job_labels_value ON job_labels(label, value);
+""",
+        postgres="""
+ALTER TABLE jobs ADD COLUMN cache_key TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN idempotency_key TEXT;
+CREATE INDEX jobs_cache ON jobs(cache_key, end_time);
+CREATE UNIQUE INDEX jobs_idempotency ON jobs(client_tag, idempotency_key)
+  WHERE idempotency_key IS NOT NULL;
+CREATE TABLE job_labels (
+  job_id TEXT NOT NULL,
+  label TEXT NOT NULL,
+  value TEXT NOT NULL,
+  PRIMARY KEY (job_id, label)
+);
+CREATE INDEX job_labels_value ON job_labels(label, value);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

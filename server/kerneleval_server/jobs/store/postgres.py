@@ -62,7 +62,11 @@ class PostgresStore(SqlStore):
     def close(self) -> None:
         self._pool.close()
         if self._owner is not None:
-            self._owner.close()  # ends the session: its lock goes with it
+            # Unlock first: the session's end frees it too, but only once the server's backend
+            # has noticed the closed socket, which a front end started right after may beat.
+            with contextlib.suppress(Exception):
+                self._owner.execute("SELECT pg_advisory_unlock_all()")
+            self._owner.close()
             self._owner = None
 
     @contextlib.contextmanager
