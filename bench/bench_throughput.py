@@ -6,8 +6,8 @@ with a raw CUDA reference), `built` (the same, every reference raw CUDA: no sour
 code, so every job is built ahead by a build process and run by a reused launch process) or
 `modelnew` (Triton ModelNews: candidate host code, one job process each) are compared with
 a reference (2 correctness trials, 20 timed trials); or, timing-bound, `timed`: one Triton
-IOContract kernel, compiled once (the compile cache serves every later job), 100 timed trials
-each. They go through one
+IOContract kernel against the raw CUDA reference, built once (the compile cache serves every
+later job, launched by reused launch processes), 100 timed trials each. They go through one
 RunBatch stream with --in-flight jobs outstanding, on one GPU with --workers-per-device
 workers (compiles and checks overlap; a timing window has the GPU alone).
 Reports evaluations per second and the fraction of wall time each GPU's timing window was
@@ -47,8 +47,8 @@ def candidates(
 ) -> list[kernel_pb2.JobSpec]:
     out = []
     for i in range(offset, offset + count):
-        if kind == "timed":  # the same source each time: compiled once
-            spec = K.triton_add_io_spec(n)
+        if kind == "timed":  # the same source each time: built once, then launched
+            spec = K.triton_add_io_built_spec(n)
             spec.options.CopyFrom(K.options(correct=1, perf=100, warmup=3))
             out.append(spec)
             continue
@@ -311,7 +311,7 @@ def main() -> int:
                      C.ratio(b["evals_per_s"], seq["evals_per_s"])])  # fmt: skip
     what = {
         "modelnew": "Triton ModelNews",
-        "timed": "one Triton kernel from its IOContract",
+        "timed": "one Triton kernel from its IOContract (raw CUDA reference: built once)",
         "io": "Triton from the IOContract"
         if smoke
         else "alternating Triton (IOContract, eager PyTorch reference: runs whole) and raw "

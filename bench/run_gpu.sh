@@ -36,6 +36,9 @@ export PYTHONPATH="$PWD/server:$PWD/clients/python/src${PYTHONPATH:+:$PYTHONPATH
 if [ "$(id -u)" = 0 ] && ! id -u kerneleval-job >/dev/null 2>&1; then
   useradd --system --no-create-home --shell /usr/sbin/nologin kerneleval-job || true
 fi
+# Benchmarks measure runs: the same job sent again must run again, not come from the result
+# cache (bench_result_cache.py measures the cache, on the CPU).
+export KERNELEVAL_RESULT_CACHE_HOURS="${KERNELEVAL_RESULT_CACHE_HOURS:-0}"
 mkdir -p "$OUT"
 STATUS=0
 

@@ -113,6 +113,33 @@ def test_what_was_built_serves_later_jobs_with_the_same_code(stub) -> None:  # t
     assert started_on(other_events)[0].startswith("build-w")
 
 
+def test_a_prebuilt_launch_checks_and_times_in_one_window(svc: ServiceProcess, stub) -> None:  # type: ignore[no-untyped-def]
+    """A timed job launched prebuilt asks for its check with the GPU alone and keeps that
+    window for its timing (the GPU goes from window to window); an untimed one shares it."""
+
+    def window_seconds() -> float:
+        with svc.channel() as ch:
+            occupancy = (
+                ops_grpc.OperationsServiceStub(ch)
+                .GetStats(ops.GetStatsRequest(), metadata=svc.auth(), timeout=10)
+                .device_occupancy
+            )
+        return sum(o.timing_window.ToNanoseconds() / 1e9 for o in occupancy if o.device_index == 0)
+
+    before = window_seconds()
+    timed, _ = evaluate(stub, io_spec({"do": "build", "launch_seconds": 0.5}))
+    during_timed = window_seconds() - before
+    untimed_spec = io_spec({"do": "build", "launch_seconds": 0.5})
+    untimed_spec.options.perf_trial_count = 0
+    untimed, _ = evaluate(stub, untimed_spec)
+    during_untimed = window_seconds() - before - during_timed
+    assert timed.result.verdict == untimed.result.verdict == job_pb2.VERDICT_OK
+    assert launch_note(timed) and launch_note(untimed)  # both launched prebuilt
+    assert during_timed >= 0.45, during_timed  # its 0.5 s check was in its window
+    assert timed.result.timing_window.exclusive
+    assert during_untimed < 0.2, during_untimed  # checks alone share the GPU
+
+
 def test_a_compile_error_ends_the_job_in_the_build_process(stub) -> None:  # type: ignore[no-untyped-def]
     job, events = evaluate(stub, io_spec({"do": "build_error"}))
     assert job.result.verdict == job_pb2.VERDICT_COMPILE_ERROR, job

@@ -608,8 +608,9 @@ class JobManager:
             self.hub.publish(event)
             if msg.phase.phase in GATED_PHASES:
                 run.grant_asked_at = asyncio.get_running_loop().time()
-                exclusive = msg.phase.phase == job_pb2.PHASE_PROFILING
-                self.gate.request(worker.device_index, worker.worker_id, exclusive)
+                self.gate.request(
+                    worker.device_index, worker.worker_id, self._exclusive(run, msg.phase.phase)
+                )
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase
@@ -622,18 +623,35 @@ class JobManager:
         elif kind == "drain":
             self._on_drain_status(worker, run, msg.drain.busy)
 
+    def _exclusive(self, run: Running, phase: int) -> bool:
+        """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
+        timed job launched wholly prebuilt: a few milliseconds of GPU work, which would
+        otherwise hold back the next window while it shares the GPU; in the job's own window
+        the GPU goes from window to window (issue 14's timing-bound share) and the kernel is
+        checked and timed under the same conditions. Other checks share the GPU."""
+        if phase == job_pb2.PHASE_PROFILING:
+            return True
+        options = run.job.spec.options
+        times = not (options.HasField("perf_trial_count") and options.perf_trial_count == 0)
+        return times and run.job.job_id in self._launched
+
     def _grant(self, worker_id: str, exclusive: bool) -> None:
-        """The GPU gate lets the worker use its GPU: checks at once; a timing window once the
-        device's other job processes are frozen."""
+        """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
+        once; a timing window once the device's other job processes are frozen (a job whose
+        check opened the window keeps it for its timing)."""
         worker = self.workers.by_id.get(worker_id)
         if worker is None or not worker.job_id:
             return
-        if exclusive:
-            self._spawn(self._open_window(worker))
-        else:
+        run = self.running.get(worker.job_id)
+        phase = run.phase if run is not None else job_pb2.PHASE_PROFILING
+        if not exclusive:
             self._send_grant(worker, job_pb2.PHASE_VALIDATING)
+        elif run is not None and run.window is not None:
+            self._send_grant(worker, phase)  # its window is open: its check ran in it
+        else:
+            self._spawn(self._open_window(worker, phase))
 
-    async def _open_window(self, worker: WorkerState) -> None:
+    async def _open_window(self, worker: WorkerState, phase: int) -> None:
         device = worker.device_index
         began = time.perf_counter()
         report = await self.windows.open(self.watchdog, device, worker.worker_id)
@@ -658,7 +676,7 @@ class JobManager:
                 report.message,
                 extra={"job_id": run.job.job_id},
             )
-        self._send_grant(worker, job_pb2.PHASE_PROFILING)
+        self._send_grant(worker, phase)
 
     def _on_drain_status(self, worker: WorkerState, run: Running, busy: bool) -> None:
         """The window's holder finds the GPU still busy with the others frozen: work they
@@ -712,8 +730,8 @@ class JobManager:
         if run is not None and run.deadline is not None and run.grant_asked_at:
             # Waiting for other jobs' GPU use is not this job's time: push its deadline.
             waited = asyncio.get_running_loop().time() - run.grant_asked_at
-            if run.window is not None and phase == job_pb2.PHASE_PROFILING:
-                run.window.waited_s = waited
+            if run.window is not None:  # a check in the window waited for it, not its timing
+                run.window.waited_s += waited
             if waited > 0.001:
                 run.deadline.push(waited)
             run.grant_asked_at = 0.0
