@@ -49,11 +49,16 @@ $(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q -e 'clients/python[mcp]' -e '.[dev]'
 	@touch $@
 
-# Python code generated from proto/ (never edited by hand).
+# Python code generated from proto/ (never edited by hand): messages, gRPC stubs, and the
+# Connect stubs (*_connect.py, on google.protobuf messages) that --http-port serves (their
+# generator, protoc-gen-connectrpc, is in .[dev]; it needs Python 3.11).
+CONNECT_PLUGIN := $(VENV)/bin/protoc-gen-connectrpc
+CONNECT_GEN := --plugin=protoc-gen-connectrpc=$(CONNECT_PLUGIN) --connectrpc_out=$(GEN_OUT) \
+  --connectrpc_opt=protobuf=google
 $(STAMPS)/gen: $(PROTOS) $(STAMPS)/venv
 	rm -rf $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$(GEN_OUT) --pyi_out=$(GEN_OUT) \
-	  --grpc_python_out=$(GEN_OUT) $(PROTOS)
+	  --grpc_python_out=$(GEN_OUT) $$([ -x $(CONNECT_PLUGIN) ] && echo '$(CONNECT_GEN)') $(PROTOS)
 	for d in $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal $(GEN_OUT)/kerneleval/internal/v1; do touch $$d/__init__.py; done
 	@touch $@
 

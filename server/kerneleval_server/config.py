@@ -34,6 +34,10 @@ class Config:
     port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one, -1 = none"})
     unix_socket: str = field(default="", metadata={"help": "also listen on this unix socket"})
     port_file: str = field(default="", metadata={"help": "write the bound TCP port here"})
+    http_port: int = field(
+        default=0, metadata={"help": "HTTP/JSON (Connect protocol) port beside gRPC; 0 = off"}
+    )
+    http_host: str = field(default="", metadata={"help": "HTTP/JSON address (default --host)"})
     devices: str = field(default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all"})
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
     warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
@@ -166,6 +170,8 @@ class Config:
             out.append("--tls-cert and --tls-key go together")
         if not -1 <= self.port <= 65535:
             out.append(f"--port {self.port}: 0..65535, or -1 for no TCP listener")
+        if not 0 <= self.http_port <= 65535:
+            out.append(f"--http-port {self.http_port}: 0 (off) or a port up to 65535")
         if self.port < 0 and not self.unix_socket:
             out.append("--port -1 needs --unix-socket")
         for name in (

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +45,9 @@ from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
+
+if TYPE_CHECKING:
+    from kerneleval_server.api.connect_gateway import HttpGateway
 
 log = logging.getLogger("kerneleval.main")
 
@@ -226,6 +230,7 @@ class Server:
         self.stopping = asyncio.Event()
         self._supervise_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
+        self._http: HttpGateway | None = None
 
     def _update_health(self) -> None:
         serving = self.manager.serving()
@@ -326,12 +331,15 @@ class Server:
         try:
             port = self._listen(server)
             self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            self._http = self._http_gateway(server)
         except (RuntimeError, OSError) as exc:  # port taken, bad address, unreadable TLS files
             log.error("cannot listen: %s", exc)
             self.store.close()
             return 2
         self.manager.recover()
         await server.start()
+        if self._http is not None:
+            self._http.start()
         if cfg.port_file:
             Path(cfg.port_file).write_text(f"{port}\n")
         log.info(
@@ -366,6 +374,35 @@ class Server:
             server.add_insecure_port(f"unix:{cfg.unix_socket}")
         return port
 
+    def _http_gateway(self, server: grpc.aio.Server) -> HttpGateway | None:
+        """The HTTP/JSON (Connect) listener of --http-port (bound now), which forwards every
+        call to this gRPC server: over its unix socket, else over a loopback port of its own."""
+        cfg = self.cfg
+        if not cfg.http_port:
+            return None
+        try:
+            from kerneleval_server.api.connect_gateway import HttpGateway
+        except ImportError as exc:
+            raise RuntimeError(
+                f"--http-port needs connectrpc and hypercorn (Python >= 3.11; `make setup`) "
+                f"and the generated Connect code (`make gen`): {exc}"
+            ) from exc
+        if cfg.unix_socket:
+            target = f"unix:{cfg.unix_socket}"
+        else:
+            loopback = server.add_insecure_port("127.0.0.1:0")
+            if not loopback:
+                raise RuntimeError("no loopback port for the HTTP/JSON listener's gRPC calls")
+            target = f"127.0.0.1:{loopback}"
+        return HttpGateway(
+            target,
+            cfg.http_host or cfg.host,
+            cfg.http_port,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            max_message_bytes=cfg.max_message_mb * 1024 * 1024,
+        )
+
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         log.info("shutting down: draining")
         self.manager.draining = True
@@ -386,7 +423,11 @@ class Server:
                 log.warning("watchdog shutdown: %s", exc)
         if self._supervise_task is not None:
             self._supervise_task.cancel()
+        if self._http is not None:
+            self._http.stop_accepting()  # its calls in flight end with the gRPC ones
         await server.stop(grace=2)
+        if self._http is not None:
+            await self._http.close()
         await self.manager.channels.close()
         self.store.close()
         log.info("stopped")
