@@ -144,7 +144,22 @@ def run_batch(svc: C.Service, specs: list[kernel_pb2.JobSpec], in_flight: int) -
         "timing_window_fraction": window_fraction(windows, after, wall),
         "window_held_of_wanted": held_of_wanted(windows, after),
         "verdicts": _verdicts(results.values()),
+        "failures": _failures(results.values()),
     }  # fmt: skip
+
+
+def _failures(jobs: Any, limit: int = 5) -> list[str]:
+    """Up to `limit` distinct reasons of jobs that did not end OK, with their devices."""
+    seen: dict[str, None] = {}
+    for j in jobs:
+        r = j.result
+        if r.verdict == job_pb2.VERDICT_OK:
+            continue
+        why = r.error.message or r.fault.description or r.validation_error or j.state_reason
+        seen.setdefault(f"GPU {j.device_index}: {why[:300]}", None)
+        if len(seen) >= limit:
+            break
+    return list(seen)
 
 
 def _verdicts(jobs: Any) -> dict[str, int]:

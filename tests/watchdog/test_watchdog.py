@@ -137,7 +137,8 @@ def test_job_processes_are_sealed_and_shutdown_cleans_up(harness: Harness) -> No
             env = info["env"]
             assert env["KERNELEVAL_WORKER_ID"] == w.worker_id
             assert env["KERNELEVAL_DEVICE_INDEX"] == str(w.device_index)
-            assert env["CUDA_VISIBLE_DEVICES"] == str(w.device_index)
+            # By UUID: the sandbox shows only its GPU's node, so CUDA sees it alone.
+            assert env["CUDA_VISIBLE_DEVICES"] == f"GPU-fake-{w.device_index}"
             assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # CUDA's numbering = NVML's
             assert env["STANDIN_MODE"] == "idle"  # Configure.worker_env
             assert env["TMPDIR"] == env["HOME"] == "/tmp"

@@ -36,7 +36,10 @@ void Watchdog::start_zygote(Device& d) {
   // The environment: Configure.worker_env and the device's variables, nothing of ours.
   std::map<std::string, std::string> env(config_.worker_env().begin(), config_.worker_env().end());
   env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID";  // CUDA's numbering = NVML's (default: fastest first)
-  env["CUDA_VISIBLE_DEVICES"] = index < 0 ? "" : std::to_string(index);
+  // The GPU by its UUID: the sandbox shows only this GPU's device node, so CUDA enumerates it
+  // alone (as ordinal 0) and an index past 0 would name no device at all.
+  env["CUDA_VISIBLE_DEVICES"] =
+      index < 0 ? "" : (d.info.uuid.empty() ? std::to_string(index) : d.info.uuid);
   env["KERNELEVAL_DEVICE_INDEX"] = std::to_string(index);
   env["TMPDIR"] = "/tmp";
   env["HOME"] = "/tmp";

@@ -76,7 +76,7 @@ def find_watchdog_binary() -> str:
     env = os.environ.get("KERNELEVAL_WATCHDOG")
     if env:
         return env
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     return str(repo / "build" / "watchdog" / "kerneleval-watchdog")  # `make watchdog`
 
 
