@@ -137,7 +137,9 @@ class Harness:
             ),
         )
         if gpus:
-            self.fake_nvml.write_text("".join(f"device {i} uuid=GPU-fake-{i}\n" for i in range(gpus)))
+            self.fake_nvml.write_text(
+                "".join(f"device {i} uuid=GPU-fake-{i}\n" for i in range(gpus))
+            )
             cfg.nvml_source = watchdog_pb2.NVML_SOURCE_FAKE
             cfg.fake_nvml_path = str(self.fake_nvml)
         else:
