@@ -229,7 +229,7 @@ class JobManager:
             self.metrics.result_cache.labels("hit").inc()
             self._answer(job, hit, job_pb2.RESULT_ORIGIN_CACHE)
             return job
-        self._enqueue_or_wait(job, key)
+        self.metrics.result_cache.labels(self._enqueue_or_wait(job, key)).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         self.dispatch()
         return job
@@ -259,19 +259,19 @@ class JobManager:
             return None
         return self.store.cached(key, time.time() - self.config.result_cache_hours * 3600)
 
-    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> None:
+    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> str:
         """Queues the job, unless an identical one is queued or running: then it waits for
-        that one's result."""
+        that one's result. Returns what the cache did ("bypass", "shared" or "miss"; the
+        submission counts it, not a restart or a leader's end that moves the job on)."""
         if not key:
-            self.metrics.result_cache.labels("bypass").inc()
-        elif self.inflight.leader(key):
+            self._enqueue(job)
+            return "bypass"
+        if self.inflight.leader(key):
             self.inflight.wait(key, job.job_id)
-            self.metrics.result_cache.labels("shared").inc()
-            return
-        else:
-            self.inflight.lead(key, job.job_id)
-            self.metrics.result_cache.labels("miss").inc()
+            return "shared"
+        self.inflight.lead(key, job.job_id)
         self._enqueue(job)
+        return "miss"
 
     def _answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: int) -> None:
         """Ends `job` with the result `source` computed."""

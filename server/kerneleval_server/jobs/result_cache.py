@@ -65,10 +65,6 @@ class InFlight:
         self.waiting.setdefault(key, []).append(job_id)
         self.key_of[job_id] = key
 
-    def is_waiting(self, job_id: str) -> bool:
-        key = self.key_of.get(job_id, "")
-        return job_id in self.waiting.get(key, ())
-
     def drop_waiting(self, job_id: str) -> bool:
         """Takes a waiting job out (cancelled); False if it was not waiting."""
         key = self.key_of.get(job_id, "")

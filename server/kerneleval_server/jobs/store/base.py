@@ -209,7 +209,9 @@ class SqlStore:
 
     def cached(self, cache_key: str, since_unix: float) -> job_pb2.Job | None:
         """The newest job with this cache key that ended VERDICT_OK or VERDICT_INCORRECT at or
-        after `since_unix` (the only results the cache gives out)."""
+        after `since_unix` (the only results the cache gives out); None for no key."""
+        if not cache_key:
+            return None
         rows = self._query(
             self._sql(
                 "SELECT job FROM jobs WHERE cache_key = ? AND end_time >= ? AND state = ?"
@@ -223,7 +225,7 @@ class SqlStore:
                 job_pb2.VERDICT_INCORRECT,
             ),
         )
-        return _job_from_row(rows[0][0], None) if rows and cache_key else None
+        return _job_from_row(rows[0][0], None) if rows else None
 
     def by_idempotency_key(self, client_tag: str, key: str) -> job_pb2.Job | None:
         rows = self._query(
