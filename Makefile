@@ -40,13 +40,15 @@ $(STAMPS)/apt:
 	@touch $@
 
 # torch is pinned to the CPU build that lies on this kind of machine's disk; on a GPU host
-# install your CUDA build of torch first and it is kept.
-$(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml
+# install your CUDA build of torch first and it is kept. The client package's build
+# (clients/python/setup.py) generates the code from proto/ as well; `make gen` remakes it when
+# a .proto changes.
+$(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml clients/python/setup.py
 	@mkdir -p $(STAMPS)
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q 'torch==2.13.0'
-	$(PY) -m pip install -q -e 'clients/python[mcp]' -e '.[dev]'
+	$(PY) -m pip install -q -e 'clients/python[mcp,rich]' -e '.[dev]'
 	@touch $@
 
 # Python code generated from proto/ (never edited by hand): messages, gRPC stubs, and the

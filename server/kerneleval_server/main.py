@@ -1,4 +1,5 @@
-"""`python -m kerneleval_server serve`: the front end process.
+"""`kerneleval serve` (also `kerneleval-server serve`, `python -m kerneleval_server serve`): the
+front end process.
 
 Start-up: open the store, pick up unfinished jobs, start the watchdog (restarted if it dies),
 then listen. The watchdog starts a zygote per device in the sandbox and hands the front end
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from kerneleval import __version__
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import (
     kernel_eval_service_pb2,
@@ -33,7 +34,7 @@ from kerneleval.v1 import (
 )
 
 from kerneleval_server import config as config_mod
-from kerneleval_server import logs
+from kerneleval_server import logs, reflection
 from kerneleval_server.api import validation
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
@@ -322,9 +323,8 @@ class Server:
             kernel_eval_service_pb2.DESCRIPTOR.services_by_name["KernelEvalService"].full_name,
             operations_service_pb2.DESCRIPTOR.services_by_name["OperationsService"].full_name,
             health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
         )
-        reflection.enable_server_reflection(names, server)
+        reflection.enable(names, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -343,7 +343,8 @@ class Server:
         if cfg.port_file:
             Path(cfg.port_file).write_text(f"{port}\n")
         log.info(
-            "kerneleval serving on %s:%s%s",
+            "kerneleval %s serving on %s:%s%s",
+            __version__,
             cfg.host,
             port,
             f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
@@ -433,11 +434,36 @@ class Server:
         log.info("stopped")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kerneleval_server")
+def program_name() -> str:
+    """The command the user typed, for --help: `kerneleval serve` hands its arguments here."""
+    invoked = Path(sys.argv[0]).name
+    if invoked == "kerneleval":
+        return "kerneleval"
+    if invoked == "__main__.py":
+        return "python -m kerneleval_server"
+    return "kerneleval-server"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=program_name(),
+        description="The kerneleval service: compiles, checks and times GPU kernels.",
+    )
+    parser.add_argument("--version", action="version", version=f"kerneleval {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gRPC service")
+    serve = sub.add_parser(
+        "serve",
+        help="run the gRPC service",
+        description="Run the gRPC service. Every setting is a flag and an environment variable "
+        "(the flag wins); defaults as in the README's configuration table.",
+        usage="%(prog)s [--SETTING VALUE ...]",
+    )
     config_mod.add_arguments(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     cfg = config_mod.from_args(ns)
     problems = cfg.problems()

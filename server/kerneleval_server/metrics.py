@@ -28,6 +28,46 @@ except ImportError:  # a host without it (e.g. a bare GPU box) still serves; --m
 
 log = logging.getLogger("kerneleval.grpc")
 
+# Why a job process exited: the `reason` of WorkerExitedEvent and of
+# kerneleval_worker_restarts_total, as docs/OPERATIONS.md ("Watching events") lists them. The
+# watchdog names the exit (watchdog/src: a signal it did not send is "crashed"); a kill the
+# front end asked for is "killed:" + its KILL_* reason (jobs/manager.py).
+KILL_TIMEOUT = "timeout"
+KILL_CANCEL = "cancel"
+KILL_PROTOCOL = "protocol"
+KILL_LOST = "lost"
+KILL_NO_CHANNEL = "no_channel"
+KILL_AFTER_OUTCOME = "after_outcome"
+KILL_REASONS = (
+    KILL_TIMEOUT,
+    KILL_CANCEL,
+    KILL_PROTOCOL,
+    KILL_LOST,
+    KILL_NO_CHANNEL,
+    KILL_AFTER_OUTCOME,
+    "gpu_outside_phase",  # the watchdog's own: GPU work outside a job's timing window
+)
+WATCHDOG_EXIT_REASONS = (
+    "exited",
+    "crashed",
+    "oom",
+    "xid",
+    "reset",
+    "restart",
+    "stopped",
+    "shutdown",
+)
+LOST_REASON = "lost"  # the front end lost the job process (no exit was reported)
+WORKER_EXIT_REASONS = frozenset(
+    (*WATCHDOG_EXIT_REASONS, LOST_REASON, *(f"killed:{k}" for k in KILL_REASONS))
+)
+OTHER_REASON = "other"  # a reason missing above: the label set stays bounded
+
+
+def restart_reason(reason: str) -> str:
+    """The metric's `reason` label of a job process's exit."""
+    return reason if reason in WORKER_EXIT_REASONS else OTHER_REASON
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -91,6 +131,9 @@ class Metrics:
             ["device"],
             registry=r,
         )
+
+    def worker_restarted(self, device_index: int, reason: str) -> None:
+        self.worker_restarts.labels(str(device_index), restart_reason(reason)).inc()
 
     def serve(self, host: str, port: int) -> None:
         if port:

@@ -1,6 +1,7 @@
 """Issue 6's "done when": a new user installs only the client package in a fresh virtual
 environment (no torch), evaluates a Triton kernel from a file with the CLI and sees progress
-and a result table. pip downloads grpcio and protobuf from PyPI here (one such test only)."""
+and a result table. pip downloads grpcio and protobuf from PyPI here (one such test only).
+Issue 17: from a clone, whose clients/python has no generated code (the build makes it)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 from test_client_e2e import TRITON_ADD, TRITON_IO
-
-REPO = Path(__file__).resolve().parents[2]
-CLIENT_PKG = REPO / "clients" / "python"
+from test_client_packaging import clone_of_the_client
 
 
 def _read_all(fd: int, deadline: float) -> str:
@@ -35,13 +34,12 @@ def _read_all(fd: int, deadline: float) -> str:
 
 @pytest.mark.slow
 def test_fresh_venv_cli_evaluates_a_triton_file(kerneleval_service, tmp_path: Path):
-    if not (CLIENT_PKG / "src" / "kerneleval" / "v1" / "kernel_pb2.py").exists():
-        pytest.skip("generated code missing: run `make gen`")
+    clone = clone_of_the_client(tmp_path / "clone")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     p = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", str(CLIENT_PKG)],
+        [str(py), "-m", "pip", "install", "-q", str(clone)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -55,6 +53,13 @@ def test_fresh_venv_cli_evaluates_a_triton_file(kerneleval_service, tmp_path: Pa
         subprocess.run([str(py), "-c", "import kerneleval_server"], capture_output=True).returncode
         != 0
     )
+    installed = subprocess.run(
+        [str(py), "-c", "import kerneleval, kerneleval.v1.job_pb2; print(kerneleval.__file__)"],
+        capture_output=True,
+        text=True,
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert Path(installed.stdout.strip()).is_relative_to(venv)  # the wheel's, not the checkout's
 
     kernel = tmp_path / "add_triton.py"
     kernel.write_text(TRITON_ADD)

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from kerneleval.internal.v1 import watchdog_pb2
 
+from kerneleval_server import logs
 from kerneleval_server.framing import MAX_FRAME, FrameError, encode, read_frame
 
 ALL_DEVICES = -2
@@ -143,15 +144,21 @@ class Watchdog:
         `on_event(event)` sees every event; `on_channel(event, fd)` gets, just before, the
         descriptor that came with a WorkerStarted (take() it to keep it)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stderr = await logs.child_stderr()  # its lines (and its children's) as JSON records
         try:
             proc = await asyncio.create_subprocess_exec(
-                binary, "--control-fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),)
+                binary,
+                "--control-fd",
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stderr=stderr,
             )
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
+            os.close(stderr)
         wd = cls(proc, ours, on_event, on_channel)
         try:
             await wd._call(watchdog_pb2.WatchdogCommand(configure=configure), "configure")

@@ -26,6 +26,7 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
+from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
 from kerneleval_server.fleet import faults
 from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
@@ -561,7 +562,7 @@ class JobManager:
         worker.gone = True
         self.metrics.protocol_violations.inc()
         if self.watchdog is not None:
-            self._spawn(self.watchdog.kill_worker(worker.worker_id, "protocol"))
+            self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
         run = next((r for r in self.running.values() if r.worker is worker), None)
         if run is None:
             log.warning(
@@ -925,7 +926,7 @@ class JobManager:
         run = self.running.get(job_id)
         if run is None or run.worker.worker_id != worker_id:
             return
-        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason="lost")
+        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason=metrics_mod.LOST_REASON)
         exited.worker.worker_id = worker_id
         exited.worker.pid = run.worker.pid
         exited.worker.device_index = run.worker.device_index
@@ -946,12 +947,12 @@ class JobManager:
             OUTCOME_EXIT_GRACE_S,
             extra={"worker_id": worker.worker_id},
         )
-        self._spawn(self.watchdog.kill_worker(worker.worker_id, "after_outcome"))
+        self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
 
     def _worker_lost(self, worker: WorkerState) -> None:
         worker.gone = True
         if self.watchdog is not None:
-            self._spawn(self.watchdog.kill_worker(worker.worker_id, "lost"))
+            self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
 
     def _free_worker(self, worker: WorkerState, completed: bool) -> None:
         self.gate.release(worker.device_index, worker.worker_id)
@@ -969,7 +970,7 @@ class JobManager:
         if run is None or run.outcome is not None:
             return
         run.pending = "timeout"
-        self._kill(run, "timeout")
+        self._kill(run, metrics_mod.KILL_TIMEOUT)
 
     def _kill(self, run: Running, reason: str) -> None:
         run.worker.gone = True
@@ -1001,7 +1002,7 @@ class JobManager:
                 )
             elif run is not None and run.outcome is None and not run.pending:
                 run.pending = "cancel"
-                self._kill(run, "cancel")
+                self._kill(run, metrics_mod.KILL_CANCEL)
             await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
         return self.store.get(job_id)
 
@@ -1179,7 +1180,7 @@ class JobManager:
                 )
                 worker.gone = True
                 if self.watchdog is not None:
-                    self._spawn(self.watchdog.kill_worker(w.worker_id, "no_channel"))
+                    self._spawn(self.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
             self.ops.emit(
                 w.device_index,
                 worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
@@ -1272,7 +1273,7 @@ class JobManager:
         )
         if not retired:  # a job process leaving after its one job is no restart
             self.counters["restarts"] += 1
-            self.metrics.worker_restarts.labels(str(w.device_index), exited.reason or "exit").inc()
+            self.metrics.worker_restarted(w.device_index, exited.reason)
         ex = ops_pb2.WorkerExitedEvent(
             worker=info,
             signal=max(exited.signal, 0),
