@@ -1,7 +1,9 @@
 """Service settings: every one is a command-line flag and an environment variable.
 
 A flag `--foo-bar` is also `KERNELEVAL_FOO_BAR`; the flag wins over the variable, the variable
-over the default. `python -m kerneleval_server serve --help` lists them all.
+over the default. `kerneleval serve --help` lists them all, each with its default as the README's
+configuration table shows it (tests/test_conventions.py compares the two): the value, or for a
+setting whose empty value means something worked out at start, metadata "default_text".
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,12 @@ class Config:
     http_port: int = field(
         default=0, metadata={"help": "HTTP/JSON (Connect protocol) port beside gRPC; 0 = off"}
     )
-    http_host: str = field(default="", metadata={"help": "HTTP/JSON address (default --host)"})
-    devices: str = field(default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all"})
+    http_host: str = field(
+        default="", metadata={"help": "HTTP/JSON address", "default_text": "--host"}
+    )
+    devices: str = field(
+        default="", metadata={"help": "GPU indices, e.g. 0,1; empty = all", "default_text": "all"}
+    )
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
     warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
     spare_count: int = field(default=2, metadata={"help": "warm spares per GPU (with warm-spare)"})
@@ -46,7 +52,8 @@ class Config:
         default=-1,
         metadata={
             "help": "build processes (no GPU) that compile IOContract kernels ahead of a reused "
-            "launch process; 0 = off, -1 = auto (CPUs - 2, 2 to 32, with a GPU, else 0)"
+            "launch process; 0 = off, -1 = auto",
+            "default_text": "-1 (auto: CPUs - 2, from 2 to 32, on a host with a GPU, else 0)",
         },
     )
     cuda_max_connections: int = field(
@@ -56,16 +63,31 @@ class Config:
             "as fast, but a job's streams share one hardware queue; 0 = CUDA's default (8)"
         },
     )
-    state_dir: str = field(default="", metadata={"help": "state folder (default ./state)"})
-    database: str = field(default="", metadata={"help": "SQLite file (default <state>/jobs.db)"})
+    state_dir: str = field(
+        default="",
+        metadata={
+            "help": "state folder",
+            "default_text": "./state ($XDG_STATE_HOME/kerneleval if set)",
+        },
+    )
+    database: str = field(
+        default="", metadata={"help": "SQLite file", "default_text": "<state>/jobs.db"}
+    )
     store: str = field(
         default="",
         metadata={
             "help": "job store: a postgresql://user:pass@host/db URL (PostgreSQL), or empty for "
-            "SQLite (--database)"
+            "SQLite (--database)",
+            "default_text": "empty (SQLite)",
         },
     )
-    admin_token: str = field(default="", metadata={"help": "OperationsService token"})
+    admin_token: str = field(
+        default="",
+        metadata={
+            "help": "OperationsService token",
+            "default_text": "generated into <state>/admin_token (0600)",
+        },
+    )
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
     max_attempts: int = field(default=2, metadata={"help": "starts of one job at most"})
     compile_cache_mib: int = field(
@@ -82,10 +104,16 @@ class Config:
     sweep_interval_s: float = field(default=600.0, metadata={"help": "retention sweep period"})
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "running jobs' grace on stop"})
     xid_wait_s: float = field(
-        default=-1.0, metadata={"help": "wait for an XID after a device fault; -1 = auto"}
+        default=-1.0,
+        metadata={
+            "help": "wait for an XID after a device fault; -1 = auto",
+            "default_text": "auto (2.5 with NVML, else 0)",
+        },
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
-    log_file: str = field(default="", metadata={"help": "JSON-lines log file (default stderr)"})
+    log_file: str = field(
+        default="", metadata={"help": "JSON-lines log file", "default_text": "stderr"}
+    )
     metrics_port: int = field(default=0, metadata={"help": "Prometheus HTTP port; 0 = off"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus HTTP address"})
     tls_cert: str = field(default="", metadata={"help": "PEM certificate (TLS on TCP)"})
@@ -93,17 +121,28 @@ class Config:
     keepalive_time_s: float = field(default=30.0, metadata={"help": "HTTP/2 keepalive ping"})
     keepalive_timeout_s: float = field(default=10.0, metadata={"help": "keepalive ack timeout"})
     max_message_mb: int = field(default=64, metadata={"help": "largest gRPC message"})
-    watchdog: str = field(default="", metadata={"help": "watchdog binary path"})
+    watchdog: str = field(
+        default="",
+        metadata={
+            "help": "watchdog binary path",
+            "default_text": "build/watchdog/kerneleval-watchdog of the checkout, else one on PATH",
+        },
+    )
     nvml: str = field(default="auto", metadata={"help": "auto, real, fake or none"})
     fake_nvml_path: str = field(default="", metadata={"help": "fake NVML input (tests)"})
-    kmsg_path: str = field(default="", metadata={"help": "kernel log for XID pids"})
-    reset_command: str = field(default="", metadata={"help": "GPU reset command ({index})"})
+    kmsg_path: str = field(default="/dev/kmsg", metadata={"help": "kernel log for XID pids"})
+    reset_command: str = field(
+        default="nvidia-smi --gpu-reset -i {index}",
+        metadata={"help": "GPU reset command ({index}: the GPU's index)"},
+    )
     auto_reset: bool = field(default=False, metadata={"help": "reset GPUs on reset-class XIDs"})
     health_interval_s: int = field(default=5, metadata={"help": "NVML reading period"})
     max_restarts: int = field(
-        default=0, metadata={"help": "worker failures per window before a device is unhealthy"}
+        default=5, metadata={"help": "worker failures per window before a device is unhealthy"}
     )
-    restart_window_s: int = field(default=0, metadata={"help": "restart intensity window"})
+    restart_window_s: int = field(
+        default=30, metadata={"help": "restart intensity window, seconds"}
+    )
     isolate_network: bool = field(
         default=True, metadata={"help": "job processes without network (always; false is refused)"}
     )
@@ -116,7 +155,8 @@ class Config:
     job_user: str = field(
         default="",
         metadata={
-            "help": "user of job processes when root; empty = kerneleval-job, else nobody",
+            "help": "user of job processes when root",
+            "default_text": "empty: kerneleval-job, else nobody",
             "aliases": ("worker_user",),
         },
     )
@@ -134,7 +174,10 @@ class Config:
             "repeat": True,
         },
     )
-    engine: str = field(default="", metadata={"help": "engine module for workers (default)"})
+    engine: str = field(
+        default="",
+        metadata={"help": "engine module for workers", "default_text": "kerneleval_server.engine"},
+    )
 
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else default_state_dir()
@@ -182,6 +225,8 @@ class Config:
             "job_memory_mib",
             "job_tmp_mib",
             "job_max_pids",
+            "max_restarts",
+            "restart_window_s",
         ):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -224,12 +269,27 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def default_text(f: Field[Any]) -> str:
+    """A setting's default as --help and the README show it ("" for none)."""
+    shown = f.metadata.get("default_text")
+    if shown is not None:
+        return str(shown)
+    if isinstance(f.default, bool):
+        return "true" if f.default else "false"
+    if isinstance(f.default, float):
+        return f"{f.default:g}"
+    return str(f.default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         env = "KERNELEVAL_" + f.name.upper()
         kind: Any = {bool: _parse_bool, int: int, float: float}.get(type(f.default), str)
-        help_text = f"{f.metadata.get('help', '')} (env {env}, default {f.default!r})"
+        shown = default_text(f)
+        default = f"; default: {shown}" if shown else ""
+        # argparse formats help with %: a literal one (none today) must be doubled.
+        help_text = f"{f.metadata.get('help', '')} (env {env}{default})".replace("%", "%%")
         # Deprecated spellings (--worker-user) are accepted, not listed.
         flags = [flag] + ["--" + a.replace("_", "-") for a in f.metadata.get("aliases", ())]
         if f.metadata.get("repeat"):

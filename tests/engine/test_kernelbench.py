@@ -41,7 +41,8 @@ def test_example_load_inline_reaches_the_build_and_says_it_cannot_run(run, name:
         job(source(TORCH_CUDA, read(EXAMPLES / name)), source(TORCH, read(EXAMPLES / ref)))
     )
     r = out.result
-    assert r.verdict == V.VERDICT_RUNTIME_ERROR and r.error.message.startswith("no CUDA device")
+    assert r.verdict == V.VERDICT_CANNOT_RUN_HERE and r.error.message.startswith("no CUDA device")
+    assert not r.compiled and r.failed_side == V.SIDE_KERNEL
     assert any("needs a CUDA build of torch" in n for n in r.notes)
 
 

@@ -434,7 +434,7 @@ def test_run_job_prebuilt_imports_nothing_and_says_no_device(
     rep = RecordingReporter()
     out = run_job(spec, rep, config(tmp_path), prebuilt=built["add"].artifacts)
     r = out.result
-    assert r.verdict == V.VERDICT_RUNTIME_ERROR and r.compiled
+    assert r.verdict == V.VERDICT_CANNOT_RUN_HERE and r.compiled
     assert r.error.exception_type == "NoDeviceError"
     assert r.error.message == "no CUDA device: add_kernel compiled for sm_90 but cannot run here"
     assert "no CUDA device on this worker: the kernel compiled but cannot run" in r.notes
@@ -450,7 +450,7 @@ def test_run_job_prebuilt_cuda_matches_run_job_on_the_cpu(built: Built, tmp_path
     prebuilt = built["cuda_kernel_triton_reference"].artifacts
     ahead = run_job(spec, RecordingReporter(), config(tmp_path), prebuilt=prebuilt).result
     whole = run_job(spec, RecordingReporter(), config(tmp_path)).result
-    assert ahead.verdict == whole.verdict == V.VERDICT_RUNTIME_ERROR
+    assert ahead.verdict == whole.verdict == V.VERDICT_CANNOT_RUN_HERE
     assert ahead.compiled and whole.compiled
     assert ahead.error.message == whole.error.message
     assert ahead.error.message == "no CUDA device: add compiled for sm_90 but cannot run here"

@@ -238,7 +238,8 @@ def cuda_job(code: str = CUDA_COPY, entry: str = "copy", block: int = 256, share
 def test_cuda_compiles_then_says_it_cannot_run_without_a_gpu(run) -> None:
     out, rep = run(cuda_job())
     r = out.result
-    assert r.compiled and r.verdict == V.VERDICT_RUNTIME_ERROR
+    assert r.compiled and r.verdict == V.VERDICT_CANNOT_RUN_HERE
+    assert r.failed_side == V.SIDE_KERNEL
     assert r.error.message.startswith("no CUDA device: copy compiled for sm_")
     assert any("compiled but cannot run" in n for n in r.notes)
     assert any(n.startswith("ptxas (copy, sm_") and "registers" in n for n in r.notes)
@@ -279,7 +280,8 @@ def test_torch_cuda_without_cuda_is_reported_honestly(run) -> None:
     cand = source(TORCH_CUDA, (ex / "model_new_ex_add.py").read_text())
     out, _ = run(job(cand, source(TORCH, (ex / "model_ex_add.py").read_text())))
     r = out.result
-    assert r.verdict == V.VERDICT_RUNTIME_ERROR and r.error.message.startswith("no CUDA device")
+    assert r.verdict == V.VERDICT_CANNOT_RUN_HERE and r.error.message.startswith("no CUDA device")
+    assert not r.compiled  # its CUDA sources were not compiled
     assert any("load_inline('elementwise_add') needs a CUDA build of torch" in n for n in r.notes)
     out, _ = run(job(source(TORCH_CUDA, "from torch.utils.cpp_extension import load_inline\n(")))
     assert out.result.verdict == V.VERDICT_COMPILE_ERROR

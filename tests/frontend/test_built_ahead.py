@@ -285,7 +285,7 @@ def test_real_engine_builds_raw_cuda_in_a_build_process(real: ServiceProcess) ->
         stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
         job, events = evaluate(stub, cuda_io_spec(CUDA_ADD.replace("VARIANT", "0.0f")))
         # Built by nvcc in the build process; the CPU job process cannot launch it.
-        assert job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
+        assert job.result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE, job.result
         assert job.result.compiled and "no CUDA device" in job.result.error.message
         build_worker, launch_worker = started_on(events)
         assert build_worker.startswith("build-w") and launch_worker.startswith("cpu-w")

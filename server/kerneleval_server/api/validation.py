@@ -29,7 +29,12 @@ _KERNEL_TYPES = {
     kernel_pb2.KERNEL_TYPE_TORCH_CUDA,
     kernel_pb2.KERNEL_TYPE_TRITON,
     kernel_pb2.KERNEL_TYPE_CUDA,
+    kernel_pb2.KERNEL_TYPE_GPU_MODE,
 }
+GPU_MODE = kernel_pb2.KERNEL_TYPE_GPU_MODE
+# A module both sides of a GPU_MODE job import; not a name the harness gives its own files.
+_MODULE_FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")
+_HARNESS_FILES = frozenset({"submission.py", "reference.py", "eval.py"})
 _ROLES = {
     kernel_pb2.ARG_ROLE_UNSPECIFIED,
     kernel_pb2.ARG_ROLE_INPUT,
@@ -69,6 +74,9 @@ class Limits:
     max_request_tag_bytes: int = 256  # RunBatchRequest.request_tag (echoed on every event)
     max_job_id_bytes: int = 128  # job ids in GetJob, Watch, CancelJob (the service's are 32)
     max_page_token_bytes: int = 128  # ListJobsRequest.page_token
+    max_task_cases: int = 256  # GpuModeTask.tests, and GpuModeTask.benchmarks
+    max_task_files: int = 16  # GpuModeTask.files
+    max_task_string_bytes: int = 256  # a TaskArg's string_value
     # Log text stored per job (JobLog events); each log event also counts LOG_EVENT_OVERHEAD
     # bytes, so that a flood of empty lines is bounded too. Past it: one note, then nothing.
     max_log_bytes: int = 1 << 20
@@ -148,9 +156,115 @@ def validate_spec(
         _check_kernel("spec.reference", spec.reference, limits, out, literals)
     elif require_reference:
         out.append(FieldViolation("spec.reference", "required by Compare"))
+    _check_gpu_mode(spec, limits, out)
     _check_options("spec.options", spec.options, limits, out)
     _check_spec_size(spec, limits, out, literals)
     return out
+
+
+def _check_gpu_mode(spec: kernel_pb2.JobSpec, limits: Limits, out: list[FieldViolation]) -> None:
+    """A GPU_MODE kernel comes with a GPU_MODE reference (its inputs and its judge) and the
+    task's cases; neither comes without it."""
+    kernel_is = spec.kernel.type == GPU_MODE
+    reference_is = spec.HasField("reference") and spec.reference.type == GPU_MODE
+    if kernel_is and not spec.HasField("reference"):
+        out.append(
+            FieldViolation(
+                "spec.reference",
+                "required by a KERNEL_TYPE_GPU_MODE kernel: generate_input, ref_kernel and "
+                "check_implementation (the judge) come from the reference",
+            )
+        )
+    elif kernel_is != reference_is and spec.HasField("reference"):
+        out.append(
+            FieldViolation(
+                "spec.reference.type",
+                "KERNEL_TYPE_GPU_MODE goes with KERNEL_TYPE_GPU_MODE: the kernel is "
+                f"{kernel_pb2.KernelType.Name(spec.kernel.type)}, the reference "
+                f"{kernel_pb2.KernelType.Name(spec.reference.type)}",
+            )
+        )
+    if reference_is and spec.reference.entry_point:
+        out.append(
+            FieldViolation(
+                "spec.reference.entry_point",
+                "a GPU_MODE reference's functions have fixed names: leave it empty",
+            )
+        )
+    if not kernel_is:
+        if spec.HasField("gpu_mode"):
+            out.append(FieldViolation("spec.gpu_mode", "only for KERNEL_TYPE_GPU_MODE jobs"))
+        return
+    task = spec.gpu_mode
+    if len(task.tests) == 0:
+        out.append(
+            FieldViolation("spec.gpu_mode.tests", "required: at least one test case (task.yml)")
+        )
+    for name, given in (("tests", task.tests), ("benchmarks", task.benchmarks)):
+        if len(given) > limits.max_task_cases:
+            out.append(
+                FieldViolation(
+                    f"spec.gpu_mode.{name}", f"{len(given)} cases; at most {limits.max_task_cases}"
+                )
+            )
+        for i, case in enumerate(given[: limits.max_task_cases]):
+            _check_case(f"spec.gpu_mode.{name}[{i}]", case, limits, out)
+    _check_files("spec.gpu_mode.files", task.files, limits, out)
+
+
+def _check_case(
+    path: str, case: kernel_pb2.TaskCase, limits: Limits, out: list[FieldViolation]
+) -> None:
+    if len(case.args) > limits.max_args:
+        out.append(
+            FieldViolation(f"{path}.args", f"{len(case.args)} args; at most {limits.max_args}")
+        )
+    names: set[str] = set()
+    for j, arg in enumerate(case.args[: limits.max_args]):
+        ap = f"{path}.args[{j}]"
+        if len(arg.name) > limits.max_arg_name_length or not _IDENTIFIER.fullmatch(arg.name):
+            out.append(
+                FieldViolation(
+                    f"{ap}.name",
+                    f"{arg.name[:64]!r} is not an identifier of at most "
+                    f"{limits.max_arg_name_length} characters",
+                )
+            )
+        elif arg.name in names:
+            out.append(FieldViolation(f"{ap}.name", f"duplicate argument name {arg.name!r}"))
+        names.add(arg.name)
+        which = arg.WhichOneof("value")
+        if which is None:
+            out.append(FieldViolation(f"{ap}.value", "required: an int, float, string or bool"))
+        elif which == "float_value" and not math.isfinite(arg.float_value):
+            out.append(FieldViolation(f"{ap}.float_value", "must be finite"))
+        elif which == "string_value":
+            check_string(f"{ap}.string_value", arg.string_value, limits.max_task_string_bytes, out)
+
+
+def _check_files(path: str, files: Any, limits: Limits, out: list[FieldViolation]) -> None:
+    if len(files) > limits.max_task_files:
+        out.append(FieldViolation(path, f"{len(files)} files; at most {limits.max_task_files}"))
+    names: set[str] = set()
+    for i, f in enumerate(files[: limits.max_task_files]):
+        fp = f"{path}[{i}]"
+        if not _MODULE_FILE.fullmatch(f.name) or len(f.name) > limits.max_arg_name_length:
+            out.append(
+                FieldViolation(
+                    f"{fp}.name", f"{f.name[:64]!r} is not a module file name such as utils.py"
+                )
+            )
+        elif f.name in _HARNESS_FILES:
+            out.append(
+                FieldViolation(
+                    f"{fp}.name",
+                    f"{f.name} is the harness's own: the sources travel as kernel and reference",
+                )
+            )
+        elif f.name in names:
+            out.append(FieldViolation(f"{fp}.name", f"duplicate file {f.name!r}"))
+        names.add(f.name)
+        check_string(f"{fp}.content", f.content, limits.max_source_bytes, out)
 
 
 def _check_spec_size(
@@ -209,6 +323,12 @@ def _check_kernel(
             FieldViolation(f"{path}.entry_point", f"{k.entry_point!r} is not a valid identifier")
         )
     has_args = len(k.io.args) > 0
+    if k.type == GPU_MODE and (has_args or k.io.HasField("launch")):
+        out.append(
+            FieldViolation(
+                f"{path}.io", "a GPU_MODE source has no IOContract: generate_input makes the data"
+            )
+        )
     if k.type == kernel_pb2.KERNEL_TYPE_CUDA and not has_args:
         out.append(
             FieldViolation(f"{path}.io.args", "a CUDA kernel is launched from its IOContract")

@@ -152,6 +152,8 @@ def classify(exc: BaseException, source_files: tuple[str, ...] = ()) -> Failure:
     if resource is not None:
         info.message = resource
         return Failure(job_pb2.VERDICT_RESOURCE_LIMIT, info)
+    if needs_missing_cuda(message):
+        return Failure(job_pb2.VERDICT_CANNOT_RUN_HERE, info)
     cuda = find_cuda_error(message)
     if cuda is not None:
         info.cuda_error_name = cuda.name
@@ -163,6 +165,21 @@ def classify(exc: BaseException, source_files: tuple[str, ...] = ()) -> Failure:
             return Failure(job_pb2.VERDICT_RESOURCE_LIMIT, info)
         return Failure(job_pb2.VERDICT_DEVICE_FAULT, info, cuda.sticky or context_dead())
     return Failure(job_pb2.VERDICT_RUNTIME_ERROR, info)
+
+
+# What torch says when code asks for CUDA on a host (or a torch build) that has none.
+_NO_CUDA_MESSAGES = (
+    "Torch not compiled with CUDA enabled",
+    "without ATen_cuda library",
+    "Found no NVIDIA driver on your system",
+    "No CUDA GPUs are available",
+)
+
+
+def needs_missing_cuda(message: str) -> bool:
+    """The code asked for CUDA where there is none: it cannot run here, it did not fail.
+    (Torch says these only then; CUDA is not asked, which a build process must not do.)"""
+    return any(m in message for m in _NO_CUDA_MESSAGES)
 
 
 def _is_oom(exc: BaseException) -> bool:

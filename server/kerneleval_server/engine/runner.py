@@ -6,8 +6,13 @@ exact for integers and booleans, seed 42, flush_l2 true. The timeout (120 s) is 
 the front end, which kills the worker.
 
 Compare runs `correct_trial_count` trials on fresh inputs; trial 0 (and every even trial) runs
-the candidate before the reference. Evaluate runs the kernel once (correctness = it ran), then
-times it. An INCORRECT kernel is not timed.
+the candidate before the reference. Evaluate runs the kernel once (nothing is checked:
+correctness_status NOT_CHECKED), then times it. An INCORRECT kernel is not timed. GPU_MODE
+jobs follow GPU MODE's harness instead (gpumode.py).
+
+Every failure says whose it is (EvalResult.failed_side): the kernel's, or the reference's
+(its source, the inputs it provides, its run); a kernel that needs a GPU this host lacks ends
+VERDICT_CANNOT_RUN_HERE, `compiled` saying whether its sources were compiled.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from kerneleval.internal.v1 import job_channel_pb2
@@ -26,7 +31,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.api import validation
 
-from . import compare, device, errors, integrity, loader, preflight, timing
+from . import compare, device, errors, gpumode, integrity, loader, preflight, timing
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram
 from .backends.model import to_device
@@ -162,6 +167,25 @@ def invalid_spec(
     return True
 
 
+REFERENCE_PREFIX = "reference: "
+
+
+def side_of(who: str) -> job_pb2.Side:
+    """The source a message prefix speaks of: "" is the kernel, "reference: ..." the
+    reference; anything else (the service's own steps) neither."""
+    if who == "":
+        return job_pb2.SIDE_KERNEL
+    if who.startswith(REFERENCE_PREFIX):
+        return job_pb2.SIDE_REFERENCE
+    return job_pb2.SIDE_UNSPECIFIED
+
+
+def set_compiled(result: job_pb2.EvalResult, side: job_pb2.Side, compiled: bool) -> None:
+    """`compiled` is the kernel's: a failure of the reference leaves it as it was."""
+    if side == job_pb2.SIDE_KERNEL:
+        result.compiled = compiled
+
+
 def build_failure(
     e: BaseException,
     who: str,
@@ -171,26 +195,30 @@ def build_failure(
 ) -> bool:
     """Fills result for an exception raised while a source was imported or compiled (here or
     in a build process); returns whether the CUDA context is now poisoned."""
-    if isinstance(e, loader.CompileError):
+    side = side_of(who)
+    result.failed_side = side
+    if isinstance(e, loader.CompileError) and errors.needs_missing_cuda(str(e)):
+        set_compiled(result, side, False)
+        result.verdict = job_pb2.VERDICT_CANNOT_RUN_HERE
+        result.error.message = who + str(e)[:8000]
+        result.error.exception_type = "NoDeviceError"
+        notes.append("no CUDA on this worker: the source asked for it while it was imported")
+    elif isinstance(e, loader.CompileError):
         result.verdict = job_pb2.VERDICT_COMPILE_ERROR
-        result.compiled = False
+        set_compiled(result, side, False)
         log = e.log if e.log != str(e) else ""
         result.compilation_error = (who + str(e) + ("\n" + log if log else ""))[-32000:]
     elif isinstance(e, NoDeviceError):
-        result.compiled = True
-        result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-        result.error.message = who + str(e)
-        result.error.exception_type = "NoDeviceError"
+        cannot_run_here(result, e, who, notes)
         notes.extend(ctx.notes)
-        notes.append("no CUDA device on this worker: the kernel compiled but cannot run")
     elif isinstance(e, preflight.ResourceLimitError):
-        _resource_limit(result, who + str(e))
+        _resource_limit(result, who + str(e), side)
     elif type(e).__name__ == "CompilationError":  # Triton's
         result.verdict = job_pb2.VERDICT_COMPILE_ERROR
-        result.compiled = False
+        set_compiled(result, side, False)
         result.compilation_error = who + str(e)[-32000:]
     else:
-        result.compiled = True
+        set_compiled(result, side, True)
         f = errors.classify(e, tuple(ctx.source_files))
         result.verdict = f.verdict
         f.error.message = who + f.error.message
@@ -199,8 +227,28 @@ def build_failure(
     return False
 
 
-def _resource_limit(result: job_pb2.EvalResult, message: str) -> None:
-    result.compiled = True
+def cannot_run_here(
+    result: job_pb2.EvalResult, e: NoDeviceError, who: str, notes: list[str]
+) -> None:
+    """A source that needs a GPU on a host without one: its own verdict, not a crash."""
+    side = side_of(who)
+    result.failed_side = side
+    result.verdict = job_pb2.VERDICT_CANNOT_RUN_HERE
+    set_compiled(result, side, e.compiled)
+    result.error.message = who + str(e)
+    result.error.exception_type = "NoDeviceError"
+    whose = "the reference" if side == job_pb2.SIDE_REFERENCE else "the kernel"
+    if e.compiled:
+        notes.append(f"no CUDA device on this worker: {whose} compiled but cannot run")
+    else:
+        notes.append(f"no CUDA on this worker: {whose}'s CUDA sources were not compiled")
+
+
+def _resource_limit(
+    result: job_pb2.EvalResult, message: str, side: job_pb2.Side = job_pb2.SIDE_KERNEL
+) -> None:
+    set_compiled(result, side, True)
+    result.failed_side = side
     result.verdict = job_pb2.VERDICT_RESOURCE_LIMIT
     result.error.message = message
     result.error.exception_type = "ResourceLimit"
@@ -251,6 +299,7 @@ class _Job:
         self.compare_mode = spec.HasField("reference")
         self.nvtx = os.environ.get("KERNELEVAL_NVTX") == "1"
         self._output_bytes = 0  # what the kernel must write: the memory-bandwidth floor
+        self.inputs_side: job_pb2.Side = job_pb2.SIDE_KERNEL  # who gives get_inputs()
 
     # -- the steps -----------------------------------------------------------------------
     def run(self) -> None:
@@ -258,9 +307,12 @@ class _Job:
             raise _Stop
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
+        if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
+            gpumode.run(self, ctx)
+            return
         cand = self._build(self.spec.kernel, "kernel", ctx)
-        ref = self._build(self.spec.reference, "reference", ctx) if self.compare_mode else None
         self.result.compiled = True
+        ref = self._build(self.spec.reference, "reference", ctx) if self.compare_mode else None
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
         make_args = self._input_source(cand, ref)
@@ -288,7 +340,7 @@ class _Job:
         )
 
     def _build(self, k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> Program:
-        who = "" if role == "kernel" else "reference: "
+        who = "" if role == "kernel" else REFERENCE_PREFIX
         try:
             with self._cpu_shim():
                 artifact = self.prebuilt.get(role)
@@ -302,38 +354,38 @@ class _Job:
             self.poisoned = self.poisoned or poisoned
         raise _Stop
 
-    def _resource_limit(self, message: str) -> None:
-        _resource_limit(self.result, message)
-
-    def _fail(self, f: errors.Failure, who: str = "") -> None:
+    def _fail(self, f: errors.Failure, who: str = "", side: job_pb2.Side | None = None) -> None:
         self.result.verdict = f.verdict
+        self.result.failed_side = side_of(who) if side is None else side
         f.error.message = who + f.error.message
         self.result.error.CopyFrom(f.error)
         self.poisoned = self.poisoned or f.context_poisoned
 
     @contextlib.contextmanager
-    def _guard(self, who: str = "") -> Iterator[None]:
-        """Runs kernel code: any exception becomes the job's verdict."""
+    def _guard(self, who: str = "", side: job_pb2.Side | None = None) -> Iterator[None]:
+        """Runs a source's code: any exception becomes the job's verdict, blamed on `side`
+        (by default the source `who` names: side_of)."""
+        blamed = side_of(who) if side is None else side
         try:
             with self._cpu_shim(), torch.no_grad():  # inference, as KernelBench evaluates
                 yield
         except (_Stop, _ReporterError, KeyboardInterrupt):
             raise
         except preflight.ResourceLimitError as e:
-            self._resource_limit(who + str(e))
+            _resource_limit(self.result, who + str(e), blamed)
             raise _Stop from None
         except NoDeviceError as e:
-            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-            self.result.error.message = who + str(e)
-            self.result.error.exception_type = "NoDeviceError"
+            cannot_run_here(self.result, e, who, self.notes)
+            self.result.failed_side = blamed
             raise _Stop from None
         except BaseException as e:  # SystemExit from kernel code is its failure too
             if type(e).__name__ == "CompilationError":  # Triton compiles at the first launch
-                self.result.compiled = False
+                set_compiled(self.result, blamed, False)
+                self.result.failed_side = blamed
                 self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
                 self.result.compilation_error = who + str(e)[-32000:]
             else:
-                self._fail(errors.classify(e, getattr(self, "source_files", ())), who)
+                self._fail(errors.classify(e, getattr(self, "source_files", ())), who, blamed)
             raise _Stop from None
 
     def _cpu_shim(self) -> contextlib.AbstractContextManager[None]:
@@ -346,33 +398,30 @@ class _Job:
     # -- inputs --------------------------------------------------------------------------
     def _input_source(self, cand: Program, ref: Program | None) -> Callable[[int], TrialArgs]:
         io = None
+        io_side = job_pb2.SIDE_KERNEL
         if len(self.spec.kernel.io.args) > 0:
             io = self.spec.kernel.io
         elif ref is not None and len(self.spec.reference.io.args) > 0:
-            io = self.spec.reference.io
+            io, io_side = self.spec.reference.io, job_pb2.SIDE_REFERENCE
         if io is not None:
             contract = io
             seed = self.opts.seed
 
             def from_contract(trial: int) -> TrialArgs:
-                with self._guard("inputs: "):
+                with self._guard("inputs: ", io_side):
                     return build_args(contract, seed, trial, self.dev)
                 raise AssertionError("unreachable")
 
             return from_contract
-        module = (ref.module if ref is not None else None) or cand.module
+        # The inputs are the reference's to give (the kernel's only when there is none).
+        module = ref.module if ref is not None else cand.module
+        self.inputs_side = job_pb2.SIDE_REFERENCE if ref is not None else job_pb2.SIDE_KERNEL
         get_inputs = getattr(module, "get_inputs", None)
         if not callable(get_inputs):
-            self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
-            self.result.compiled = False
-            self.result.compilation_error = (
-                "no function get_inputs() in the source and no IOContract args: the inputs "
-                "are unknown"
-            )
-            raise _Stop
+            self._no_get_inputs(cand, ref)
 
         def from_get_inputs(trial: int) -> TrialArgs:
-            with self._guard("get_inputs(): "), torch.device(self.dev):
+            with self._guard("get_inputs(): ", self.inputs_side), torch.device(self.dev):
                 # Factory calls default to the device: KernelBench's torch.rand(4096, 393216)
                 # takes 20 s on the host and milliseconds on an H200.
                 torch.manual_seed(mix_seed(self.opts.seed, trial))
@@ -384,12 +433,36 @@ class _Job:
 
         return from_get_inputs
 
+    def _no_get_inputs(self, cand: Program, ref: Program | None) -> NoReturn:
+        """Ends the job: the source that gives the inputs lacks get_inputs()."""
+        self.result.verdict = job_pb2.VERDICT_COMPILE_ERROR
+        self.result.failed_side = self.inputs_side
+        if ref is None:
+            self.result.compiled = False
+            self.result.compilation_error = (
+                "no function get_inputs() in the source and no IOContract args: the inputs "
+                "are unknown"
+            )
+            raise _Stop
+        hint = ""
+        if callable(getattr(cand.module, "get_inputs", None)):
+            hint = (
+                " (the kernel's source defines get_inputs(): are the kernel and the reference "
+                "swapped?)"
+            )
+        self.result.compilation_error = (
+            "reference: no function get_inputs() in the reference and no IOContract args: the "
+            "inputs are unknown" + hint
+        )
+        raise _Stop
+
     def _check_input_size(self, values: list[Any]) -> None:
         """get_inputs() sizes are only known once it ran: hold them to the same byte limit."""
         total = compare.nbytes_of(values)
         limit = self.config.limits.max_total_tensor_bytes
         if total > limit:
             self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.failed_side = self.inputs_side
             self.result.error.exception_type = "InvalidArgument"
             self.result.error.message = (
                 f"get_inputs() made {total} bytes of tensors, over the limit of {limit} bytes: "
@@ -404,7 +477,7 @@ class _Job:
         make_args: Callable[[int], TrialArgs],
         ctx: BuildContext,
     ) -> None:
-        for prog, who in ((cand, ""), (ref, "reference: ")):
+        for prog, who in ((cand, ""), (ref, REFERENCE_PREFIX)):
             launch = getattr(prog, "launch", None)
             if isinstance(launch, TritonLaunch) and self.dev.type == "cuda":
                 with self._guard(who):
@@ -427,9 +500,9 @@ class _Job:
         self._poison_outputs(args, 0)
         out = self._run(cand, args, "")
         self._output_bytes = compare.nbytes_of(out)
+        # It ran; nothing was compared (no reference): `correctness` stays true for old clients.
         self.result.correctness = True
-        self.result.validation.trial_count = 1
-        self.result.validation.trials_passed = 1
+        self.result.correctness_status = job_pb2.CORRECTNESS_NOT_CHECKED
         nan_outputs = [
             i
             for i, t in enumerate(out)
@@ -456,7 +529,7 @@ class _Job:
             self._poison_outputs(cand_args, t)
             ref_out: list[Any] | None = None
             if t % 2 == 1:  # reference first; its outputs stay alive while the kernel runs
-                ref_out = self._run(ref, ref_args, "reference: ")
+                ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
                 out_bytes = compare.nbytes_of(ref_out)
             if cand.kind == "model":
                 with self._guard("anti-cheat: "):
@@ -465,7 +538,7 @@ class _Job:
                     )
             cand_out = self._run(cand, cand_args, "")
             if ref_out is None:
-                ref_out = self._run(ref, ref_args, "reference: ")
+                ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
                 out_bytes = compare.nbytes_of(ref_out)
             names = self._output_names(cand, ref, pristine)
             self._output_bytes = out_bytes
@@ -508,10 +581,13 @@ class _Job:
                 f"{first_failure.message}"
             )
             self.result.verdict = job_pb2.VERDICT_INCORRECT
+            self.result.failed_side = job_pb2.SIDE_KERNEL
             self.result.correctness = False
+            self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
             self.notes.append("incorrect: not timed")
             raise _Stop
         self.result.correctness = True
+        self.result.correctness_status = job_pb2.CORRECTNESS_PASSED
 
     @staticmethod
     def _output_names(cand: Program, ref: Program, args: TrialArgs) -> list[str]:
@@ -546,7 +622,7 @@ class _Job:
         cand_args = make_args(0)
         ref_args = cand_args.clone() if ref is not None else None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
-        stats = self._measure(cand, cand_args, "", lambda d: self._progress(d, total))
+        stats = self._measure(lambda: cand.run(cand_args), "", lambda d: self._progress(d, total))
         self.result.runtime.CopyFrom(stats)
         if self.dev.type == "cuda":
             bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
@@ -556,19 +632,22 @@ class _Job:
         if ref is not None and ref_args is not None:
             n = self.opts.perf_trials
             rstats = self._measure(
-                ref, ref_args, "reference: ", lambda d: self._progress(n + d, total)
+                lambda: ref.run(ref_args), REFERENCE_PREFIX, lambda d: self._progress(n + d, total)
             )
             self.result.reference_runtime.CopyFrom(rstats)
             if stats.median_ms > 0:
                 self.result.speedup = rstats.median_ms / stats.median_ms
-                self.result.speedup_suspicious = self.result.speedup > SUSPICIOUS_SPEEDUP
-                if self.result.speedup_suspicious:
-                    self.notes.append(
-                        f"speedup {self.result.speedup:.1f}x is over {SUSPICIOUS_SPEEDUP:g}x: "
-                        "worth a second look"
-                    )
+                self._judge_speedup()
         if self.dev.type == "cpu":
             self.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+
+    def _judge_speedup(self) -> None:
+        self.result.speedup_suspicious = self.result.speedup > SUSPICIOUS_SPEEDUP
+        if self.result.speedup_suspicious:
+            self.notes.append(
+                f"speedup {self.result.speedup:.1f}x is over {SUSPICIOUS_SPEEDUP:g}x: "
+                "worth a second look"
+            )
 
     def _flag(self, flags: list[job_pb2.IntegrityFlag]) -> None:
         """Runtime integrity flags, each rule once (the first trial that shows it)."""
@@ -583,11 +662,11 @@ class _Job:
         self.reporter.progress(job_pb2.PHASE_PROFILING, done, total)
 
     def _measure(
-        self, prog: Program, args: TrialArgs, who: str, progress: Callable[[int], None]
+        self, run: Callable[[], object], who: str, progress: Callable[[int], None]
     ) -> job_pb2.RuntimeStats:
         with self._guard(who):
             t = timing.measure(
-                lambda: prog.run(args),
+                run,
                 trials=self.opts.perf_trials,
                 warmup=self.opts.warmup,
                 flush_l2=self.opts.flush_l2,

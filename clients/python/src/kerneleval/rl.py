@@ -96,8 +96,10 @@ def reward(
     - Flagged by the service's integrity checks (EvalResult.flags, whose rule_id is not in
       `ignore_flags`) or rejected for them (VERDICT_REJECTED): `flagged_reward`, whatever the
       verdict; make it negative for a penalty.
-    - Not scored (unfinished, cancelled, JOB_STATE_FAILED, no verdict): `unscored_reward`
-      when given, else `NoReward` is raised.
+    - Not scored (unfinished, cancelled, JOB_STATE_FAILED, no verdict; a kernel that could
+      not run on the service's host, VERDICT_CANNOT_RUN_HERE; a failure of the reference,
+      EvalResult.failed_side SIDE_REFERENCE, where the kernel was not judged):
+      `unscored_reward` when given, else `NoReward` is raised.
 
     The defaults give 0.0 / 0.1 / 0.3 + speedup; bind other shapings once with
     functools.partial(reward, speedup_shaping="log", flagged_reward=-1.0)."""
@@ -117,6 +119,10 @@ def reward(
         f.rule_id not in ignored for f in result.flags
     ):
         return flagged_reward
+    if (why := _not_judged(result)) is not None:
+        if unscored_reward is not None:
+            return unscored_reward
+        raise NoReward(why)
     if result.verdict == job_pb2.VERDICT_OK:
         return correct_reward + _speedup_term(
             result.speedup, speedup_shaping, speedup_weight, lo, hi
@@ -128,6 +134,19 @@ def reward(
     if unscored_reward is not None:
         return unscored_reward
     raise NoReward(f"no reward for verdict {result.verdict} (unknown to this client)")
+
+
+def _not_judged(result: job_pb2.EvalResult) -> str | None:
+    """Why the result says nothing about the kernel, or None when it does."""
+    if result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE:
+        return (
+            "the kernel could not run on the service's host (VERDICT_CANNOT_RUN_HERE): "
+            "neither a crash nor correct; run it where there is a GPU"
+        )
+    if result.failed_side == job_pb2.SIDE_REFERENCE:
+        verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
+        return f"the reference failed ({verdict}): the kernel was not judged"
+    return None
 
 
 def _result(item: ResultLike, lenient: bool) -> job_pb2.EvalResult | None:

@@ -13,7 +13,13 @@ from ..inputs import TrialArgs
 
 
 class NoDeviceError(RuntimeError):
-    """The kernel compiled but this machine has no GPU to run it on."""
+    """The kernel cannot run on this machine: it has no GPU (or torch has no CUDA).
+    `compiled`: its sources were compiled all the same (nvcc, a build process); the default
+    False is for sources that were not (load_inline without a CUDA build of torch)."""
+
+    def __init__(self, message: str, *, compiled: bool = False) -> None:
+        super().__init__(message)
+        self.compiled = compiled
 
 
 @dataclass

@@ -188,7 +188,8 @@ def check_without_gpu(launch: kernel_pb2.LaunchConfig, limits: Any, log: str, na
 
 def no_device(name: str, arch: str) -> NoDeviceError:
     return NoDeviceError(
-        f"no CUDA device: {base_name(name)} compiled for {arch} but cannot run here"
+        f"no CUDA device: {base_name(name)} compiled for {arch} but cannot run here",
+        compiled=True,
     )
 
 

@@ -77,7 +77,9 @@ def build_prebuilt(
         return LaunchProgram(launch=runner)
     if ctx.device.type != "cuda":
         raise NoDeviceError(
-            f"no CUDA device: {base_name(art.function)} compiled for {art.arch} but cannot run here"
+            f"no CUDA device: {base_name(art.function)} compiled for {art.arch} but cannot "
+            "run here",
+            compiled=True,
         )
     if ctx.limits is not None:
         preflight.check_triton_shared(art.shared_bytes, ctx.limits)

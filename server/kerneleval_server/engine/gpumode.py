@@ -1,0 +1,323 @@
+"""A KERNEL_TYPE_GPU_MODE job, run as GPU MODE's harness runs one (its eval.py, "test" then
+"benchmark" modes), inside the engine's guards:
+
+- every test case: data = generate_input(**case); the kernel gets a copy, and the reference's
+  check_implementation(data, output) judges its output (a failed case does not stop the
+  others);
+- every benchmark case: checked once in the same way, then timed (perf_trial_count trials after
+  warmup_count warm-ups, the L2 flushed as for every job) on fresh data, and ref_kernel timed
+  on the same data for the speedup.
+
+What differs from GPU MODE's harness: a fixed number of timed trials (it stops early once the
+mean's relative error is under 0.1%), the median as the number to compare (it reports the
+mean), and a case's `seed` mixed with EvalOptions.seed when that is set (it mixes in a secret
+seed with its own formula). The judge's verdict may be GPU MODE's (passed, message) pair or
+its older error string (empty when it passed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kerneleval.v1 import job_pb2, kernel_pb2
+
+from . import compare
+from . import runner as _runner  # circular, used at call time only: runner dispatches here
+from .backends import BuildContext
+from .backends import gpumode as backend
+from .inputs import mix_seed
+
+JUDGE = "reference: check_implementation(): "
+GENERATE = "reference: generate_input(): "
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test or benchmark case: its label and generate_input's keyword arguments."""
+
+    label: str  # "test 2" or "benchmark 0"
+    spec: str  # "size: 127; seed: 4242", the seed as used
+    kwargs: dict[str, Any]
+
+
+def cases(label: str, given: Iterable[kernel_pb2.TaskCase], seed: int | None) -> list[Case]:
+    out = []
+    for i, c in enumerate(given):
+        kwargs: dict[str, Any] = {}
+        for a in c.args:
+            value = getattr(a, a.WhichOneof("value") or "int_value")
+            if a.name == "seed" and seed is not None and isinstance(value, int):
+                value = mix_seed(value, seed)
+            kwargs[a.name] = value
+        spec = "; ".join(f"{k}: {v}" for k, v in kwargs.items())
+        out.append(Case(f"{label} {i}", spec, kwargs))
+    return out
+
+
+def clone(data: Any) -> Any:
+    """A deep copy of the tensors in a nest of tuples, lists and dicts (the rest is shared)."""
+    if isinstance(data, torch.Tensor):
+        return data.clone()
+    if isinstance(data, (tuple, list)):
+        return type(data)(clone(x) for x in data)
+    if isinstance(data, dict):
+        return {k: clone(v) for k, v in data.items()}
+    return data
+
+
+def tensors_of(data: Any) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, (tuple, list)):
+        return [t for x in data for t in tensors_of(x)]
+    if isinstance(data, dict):
+        return [t for x in data.values() for t in tensors_of(x)]
+    return []
+
+
+class JudgeAnswerError(TypeError):
+    """check_implementation answered something that is neither of GPU MODE's forms."""
+
+
+def judgement(answer: Any) -> tuple[bool, str]:
+    """(passed, message) from check_implementation's answer: GPU MODE's (bool, str) pair, or
+    its older form, an error string (or a list of reasons) that is empty when it passed."""
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool):
+        return answer[0], str(answer[1] or "")
+    if isinstance(answer, bool):
+        return answer, ""
+    if answer is None:
+        return True, ""
+    if isinstance(answer, str):
+        return answer == "", answer
+    if isinstance(answer, list) and all(isinstance(x, str) for x in answer):
+        return not answer, "; ".join(answer)
+    raise JudgeAnswerError(
+        f"check_implementation returned a {type(answer).__name__}: GPU MODE's judge returns "
+        "(passed, message) or an error string"
+    )
+
+
+def run(job: _runner._Job, ctx: BuildContext) -> None:
+    """The job's whole evaluation; ends with a verdict in job.result (or raises _Stop)."""
+    _GpuModeRun(job, ctx).run()
+
+
+class _GpuModeRun:
+    modules: backend.SharedModules  # set for the time of run()
+
+    def __init__(self, job: _runner._Job, ctx: BuildContext) -> None:
+        self.job = job
+        self.ctx = ctx
+        self.result = job.result
+        o = job.spec.options
+        seed = o.seed if o.HasField("seed") else None
+        task = job.spec.gpu_mode
+        self.tests = cases("test", task.tests, seed)
+        # perf_trial_count 0: not timed, and the benchmark cases are not run at all.
+        self.benchmarks = cases("benchmark", task.benchmarks, seed)
+        if job.opts.perf_trials <= 0:
+            self.benchmarks = []
+
+    def run(self) -> None:
+        job = self.job
+        files = job.spec.gpu_mode.files
+        with backend.shared_modules(self.ctx.work_dir, files) as self.modules:
+            # The reference first; the submission then imports its own copies of the modules.
+            ref = self._build(lambda: backend.build_reference(job.spec.reference, self.ctx), True)
+            cand = self._build(lambda: backend.build_submission(job.spec.kernel, self.ctx), False)
+            job.result.compiled = True
+            job.notes.extend(self.ctx.notes)
+            job.source_files = tuple(self.ctx.source_files)
+            job.reporter.phase(job_pb2.PHASE_VALIDATING)
+            self._check_all(ref, cand)
+            if self.benchmarks:
+                self._time_all(ref, cand)
+            elif job.opts.perf_trials <= 0:
+                job.notes.append("perf_trial_count is 0: not timed")
+            else:
+                job.notes.append("the task has no benchmarks: not timed")
+        if job.dev.type == "cpu" and self.benchmarks:
+            job.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+        self.result.verdict = job_pb2.VERDICT_OK
+
+    def _build(self, make: Callable[[], Any], reference: bool) -> Any:
+        who = "reference: " if reference else ""
+        try:
+            with self.job._cpu_shim(), self._side(who):
+                return make()
+        except (_runner._Stop, _runner._ReporterError, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            poisoned = _runner.build_failure(e, who, self.result, self.ctx, self.job.notes)
+            self.job.poisoned = self.job.poisoned or poisoned
+        raise _runner._Stop
+
+    # -- correctness ---------------------------------------------------------------------
+    def _check_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
+        job, r = self.job, self.result
+        checks = [(c, r.test_cases) for c in self.tests]
+        checks += [(c, r.benchmark_cases) for c in self.benchmarks]
+        first_failure: tuple[Case, str] | None = None
+        for i, (case, into) in enumerate(checks):
+            record = into.add(spec=case.spec)
+            passed, message = self._check(ref, cand, case, record)
+            record.passed, record.message = passed, message
+            r.validation.trial_count = i + 1
+            if passed:
+                r.validation.trials_passed += 1
+            elif first_failure is None:
+                first_failure = (case, message)
+            job.reporter.progress(job_pb2.PHASE_VALIDATING, i + 1, len(checks))
+        if first_failure is not None:
+            case, message = first_failure
+            v = r.validation
+            r.validation_error = (
+                f"{v.trials_passed} of {v.trial_count} cases passed; {case.label} "
+                f"({case.spec}): {message or 'check_implementation failed it'}"
+            )
+            r.verdict = job_pb2.VERDICT_INCORRECT
+            r.failed_side = job_pb2.SIDE_KERNEL
+            r.correctness = False
+            r.correctness_status = job_pb2.CORRECTNESS_FAILED
+            job.notes.append("incorrect: not timed")
+            raise _runner._Stop
+        r.correctness = True
+        r.correctness_status = job_pb2.CORRECTNESS_PASSED
+
+    def _check(
+        self,
+        ref: backend.GpuModeReference,
+        cand: backend.GpuModeSubmission,
+        case: Case,
+        record: job_pb2.CaseResult,
+    ) -> tuple[bool, str]:
+        """Runs one case: the kernel on a copy of the data, the reference's judge on the rest.
+        A failure that ends the job is written into `record` before it does."""
+        job = self.job
+        try:
+            data = self._generate(ref, case)
+            kernel_data = clone(data)
+            with job._guard("anti-cheat: "):
+                # An unwritten torch.empty() output must not find an earlier result there.
+                compare.poison_free_memory(compare.nbytes_of(tensors_of(data)), job.dev)
+            output = self._call(lambda: cand.custom_kernel(kernel_data), "")
+            return self._judge(ref, data, output)
+        except _runner._Stop:
+            record.message = self.result.error.message or self.result.compilation_error
+            raise
+
+    def _side(self, who: str) -> contextlib.AbstractContextManager[None]:
+        """The shared modules of the source `who` names, for the time its code runs."""
+        return self.modules.side("reference" if who.startswith("reference: ") else "kernel")
+
+    def _generate(self, ref: backend.GpuModeReference, case: Case) -> Any:
+        with self.job._guard(GENERATE), self._side(GENERATE), torch.device(self.job.dev):
+            return ref.generate_input(**case.kwargs)
+        raise AssertionError("unreachable")
+
+    def _call(self, fn: Callable[[], Any], who: str) -> Any:
+        with self.job._guard(who), self._side(who):
+            out = fn()
+            self.job._sync()
+            return out
+        raise AssertionError("unreachable")
+
+    def _judge(self, ref: backend.GpuModeReference, data: Any, output: Any) -> tuple[bool, str]:
+        """check_implementation's verdict. Should it raise on the kernel's output, it is asked
+        about ref_kernel's own: raising there too is the reference's failure, not the
+        kernel's; otherwise the kernel's output is what it could not judge (INCORRECT)."""
+        pristine = clone(data)
+        try:
+            with self.job._cpu_shim(), torch.no_grad(), self._side(JUDGE):
+                return judgement(ref.check_implementation(data, output))
+        except JudgeAnswerError as e:
+            self._reference_failure(e)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # whose fault it is is found out below
+            own = self._call(lambda: ref.ref_kernel(clone(pristine)), "reference: ref_kernel(): ")
+            with self.job._guard(JUDGE), self._side(JUDGE):
+                judgement(ref.check_implementation(pristine, own))
+            return False, f"check_implementation raised {type(e).__name__} on it: {e}"
+        raise AssertionError("unreachable")
+
+    def _reference_failure(self, e: Exception) -> None:
+        with self.job._guard(JUDGE):
+            raise e
+
+    # -- timing --------------------------------------------------------------------------
+    def _time_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
+        job, r = self.job, self.result
+        n = job.opts.perf_trials
+        total = 2 * n * len(self.benchmarks)
+        job.reporter.phase(job_pb2.PHASE_PROFILING)
+        for i, case in enumerate(self.benchmarks):
+            self._time_case(ref, cand, case, r.benchmark_cases[i], 2 * n * i, total)
+        r.runtime.CopyFrom(geometric_means([c.runtime for c in r.benchmark_cases]))
+        r.reference_runtime.CopyFrom(
+            geometric_means([c.reference_runtime for c in r.benchmark_cases])
+        )
+        speedups = [c.speedup for c in r.benchmark_cases]
+        if all(s > 0 for s in speedups):
+            r.speedup = geometric_mean(speedups)
+            job._judge_speedup()
+
+    def _time_case(
+        self,
+        ref: backend.GpuModeReference,
+        cand: backend.GpuModeSubmission,
+        case: Case,
+        record: job_pb2.CaseResult,
+        done: int,
+        total: int,
+    ) -> None:
+        """The kernel, then ref_kernel, each on its copy of the case's fresh data."""
+        job, n = self.job, self.job.opts.perf_trials
+        data = self._generate(ref, case)
+        kernel_data = clone(data)
+        with self._side(""):
+            record.runtime.CopyFrom(
+                job._measure(
+                    lambda: cand.custom_kernel(kernel_data),
+                    "",
+                    lambda d: job._progress(done + d, total),
+                )
+            )
+        who = "reference: ref_kernel(): "
+        with self._side(who):
+            record.reference_runtime.CopyFrom(
+                job._measure(
+                    lambda: ref.ref_kernel(data), who, lambda d: job._progress(done + n + d, total)
+                )
+            )
+        if record.runtime.median_ms > 0:
+            record.speedup = record.reference_runtime.median_ms / record.runtime.median_ms
+
+
+_STATS = ("mean_ms", "median_ms", "std_ms", "min_ms", "max_ms", "p95_ms", "p99_ms")
+
+
+def geometric_mean(values: list[float]) -> float:
+    if not values or any(v <= 0 for v in values):
+        return 0.0
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def geometric_means(stats: list[job_pb2.RuntimeStats]) -> job_pb2.RuntimeStats:
+    """Per statistic, the geometric mean over the cases (GPU MODE ranks by it); trial_count
+    is the trials of one case."""
+    out = job_pb2.RuntimeStats()
+    if not stats:
+        return out
+    for name in _STATS:
+        setattr(out, name, geometric_mean([getattr(s, name) for s in stats]))
+    out.trial_count = stats[0].trial_count
+    out.source = stats[0].source
+    out.l2_flushed = stats[0].l2_flushed
+    return out
