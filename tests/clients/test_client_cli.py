@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from fake_server import ADMIN_TOKEN, FakeServer, FakeState
-from kerneleval import cli
-from kerneleval.v1 import kernel_eval_service_pb2, kernel_pb2
+from kerneleval import cli, progress, render
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2, kernel_pb2
 
 KERNELEVAL = Path(sys.executable).parent / "kerneleval"
 TRITON_FILE = """import torch
@@ -81,7 +82,9 @@ def test_compare_json_and_exit_code_of_a_bad_verdict(fake, capsys, tmp_path, tri
     ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
     code, out, _ = run(fake, capsys, "compare", str(ref), str(triton_file), "--json")
     assert code == 0
-    job = json.loads(out)
+    [entry] = json.loads(out)  # one shape for one file or many: a list of {file, job}
+    assert entry["file"] == str(triton_file)
+    job = entry["job"]
     assert job["result"]["verdict"] == "VERDICT_OK" and job["result"]["speedup"] == 2.0
     bad = tmp_path / "bad.py"
     bad.write_text("# INCORRECT on purpose\nimport torch\n")
@@ -135,7 +138,7 @@ def test_detach_watch_get_cancel_and_jobs(fake, capsys, triton_file):
     code, out, err = run(fake, capsys, "watch", job_id)
     assert code == 0 and job_id in out and "OK" in out
     code, out, _ = run(fake, capsys, "watch", job_id, "--after", "3", "--json")
-    assert json.loads(out)["jobId"] == job_id
+    assert json.loads(out)["jobId"] == job_id  # watch, get, cancel: the Job object
     code, out, _ = run(fake, capsys, "get", job_id)
     assert code == 0 and "verdict" in out
     code, out, _ = run(fake, capsys, "cancel", job_id)
@@ -198,7 +201,8 @@ def test_live_progress_bars_on_a_tty(tmp_path, triton_file):
     """The installed command on a pseudo-terminal redraws one bar per phase."""
     server = FakeServer(FakeState(event_delay=0.02))
     try:
-        env = {**os.environ, "KERNELEVAL_ADDRESS": server.address}
+        # The plain display, as where rich is not installed.
+        env = {**os.environ, "KERNELEVAL_ADDRESS": server.address, "KERNELEVAL_NO_RICH": "1"}
         primary, secondary = pty.openpty()
         proc = subprocess.Popen(
             [str(KERNELEVAL), "evaluate", str(triton_file)],
@@ -223,7 +227,7 @@ def test_live_progress_bars_on_a_tty(tmp_path, triton_file):
         os.close(primary)
         text = b"".join(chunks).decode()
         assert "\r\x1b[2K  validating [" in text
-        assert "profiling  [############################] 3/3" in text
+        assert "profiling  [########################] 3/3" in text
         assert "verdict" in text
     finally:
         server.stop()
@@ -355,7 +359,7 @@ def test_serve_hands_its_arguments_to_the_server():
         [str(KERNELEVAL), "serve", "--help"], capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 0
-    assert "usage: kerneleval_server serve" in p.stdout and "--state-dir" in p.stdout
+    assert "usage: kerneleval serve" in p.stdout and "--state-dir" in p.stdout
 
 
 def test_several_files_run_as_one_batch(fake, capsys, tmp_path, triton_file):
@@ -378,9 +382,302 @@ def test_several_files_run_as_one_batch(fake, capsys, tmp_path, triton_file):
     batch = [
         r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunBatchRequest)
     ]
-    assert {r.request_tag for r in batch[-3:]} == set(files)
+    # Tagged by position, so that the same file twice is two submissions.
+    assert [r.request_tag for r in batch[-3:]] == ["0", "1", "2"]
+    assert [r.spec.kernel.source_code for r in batch[-3:]] == [Path(f).read_text() for f in files]
     assert all(r.spec.reference.source_code for r in batch[-3:])
     code, out, _ = run(fake, capsys, "evaluate", str(triton_file), str(triton_file), "--json")
-    assert (
-        code == 0 and [e["job"]["result"]["verdict"] for e in json.loads(out)] == ["VERDICT_OK"] * 2
-    )
+    both = json.loads(out)
+    assert code == 0 and [e["job"]["result"]["verdict"] for e in both] == ["VERDICT_OK"] * 2
+    # The same file twice: two jobs, two results, none lost.
+    assert [e["file"] for e in both] == [str(triton_file)] * 2
+    assert both[0]["job"]["jobId"] != both[1]["job"]["jobId"]
+    code, out, _ = run(fake, capsys, "evaluate", str(triton_file), str(triton_file))
+    rows = [ln for ln in out.splitlines()[2:] if ln.startswith(str(triton_file))]
+    assert len(rows) == 2 and rows[0].split()[1] != rows[1].split()[1]
+    assert all(r.split()[2] == "OK" for r in rows)
+
+
+# --- a CLI that fits a terminal ------------------------------------------------------------
+
+
+def test_global_options_go_before_or_after_the_command(fake, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("KERNELEVAL_ADMIN_TOKEN", raising=False)
+    for args in (
+        ["--server", fake.address, "--admin-token", ADMIN_TOKEN, "devices"],
+        ["devices", "--server", fake.address, "--admin-token", ADMIN_TOKEN],
+        ["devices", "--address", fake.address, f"--admin-token={ADMIN_TOKEN}", "--json"],
+    ):
+        assert cli.main(args) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "NVIDIA H200" in out
+    assert json.loads(out)[0]["name"] == "NVIDIA H200"  # --json after the command too
+    token_file = tmp_path / "admin_token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    assert cli.main(["stats", "--server", fake.address, "--admin-token-file", str(token_file)]) == 0
+    assert "uptime" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["devices", "--admin-token", "tok-9f8e7d", "--bogus"],
+        ["--admin-token=tok-9f8e7d", "devices", "extra"],
+        ["--admin-token", "tok-9f8e7d", "no-such-command"],
+    ],
+)
+def test_a_usage_error_never_prints_the_admin_token(capsys, args):
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == cli.EXIT_USAGE and "error:" in err
+    assert "tok-9f8e7d" not in err
+
+
+def test_json_has_every_field_even_false_and_zero(fake, capsys, tmp_path):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("# INCORRECT on purpose\nimport torch\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("# COMPILE_ERROR\n")
+    code, out, _ = run(fake, capsys, "compare", str(ref), str(bad), "--json")
+    [entry] = json.loads(out)
+    result = entry["job"]["result"]
+    assert code == cli.EXIT_VERDICT and result["correctness"] is False
+    assert result["speedup"] == 0 and result["flags"] == []
+    code, out, _ = run(fake, capsys, "compare", str(ref), str(broken), str(bad), "--json")
+    entries = json.loads(out)
+    assert [e["file"] for e in entries] == [str(broken), str(bad)]
+    assert entries[0]["job"]["result"]["compiled"] is False
+    code, out, _ = run(fake, capsys, "get", entries[0]["job"]["jobId"], "--json")
+    assert json.loads(out)["result"]["compiled"] is False
+
+
+def test_jsonl_streams_every_event(fake, capsys, triton_file):
+    code, out, err = run(fake, capsys, "evaluate", str(triton_file), "--jsonl")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and err == ""
+    assert {e["file"] for e in lines} == {str(triton_file)}
+    kinds = [next(k for k in ("queued", "started", "phase", "progress", "finished")
+                  if k in e["event"]) for e in lines]  # fmt: skip
+    assert kinds[0] == "queued" and kinds[-1] == "finished" and "progress" in kinds
+    job_id = lines[0]["event"]["jobId"]
+    code, out, _ = run(fake, capsys, "watch", job_id, "--jsonl")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [int(e["sequence"]) for e in events] == list(range(1, len(lines) + 1))
+    assert events[-1]["finished"]["result"]["verdict"] == "VERDICT_OK"
+
+
+def test_source_from_stdin(fake, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TRITON_FILE))
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    code, out, _ = run(fake, capsys, "compare", str(ref), "-", "--json")
+    assert code == 0 and json.loads(out)[0]["file"] == "-"
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    assert sent.spec.kernel.source_code == TRITON_FILE
+    assert sent.spec.kernel.type == kernel_pb2.KERNEL_TYPE_TRITON
+
+
+def test_version_and_help_with_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("kerneleval 0.")
+    text = cli.build_parser().format_help()
+    assert "examples:" in text and "kerneleval kernelbench" in text
+    with pytest.raises(SystemExit):
+        cli.main(["evaluate", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("absolute tolerance", "relative tolerance", "seed of inputs", "examples:",
+                   "--admin-token", "--preset"):  # fmt: skip
+        assert needle in text
+
+
+def test_kernelbench_preset_and_overrides(fake, capsys, triton_file):
+    run(fake, capsys, "evaluate", str(triton_file), "--preset", "kernelbench", "--seed", "7")
+    sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)][-1]
+    o = sent.spec.options
+    assert (o.correct_trial_count, o.perf_trial_count, o.warmup_count) == (1, 10, 3)
+    assert o.atol == o.rtol == 1e-4 and o.seed == 7 and o.flush_l2
+
+
+def test_stats_prints_uptime_in_minutes_and_seconds():
+    assert render.fmt_duration(297.75707) == "4m57s"
+    assert render.fmt_duration(3725) == "1h02m"
+    assert render.fmt_duration(0.75) == "0.8s"
+    assert render.fmt_duration(2 * 86400 + 4 * 3600) == "2d04h"
+
+
+def test_tables_fit_the_terminal_and_colour_follows_no_color(fake, capsys, monkeypatch, tmp_path):
+    deep = tmp_path / ("a_rather_long_folder_name_" * 3)
+    deep.mkdir()
+    files = []
+    for name in ("first_kernel_with_a_long_name.py", "second_kernel_with_a_long_name.py"):
+        (deep / name).write_text(TRITON_FILE)
+        files.append(str(deep / name))
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    code, out, _ = run(fake, capsys, "evaluate", *files, "--color", "always")
+    lines = out.splitlines()
+    assert code == 0 and "\x1b[32mOK\x1b[0m" in out
+    plain = [ln.replace("\x1b[32m", "").replace("\x1b[0m", "") for ln in lines]
+    assert all(len(ln) <= 80 for ln in plain), plain
+    assert any(ln.split()[0].endswith("name.py") for ln in plain[2:])  # the path's tail kept
+    monkeypatch.setenv("NO_COLOR", "1")
+    code, out, _ = run(fake, capsys, "evaluate", *files)
+    assert "\x1b[" not in out
+    monkeypatch.delenv("COLUMNS")
+    code, out, _ = run(fake, capsys, "evaluate", *files)  # not a terminal: nothing shortened
+    assert all(f in out for f in files)
+
+
+def test_table_shortens_ids_paths_and_text():
+    cols = [render.Column("JOB", "id"), render.Column("FILE", "path"), "STATE",
+            render.Column("DETAIL", "text")]  # fmt: skip
+    row = ["0123456789abcdef0123456789abcdef", "/very/long/path/to/level1/19_ReLU.py", "DONE",
+           "a long explanation of what went wrong in this kernel"]  # fmt: skip
+    text = render.table(cols, [row], width=60)
+    line = text.splitlines()[2]
+    assert len(line) <= 60 and line.split()[2] == "DONE"
+    assert line.split()[0].startswith("012345") and line.split()[0].endswith("cdef")
+    assert line.split()[1].endswith("19_ReLU.py")
+    assert render.table(cols, [row]).splitlines()[2].split()[0] == row[0]
+
+
+class Recorder:
+    """A Display that records what it is asked to show."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.bars: list[tuple[str, int, int]] = []
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def update(self, meter: progress.Meter) -> None:
+        self.bars.append((meter.label, meter.done, meter.total))
+
+    def settle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_profiling_bars_count_the_real_trials():
+    """The service counts a candidate's and its reference's timed trials as one series of 2n:
+    shown as n for the kernel, then n for the reference."""
+    rec = Recorder()
+    view = progress.JobView(rec, has_reference=True)
+    view.event(job_pb2.JobEvent(phase=job_pb2.JobPhase(phase=job_pb2.PHASE_PROFILING)))
+    for done in (5, 10, 15, 20):
+        view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
+            phase=job_pb2.PHASE_PROFILING, done_count=done, total_count=20)))  # fmt: skip
+    assert rec.bars[1:] == [
+        ("profiling kernel", 5, 10),
+        ("profiling kernel", 10, 10),
+        ("profiling reference", 5, 10),
+        ("profiling reference", 10, 10),
+    ]
+    rec = Recorder()
+    view = progress.JobView(rec, has_reference=False)
+    view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
+        phase=job_pb2.PHASE_PROFILING, done_count=3, total_count=5)))  # fmt: skip
+    assert rec.bars == [("profiling", 3, 5)]
+
+
+def test_meter_rate_and_eta():
+    m = progress.Meter("validating", done=5, total=20, started=100.0)
+    assert m.rate(110.0) == 0.5 and m.eta(110.0) == 30.0
+    assert m.stats(110.0) == "5/20  0.5/s  ETA 30s  10s"
+    assert progress.Meter("compiling", started=100.0).stats(112.5) == "12s"
+
+
+def test_log_display_says_where_it_stands_during_a_long_wait():
+    out = io.StringIO()
+    display = progress.LogDisplay(out, heartbeat=0.2)
+    try:
+        display.update(progress.Meter("profiling", done=3, total=10))
+        time.sleep(0.7)
+    finally:
+        display.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "  profiling"
+    assert len(lines) >= 2 and all(ln.startswith("  profiling 3/10") for ln in lines[1:])
+
+
+def test_a_dropped_stream_is_re_attached_and_said_so(capsys, triton_file):
+    state = FakeState(event_delay=0.01)
+    server = FakeServer(state)
+    try:
+        state.drop_after = 4  # the Run stream breaks after 4 events
+        code = cli.main(["--server", server.address, "evaluate", str(triton_file)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert "lost the stream of job job-0001 after event #4" in err
+        assert "re-attached to job job-0001 at event #5" in err
+    finally:
+        server.stop()
+
+
+def test_watch_says_it_waits_for_a_server_that_is_down(capsys):
+    started = time.monotonic()
+    code = cli.main(["--server", "127.0.0.1:1", "--reconnect-timeout", "1.5", "watch", "job-x"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_SERVICE
+    assert "waiting for the server at 127.0.0.1:1" in err and "did not answer" in err
+    assert time.monotonic() - started < 20
+
+
+def test_ctrl_c_cancels_the_job_and_says_so(capsys, monkeypatch, triton_file):
+    state = FakeState(event_delay=0.05)
+    server = FakeServer(state)
+    real = progress.JobView.event
+
+    def interrupt_once_started(self, event):
+        real(self, event)
+        if event.HasField("started"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.JobView, "event", interrupt_once_started)
+    try:
+        code = cli.main(["--server", server.address, "evaluate", str(triton_file)])
+        err = capsys.readouterr().err
+        assert code == cli.EXIT_INTERRUPTED
+        assert "interrupted: cancelled job job-0001 (CANCELLED)" in err
+        assert state.jobs["job-0001"].job.state == job_pb2.JOB_STATE_CANCELLED
+    finally:
+        server.stop()
+
+
+def test_live_progress_with_rich_on_a_tty(tmp_path, triton_file):
+    pytest.importorskip("rich")
+    server = FakeServer(FakeState(event_delay=0.02))
+    try:
+        env = {**os.environ, "KERNELEVAL_ADDRESS": server.address, "COLUMNS": "100"}
+        env.pop("KERNELEVAL_NO_RICH", None)
+        env.pop("NO_COLOR", None)
+        primary, secondary = pty.openpty()
+        proc = subprocess.Popen(
+            [str(KERNELEVAL), "evaluate", str(triton_file)],
+            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True,
+        )  # fmt: skip
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                data = os.read(primary, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=30) == 0
+        os.close(primary)
+        text = b"".join(chunks).decode()
+        assert "validating" in text and "3/3" in text and "━" in text  # rich's bar
+        table = text.rsplit("\x1b[?25h", 1)[1]  # after rich gave the cursor back
+        assert "verdict" in table and "\x1b[32mOK" in table
+    finally:
+        server.stop()

@@ -1,7 +1,8 @@
 """The `kerneleval` command.
 
 Exit codes: 0 success (verdict OK), 1 the job finished without verdict OK (or was cancelled
-or failed), 2 usage error, 3 the service refused or could not be reached.
+or failed), 2 usage error, 3 the service refused or could not be reached, 130 interrupted.
+Global options (--server, --admin-token, --json, ...) go before or after the command.
 """
 
 from __future__ import annotations
@@ -10,25 +11,43 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
-from kerneleval import errors, render
+import kerneleval
+from kerneleval import errors, progress, render
+from kerneleval import kernelbench_run as kb
 from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, Client, resolve_address
 from kerneleval.doctor import run_doctor
-from kerneleval.kernelbench import TYPE_NAMES, job_from_files
+from kerneleval.kernelbench import TYPE_NAMES, job_from_sources, kernelbench_options
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE = 0, 1, 2, 3
+EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 STATES = {n.removeprefix("JOB_STATE_").lower(): v for n, v in job_pb2.JobState.items()}
+STDIN = "-"
+# Stream errors after which a followed job is re-attached with Watch (the connection dropped,
+# not a refusal).
+_REATTACH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+_SECRET_OPTIONS = ("--admin-token",)
 
 
-def _to_json(message: Any) -> str:
-    return json_format.MessageToJson(message, indent=2)
+def as_dict(message: Message) -> dict[str, Any]:
+    """A message in the proto3 JSON mapping with every field, false, zero and empty ones too
+    (a job that did not compile has "compiled": false, not no key)."""
+    return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
+
+
+def _dump(value: Any, *, lines: bool = False) -> None:
+    print(json.dumps(value) if lines else json.dumps(value, indent=2), flush=True)
+
+
+# --- options ---------------------------------------------------------------------------
 
 
 def _label(value: str) -> tuple[str, str]:
@@ -63,6 +82,82 @@ def _labels(a: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def _add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """The options every command takes, before or after its name. On the commands they
+    default to SUPPRESS, so that a value given before the command is not overwritten."""
+
+    def d(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    g = p.add_argument_group("global options (before or after the command)")
+    g.add_argument(
+        "--server",
+        "--address",
+        dest="address",
+        default=d(None),
+        metavar="ADDRESS",
+        help=f"server: host:port or unix:PATH (env {ADDRESS_ENV}; default 127.0.0.1:50051)",
+    )
+    g.add_argument(
+        "--admin-token",
+        default=d(None),
+        metavar="TOKEN",
+        help=f"token of the operations commands (env {ADMIN_TOKEN_ENV}); never printed",
+    )
+    g.add_argument(
+        "--admin-token-file",
+        default=d(None),
+        metavar="FILE",
+        help="read the admin token from FILE (e.g. state/admin_token)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=d(None),
+        metavar="S",
+        help="deadline of each call in seconds (default: none)",
+    )
+    g.add_argument(
+        "--reconnect-timeout",
+        type=float,
+        default=d(60.0),
+        metavar="S",
+        help="how long to wait for a server that is down before giving up on a job's stream "
+        "(default 60)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=d(os.environ.get("KERNELEVAL_TLS_CA") or None),
+        metavar="PEM",
+        help="use TLS, trusting this CA certificate (env KERNELEVAL_TLS_CA)",
+    )
+    g.add_argument("--tls", action="store_true", default=d(False), help="TLS with system roots")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        default=d(False),
+        help="print JSON (every field, defaults included); see each command's help for its shape",
+    )
+    g.add_argument(
+        "--jsonl",
+        action="store_true",
+        default=d(False),
+        help="evaluate, compare, watch, events: one JSON object per event and line, as they come",
+    )
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=d(False),
+        help="no progress bars on stderr (messages about the connection still come)",
+    )
+    g.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default=d("auto"),
+        help="colour: auto (a terminal, without NO_COLOR) by default",
+    )
+
+
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument(
@@ -77,12 +172,28 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         metavar="JSON|FILE",
         help="IOContract as JSON (proto3 JSON mapping), inline or in a file",
     )
-    g.add_argument("--correct-trials", type=int, help="correctness trials (default 5)")
-    g.add_argument("--perf-trials", type=int, help="timed trials (default 100; 0 skips timing)")
-    g.add_argument("--warmup", type=int, help="warm-up runs before timing (default 10)")
-    g.add_argument("--atol", type=float)
-    g.add_argument("--rtol", type=float)
-    g.add_argument("--seed", type=int)
+    g.add_argument(
+        "--preset",
+        choices=["service", "kernelbench"],
+        default="service",
+        help="option defaults: the service's (5 correctness trials, 100 timed, 10 warm-up, "
+        "seed 42), or KernelBench's eval_kernel_against_ref (1, 10, 3, seed 42, atol=rtol=1e-4); "
+        "the options below override either",
+    )
+    g.add_argument("--correct-trials", type=int, metavar="N", help="correctness trials (5)")
+    g.add_argument(
+        "--perf-trials", type=int, metavar="N", help="timed trials (100; 0 skips timing)"
+    )
+    g.add_argument("--warmup", type=int, metavar="N", help="warm-up runs before timing (10)")
+    g.add_argument(
+        "--atol",
+        type=float,
+        metavar="X",
+        help="absolute tolerance of the output check (default by dtype: 1e-4 float32, "
+        "1e-2 float16/bfloat16, 0 integers)",
+    )
+    g.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default: as atol)")
+    g.add_argument("--seed", type=int, metavar="N", help="seed of inputs and weights (default 42)")
     g.add_argument("--device", type=int, help="GPU index (default: the scheduler picks)")
     g.add_argument("--job-timeout", type=float, metavar="S", help="job wall-clock limit")
     g.add_argument("--no-flush-l2", action="store_true", help="keep the L2 cache warm")
@@ -103,9 +214,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tag", default="", help="client tag")
     _add_label_option(g, "a label of the job, for your bookkeeping and `jobs --label` (repeatable)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print the finished job as JSON")
-    o.add_argument("--no-progress", action="store_true", help="no progress on stderr")
-    o.add_argument("--detach", action="store_true", help="submit, print the job id, exit")
+    o.add_argument("--detach", action="store_true", help="submit, print the job id(s), exit")
     o.add_argument(
         "--max-in-flight",
         type=int,
@@ -116,7 +225,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
-    o = kernel_pb2.EvalOptions()
+    o = kernelbench_options() if a.preset == "kernelbench" else kernel_pb2.EvalOptions()
     for attr, fld in (
         ("correct_trials", "correct_trial_count"),
         ("perf_trials", "perf_trial_count"),
@@ -151,130 +260,369 @@ def _io(value: str | None) -> kernel_pb2.IOContract | None:
     return json_format.Parse(text, kernel_pb2.IOContract())
 
 
-def _spec(a: argparse.Namespace, kernel: str, reference: str | None) -> kernel_pb2.JobSpec:
-    spec = job_from_files(
-        kernel,
-        reference,
-        options=_options(a),
-        client_tag=a.tag,
-        kernel_type=a.type,
-        io=_io(a.io),
-        entry_point=a.entry_point,
+class _Sources:
+    """Reads source files; `-` is standard input, read once however often it is named."""
+
+    def __init__(self) -> None:
+        self._stdin: str | None = None
+
+    def read(self, name: str) -> tuple[str, str]:
+        """(text, file name for type detection)."""
+        if name == STDIN:
+            if self._stdin is None:
+                if sys.stdin.isatty():
+                    print("reading the source from standard input (end with Ctrl-D)",
+                          file=sys.stderr)  # fmt: skip
+                self._stdin = sys.stdin.read()
+            return self._stdin, ""
+        return Path(name).read_text(encoding="utf-8"), Path(name).name
+
+
+def _specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]]:
+    sources = _Sources()
+    reference = None
+    ref_name = ""
+    if a.reference is not None:
+        reference, ref_name = sources.read(a.reference)
+    options, io, labels = _options(a), _io(a.io), _labels(a)
+    out = []
+    for f in a.files:
+        text, name = sources.read(f)
+        spec = job_from_sources(
+            text,
+            reference,
+            kernel_filename=name,
+            reference_filename=ref_name,
+            options=options,
+            client_tag=a.tag,
+            kernel_type=a.type,
+            io=io,
+            entry_point=a.entry_point,
+        )
+        spec.labels.update(labels)
+        out.append((f, spec))
+    return out
+
+
+# --- following jobs ----------------------------------------------------------------------
+
+
+class _Output:
+    """Where a command's progress, messages and results go, as the global options say."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.json = bool(a.json)
+        self.jsonl = bool(a.jsonl)
+        self.style = render.Style(render.color_enabled(sys.stdout, a.color))
+        self.width = render.terminal_width(sys.stdout)
+        self._show = not (a.no_progress or self.json or self.jsonl)
+        self._err_colour = render.color_enabled(sys.stderr, a.color)
+        self._display: progress.Display | None = None
+
+    @property
+    def display(self) -> progress.Display:
+        """Made on first use: commands without progress start no live display."""
+        if self._display is None:
+            self._display = progress.make_display(
+                sys.stderr, enabled=self._show, colour=self._err_colour
+            )
+        return self._display
+
+    def note(self, text: str) -> None:
+        """A message about the connection or the job's fate: shown even without progress."""
+        if isinstance(self.display, progress.NullDisplay):
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.display.line(text)
+
+    def close(self) -> None:
+        if self._display is not None:
+            self._display.close()
+
+
+def _wait_for_server(c: Client, out: _Output, view: progress.JobView, deadline: float) -> None:
+    """Returns once the channel is ready; says so while it waits; Unavailable at deadline."""
+    ready = grpc.channel_ready_future(c.channel)
+    try:
+        waited = False
+        left = 0.5
+        while True:
+            try:
+                ready.result(timeout=max(0.0, min(1.0, left)))
+                if waited:
+                    out.note(f"the server at {c.address} answers")
+                return
+            except grpc.FutureTimeoutError:
+                pass
+            if not waited:
+                waited = True
+                budget = render.fmt_duration(max(0.0, deadline - time.monotonic()))
+                out.note(f"waiting for the server at {c.address} (up to {budget}) ...")
+                view.status("waiting for the server")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.Unavailable(
+                    f"the server at {c.address} did not answer in time "
+                    "(is it running? `kerneleval serve`; --reconnect-timeout waits longer)"
+                )
+    finally:
+        ready.cancel()  # stops its polling of the channel
+
+
+class _Follower:
+    """Follows one job to its end, re-attaching with Watch (and saying so) when its stream
+    drops, within --reconnect-timeout."""
+
+    def __init__(
+        self,
+        c: Client,
+        out: _Output,
+        view: progress.JobView,
+        job_id: str = "",
+        after: int = 0,
+        emit: Callable[[job_pb2.JobEvent], None] | None = None,
+    ) -> None:
+        self.c, self.out, self.view = c, out, view
+        self.job_id, self.last = job_id, after
+        self.emit = emit
+        self.budget = float(c.reconnect_timeout)
+
+    def follow(self, first: Iterator[job_pb2.JobEvent] | None) -> job_pb2.Job:
+        events = first
+        deadline: float | None = None
+        if events is None:
+            deadline = time.monotonic() + self.budget
+        dropped = False
+        while True:
+            if events is None:
+                assert deadline is not None
+                _wait_for_server(self.c, self.out, self.view, deadline)
+                events = self.c.watch(self.job_id, self.last, reconnect=False)
+            try:
+                for ev in events:
+                    self.job_id = self.job_id or ev.job_id
+                    if ev.sequence <= self.last:
+                        continue
+                    self.last = ev.sequence
+                    if dropped:
+                        self.out.note(f"re-attached to job {self.job_id} at event #{ev.sequence}")
+                        dropped = False
+                    deadline = None
+                    self.view.event(ev)
+                    if self.emit is not None:
+                        self.emit(ev)
+                    if ev.HasField("finished"):
+                        return ev.finished
+                raise errors.Unavailable(f"the stream of job {self.job_id} ended early")
+            except errors.KernelEvalError as e:
+                if not self.job_id or not _reattachable(e):
+                    raise
+                if deadline is None:
+                    deadline = time.monotonic() + self.budget
+                if not dropped:
+                    self.out.note(
+                        f"lost the stream of job {self.job_id} after event #{self.last} "
+                        f"({e.code.name}); re-attaching ..."
+                    )
+                dropped = True
+                if time.monotonic() >= deadline:
+                    raise errors.Unavailable(
+                        f"could not re-attach to job {self.job_id} within "
+                        f"{render.fmt_duration(self.budget)}; it may still run: "
+                        f"kerneleval watch {self.job_id} --after {self.last}"
+                    ) from e
+                time.sleep(0.2)
+            events = None
+
+
+def _reattachable(e: errors.KernelEvalError) -> bool:
+    return e.code in _REATTACH or (
+        e.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in str(e.details)
     )
-    spec.labels.update(_labels(a))
-    return spec
 
 
-def _follow(a: argparse.Namespace, events: Iterator[job_pb2.JobEvent]) -> int:
-    """Shows the events, then the result; the exit code follows the verdict."""
-    progress = None
-    if not a.no_progress and not a.json:
-        progress = render.Progress(sys.stderr, sys.stderr.isatty())
-    job: job_pb2.Job | None = None
-    for event in events:
-        if progress is not None:
-            progress.event(event)
-        if event.HasField("finished"):
-            job = event.finished
-    if job is None:
-        print("error: the stream ended without a result", file=sys.stderr)
-        return EXIT_SERVICE
-    return _show_job(a, job)
+def _ok(job: job_pb2.Job) -> bool:
+    return job.state == job_pb2.JOB_STATE_DONE and job.result.verdict == job_pb2.VERDICT_OK
 
 
-def _show_job(a: argparse.Namespace, job: job_pb2.Job) -> int:
-    print(_to_json(job) if a.json else render.result_table(job))
-    ok = job.state == job_pb2.JOB_STATE_DONE and job.result.verdict == job_pb2.VERDICT_OK
-    return EXIT_OK if ok else EXIT_VERDICT
+def _show_job(out: _Output, job: job_pb2.Job) -> int:
+    if out.json:
+        _dump(as_dict(job))
+    elif not out.jsonl:
+        print(render.result_table(job, out.style, width=out.width))
+    return EXIT_OK if _ok(job) else EXIT_VERDICT
 
 
-def _run_spec(a: argparse.Namespace, c: Client, spec: kernel_pb2.JobSpec) -> int:
-    if a.detach:
-        job = c.submit(spec)
-        print(_to_json(job) if a.json else job.job_id)
-        return EXIT_OK
-    return _follow(a, c.run(spec))
+def _cancel_on_interrupt(c: Client, out: _Output, job_id: str) -> int:
+    out.display.settle()
+    if not job_id:
+        out.note("interrupted before the service accepted the job")
+        return EXIT_INTERRUPTED
+    c.timeout = 10.0  # the server may be gone: do not hang on it
+    try:
+        job = c.cancel_job(job_id)
+        out.note(f"interrupted: cancelled job {job_id} ({render.state_name(job.state)})")
+    except errors.KernelEvalError as e:
+        out.note(f"interrupted; could not cancel job {job_id}: {e}")
+    return EXIT_INTERRUPTED
 
 
-def _run_files(a: argparse.Namespace, c: Client) -> int:
-    specs = [(f, _spec(a, f, a.reference)) for f in a.files]
-    if len(specs) == 1:
-        return _run_spec(a, c, specs[0][1])
-    if a.detach:
-        for name, spec in specs:
-            job = c.submit(spec)
-            print(f"{job.job_id}  {name}")
-        return EXIT_OK
-    return _run_batch(a, c, specs)
+def _run_one(
+    a: argparse.Namespace, c: Client, out: _Output, name: str, spec: kernel_pb2.JobSpec
+) -> int:
+    """One job on a Run stream: its progress, then its result."""
+    view = progress.JobView(out.display, has_reference=spec.HasField("reference"))
+
+    def emit(ev: job_pb2.JobEvent) -> None:
+        if out.jsonl:
+            _dump({"file": name, "event": as_dict(ev)}, lines=True)
+
+    follower = _Follower(c, out, view, emit=emit)
+    try:
+        job = follower.follow(c.run(spec, reconnect=False))
+    except KeyboardInterrupt:
+        return _cancel_on_interrupt(c, out, follower.job_id)
+    finally:
+        out.display.close()  # before the result goes to the same terminal
+    if out.json:
+        _dump([{"file": name, "job": as_dict(job)}])
+        return EXIT_OK if _ok(job) else EXIT_VERDICT
+    return _show_job(out, job)
+
+
+def _refusal_text(error: Any) -> str:
+    return f"refused: {error.message}" + "".join(
+        f"; {v.field}: {v.description}" for v in error.field_violations
+    )
 
 
 def _run_batch(
-    a: argparse.Namespace, c: Client, specs: list[tuple[str, kernel_pb2.JobSpec]]
+    a: argparse.Namespace, c: Client, out: _Output, specs: list[tuple[str, kernel_pb2.JobSpec]]
 ) -> int:
-    """Several files on one RunBatch stream: a line per finished job, then a summary."""
-    results: dict[str, job_pb2.Job | str] = {}
-    quiet = a.no_progress or a.json
-    for out in c.run_batch(specs, max_in_flight=a.max_in_flight):
-        if not out.done:
-            continue
-        if out.error is not None:
-            results[out.request_tag] = f"refused: {out.error.message}" + "".join(
-                f"; {v.field}: {v.description}" for v in out.error.field_violations
-            )
-        else:
-            assert out.event is not None
-            results[out.request_tag] = out.event.finished
-        if not quiet:
-            got = results[out.request_tag]
-            what = got if isinstance(got, str) else render.job_summary(got)
-            print(f"[{len(results)}/{len(specs)}] {out.request_tag}: {what}", file=sys.stderr)
-    ordered = [(name, results.get(name, "no result")) for name, _ in specs]
-    if a.json:
-        print(
-            json.dumps(
-                [
-                    {"file": n, "job": json_format.MessageToDict(r)}
-                    if isinstance(r, job_pb2.Job)
-                    else {"file": n, "error": r}
-                    for n, r in ordered
-                ],
-                indent=2,
-            )
+    """Several files on one RunBatch stream: a line per finished job, then a table. Each
+    file gets its own tag, so the same file twice gives two jobs and two rows."""
+    results: dict[int, job_pb2.Job | str] = {}
+    view = progress.BatchView(out.display, len(specs))
+    tagged = [(str(i), spec) for i, (_, spec) in enumerate(specs)]
+    try:
+        for ev in c.run_batch(tagged, max_in_flight=a.max_in_flight):
+            i = int(ev.request_tag)
+            name = specs[i][0]
+            if out.jsonl:
+                if ev.error is not None:
+                    _dump({"file": name, "error": as_dict(ev.error)}, lines=True)
+                elif ev.event is not None:
+                    _dump({"file": name, "event": as_dict(ev.event)}, lines=True)
+            if not ev.done:
+                continue
+            if ev.error is not None:
+                results[i] = _refusal_text(ev.error)
+            else:
+                assert ev.event is not None
+                results[i] = ev.event.finished
+            got = results[i]
+            view.done(name, got if isinstance(got, str) else render.job_summary(got))
+    except KeyboardInterrupt:
+        out.display.settle()
+        out.note(
+            f"interrupted: the service cancels the batch's unfinished jobs "
+            f"({len(results)} of {len(specs)} had finished)"
         )
-    else:
-        print(render.batch_table(ordered))
-    ok = all(
-        isinstance(r, job_pb2.Job)
-        and r.state == job_pb2.JOB_STATE_DONE
-        and r.result.verdict == job_pb2.VERDICT_OK
-        for _, r in ordered
-    )
+        return EXIT_INTERRUPTED
+    finally:
+        out.display.close()
+    ordered = [(name, results.get(i, "no result")) for i, (name, _) in enumerate(specs)]
+    if out.json:
+        _dump([_file_entry(n, r) for n, r in ordered])
+    elif not out.jsonl:
+        print(render.batch_table(ordered, width=out.width, style=out.style))
+    ok = all(isinstance(r, job_pb2.Job) and _ok(r) for _, r in ordered)
     return EXIT_OK if ok else EXIT_VERDICT
 
 
-def cmd_evaluate(a: argparse.Namespace, c: Client) -> int:
-    return _run_files(a, c)
+def _file_entry(name: str, r: job_pb2.Job | str) -> dict[str, Any]:
+    return (
+        {"file": name, "job": as_dict(r)}
+        if isinstance(r, job_pb2.Job)
+        else {
+            "file": name,
+            "error": r,
+        }
+    )
 
 
-def cmd_compare(a: argparse.Namespace, c: Client) -> int:
-    return _run_files(a, c)
+def _run_files(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    specs = _specs(a)
+    if a.detach:
+        jobs = [(name, c.submit(spec)) for name, spec in specs]
+        if out.json or out.jsonl:
+            _dump([_file_entry(n, j) for n, j in jobs], lines=out.jsonl)
+        elif len(jobs) == 1:
+            print(jobs[0][1].job_id)
+        else:
+            for name, job in jobs:
+                print(f"{job.job_id}  {name}")
+        return EXIT_OK
+    if len(specs) == 1:
+        return _run_one(a, c, out, *specs[0])
+    return _run_batch(a, c, out, specs)
 
 
-def cmd_watch(a: argparse.Namespace, c: Client) -> int:
-    return _follow(a, c.watch(a.job, a.after))
+# --- commands ----------------------------------------------------------------------------
 
 
-def cmd_get(a: argparse.Namespace, c: Client) -> int:
-    return _show_job(a, c.get_job(a.job))
+def cmd_evaluate(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    return _run_files(a, c, out)
 
 
-def cmd_cancel(a: argparse.Namespace, c: Client) -> int:
+def cmd_compare(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    return _run_files(a, c, out)
+
+
+def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    has_reference: bool | None = None
+    try:  # to count the candidate's and the reference's timed trials apart
+        has_reference = c.get_job(a.job).spec.HasField("reference")
+    except errors.NotFound:
+        raise
+    except errors.KernelEvalError:
+        pass  # the server is down: Watch waits for it below
+
+    def emit(ev: job_pb2.JobEvent) -> None:
+        if out.jsonl:
+            _dump(as_dict(ev), lines=True)
+
+    view = progress.JobView(out.display, has_reference=has_reference)
+    follower = _Follower(c, out, view, job_id=a.job, after=a.after, emit=emit)
+    try:
+        job = follower.follow(None)
+    except KeyboardInterrupt:
+        out.display.settle()
+        out.note(f"stopped watching job {a.job}; it goes on (`kerneleval cancel {a.job}` stops it)")
+        return EXIT_INTERRUPTED
+    finally:
+        out.display.close()
+    return _show_job(out, job)
+
+
+def cmd_get(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    job = c.get_job(a.job)
+    if out.json or out.jsonl:
+        _dump(as_dict(job), lines=out.jsonl)
+        return EXIT_OK if _ok(job) else EXIT_VERDICT
+    return _show_job(out, job)
+
+
+def cmd_cancel(a: argparse.Namespace, c: Client, out: _Output) -> int:
     job = c.cancel_job(a.job)
-    print(_to_json(job) if a.json else f"{job.job_id}: {render.state_name(job.state)}")
+    if out.json or out.jsonl:
+        _dump(as_dict(job), lines=out.jsonl)
+    else:
+        print(f"{job.job_id}: {out.style.outcome(render.state_name(job.state))}")
     return EXIT_OK
 
 
-def cmd_jobs(a: argparse.Namespace, c: Client) -> int:
+def cmd_jobs(a: argparse.Namespace, c: Client, out: _Output) -> int:
     jobs = list(
         c.list_jobs(
             state=STATES[a.state],
@@ -284,39 +632,44 @@ def cmd_jobs(a: argparse.Namespace, c: Client) -> int:
             page_size=min(a.limit, 1000),
         )
     )
-    if a.json:
-        print(json.dumps([json_format.MessageToDict(j) for j in jobs], indent=2))
+    if out.json:
+        _dump([as_dict(j) for j in jobs])
+    elif out.jsonl:
+        for j in jobs:
+            _dump(as_dict(j), lines=True)
     else:
-        print(render.jobs_table(jobs))
+        print(render.jobs_table(jobs, width=out.width, style=out.style))
     return EXIT_OK
 
 
-def cmd_devices(a: argparse.Namespace, c: Client) -> int:
+def cmd_devices(a: argparse.Namespace, c: Client, out: _Output) -> int:
     devices = c.list_devices()
-    if a.json:
-        print(json.dumps([json_format.MessageToDict(d) for d in devices], indent=2))
-    else:
-        print(render.devices_table(devices))
-        for d in devices:
-            for x in d.recent_xids:
-                who = f" job {x.job_id}" if x.job_id else ""
-                print(
+    if out.json:
+        _dump([as_dict(d) for d in devices])
+        return EXIT_OK
+    print(render.devices_table(devices, width=out.width, style=out.style))
+    for d in devices:
+        for x in d.recent_xids:
+            who = f" job {x.job_id}" if x.job_id else ""
+            print(
+                render.printable(
                     f"  gpu {d.index}: XID {x.xid} ({x.category}) -> {x.action}{who} "
                     f"at {render.fmt_time(x.time)}  {x.message}".rstrip()
                 )
+            )
     return EXIT_OK
 
 
-def cmd_events(a: argparse.Namespace, c: Client) -> int:
+def cmd_events(a: argparse.Namespace, c: Client, out: _Output) -> int:
     for ev in c.watch_events(a.replay):
-        if a.json:
-            print(json_format.MessageToJson(ev, indent=None), flush=True)
+        if out.json or out.jsonl:
+            _dump(as_dict(ev), lines=True)
         else:
-            print(render.ops_event_line(ev), flush=True)
+            print(render.printable(render.ops_event_line(ev)), flush=True)
     return EXIT_OK
 
 
-def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
+def cmd_reset_gpu(a: argparse.Namespace, c: Client, out: _Output) -> int:
     if not c.admin_token:
         print(f"error: reset-gpu needs --admin-token or ${ADMIN_TOKEN_ENV}", file=sys.stderr)
         return EXIT_USAGE
@@ -332,39 +685,43 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client) -> int:
             print("not reset", file=sys.stderr)
             return EXIT_USAGE
     resp = c.reset_gpu(a.index, grace_period=a.grace)
-    if a.json:
-        print(_to_json(resp))
+    if out.json:
+        _dump(as_dict(resp))
     else:
         for s in resp.steps:
-            print(
-                f"{render.fmt_time(s.time)}  {s.step:<16} {'ok' if s.ok else 'FAILED'}  "
-                f"{s.message}".rstrip()
-            )
+            state = out.style.outcome("OK") if s.ok else out.style.paint("FAILED", "red")
+            print(f"{render.fmt_time(s.time)}  {s.step:<16} {state}  {s.message}".rstrip())
         print("GPU healthy again" if resp.success else "reset FAILED")
     return EXIT_OK if resp.success else EXIT_VERDICT
 
 
-def cmd_restart_workers(a: argparse.Namespace, c: Client) -> int:
+def cmd_restart_workers(a: argparse.Namespace, c: Client, out: _Output) -> int:
     count = c.restart_workers(a.device)
+    if out.json:
+        _dump({"restartedCount": count})
+        return EXIT_OK
     where = "every device" if a.device is None else render.device_label(a.device)
     print(f"asked {count} worker(s) on {where} to restart")
     return EXIT_OK
 
 
-def cmd_cleanup(a: argparse.Namespace, c: Client) -> int:
+def cmd_cleanup(a: argparse.Namespace, c: Client, out: _Output) -> int:
     older = None if a.older_than_hours is None else a.older_than_hours * 3600
     resp = c.cleanup(older)
-    print(f"deleted {resp.deleted_job_count} finished job(s)")
+    if out.json:
+        _dump(as_dict(resp))
+    else:
+        print(f"deleted {resp.deleted_job_count} finished job(s)")
     return EXIT_OK
 
 
-def cmd_stats(a: argparse.Namespace, c: Client) -> int:
+def cmd_stats(a: argparse.Namespace, c: Client, out: _Output) -> int:
     st = c.get_stats()
-    if a.json:
-        print(_to_json(st))
+    if out.json:
+        _dump(as_dict(st))
         return EXIT_OK
     rows = [
-        ("uptime", f"{st.uptime.ToTimedelta()}"),
+        ("uptime", render.fmt_duration(st.uptime.ToTimedelta().total_seconds())),
         ("queue depth", str(st.queue_depth)),
         (
             "jobs",
@@ -410,10 +767,101 @@ def _latency(s: Any) -> str:
     return f"p50 {s.p50_ms:.1f} ms, p90 {s.p90_ms:.1f} ms, p99 {s.p99_ms:.1f} ms ({s.sample_count})"
 
 
-def cmd_doctor(a: argparse.Namespace, c: Client) -> int:
+def cmd_doctor(a: argparse.Namespace, c: Client, out: _Output) -> int:
     report = run_doctor(c.address, c.admin_token, a.service_timeout, credentials=_credentials(a))
-    print(json.dumps(report.as_dict(), indent=2) if a.json else report.text(), end="")
+    print(json.dumps(report.as_dict(), indent=2) if out.json else report.text(), end="")
     return EXIT_OK
+
+
+def cmd_kernelbench(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    """Every generated kernel of a KernelBench run against its problem; see kernelbench_run."""
+    run_dir = Path(a.run_dir)
+    problems = kb.find_problems(Path(a.problems), a.level)
+    if a.subset:
+        wanted = kb.parse_subset(a.subset)
+        problems = {pid: p for pid, p in problems.items() if pid in wanted}
+        if not problems:
+            raise kb.RunError(f"--subset {a.subset}: none of those problems is in {a.problems}")
+    samples, notes = kb.find_samples(run_dir, a.level, problems)
+    for n in notes:
+        out.note(n)
+    inputs = kb.load_inputs(Path(a.inputs) if a.inputs else None)
+    done = kb.read_results(run_dir, samples)
+    todo = [s for s in samples if s not in done]
+    missing = sorted(set(problems) - {s.problem_id for s in samples})
+    out.note(
+        f"level {a.level}: {len(samples)} kernel(s) for {len(problems)} problem(s) in "
+        f"{run_dir}; {len(done)} already have a result, {len(todo)} to evaluate"
+        + (f"; {len(missing)} problem(s) without a kernel" if missing else "")
+    )
+    options = _options(a)
+    interrupted = False
+    if todo:
+        interrupted = _kernelbench_jobs(a, c, out, run_dir, todo, options, inputs, done)
+    all_results = kb.read_results(run_dir, samples)
+    kb.write_json(run_dir / "eval_results.json", kb.eval_results(all_results))
+    summary = kb.summary(run_dir.name, a.level, problems, all_results)
+    kb.write_json(run_dir / "analysis_results.json", summary)
+    if out.json:
+        _dump(summary)
+    else:
+        print(kb.summary_text(summary))
+        print(f"results: {run_dir / kb.RESULTS_DIR}/, {run_dir / 'eval_results.json'}, "
+              f"{run_dir / 'analysis_results.json'}")  # fmt: skip
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _kernelbench_jobs(
+    a: argparse.Namespace,
+    c: Client,
+    out: _Output,
+    run_dir: Path,
+    todo: list[kb.Sample],
+    options: kernel_pb2.EvalOptions,
+    inputs: dict[int, kernel_pb2.IOContract],
+    done: dict[kb.Sample, dict[str, Any]],
+) -> bool:
+    """Runs the kernels without a result on one RunBatch stream, writing each result as its
+    job ends; True when interrupted (what was written stays: run again to resume)."""
+    view = progress.BatchView(out.display, len(todo), label="kernels")
+    jobs = (
+        (str(i), kb.job_spec(s, options, inputs, client_tag=a.tag or "kernelbench"))
+        for i, s in enumerate(todo)
+    )
+    finished = 0
+    try:
+        for ev in c.run_batch(jobs, max_in_flight=a.max_in_flight):
+            if not ev.done:
+                continue
+            s = todo[int(ev.request_tag)]
+            if ev.error is not None:
+                if ev.error.code != grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                    view.done(s.name, _refusal_text(ev.error) + " (not written: run again)")
+                    continue
+                entry = kb.refused_entry(s.sample_id, _refusal_text(ev.error))
+                summary = "REFUSED " + _refusal_text(ev.error)
+            else:
+                assert ev.event is not None
+                job = ev.event.finished
+                entry = kb.kernelbench_entry(s.sample_id, job)
+                summary = render.job_summary(job)
+            kb.write_json(kb.result_path(run_dir, s), entry)
+            finished += 1
+            if out.jsonl:
+                _dump({"kernel": s.kernel.name, "result": entry}, lines=True)
+            view.done(s.name, summary)
+    except KeyboardInterrupt:
+        out.display.settle()
+        out.note(
+            f"interrupted after {finished} of {len(todo)} kernel(s); their results are "
+            f"written, the service cancels the rest: run the same command again to resume"
+        )
+        return True
+    finally:
+        out.display.close()
+    return False
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
@@ -439,84 +887,180 @@ def _credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
     return None
 
 
+# --- the parser ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that never prints a secret: its errors show the admin token as ***."""
+
+    secrets: tuple[str, ...] = ()
+
+    def error(self, message: str) -> NoReturn:
+        for secret in _Parser.secrets:
+            message = message.replace(secret, "***")
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _secrets(argv: Sequence[str]) -> tuple[str, ...]:
+    """The values given to secret options in argv (`--admin-token X`, `--admin-token=X`)."""
+    out = []
+    for i, arg in enumerate(argv):
+        for opt in _SECRET_OPTIONS:
+            if arg == opt and i + 1 < len(argv):
+                out.append(argv[i + 1])
+            elif arg.startswith(opt + "="):
+                out.append(arg.split("=", 1)[1])
+    return tuple(s for s in out if s)
+
+
+MAIN_EXAMPLES = """\
+examples:
+  kerneleval evaluate model_new.py --reference level1/19_ReLU.py
+  kerneleval compare level1/19_ReLU.py a.py b.py c.py --json > results.json
+  cat model_new.py | kerneleval compare level1/19_ReLU.py -
+  kerneleval kernelbench runs/my_run --level 1 --problems KernelBench/level1
+  kerneleval watch JOB_ID --jsonl
+  kerneleval devices --admin-token-file state/admin_token
+
+Exit codes: 0 verdict OK, 1 another verdict, 2 usage error, 3 service error, 130 interrupted.
+Colour follows NO_COLOR and whether the output is a terminal; --color overrides.
+"""
+
+EPILOGS = {
+    "evaluate": """\
+examples:
+  kerneleval evaluate model_new.py                       # runs it, nothing to compare with
+  kerneleval evaluate model_new.py --reference problem.py --perf-trials 200
+  kerneleval evaluate k1.py k2.py k3.py --reference problem.py --max-in-flight 8
+  kerneleval evaluate add.py --type triton --io io.json --atol 1e-3
+
+--json prints a list with an object {"file", "job"} per file (or {"file", "error"} for one
+the service refused), one file or many; --jsonl prints {"file", "event"} per event as it comes.
+""",
+    "compare": """\
+examples:
+  kerneleval compare level1/19_ReLU.py model_new.py
+  kerneleval compare level1/19_ReLU.py - < model_new.py           # the kernel from stdin
+  kerneleval compare level1/19_ReLU.py a.py b.py --preset kernelbench --json | jq '.[].job.result'
+
+--json and --jsonl: as for evaluate.
+""",
+    "watch": """\
+examples:
+  kerneleval watch 3f2a9c... ; kerneleval watch 3f2a9c... --after 12 --jsonl
+
+It waits for a server that is down (up to --reconnect-timeout, saying so) and re-attaches
+when the stream drops. --json prints the finished job; --jsonl each event as it comes.
+Ctrl-C stops watching; the job goes on.
+""",
+    "kernelbench": """\
+examples:
+  kerneleval kernelbench runs/my_run --level 1 --problems KernelBench/KernelBench
+  kerneleval kernelbench runs/my_run --level 1 --problems KernelBench/KernelBench/level1 \\
+      --subset 1-20 --correct-trials 5 --perf-trials 100      # eval_from_generations' settings
+
+Kernels are RUN_DIR/level_{L}_problem_{P}_sample_{S}_kernel.py, problems PROBLEMS/{P}_{Name}.py
+(or PROBLEMS/level{L}/...). Each result goes to RUN_DIR/kerneleval/ as its job ends; run the
+same command again after an interruption and it goes on where it stopped. At the end
+RUN_DIR/eval_results.json and RUN_DIR/analysis_results.json (fast_p, geometric mean speedup)
+are written; --json prints the latter.
+""",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kerneleval", description="Compile, check and time GPU kernels on a kerneleval server."
+    p = _Parser(
+        prog="kerneleval",
+        description="Compile, check and time GPU kernels on a kerneleval server.",
+        epilog=MAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument(
-        "--address",
-        default=None,
-        help=f"server address, host:port or unix:PATH (env {ADDRESS_ENV}, default 127.0.0.1:50051)",
+        "--version", action="version", version=f"kerneleval {kerneleval.__version__} (client)"
     )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="deadline of each call in seconds (default: none)",
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=os.environ.get("KERNELEVAL_TLS_CA") or None,
-        metavar="PEM",
-        help="use TLS, trusting this CA certificate (env KERNELEVAL_TLS_CA)",
-    )
-    p.add_argument("--tls", action="store_true", help="use TLS with the system's CA roots")
-    p.add_argument(
-        "--admin-token",
-        default=None,
-        help=f"token for the operations calls (env {ADMIN_TOKEN_ENV})",
-    )
+    _add_global_options(p, suppress=False)
+    common = _Parser(add_help=False, allow_abbrev=False)
+    _add_global_options(common, suppress=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="start the server (needs kerneleval-server)", add_help=False)
+    def command(name: str, helptext: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=helptext,
+            description=helptext,
+            parents=[common],
+            epilog=EPILOGS.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            allow_abbrev=False,
+            **kw,
+        )
+
+    s: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="start the server (needs kerneleval-server)", add_help=False
+    )
     s.add_argument("args", nargs=argparse.REMAINDER)
 
-    s = sub.add_parser(
-        "evaluate", help="evaluate kernel files (compare with --reference); several run at once"
-    )
-    s.add_argument("files", nargs="+", metavar="FILE")
-    s.add_argument("--reference", help="reference file (e.g. a KernelBench problem)")
+    s = command("evaluate", "evaluate kernel files (compare with --reference); several at once")
+    s.add_argument("files", nargs="+", metavar="FILE", help="kernel source files; - is stdin")
+    s.add_argument("--reference", help="reference file (e.g. a KernelBench problem); - is stdin")
     _add_job_options(s)
     s.set_defaults(func=cmd_evaluate)
 
-    s = sub.add_parser("compare", help="compare kernel files with a reference file")
-    s.add_argument("reference")
-    s.add_argument("files", nargs="+", metavar="FILE")
+    s = command("compare", "compare kernel files with a reference file")
+    s.add_argument("reference", help="reference file (e.g. a KernelBench problem); - is stdin")
+    s.add_argument("files", nargs="+", metavar="FILE", help="kernel source files; - is stdin")
     _add_job_options(s)
     s.set_defaults(func=cmd_compare)
 
-    for name, helptext, func in (
-        ("watch", "follow a job's events to its result", cmd_watch),
-        ("get", "show a job", cmd_get),
-        ("cancel", "cancel a job", cmd_cancel),
-    ):
-        s = sub.add_parser(name, help=helptext)
-        s.add_argument("job")
-        s.add_argument("--json", action="store_true")
-        if name == "watch":
-            s.add_argument("--after", type=int, default=0, help="replay after this sequence")
-            s.add_argument("--no-progress", action="store_true")
-        s.set_defaults(func=func)
+    s = command("kernelbench", "evaluate a KernelBench run's generated kernels, KernelBench-style")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="folder of generated kernels")
+    s.add_argument("--level", type=int, required=True, help="KernelBench level (1, 2, 3, 4)")
+    s.add_argument(
+        "--problems",
+        required=True,
+        metavar="PATH",
+        help="the level's problem folder, or the folder that holds level{N}/",
+    )
+    s.add_argument("--subset", metavar="IDS", help="only these problems, e.g. 1-20 or 19,23,40")
+    s.add_argument(
+        "--inputs",
+        metavar="FILE",
+        help='JSON {"19": IOContract, ...} replacing those problems\' get_inputs() (e.g. '
+        "smaller shapes on a host without a GPU)",
+    )
+    _add_job_options(s)
+    s.set_defaults(func=cmd_kernelbench, preset="kernelbench")
 
-    s = sub.add_parser("jobs", help="list jobs, newest first")
+    s = command("watch", "follow a job's events to its result")
+    s.add_argument("job")
+    s.add_argument("--after", type=int, default=0, help="replay after this sequence")
+    s.set_defaults(func=cmd_watch)
+
+    s = command("get", "show a job (--json: the Job object)")
+    s.add_argument("job")
+    s.set_defaults(func=cmd_get)
+
+    s = command("cancel", "cancel a job")
+    s.add_argument("job")
+    s.set_defaults(func=cmd_cancel)
+
+    s = command("jobs", "list jobs, newest first (--json: a list of Job objects)")
     s.add_argument("--state", choices=list(STATES), default="unspecified")
-    s.add_argument("--tag", default="")
+    s.add_argument("--tag", default="", help="only jobs with this client tag")
     _add_label_option(s, "only jobs with this label (repeatable: every one of them)")
-    s.add_argument("--limit", type=int, default=20)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
     s.set_defaults(func=cmd_jobs)
 
-    s = sub.add_parser("devices", help="GPUs, their health and recent XIDs (admin token)")
-    s.add_argument("--json", action="store_true")
+    s = command("devices", "GPUs, their health and recent XIDs (admin token)")
     s.set_defaults(func=cmd_devices)
 
-    s = sub.add_parser("events", help="follow operations events (admin token)")
+    s = command("events", "follow operations events (admin token; --json: one per line)")
     s.add_argument("--replay", type=int, default=0, help="replay this many recent events")
-    s.add_argument("--json", action="store_true", help="one JSON object per line")
     s.set_defaults(func=cmd_events)
 
-    s = sub.add_parser("reset-gpu", help="drain and reset a GPU (admin token)")
+    s = command("reset-gpu", "drain and reset a GPU (admin token)")
     s.add_argument("index", type=int)
     s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     s.add_argument(
@@ -526,14 +1070,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds running jobs get to finish (default 30)",
     )
-    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_reset_gpu)
 
-    s = sub.add_parser("restart-workers", help="replace the workers (admin token)")
+    s = command("restart-workers", "replace the workers (admin token)")
     s.add_argument("--device", type=int, default=None, help="GPU index (default: every device)")
     s.set_defaults(func=cmd_restart_workers)
 
-    s = sub.add_parser("cleanup", help="delete old finished jobs now (admin token)")
+    s = command("cleanup", "delete old finished jobs now (admin token)")
     s.add_argument(
         "--older-than-hours",
         type=float,
@@ -543,18 +1086,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_cleanup)
 
-    s = sub.add_parser("stats", help="counters and latencies (admin token)")
-    s.add_argument("--json", action="store_true")
+    s = command("stats", "counters and latencies (admin token)")
     s.set_defaults(func=cmd_stats)
 
-    s = sub.add_parser(
-        "mcp", help="serve the tools for LLM agents over MCP (needs kerneleval-client[mcp])"
-    )
+    s = command("mcp", "serve the tools for LLM agents over MCP (needs kerneleval-client[mcp])")
     s.add_argument("--http-port", type=int, default=0, help="streamable HTTP here; else stdio")
     s.add_argument("--http-host", default="127.0.0.1", help="address for --http-port")
 
-    s = sub.add_parser("doctor", help="print a diagnostics report to paste into an issue")
-    s.add_argument("--json", action="store_true")
+    s = command("doctor", "print a diagnostics report to paste into an issue")
     s.add_argument(
         "--service-timeout",
         type=float,
@@ -566,6 +1105,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _admin_token(a: argparse.Namespace) -> str | None:
+    if a.admin_token:
+        return str(a.admin_token)
+    if a.admin_token_file:
+        return Path(a.admin_token_file).read_text(encoding="utf-8").strip() or None
+    return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
 def cmd_mcp(a: argparse.Namespace) -> int:
     try:
         from .mcp_server import serve
@@ -575,15 +1122,23 @@ def cmd_mcp(a: argparse.Namespace) -> int:
         return EXIT_USAGE
     return serve(
         resolve_address(a.address),
-        admin_token=a.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+        admin_token=_admin_token(a),
         credentials=_credentials(a),
         http_port=a.http_port,
         http_host=a.http_host,
     )
 
 
+def _error_text(e: errors.KernelEvalError, address: str) -> str:
+    text = f"error: {e}"
+    if e.code == grpc.StatusCode.UNAVAILABLE and "serve" not in text:
+        text += f"\n(is the server running at {address}? start one with `kerneleval serve`)"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    _Parser.secrets = _secrets(args_list)
     parser = build_parser()
     # `serve` hands every argument after it to the server's own parser.
     if "serve" in args_list:
@@ -594,22 +1149,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(args_list)
     if a.command == "mcp":
         return cmd_mcp(a)
+    address = resolve_address(a.address)
+    out: _Output | None = None
     try:
+        out = _Output(a)
         with Client(
-            resolve_address(a.address),
+            address,
             timeout=a.timeout,
-            admin_token=a.admin_token,
+            admin_token=_admin_token(a),
             credentials=_credentials(a),
+            reconnect_timeout=a.reconnect_timeout,
         ) as c:
-            return int(a.func(a, c))
+            return int(a.func(a, c, out))
     except errors.KernelEvalError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if out is not None:
+            out.close()  # the error goes below the bars, not into them
+        print(render.printable(_error_text(e, address)), file=sys.stderr)
         return EXIT_SERVICE
     except (OSError, ValueError, json_format.ParseError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if out is not None:
+            out.close()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
-"""Terminal output of the CLI: live progress per phase, result tables, device tables."""
+"""Terminal output of the CLI: result tables, device tables, and what they need from the
+terminal (its width, whether to colour). Live progress is kerneleval.progress."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
+import shutil
+import sys
+import textwrap
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Literal, TextIO
 
 from google.protobuf import timestamp_pb2
 
@@ -28,7 +34,169 @@ PHASE_NAMES: dict[int, str] = {
     job_pb2.PHASE_VALIDATING: "validating",
     job_pb2.PHASE_PROFILING: "profiling",
 }
-BAR_WIDTH = 28
+
+ColorMode = Literal["auto", "always", "never"]
+
+
+def color_enabled(stream: TextIO, mode: ColorMode = "auto") -> bool:
+    """Whether to colour what goes to `stream`: never with NO_COLOR set (no-color.org) or
+    TERM=dumb, always with FORCE_COLOR, else only on a terminal; `mode` overrides all that."""
+    if mode != "auto":
+        return mode == "always"
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    if os.environ.get("TERM") == "dumb":
+        return False
+    return _isatty(stream)
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed or not a real stream
+        return False
+
+
+def terminal_width(stream: TextIO) -> int | None:
+    """Columns that tables must fit: $COLUMNS, else the terminal's; None (no limit) when the
+    output is not a terminal, so that a pipe or a file gets every id and path in full."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if not _isatty(stream):
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def ellipsis() -> str:
+    """ "…" where stdout takes UTF-8, else "~" (one column either way)."""
+    return "\u2026" if (sys.stdout.encoding or "").lower().replace("-", "") == "utf8" else "~"
+
+
+_SGR = {"green": "32", "red": "31", "yellow": "33", "bold": "1", "dim": "2"}
+_GOOD = {"OK", "DONE", "HEALTHY", "SERVING", "yes"}
+_NEUTRAL = {"QUEUED", "RUNNING", "CANCELLED", "UNSPECIFIED", "-", "NOT_CHECKED"}
+
+
+@dataclass(frozen=True)
+class Style:
+    """ANSI colour for words that say how something went; does nothing when disabled."""
+
+    enabled: bool = False
+
+    def paint(self, text: str, colour: str) -> str:
+        if not self.enabled or not text:
+            return text
+        return f"\x1b[{_SGR[colour]}m{text}\x1b[0m"
+
+    def outcome(self, text: str) -> str:
+        """Green for OK (and DONE, HEALTHY), yellow for states on the way, red for the rest."""
+        word = text.split(" ", 1)[0].split(":", 1)[0].strip()
+        if word in _GOOD:
+            return self.paint(text, "green")
+        if word in _NEUTRAL or not word:
+            return self.paint(text, "yellow") if word not in ("-", "") else text
+        return self.paint(text, "red")
+
+
+PLAIN = Style(False)
+
+
+def fmt_duration(seconds: float) -> str:
+    """ "0.8s", "57s", "4m57s", "1h02m", "3d04h": the two largest units (cut, not rounded)."""
+    if seconds < 0:
+        seconds = 0.0
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    total = int(seconds)
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+Shrink = Literal["fixed", "id", "path", "text"]
+# How far a column of each kind may be shortened when the table is too wide, and in which
+# order they give way: free text first, then paths (their tail is kept), then ids (both ends).
+_MIN_WIDTH: dict[str, int] = {"text": 12, "path": 14, "id": 12}
+_SHRINK_ORDER: tuple[Shrink, ...] = ("text", "path", "id")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: its header, how it may be shortened, whether it says how things went."""
+
+    header: str
+    shrink: Shrink = "fixed"
+    outcome: bool = False
+
+
+def shorten(text: str, width: int, how: Shrink) -> str:
+    """The text cut to `width` columns: an id keeps both ends, a path its tail, text its
+    start; an ellipsis marks the cut."""
+    if len(text) <= width or how == "fixed" or width <= 0:
+        return text
+    mark = ellipsis()
+    if width == 1:
+        return mark
+    if how == "id":
+        head = (width - 1) // 2 + (width - 1) % 2
+        tail = width - 1 - head
+        return text[:head] + mark + (text[-tail:] if tail else "")
+    if how == "path":
+        return mark + text[-(width - 1) :]
+    return text[: width - 1] + mark
+
+
+def table(
+    headers: Sequence[str | Column],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int | None = None,
+    style: Style = PLAIN,
+) -> str:
+    """An aligned table, easy to paste, fitted into `width` columns when given (ids, paths and
+    free text shortened, see Column); cells shown printable (a client tag or a candidate's
+    error is another tenant's text); outcome columns coloured by `style`."""
+    cols = [h if isinstance(h, Column) else Column(h) for h in headers]
+    cells = [[printable(c).replace("\n", " ") for c in row] for row in rows]
+    widths = [len(c.header) for c in cols]
+    for row in cells:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    if width is not None:
+        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        for kind in _SHRINK_ORDER:
+            for i, col in enumerate(cols):
+                if excess <= 0:
+                    break
+                if col.shrink != kind:
+                    continue
+                floor = max(_MIN_WIDTH[kind], len(col.header))
+                cut = min(excess, widths[i] - floor)
+                if cut > 0:
+                    widths[i] -= cut
+                    excess -= cut
+
+    def line(values: Sequence[str], paint: bool) -> str:
+        out = []
+        for i, (col, value) in enumerate(zip(cols, values, strict=True)):
+            text = shorten(value, widths[i], col.shrink)
+            pad = "" if i == len(cols) - 1 else " " * (widths[i] - len(text))
+            out.append((style.outcome(text) if paint and col.outcome else text) + pad)
+        return "  ".join(out).rstrip()
+
+    lines = [line([c.header for c in cols], False), "  ".join("-" * w for w in widths)]
+    lines.extend(line(row, True) for row in cells)
+    return "\n".join(lines)
 
 
 def enum_name(value: int, enum: object, prefix: str) -> str:
@@ -69,93 +237,6 @@ def fmt_bytes(n: int) -> str:
 
 def device_label(index: int) -> str:
     return "cpu" if index < 0 else f"gpu {index}"
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain aligned table (no colour), easy to paste; cells shown printable (a client tag
-    or a candidate's error is another tenant's text)."""
-    rows = [[printable(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
-
-
-class Progress:
-    """Shows a job's events: on a TTY one live bar per phase, elsewhere one line per step."""
-
-    def __init__(self, out: TextIO, tty: bool) -> None:
-        self.out = out
-        self.tty = tty
-        self._live = ""  # the line being redrawn (TTY only)
-        self._phase = 0
-
-    def _print(self, text: str) -> None:
-        if self._live:
-            self.out.write("\r\x1b[2K")
-        self.out.write(text + "\n")
-        if self._live:
-            self.out.write(self._live)
-        self.out.flush()
-
-    def _redraw(self, line: str) -> None:
-        self._live = line
-        self.out.write("\r\x1b[2K" + line)
-        self.out.flush()
-
-    def _settle(self) -> None:
-        """Leave the live line on screen and start a new one."""
-        if self._live:
-            self.out.write("\n")
-            self.out.flush()
-            self._live = ""
-
-    def _bar(self, phase: int, done: int, total: int) -> str:
-        name = PHASE_NAMES.get(phase, "working").ljust(10)
-        if total <= 0:
-            return f"  {name} ..."
-        filled = min(BAR_WIDTH, BAR_WIDTH * done // total)
-        bar = "#" * filled + "." * (BAR_WIDTH - filled)
-        return f"  {name} [{bar}] {done}/{total}"
-
-    def event(self, event: job_pb2.JobEvent) -> None:
-        kind = event.WhichOneof("kind")
-        if kind == "queued":
-            self._print(f"job {event.job_id} queued (position {event.queued.position})")
-        elif kind == "started":
-            s = event.started
-            attempt = f", attempt {s.attempt}" if s.attempt > 1 else ""
-            self._print(f"started on {device_label(s.device_index)}, worker {s.worker_id}{attempt}")
-        elif kind == "phase":
-            self._settle()
-            self._phase = event.phase.phase
-            if self.tty:
-                self._redraw(self._bar(self._phase, 0, 0))
-            else:
-                self._print(f"  {PHASE_NAMES.get(self._phase, 'phase')}")
-        elif kind == "progress":
-            p = event.progress
-            if self.tty:
-                self._redraw(self._bar(p.phase, p.done_count, p.total_count))
-            elif p.done_count == p.total_count:
-                self._print(f"  {PHASE_NAMES.get(p.phase, 'phase')} {p.done_count}/{p.total_count}")
-        elif kind == "log":
-            for line in printable(event.log.text).rstrip("\n").splitlines():
-                self._print(f"  | {line}")
-        elif kind == "fault":
-            self._print(f"  fault: {fault_text(event.fault)}")
-        elif kind == "finished":
-            self._settle()
-            job = event.finished
-            self.out.write(
-                f"finished: {state_name(job.state)} {verdict_name(job.result.verdict)}\n"
-            )
-            self.out.flush()
 
 
 def fault_text(f: job_pb2.FaultInfo) -> str:
@@ -239,8 +320,27 @@ def _window_rows(w: job_pb2.TimingWindow) -> list[tuple[str, str]]:
     return rows
 
 
-def result_table(job: job_pb2.Job) -> str:
-    """The result of a finished job as `key  value` rows."""
+def correctness_text(job: job_pb2.Job) -> str:
+    """ "yes", "no", "not checked (...)" or "not reached": what the output check found."""
+    r = job.result
+    status = r.correctness_status
+    if status == job_pb2.CORRECTNESS_NOT_CHECKED:
+        return "not checked (no reference to compare with)"
+    if status == job_pb2.CORRECTNESS_PASSED:
+        return "yes"
+    if status == job_pb2.CORRECTNESS_FAILED:
+        return "no"
+    # Not reached, or a service older than correctness_status.
+    if not job.spec.HasField("reference") and r.correctness:
+        return "not checked (no reference to compare with)"
+    if r.correctness:
+        return "yes"
+    return "no" if r.validation.trial_count else "not reached"
+
+
+def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = None) -> str:
+    """The result of a finished job as `key  value` rows; a long one-line value is wrapped
+    under itself to fit `width` columns when given."""
     r = job.result
     rows: list[tuple[str, str]] = []
     where = device_label(job.device_index) if job.worker_id else "-"
@@ -252,13 +352,15 @@ def result_table(job: job_pb2.Job) -> str:
         rows.append(("reason", job.state_reason))
     if job.spec.labels:
         rows.append(("labels", labels_text(job.spec.labels)))
-    rows.append(("verdict", verdict_name(r.verdict)))
+    rows.append(("verdict", style.outcome(verdict_name(r.verdict))))
     if origin_text(job):
         rows.append(("origin", origin_text(job)))
+    if r.failed_side != job_pb2.SIDE_UNSPECIFIED:
+        rows.append(("failed side", enum_name(r.failed_side, job_pb2.Side, "SIDE_").lower()))
     rows.append(("compiled", "yes" if r.compiled else "no"))
     v = r.validation
-    correct = "yes" if r.correctness else "no"
-    if v.trial_count:
+    correct = correctness_text(job)
+    if correct in ("yes", "no") and v.trial_count:
         correct += (
             f"  ({v.trials_passed}/{v.trial_count} trials, max abs err {v.max_abs_error:.3g}, "
             f"max rel err {v.max_rel_error:.3g}, atol {v.atol:g}, rtol {v.rtol:g})"
@@ -306,8 +408,16 @@ def result_table(job: job_pb2.Job) -> str:
         rows.append(("sanitizer", _indent(r.sanitizer_report)))
     for note in r.notes:
         rows.append(("note", note))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {printable(val)}" for k, val in rows)
+    keys = max(len(k) for k, _ in rows)
+    room = None if width is None else max(20, width - keys - 2)
+    lines = []
+    for k, val in rows:
+        # The verdict cell carries the style's escapes: everything else is shown printable.
+        text = val if k == "verdict" else printable(val)
+        if room is not None and "\n" not in text and len(text) > room:
+            text = ("\n" + " " * (keys + 2)).join(textwrap.wrap(text, room))
+        lines.append(f"{k.ljust(keys)}  {text}")
+    return "\n".join(lines)
 
 
 def job_summary(job: job_pb2.Job) -> str:
@@ -329,7 +439,12 @@ def job_summary(job: job_pb2.Job) -> str:
     return text
 
 
-def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
+def batch_table(
+    rows: Sequence[tuple[str, job_pb2.Job | str]],
+    *,
+    width: int | None = None,
+    style: Style = PLAIN,
+) -> str:
     """A row per file of a batch: its job and result, or why it was refused."""
     out = []
     for name, r in rows:
@@ -354,10 +469,20 @@ def batch_table(rows: Sequence[tuple[str, job_pb2.Job | str]]) -> str:
                 detail,
             ]
         )
-    return table(["FILE", "JOB", "VERDICT", "MEDIAN MS", "SPEEDUP", "DETAIL"], out)
+    headers: list[str | Column] = [
+        Column("FILE", "path"),
+        Column("JOB", "id"),
+        Column("VERDICT", outcome=True),
+        "MEDIAN MS",
+        "SPEEDUP",
+        Column("DETAIL", "text"),
+    ]
+    return table(headers, out, width=width, style=style)
 
 
-def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
+def jobs_table(
+    jobs: Sequence[job_pb2.Job], *, width: int | None = None, style: Style = PLAIN
+) -> str:
     rows = []
     for j in jobs:
         median = f"{j.result.runtime.median_ms:.4f}" if j.result.runtime.median_ms else "-"
@@ -377,12 +502,25 @@ def jobs_table(jobs: Sequence[job_pb2.Job]) -> str:
                 j.spec.client_tag or "-",
             ]
         )
-    return table(
-        ["JOB", "STATE", "VERDICT", "MEDIAN MS", "SPEEDUP", "DEVICE", "CREATED (UTC)", "TAG"], rows
-    )
+    headers: list[str | Column] = [
+        Column("JOB", "id"),
+        Column("STATE", outcome=True),
+        Column("VERDICT", "text", outcome=True),
+        "MEDIAN MS",
+        "SPEEDUP",
+        "DEVICE",
+        "CREATED (UTC)",
+        Column("TAG", "text"),
+    ]
+    return table(headers, rows, width=width, style=style)
 
 
-def devices_table(devices: Sequence[operations_service_pb2.Device]) -> str:
+def devices_table(
+    devices: Sequence[operations_service_pb2.Device],
+    *,
+    width: int | None = None,
+    style: Style = PLAIN,
+) -> str:
     rows = []
     for d in devices:
         mem = (
@@ -408,8 +546,17 @@ def devices_table(devices: Sequence[operations_service_pb2.Device]) -> str:
                 xids,
             ]
         )
-    headers = ["GPU", "NAME", "HEALTH", "MEMORY", "TEMP", "UTIL", "WORKERS", "RECENT XIDS"]
-    return table(headers, rows)
+    headers: list[str | Column] = [
+        "GPU",
+        Column("NAME", "text"),
+        Column("HEALTH", "text", outcome=True),
+        "MEMORY",
+        "TEMP",
+        "UTIL",
+        "WORKERS",
+        Column("RECENT XIDS", "text"),
+    ]
+    return table(headers, rows, width=width, style=style)
 
 
 def sandbox_summary(st: operations_service_pb2.GetStatsResponse) -> str:
