@@ -12,6 +12,7 @@
 #                                               # and without freezing (WPD per GPU; on a
 #                                               # two-GPU machine it adds the two-GPU run)
 #   OUT=/some/dir bench/run_gpu.sh prebuilt     # built ahead (no GPU) vs JIT, per kernel
+#   OUT=/some/dir bench/run_gpu.sh builds       # load_inline builds: builder vs torch (~6 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
@@ -86,12 +87,13 @@ case "$STAGE" in
   watchdog) run 150 gpu_watchdog_check ;;
   interference) run 400 bench_interference ;;
   prebuilt) run 240 gpu_prebuilt_check ;;
+  builds) run 580 bench_builds ;;  # load_inline builds: the builder vs torch's (~6 min)
   hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt hygiene cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene cpu)" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,384 @@
+"""Builds a load_inline extension as torch would, in seconds instead of 45.
+
+torch writes the files (main.cpp, cuda.cu) and build.ninja exactly as for the candidate's own
+call (`build_load_inline` runs the real load_inline with its ninja step and its import swapped);
+then `fast_build` compiles them:
+
+    main.cpp   g++ with a precompiled torch/extension.h            } in parallel
+    cuda.cu    split (cuda_split.py): host unit g++ with the PCH,  }
+               then the device unit nvcc, torch's headers unread
+    link       torch's own link line
+
+Anything fast_build cannot do the same way raises FastBuildError and torch's ninja build runs
+instead: its result (the library, or its error) is then the answer. The flags come from torch's
+build.ninja, so they are the torch version's own.
+
+Where the time went (2-core CPU machine, the KernelBench elementwise add, nvcc --time): cudafe++
+23 s and cicc 25 s, both parsing torch's headers, g++ on the host side 16 s, main.cpp 18 s; the
+kernels alone 0.4 s. A PCH takes main.cpp to 6.5 s: what remains is code the torch headers
+themselves make (an empty file that includes them compiles to 2.4 MB)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import cuda_split
+
+RECIPE_VERSION = "1"  # part of every cache key: bump when the build's output would differ
+
+# load_inline's arguments that the builder honours; anything else makes the call run in the
+# job process as before (they are rare: sycl, standalone executables).
+CALL_ARGS = (
+    "name",
+    "cpp_sources",
+    "cuda_sources",
+    "functions",
+    "extra_cflags",
+    "extra_cuda_cflags",
+    "extra_ldflags",
+    "extra_include_paths",
+    "with_cuda",
+    "is_python_module",
+    "with_pytorch_error_handling",
+    "keep_intermediates",
+    "use_pch",
+    "no_implicit_headers",
+    "verbose",
+    "build_directory",
+)
+IGNORED_ARGS = {"verbose", "build_directory", "keep_intermediates"}
+MAX_PCH = 4  # precompiled headers kept (about 0.8 GB each)
+_EXT_HEADER = "#include <torch/extension.h>\n"
+_CU_HEADER = (
+    "#include <torch/types.h>\n#include <cuda.h>\n#include <cuda_runtime.h>\n"
+    "#include <torch/extension.h>\n"
+)
+# nvcc flags with no meaning for the host unit (device code generation)
+_DEVICE_ONLY = re.compile(
+    r"^(--expt-relaxed-constexpr|--expt-extended-lambda|--extended-lambda|-?-use_fast_math|"
+    r"-lineinfo|--generate-line-info|-gencode=.*|-arch=.*|--gpu-architecture=.*|-code=.*|"
+    r"-maxrregcount=.*|--maxrregcount=.*|-Xptxas=.*|--ptxas-options=.*|-ftz=.*|-prec-div=.*|"
+    r"-prec-sqrt=.*|-fmad=.*|-Wno-deprecated-gpu-targets|--threads=.*|-t\d+|-w|-G)$"
+)
+
+
+class FastBuildError(Exception):
+    """fast_build cannot build this the way torch would; torch's build runs instead."""
+
+
+@dataclasses.dataclass
+class Built:
+    library: bytes  # the extension (.so); empty when the build failed
+    error: str  # torch's error (the compiler's output) when it failed
+    log: str  # what ran, with times
+    fast: bool  # fast_build made it (not torch's ninja)
+    seconds: float
+
+
+def call_key(call: dict[str, Any], target: str) -> str:
+    """The content address of a load_inline call: its arguments (minus where it builds and how
+    much it prints) and the target (toolchain, torch, architecture, this recipe)."""
+    h = hashlib.sha256()
+    for k in sorted(call):
+        if k not in IGNORED_ARGS:
+            h.update(f"{k}={call[k]!r}\n".encode())
+    h.update(target.encode())
+    h.update(RECIPE_VERSION.encode())
+    return h.hexdigest()
+
+
+def normalize_call(
+    real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """load_inline's arguments by name, as plain data; ValueError for what the builder does
+    not take (the job process then calls load_inline itself)."""
+    bound = inspect.signature(real).bind(*args, **kwargs)
+    call: dict[str, Any] = {}
+    for k, v in bound.arguments.items():
+        if k not in CALL_ARGS:
+            raise ValueError(f"load_inline argument {k} is built in the job")
+        call[k] = _plain(v)
+    return call
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    raise ValueError(f"a load_inline argument of type {type(v).__name__}")
+
+
+# ---- the build ------------------------------------------------------------------------------
+
+
+def build_load_inline(
+    call: dict[str, Any], work_dir: Path, pch_dir: Path | None, progress: Callable[[str], None]
+) -> Built:
+    """Runs load_inline(**call) with its build in work_dir: fast_build first, torch's ninja if
+    that cannot. Never imports the result (a build process has no GPU)."""
+    import torch.utils.cpp_extension as cpp_ext
+
+    started = time.monotonic()
+    log: list[str] = []
+    state = {"fast": False}
+    real_ninja = cpp_ext._run_ninja_build
+
+    def ninja(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        try:
+            fast_build(Path(build_directory), pch_dir, log, progress)
+            state["fast"] = True
+        except FastBuildError as e:
+            log.append(f"fast build not used: {e}")
+            progress("compiling with torch's build (ninja)")
+            real_ninja(build_directory, verbose, error_prefix)
+
+    kwargs = {k: v for k, v in call.items() if k not in IGNORED_ARGS}
+    kwargs["build_directory"] = str(work_dir)
+    kwargs["verbose"] = False
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with (
+        _patched(cpp_ext, "_run_ninja_build", ninja),
+        _patched(cpp_ext, "_import_module_from_library", lambda *a, **k: None),
+    ):
+        try:
+            cpp_ext.load_inline(**kwargs)
+        except Exception as e:  # the candidate's compile error, as torch words it
+            return Built(b"", str(e), "\n".join(log), False, time.monotonic() - started)
+    so = work_dir / f"{call['name']}.so"
+    if not so.is_file():
+        error = f"load_inline built no {so.name}"
+        return Built(b"", error, "\n".join(log), False, time.monotonic() - started)
+    return Built(so.read_bytes(), "", "\n".join(log), state["fast"], time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+@dataclasses.dataclass
+class _Ninja:
+    cxx: str
+    nvcc: str
+    flags: dict[str, list[str]]
+    objects: dict[str, tuple[str, str]]  # object -> (rule, source)
+    target: str
+    link_inputs: list[str]
+
+
+def _read_ninja(path: Path) -> _Ninja:
+    text = path.read_text()
+    var = dict(re.findall(r"^(\w+) = ?(.*)$", text, re.M))
+    flags = {k: shlex.split(v) for k, v in var.items() if k.endswith("flags")}
+    objects: dict[str, tuple[str, str]] = {}
+    target, inputs = "", []
+    for out, rule, ins in re.findall(r"^build (\S+): (\w+) (.*)$", text, re.M):
+        if rule == "link":
+            target, inputs = out, ins.split()
+        else:
+            objects[out] = (rule, ins.strip())
+    return _Ninja(var.get("cxx", "c++"), var.get("nvcc", "nvcc"), flags, objects, target, inputs)
+
+
+def fast_build(
+    build_dir: Path,
+    pch_dir: Path | None,
+    log: list[str],
+    progress: Callable[[str], None] = lambda _: None,
+) -> None:
+    n = _read_ninja(build_dir / "build.ninja")
+    if n.flags.get("cuda_dlink_post_cflags") or n.flags.get("sycl_cflags"):
+        raise FastBuildError("device linking or SYCL")
+    rules = sorted(rule for rule, _ in n.objects.values())
+    if rules not in (["compile"], ["compile", "cuda_compile"]) or not n.target:
+        raise FastBuildError(f"an unusual build: {rules}")
+    cflags = n.flags.get("cflags", []) + n.flags.get("post_cflags", [])
+    jobs: list[Callable[[], None]] = []
+    for obj, (rule, src) in n.objects.items():
+        out = build_dir / obj
+        if rule == "compile":
+            jobs.append(_main_job(n.cxx, cflags, Path(src), out, pch_dir, log))
+        else:
+            jobs.append(_cuda_job(n, Path(src), out, pch_dir, log, progress))
+    progress("compiling (fast build)")
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for f in [pool.submit(j) for j in jobs]:
+            f.result()
+    progress("linking")
+    _run([n.cxx, *n.link_inputs, *n.flags.get("ldflags", []), "-o", n.target], build_dir, log)
+    undefined = _run(["nm", "-C", "-u", n.target], build_dir, log, quiet=True)
+    if cuda_split.LAUNCH_PREFIX in undefined:
+        raise FastBuildError("a kernel launch was left uninstantiated")
+
+
+def _main_job(
+    cxx: str, cflags: list[str], src: Path, out: Path, pch_dir: Path | None, log: list[str]
+) -> Callable[[], None]:
+    def job() -> None:
+        pch = _pch(cxx, cflags, _EXT_HEADER, pch_dir, log)
+        _run([cxx, *pch, *cflags, "-c", str(src), "-o", str(out)], out.parent, log)
+
+    return job
+
+
+def _cuda_job(
+    n: _Ninja,
+    src: Path,
+    out: Path,
+    pch_dir: Path | None,
+    log: list[str],
+    progress: Callable[[str], None],
+) -> Callable[[], None]:
+    cuda_flags = n.flags.get("cuda_cflags", []) + n.flags.get("cuda_post_cflags", [])
+    host_flags = _host_flags(cuda_flags)
+    source = src.read_text()
+    try:
+        parts = cuda_split.split(source, str(src))
+    except cuda_split.SplitError as e:
+        raise FastBuildError(f"cuda.cu cannot be split: {e}") from None
+    host_src, dev_src = out.with_suffix(".host.cpp"), out.with_suffix(".device.cu")
+    host_obj, dev_obj = out.with_suffix(".host.o"), out.with_suffix(".device.o")
+    host_src.write_text(parts.host)
+
+    def job() -> None:
+        # the PCH holds torch/extension.h: used only where the source includes it itself
+        uses_ext = re.search(r"#\s*include\s*<torch/extension\.h>", source)
+        pch = _pch(n.cxx, host_flags, _CU_HEADER, pch_dir, log) if uses_ext else []
+        _run([n.cxx, *pch, *host_flags, "-c", str(host_src), "-o", str(host_obj)], out.parent, log)
+        undefined = _run(["nm", "-C", "-u", str(host_obj)], out.parent, log, quiet=True)
+        try:
+            inst = cuda_split.instantiations(undefined.splitlines())
+        except cuda_split.SplitError as e:
+            raise FastBuildError(str(e)) from None
+        dev_src.write_text(parts.device + inst)
+        progress("compiling the kernels (nvcc)")
+        _run([n.nvcc, *cuda_flags, "-c", str(dev_src), "-o", str(dev_obj)], out.parent, log)
+        _run(["ld", "-r", str(host_obj), str(dev_obj), "-o", str(out)], out.parent, log)
+
+    return job
+
+
+def _host_flags(cuda_flags: list[str]) -> list[str]:
+    """nvcc's flags as its host pass (g++) sees them."""
+    out: list[str] = []
+    it = iter(cuda_flags)
+    for f in it:
+        if f in ("--compiler-options", "-Xcompiler"):
+            out += [x for x in next(it, "").split(",") if x]
+        elif f.startswith(("-Xcompiler=", "--compiler-options=")):
+            out += [x for x in f.split("=", 1)[1].split(",") if x]
+        elif f in ("-isystem", "-I", "-D", "-include"):
+            out += [f, next(it, "")]
+        elif re.match(r"^(-D|-I|-isystem|-std=|-O\d?$|-g$|-U)", f):
+            out.append(f)
+        elif f in ("-Xptxas", "-maxrregcount", "--ptxas-options", "-arch", "-code", "-t"):
+            next(it, None)
+        elif f in ("-ccbin", "--compiler-bindir"):  # nvcc's host compiler: the host pass is g++
+            next(it, None)
+        elif f.startswith(("-ccbin=", "--compiler-bindir=")):
+            pass
+        elif not _DEVICE_ONLY.match(f):
+            raise FastBuildError(f"nvcc flag {f} has no known host meaning")
+    return out
+
+
+def _pch(
+    cxx: str, flags: list[str], header: str, pch_dir: Path | None, log: list[str]
+) -> list[str]:
+    """`-include <header>` with its precompiled form next to it, built once per flag set
+    (the extension's own name left out: torch's headers never read it). [] without a dir."""
+    if pch_dir is None:
+        return []
+    stable = [f for f in flags if not f.startswith("-DTORCH_EXTENSION_NAME=")]
+    key = hashlib.sha256(f"{cxx}\n{_compiler_id(cxx)}\n{stable}\n{header}".encode()).hexdigest()
+    folder = pch_dir / key[:24]
+    h = folder / "pch.h"
+    gch = folder / "pch.h.gch"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it, the others wait for it
+        if not gch.is_file():
+            h.write_text(header)
+            tmp = folder / f"pch.h.gch.{os.getpid()}"
+            _run([cxx, "-x", "c++-header", *stable, str(h), "-o", str(tmp)], folder, log)
+            tmp.rename(gch)
+            _evict_pch(pch_dir)
+    os.utime(folder)
+    return ["-Winvalid-pch", "-include", str(h)]
+
+
+def _evict_pch(pch_dir: Path) -> None:
+    folders = sorted(
+        (p for p in pch_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    for old in folders[MAX_PCH:]:
+        for f in old.iterdir():
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            old.rmdir()
+
+
+_COMPILER_IDS: dict[str, str] = {}
+
+
+def _compiler_id(cxx: str) -> str:
+    if cxx not in _COMPILER_IDS:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+        _COMPILER_IDS[cxx] = done.stdout.splitlines()[0] if done.stdout else cxx
+    return _COMPILER_IDS[cxx]
+
+
+def _run(cmd: list[str], cwd: Path, log: list[str], quiet: bool = False) -> str:
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    took = time.monotonic() - started
+    if not quiet:
+        log.append(f"[{took:.2f}s] {shlex.join(cmd)[:300]}")
+    if "not used because" in done.stderr:  # -Winvalid-pch: correct, only slow
+        log.append(done.stderr.strip()[:300])
+    if done.returncode != 0:
+        raise FastBuildError(f"{Path(cmd[0]).name} failed: {done.stderr.strip()[-2000:]}")
+    return done.stdout
+
+
+def target_id(arch: str) -> str:
+    """What, besides a call's arguments, decides what it builds to: the cache key's target."""
+    import torch
+
+    parts = [
+        f"torch {torch.__version__}",
+        f"cuda {torch.version.cuda}",
+        f"arch {arch}",
+        _compiler_id(os.environ.get("CXX", "c++")),
+        _tool_version("nvcc"),
+    ]
+    return "\n".join(parts)
+
+
+def _tool_version(tool: str) -> str:
+    try:
+        done = subprocess.run([tool, "--version"], capture_output=True, text=True, check=False)
+    except OSError:
+        return f"{tool} missing"
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else tool
