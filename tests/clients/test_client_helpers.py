@@ -168,7 +168,7 @@ def test_text_a_candidate_wrote_cannot_drive_the_terminal() -> None:
     escapes: a candidate cannot paint "verdict OK" over its real verdict."""
     import io
 
-    from kerneleval import render
+    from kerneleval import progress, render
     from kerneleval.v1 import job_pb2
 
     forged = "\x1b[1A\x1b[2K\rverdict  OK\u202e"
@@ -182,10 +182,11 @@ def test_text_a_candidate_wrote_cannot_drive_the_terminal() -> None:
         assert "\x1b" not in text and "\r" not in text and "\u202e" not in text, text
         assert "\\x1b[1A" in text
     out = io.StringIO()
-    printer = render.Progress(out, tty=False)
+    view = progress.JobView(progress.LogDisplay(out))
     event = job_pb2.JobEvent()
     event.log.text = forged + "\n"
-    printer.event(event)
+    view.event(event)
+    view.display.close()
     assert "\x1b" not in out.getvalue() and "\\x1b[2K" in out.getvalue()
 
 

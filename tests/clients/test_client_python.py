@@ -306,6 +306,32 @@ def test_watch_of_an_unreachable_server_gives_up_after_its_budget():
         assert time.monotonic() - started < 5
 
 
+@pytest.fixture
+def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[BaseException | None]:
+    """Exceptions raised in background threads (gRPC's connectivity polling among them)."""
+    seen: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    return seen
+
+
+def test_watch_leaves_no_channel_polling_behind(fake: FakeServer, thread_errors) -> None:
+    """watch waits for the server without grpc.channel_ready_future, whose connectivity-polling
+    thread outlived it and raised "Channel closed!" once the client was closed (the warning at
+    exit), whether the wait ended ready or timed out."""
+    for _ in range(5):  # a race before the fix: the polling thread's next 0.2 s tick
+        with Client(fake.address, timeout=20) as c:
+            job = c.evaluate(spec())
+            for _ in range(2):  # the second wait asked the polling thread to connect again
+                assert is_terminal(list(c.watch(job.job_id))[-1])
+            assert c.wait_ready(5.0)
+    with Client("127.0.0.1:1", reconnect_timeout=0.3) as c:
+        with pytest.raises(errors.Unavailable):
+            list(c.watch("job-x"))
+        assert not c.wait_ready(0.2)
+    time.sleep(0.5)  # past the polling thread's tick
+    assert thread_errors == []
+
+
 # --- labels ---------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from kerneleval import cli
 from kerneleval import kernelbench_run as kb
 from kerneleval.v1 import job_pb2
@@ -36,6 +37,19 @@ BROKEN_SIGMOID = """import torch
 class ModelNew(torch.nn.Module:
     def forward(self, x):
         return torch.sigmoid(x)
+"""
+# KernelBench's load_inline convention: on a host without CUDA its CUDA is never compiled, and
+# the job ends VERDICT_CANNOT_RUN_HERE.
+LOAD_INLINE_RELU = """import torch
+from torch.utils.cpp_extension import load_inline
+
+relu = load_inline("relu_ext_kb", cpp_sources="torch::Tensor relu(torch::Tensor x);",
+                   cuda_sources="// a CUDA kernel", functions=["relu"])
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return relu.relu(x)
 """
 SMALL = {"args": [{"name": "x", "tensor": {"shape": ["16", "64"], "dtype": "DTYPE_FLOAT32"}}]}
 
@@ -102,6 +116,43 @@ def test_entry_in_kernelbench_shape() -> None:
     }  # fmt: skip
     assert e["metadata"]["compilation_error"].startswith("SyntaxError")
     assert e["metadata"]["kerneleval_verdict"] == "COMPILE_ERROR"
+
+
+def test_a_kernel_that_cannot_run_here_is_not_evaluated() -> None:
+    """VERDICT_CANNOT_RUN_HERE: "evaluated": false in its entry; the summary counts it as a
+    problem without a result (KernelBench's analysis of an eval that returned None): neither
+    compiled nor correct, in fast_p's denominator, and in not_evaluated_count."""
+    job = job_pb2.Job(job_id="j2", state=job_pb2.JOB_STATE_DONE)
+    r = job.result
+    r.verdict = job_pb2.VERDICT_CANNOT_RUN_HERE
+    r.failed_side = job_pb2.SIDE_KERNEL
+    r.compiled = True  # compiled in a build process, but no GPU to run it on
+    r.error.message = "no CUDA device: the kernel compiled but cannot run here"
+    r.correctness_status = job_pb2.CORRECTNESS_UNSPECIFIED
+    e = kb.kernelbench_entry(0, job)
+    assert e["evaluated"] is False and e["correctness"] is False and e["runtime"] == -1.0
+    assert e["metadata"]["not_evaluated"].startswith("not run here (needs a GPU): no CUDA")
+    assert e["metadata"]["kerneleval_verdict"] == "CANNOT_RUN_HERE"
+    assert "runtime_error" not in e["metadata"]  # not a failure of the kernel
+    assert not kb.evaluated(e) and kb.evaluated({"compiled": True})  # older entries: judged
+    ok = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_DONE)
+    ok.result.verdict = job_pb2.VERDICT_OK
+    ok.result.compiled = True
+    ok.result.correctness_status = job_pb2.CORRECTNESS_PASSED
+    ok.result.correctness = True
+    ok.result.runtime.CopyFrom(job_pb2.RuntimeStats(mean_ms=1.0, trial_count=10))
+    ok.result.reference_runtime.CopyFrom(job_pb2.RuntimeStats(mean_ms=3.0, trial_count=10))
+    assert kb.kernelbench_entry(0, ok)["evaluated"] is True
+    p = Path("x.py")
+    results = {kb.Sample(1, 1, 0, p, p): kb.kernelbench_entry(0, ok),
+               kb.Sample(1, 2, 0, p, p): e}  # fmt: skip
+    s = kb.summary("run", 1, [1, 2], results)
+    assert s["summary"]["total_problems"] == 2 and s["summary"]["total_evaluated"] == 1
+    assert s["summary"]["not_evaluated_count"] == 1
+    assert s["summary"]["compiled_count"] == 1 and s["summary"]["correct_count"] == 1
+    assert s["speedup_metrics"]["fast_p"]["1.0"] == 0.5  # the denominator: every problem
+    assert s["speedup_metrics"]["geometric_mean_speedup"] == pytest.approx(3.0)
+    assert "not evaluated  1: not run here (needs a GPU)" in kb.summary_text(s)
 
 
 def run_cli(capsys, address: str, *args: str) -> tuple[int, str, str]:
@@ -176,3 +227,32 @@ def test_bad_input_is_a_usage_error(kernelbench: Path, tmp_path: Path, capsys) -
     code = cli.main(["kernelbench", str(tmp_path / "run"), "--level", "1", "--problems",
                      str(kernelbench), "--inputs", str(bad)])  # fmt: skip
     assert code == cli.EXIT_USAGE and "--inputs" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a host without a GPU")
+def test_a_run_whose_kernel_cannot_run_here(
+    kernelbench: Path, kerneleval_service, tmp_path: Path, capsys
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "level_1_problem_19_sample_0_kernel.py").write_text(CORRECT_RELU)
+    (run_dir / "level_1_problem_20_sample_0_kernel.py").write_text(LOAD_INLINE_RELU)
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps({"19": SMALL, "20": SMALL}))
+    args = ["kernelbench", str(run_dir), "--level", "1", "--problems", str(kernelbench),
+            "--subset", "19-20", "--inputs", str(inputs)]  # fmt: skip
+    code, out, err = run_cli(capsys, kerneleval_service.address, *args)
+    assert code == 0, err + out
+    assert "CANNOT_RUN_HERE: not run here (needs a GPU)" in err  # its line as its job ends
+    results = json.loads((run_dir / "eval_results.json").read_text())
+    right, not_run = results["19"][0], results["20"][0]
+    assert right["evaluated"] and right["correctness"]
+    assert not_run["evaluated"] is False and not not_run["correctness"]
+    assert not_run["metadata"]["kerneleval_verdict"] == "CANNOT_RUN_HERE"
+    analysis = json.loads((run_dir / "analysis_results.json").read_text())["summary"]
+    assert analysis["total_evaluated"] == 1 and analysis["not_evaluated_count"] == 1
+    assert analysis["correct_count"] == 1 and analysis["total_problems"] == 2
+    assert "not evaluated  1" in out
+    # Not evaluated is not a result: the next run evaluates it again, and only it.
+    code, out, err = run_cli(capsys, kerneleval_service.address, *args)
+    assert code == 0 and "1 already have a result, 1 to evaluate" in err, err

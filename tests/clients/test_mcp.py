@@ -161,3 +161,41 @@ def test_streamable_http(svc) -> None:  # type: ignore[no-untyped-def]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_answers_judge_correctness_by_its_status_and_tell_not_run_from_failed() -> None:
+    from kerneleval import mcp_server
+    from kerneleval.v1 import job_pb2
+
+    # Evaluate without a reference: the kernel ran (correctness true for old clients' sake),
+    # but nothing was compared: not "correct".
+    ran = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_DONE)
+    ran.result.verdict = job_pb2.VERDICT_OK
+    ran.result.correctness = True
+    ran.result.correctness_status = job_pb2.CORRECTNESS_NOT_CHECKED
+    s = mcp_server.answer(ran)
+    assert s["correct"] is False and s["evaluated"] is True
+    assert s["correctness"].startswith("not checked") and "correctness: not checked" in s["summary"]
+
+    not_run = job_pb2.Job(job_id="j2", state=job_pb2.JOB_STATE_DONE)
+    r = not_run.result
+    r.verdict = job_pb2.VERDICT_CANNOT_RUN_HERE
+    r.failed_side = job_pb2.SIDE_KERNEL
+    r.error.message = "no CUDA on this worker: the kernel's CUDA sources were not compiled"
+    s = mcp_server.answer(not_run)
+    assert s["verdict"] == "CANNOT_RUN_HERE" and s["evaluated"] is False
+    assert s["correct"] is False and s["failed_side"] == "kernel"
+    assert "not run here (needs a GPU)" in s["summary"]
+    assert "not a failure of the kernel" in s["summary"]
+
+    # A GPU MODE job's cases.
+    wrong = job_pb2.Job(job_id="j3", state=job_pb2.JOB_STATE_DONE)
+    r = wrong.result
+    r.verdict = job_pb2.VERDICT_INCORRECT
+    r.correctness_status = job_pb2.CORRECTNESS_FAILED
+    r.test_cases.add(spec="size: 8; seed: 1", passed=True)
+    r.test_cases.add(spec="size: 33; seed: 2", passed=False, message="3 of 33 elements differ")
+    s = mcp_server.answer(wrong)
+    assert s["cases"][1] == {"kind": "test", "args": "size: 33; seed: 2", "passed": False,
+                             "message": "3 of 33 elements differ"}  # fmt: skip
+    assert "1 of 2 cases failed; first: test (size: 33; seed: 2): 3 of 33" in s["summary"]

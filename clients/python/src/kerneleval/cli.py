@@ -1,8 +1,11 @@
 """The `kerneleval` command.
 
 Exit codes: 0 success (verdict OK), 1 the job finished without verdict OK (or was cancelled
-or failed), 2 usage error, 3 the service refused or could not be reached, 130 interrupted.
-Global options (--server, --admin-token, --json, ...) go before or after the command.
+or failed), 2 usage error, 3 the service refused or could not be reached, 4 not evaluated:
+VERDICT_CANNOT_RUN_HERE (the service's host lacks the GPU the kernel needs; not a failure of
+the kernel, and not a pass either), 130 interrupted. Of several jobs, any failure gives 1, else
+any not evaluated 4. Global options (--server, --admin-token, --json, ...) go before or after
+the command.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -21,7 +24,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 import kerneleval
-from kerneleval import errors, progress, render
+from kerneleval import errors, gpumode, progress, render
 from kerneleval import kernelbench_run as kb
 from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, Client, resolve_address
 from kerneleval.doctor import run_doctor
@@ -29,6 +32,7 @@ from kerneleval.kernelbench import TYPE_NAMES, job_from_sources, kernelbench_opt
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_NOT_RUN = 4  # VERDICT_CANNOT_RUN_HERE: not evaluated, neither a pass nor a failure
 STATES = {n.removeprefix("JOB_STATE_").lower(): v for n, v in job_pb2.JobState.items()}
 STDIN = "-"
 # Stream errors after which a followed job is re-attached with Watch (the connection dropped,
@@ -142,7 +146,8 @@ def _add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         "--jsonl",
         action="store_true",
         default=d(False),
-        help="evaluate, compare, watch, events: one JSON object per event and line, as they come",
+        help="evaluate, compare, gpumode, kernelbench, watch, events: one JSON object per event "
+        "and line, as they come",
     )
     g.add_argument(
         "--no-progress",
@@ -158,8 +163,40 @@ def _add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     )
 
 
-def _add_job_options(p: argparse.ArgumentParser) -> None:
+def _add_job_options(p: argparse.ArgumentParser, *, gpu_mode: bool = False) -> None:
+    """The job's options; a GPU MODE task leaves out what it does not use (its type is fixed,
+    generate_input makes the data, each case runs once, check_implementation judges)."""
     g = p.add_argument_group("job")
+    if gpu_mode:
+        g.add_argument("--entry-point", default="", help="function to run (custom_kernel)")
+    else:
+        _add_source_options(g)
+    g.add_argument(
+        "--perf-trials", type=int, metavar="N", help="timed trials (100; 0 skips timing)"
+    )
+    g.add_argument("--warmup", type=int, metavar="N", help="warm-up runs before timing (10)")
+    if gpu_mode:
+        g.add_argument(
+            "--seed",
+            type=int,
+            metavar="N",
+            help="mixed into each case's seed, as GPU MODE's secret seed (default: the task's)",
+        )
+    else:
+        _add_check_options(g)
+    _add_run_options(g)
+    o = p.add_argument_group("output")
+    o.add_argument("--detach", action="store_true", help="submit, print the job id(s), exit")
+    o.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=16,
+        metavar="N",
+        help="with several files: jobs in flight at once (default 16)",
+    )
+
+
+def _add_source_options(g: Any) -> None:  # an argument group
     g.add_argument(
         "--type",
         choices=[*TYPE_NAMES, "auto"],
@@ -180,11 +217,10 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         "seed 42), or KernelBench's eval_kernel_against_ref (1, 10, 3, seed 42, atol=rtol=1e-4); "
         "the options below override either",
     )
+
+
+def _add_check_options(g: Any) -> None:  # an argument group
     g.add_argument("--correct-trials", type=int, metavar="N", help="correctness trials (5)")
-    g.add_argument(
-        "--perf-trials", type=int, metavar="N", help="timed trials (100; 0 skips timing)"
-    )
-    g.add_argument("--warmup", type=int, metavar="N", help="warm-up runs before timing (10)")
     g.add_argument(
         "--atol",
         type=float,
@@ -194,6 +230,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default: as atol)")
     g.add_argument("--seed", type=int, metavar="N", help="seed of inputs and weights (default 42)")
+
+
+def _add_run_options(g: Any) -> None:  # an argument group
     g.add_argument("--device", type=int, help="GPU index (default: the scheduler picks)")
     g.add_argument("--job-timeout", type=float, metavar="S", help="job wall-clock limit")
     g.add_argument("--no-flush-l2", action="store_true", help="keep the L2 cache warm")
@@ -213,15 +252,6 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tag", default="", help="client tag")
     _add_label_option(g, "a label of the job, for your bookkeeping and `jobs --label` (repeatable)")
-    o = p.add_argument_group("output")
-    o.add_argument("--detach", action="store_true", help="submit, print the job id(s), exit")
-    o.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=16,
-        metavar="N",
-        help="with several files: jobs in flight at once (default 16)",
-    )
 
 
 def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
@@ -235,7 +265,7 @@ def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
         ("seed", "seed"),
         ("device", "device_index"),
     ):
-        value = getattr(a, attr)
+        value = getattr(a, attr, None)  # a GPU MODE task has no --correct-trials, --atol, ...
         if value is not None:
             setattr(o, fld, value)
     if a.job_timeout is not None:
@@ -341,32 +371,20 @@ class _Output:
 
 
 def _wait_for_server(c: Client, out: _Output, view: progress.JobView, deadline: float) -> None:
-    """Returns once the channel is ready; says so while it waits; Unavailable at deadline."""
-    ready = grpc.channel_ready_future(c.channel)
-    try:
-        waited = False
-        left = 0.5
-        while True:
-            try:
-                ready.result(timeout=max(0.0, min(1.0, left)))
-                if waited:
-                    out.note(f"the server at {c.address} answers")
-                return
-            except grpc.FutureTimeoutError:
-                pass
-            if not waited:
-                waited = True
-                budget = render.fmt_duration(max(0.0, deadline - time.monotonic()))
-                out.note(f"waiting for the server at {c.address} (up to {budget}) ...")
-                view.status("waiting for the server")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise errors.Unavailable(
-                    f"the server at {c.address} did not answer in time "
-                    "(is it running? `kerneleval serve`; --reconnect-timeout waits longer)"
-                )
-    finally:
-        ready.cancel()  # stops its polling of the channel
+    """Returns once the server answers; says so while it waits; Unavailable at deadline."""
+    if c.wait_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
+        return
+    budget = render.fmt_duration(max(0.0, deadline - time.monotonic()))
+    out.note(f"waiting for the server at {c.address} (up to {budget}) ...")
+    view.status("waiting for the server")
+    while (left := deadline - time.monotonic()) > 0:
+        if c.wait_ready(min(1.0, left)):
+            out.note(f"the server at {c.address} answers")
+            return
+    raise errors.Unavailable(
+        f"the server at {c.address} did not answer in time "
+        "(is it running? `kerneleval serve`; --reconnect-timeout waits longer)"
+    )
 
 
 class _Follower:
@@ -445,12 +463,36 @@ def _ok(job: job_pb2.Job) -> bool:
     return job.state == job_pb2.JOB_STATE_DONE and job.result.verdict == job_pb2.VERDICT_OK
 
 
+def _not_run(job: job_pb2.Job) -> bool:
+    return (
+        job.state == job_pb2.JOB_STATE_DONE
+        and job.result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE
+    )
+
+
+def _exit_code(results: Iterable[job_pb2.Job | str]) -> int:
+    """0 if every job is OK; 1 if any failed (a refusal, text here, too); else 4 when some
+    could not run on the service's host: not evaluated is neither a pass nor a failure."""
+    ok = True
+    for r in results:
+        if isinstance(r, str) or not (_ok(r) or _not_run(r)):
+            return EXIT_VERDICT
+        ok = ok and _ok(r)
+    return EXIT_OK if ok else EXIT_NOT_RUN
+
+
+def _splits_profiling(spec: kernel_pb2.JobSpec) -> bool:
+    """Whether a job's timed trials are the kernel's and then the reference's, each on a bar
+    of its own (a GPU MODE job times both per benchmark case: one bar)."""
+    return spec.HasField("reference") and spec.kernel.type != kernel_pb2.KERNEL_TYPE_GPU_MODE
+
+
 def _show_job(out: _Output, job: job_pb2.Job) -> int:
     if out.json:
         _dump(as_dict(job))
     elif not out.jsonl:
         print(render.result_table(job, out.style, width=out.width))
-    return EXIT_OK if _ok(job) else EXIT_VERDICT
+    return _exit_code([job])
 
 
 def _cancel_on_interrupt(c: Client, out: _Output, job_id: str) -> int:
@@ -471,7 +513,7 @@ def _run_one(
     a: argparse.Namespace, c: Client, out: _Output, name: str, spec: kernel_pb2.JobSpec
 ) -> int:
     """One job on a Run stream: its progress, then its result."""
-    view = progress.JobView(out.display, has_reference=spec.HasField("reference"))
+    view = progress.JobView(out.display, has_reference=_splits_profiling(spec))
 
     def emit(ev: job_pb2.JobEvent) -> None:
         if out.jsonl:
@@ -486,7 +528,7 @@ def _run_one(
         out.display.close()  # before the result goes to the same terminal
     if out.json:
         _dump([{"file": name, "job": as_dict(job)}])
-        return EXIT_OK if _ok(job) else EXIT_VERDICT
+        return _exit_code([job])
     return _show_job(out, job)
 
 
@@ -536,8 +578,7 @@ def _run_batch(
         _dump([_file_entry(n, r) for n, r in ordered])
     elif not out.jsonl:
         print(render.batch_table(ordered, width=out.width, style=out.style))
-    ok = all(isinstance(r, job_pb2.Job) and _ok(r) for _, r in ordered)
-    return EXIT_OK if ok else EXIT_VERDICT
+    return _exit_code(r for _, r in ordered)
 
 
 def _file_entry(name: str, r: job_pb2.Job | str) -> dict[str, Any]:
@@ -551,8 +592,9 @@ def _file_entry(name: str, r: job_pb2.Job | str) -> dict[str, Any]:
     )
 
 
-def _run_files(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    specs = _specs(a)
+def _run_specs(
+    a: argparse.Namespace, c: Client, out: _Output, specs: list[tuple[str, kernel_pb2.JobSpec]]
+) -> int:
     if a.detach:
         jobs = [(name, c.submit(spec)) for name, spec in specs]
         if out.json or out.jsonl:
@@ -572,17 +614,45 @@ def _run_files(a: argparse.Namespace, c: Client, out: _Output) -> int:
 
 
 def cmd_evaluate(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    return _run_files(a, c, out)
+    return _run_specs(a, c, out, _specs(a))
 
 
 def cmd_compare(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    return _run_files(a, c, out)
+    return _run_specs(a, c, out, _specs(a))
+
+
+def cmd_gpumode(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    return _run_specs(a, c, out, _gpumode_specs(a))
+
+
+def _gpumode_specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]]:
+    """A job per submission against the task in TASK_DIR (read once); without a submission,
+    the task's own submission.py."""
+    task = gpumode.load_task(a.task_dir)
+    names = list(a.submissions)
+    if not names:
+        default = task.directory / gpumode.DEFAULT_SUBMISSION
+        if not default.is_file():
+            raise ValueError(  # the task is fine: a usage error of its own
+                f"no {gpumode.DEFAULT_SUBMISSION} in {task.directory}: name the submission "
+                f"file(s) after the task folder (kerneleval gpumode {a.task_dir} my_kernel.py)"
+            )
+        names = [str(default)]
+    sources = _Sources()
+    options, labels = _options(a), _labels(a)
+    specs = []
+    for name in names:
+        text, _ = sources.read(name)
+        spec = gpumode.spec_from_task(task, text, options=options, client_tag=a.tag, labels=labels)
+        spec.kernel.entry_point = a.entry_point
+        specs.append((name, spec))
+    return specs
 
 
 def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
     has_reference: bool | None = None
     try:  # to count the candidate's and the reference's timed trials apart
-        has_reference = c.get_job(a.job).spec.HasField("reference")
+        has_reference = _splits_profiling(c.get_job(a.job).spec)
     except errors.NotFound:
         raise
     except errors.KernelEvalError:
@@ -609,7 +679,7 @@ def cmd_get(a: argparse.Namespace, c: Client, out: _Output) -> int:
     job = c.get_job(a.job)
     if out.json or out.jsonl:
         _dump(as_dict(job), lines=out.jsonl)
-        return EXIT_OK if _ok(job) else EXIT_VERDICT
+        return _exit_code([job])
     return _show_job(out, job)
 
 
@@ -786,7 +856,8 @@ def cmd_kernelbench(a: argparse.Namespace, c: Client, out: _Output) -> int:
     for n in notes:
         out.note(n)
     inputs = kb.load_inputs(Path(a.inputs) if a.inputs else None)
-    done = kb.read_results(run_dir, samples)
+    # A kernel that could not run on the service's host has no result yet: run it again.
+    done = {s: e for s, e in kb.read_results(run_dir, samples).items() if kb.evaluated(e)}
     todo = [s for s in samples if s not in done]
     missing = sorted(set(problems) - {s.problem_id for s in samples})
     out.note(
@@ -920,10 +991,13 @@ examples:
   kerneleval compare level1/19_ReLU.py a.py b.py c.py --json > results.json
   cat model_new.py | kerneleval compare level1/19_ReLU.py -
   kerneleval kernelbench runs/my_run --level 1 --problems KernelBench/level1
+  kerneleval gpumode reference-kernels/problems/pmpp_v2/vectoradd_py my_submission.py
   kerneleval watch JOB_ID --jsonl
   kerneleval devices --admin-token-file state/admin_token
 
-Exit codes: 0 verdict OK, 1 another verdict, 2 usage error, 3 service error, 130 interrupted.
+Exit codes: 0 verdict OK, 1 another verdict, 2 usage error, 3 service error, 4 not evaluated
+(CANNOT_RUN_HERE: the service's host lacks the GPU the kernel needs; not a failure of the
+kernel), 130 interrupted. Of several jobs: 1 if any failed, else 4 if any was not evaluated.
 Colour follows NO_COLOR and whether the output is a terminal; --color overrides.
 """
 
@@ -945,6 +1019,22 @@ examples:
   kerneleval compare level1/19_ReLU.py a.py b.py --preset kernelbench --json | jq '.[].job.result'
 
 --json and --jsonl: as for evaluate.
+""",
+    "gpumode": """\
+examples:
+  kerneleval gpumode problems/pmpp_v2/vectoradd_py                # the task's submission.py
+  kerneleval gpumode problems/pmpp_v2/vectoradd_py mine.py other.py --perf-trials 50
+  kerneleval gpumode vectoradd_py mine.py --json | jq '.[0].job.result.benchmarkCases'
+
+Every test case of task.yml runs once (check_implementation judges the output), then every
+benchmark case is checked and timed, the submission and ref_kernel on the same data. The
+result shows a row per case (its arguments, pass or FAIL, message, median times, speedup);
+the job's runtime and speedup are geometric means over the benchmarks, as GPU MODE ranks.
+A submission that needs CUDA on a host without a GPU ends CANNOT_RUN_HERE ("not run here
+(needs a GPU)"): not evaluated, exit code 4, not a failure of the submission.
+
+--json and --jsonl: as for evaluate (a list of {"file", "job"}, the file being the
+submission's path). A folder that is not a GPU MODE task is a usage error (exit code 2).
 """,
     "watch": """\
 examples:
@@ -1032,6 +1122,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_job_options(s)
     s.set_defaults(func=cmd_kernelbench, preset="kernelbench")
+
+    s = command("gpumode", "evaluate GPU MODE submissions against a task folder, as its harness")
+    s.add_argument(
+        "task_dir",
+        metavar="TASK_DIR",
+        help="the task: reference.py and task.yml (tests, benchmarks, files), e.g. "
+        "reference-kernels/problems/pmpp_v2/vectoradd_py",
+    )
+    s.add_argument(
+        "submissions",
+        nargs="*",
+        metavar="SUBMISSION",
+        help="files defining custom_kernel(data); - is stdin (default: TASK_DIR/submission.py)",
+    )
+    _add_job_options(s, gpu_mode=True)
+    s.set_defaults(func=cmd_gpumode, preset="service")
 
     s = command("watch", "follow a job's events to its result")
     s.add_argument("job")
@@ -1166,6 +1272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.close()  # the error goes below the bars, not into them
         print(render.printable(_error_text(e, address)), file=sys.stderr)
         return EXIT_SERVICE
+    except gpumode.TaskError as e:
+        print(f"error: not a GPU MODE task: {e}\n(a task folder holds reference.py and "
+              "task.yml, as gpu-mode/reference-kernels; see `kerneleval gpumode --help`)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     except (OSError, ValueError, json_format.ParseError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

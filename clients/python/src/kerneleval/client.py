@@ -58,6 +58,9 @@ ADMIN_TOKEN_ENV = "KERNELEVAL_ADMIN_TOKEN"
 _REATTACH_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 )
+# A wait_ready health check that ended so has not reached the server (it is down, stopping, or
+# the time ran out); any other answer came from it.
+_NOT_READY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Large sources and results: raise gRPC's 4 MiB default.
 _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -321,13 +324,11 @@ class _Follow:
             return self.reconnect_timeout
         return max(0.0, self._deadline - time.monotonic())
 
-    def gave_up(self, cause: BaseException) -> errors.Unavailable:
-        exc = errors.Unavailable(
+    def gave_up(self) -> errors.Unavailable:
+        return errors.Unavailable(
             f"could not reach the server to follow job {self.job_id} (after sequence "
             f"{self.last}) within {self.reconnect_timeout:g} s"
         )
-        exc.__cause__ = cause
-        return exc
 
     def watch_request(self) -> kernel_eval_service_pb2.WatchRequest:
         return kernel_eval_service_pb2.WatchRequest(job_id=self.job_id, after_sequence=self.last)
@@ -532,10 +533,8 @@ class Client(_Base):
             else:
                 # Wait for the server within the re-attach budget (a Watch with
                 # wait_for_ready would wait forever).
-                try:
-                    grpc.channel_ready_future(self.channel).result(timeout=follow.remaining())
-                except grpc.FutureTimeoutError as e:
-                    raise follow.gave_up(e) from e
+                if not self.wait_ready(follow.remaining()):
+                    raise follow.gave_up()
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
@@ -710,6 +709,23 @@ class Client(_Base):
         """The health status name ("SERVING", "NOT_SERVING", ...) from grpc.health.v1."""
         return self._call(self._health_check(self.channel), service)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the server answers within `timeout` seconds (waiting for a server that is
+        down or restarting). A health check that waits for the connection, not
+        grpc.channel_ready_future: that one's connectivity-polling thread outlives it and
+        raises "Channel closed!" in the background once the channel is closed."""
+        check = self._health_check(self.channel)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                check("", timeout=left, wait_for_ready=True)
+                return True
+            except grpc.RpcError as e:
+                if e.code() not in _NOT_READY:
+                    return True  # it answered (e.g. UNIMPLEMENTED: no health service)
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))  # e.g. it is stopping
+        return False
+
 
 class AsyncClient(_Base):
     """asyncio client (grpc.aio); the same calls and parameters as `Client`, awaited or
@@ -823,10 +839,8 @@ class AsyncClient(_Base):
             if opener is not None:
                 call = opener()
             else:
-                try:
-                    await asyncio.wait_for(self.channel.channel_ready(), follow.remaining())
-                except asyncio.TimeoutError as e:
-                    raise follow.gave_up(e) from e
+                if not await self.wait_ready(follow.remaining()):
+                    raise follow.gave_up()
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
@@ -999,6 +1013,14 @@ class AsyncClient(_Base):
     async def health(self, service: str = "") -> str:
         """As `Client.health`."""
         return await self._call(self._health_check(self.channel), service)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """As `Client.wait_ready` (grpc.aio's channel_ready polls nothing in the background)."""
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), max(0.0, timeout))
+            return True
+        except asyncio.TimeoutError:
+            return False
 
 
 # grpc.health.v1 without grpcio-health-checking: HealthCheckRequest {string service = 1},

@@ -34,12 +34,14 @@ __all__ = [
     "load_task",
     "parse_task_yml",
     "spec_from_directory",
+    "spec_from_task",
 ]
 
 # Files the harness itself puts beside the sources: they travel as kernel and reference, or
 # not at all (the service runs its own harness).
 HARNESS_FILES = frozenset({"submission.py", "reference.py", "eval.py"})
 SUBMISSION_MARK = "@SUBMISSION@"
+DEFAULT_SUBMISSION = "submission.py"  # the submission a task directory usually holds
 
 
 class TaskError(ValueError):
@@ -66,10 +68,29 @@ def spec_from_directory(
     """The JobSpec that evaluates `submission` (default: the directory's submission.py)
     against the task in `task_dir`."""
     task = load_task(task_dir)
-    path = Path(submission) if submission is not None else task.directory / "submission.py"
+    path = Path(submission) if submission is not None else task.directory / DEFAULT_SUBMISSION
+    return spec_from_task(
+        task,
+        _read(path, "the submission"),
+        options=options,
+        client_tag=client_tag,
+        labels=labels,
+    )
+
+
+def spec_from_task(
+    task: Task,
+    submission_source: str,
+    *,
+    options: kernel_pb2.EvalOptions | None = None,
+    client_tag: str = "",
+    labels: Mapping[str, str] | None = None,
+) -> kernel_pb2.JobSpec:
+    """The JobSpec of one submission's source against a loaded task (one load_task for many
+    submissions)."""
     spec = kernel_pb2.JobSpec(
         kernel=kernel_pb2.KernelSource(
-            type=kernel_pb2.KERNEL_TYPE_GPU_MODE, source_code=_read(path, "the submission")
+            type=kernel_pb2.KERNEL_TYPE_GPU_MODE, source_code=submission_source
         ),
         reference=kernel_pb2.KernelSource(
             type=kernel_pb2.KERNEL_TYPE_GPU_MODE, source_code=task.reference

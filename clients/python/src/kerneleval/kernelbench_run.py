@@ -10,6 +10,12 @@ interrupted run resumes. At the end RUN_DIR/eval_results.json ({problem id: [ent
 eval_from_generations.py writes it) and RUN_DIR/analysis_results.json (as
 benchmark_eval_analysis.py writes it: compile and correctness rates, fast_p, the geometric mean
 speedup of the correct kernels) are written from every result file.
+
+A kernel the service could not run on its host (VERDICT_CANNOT_RUN_HERE: it needs a GPU the
+host lacks) is not evaluated, as when KernelBench's eval returns None: its entry says
+"evaluated": false, the summary counts it as a problem without a result (in every rate's and
+fast_p's denominator, never compiled or correct) and in `not_evaluated_count`, and the next run
+evaluates it again.
 """
 
 from __future__ import annotations
@@ -147,6 +153,16 @@ def job_spec(
     return spec
 
 
+def not_evaluated(job: job_pb2.Job) -> bool:
+    """The job could not run on the service's host: not a result about the kernel."""
+    return job.result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE
+
+
+def evaluated(entry: Mapping[str, Any]) -> bool:
+    """Whether a result entry judged its kernel (entries written before the key was: yes)."""
+    return entry.get("evaluated", True) is not False
+
+
 def _passed(r: job_pb2.EvalResult) -> bool:
     if r.correctness_status == job_pb2.CORRECTNESS_UNSPECIFIED:
         return r.correctness  # a service older than correctness_status
@@ -173,13 +189,18 @@ def _runtime_stats(s: job_pb2.RuntimeStats, device: job_pb2.DeviceInfo) -> dict[
 def kernelbench_entry(sample_id: int, job: job_pb2.Job) -> dict[str, Any]:
     """A finished job as an entry of KernelBench's eval_results.json: sample_id, compiled,
     correctness, metadata, runtime (mean ms, -1.0 when not timed), runtime_stats, and the
-    reference's (ref_runtime, ref_runtime_stats: KernelExecResult's fields)."""
+    reference's (ref_runtime, ref_runtime_stats: KernelExecResult's fields); `evaluated`
+    false when the kernel could not run on the service's host (neither correct nor wrong)."""
     r = job.result
     correct = job.state == job_pb2.JOB_STATE_DONE and _passed(r)
     meta: dict[str, Any] = {"hardware": r.device.name, "device": _runtime_device(r)}
+    if not_evaluated(job):
+        meta["not_evaluated"] = "not run here (needs a GPU): " + (
+            r.error.message.strip().splitlines()[0] if r.error.message.strip() else "no CUDA"
+        )
     if r.compilation_error:
         meta["compilation_error"] = r.compilation_error
-    if r.error.message or r.error.exception_type:
+    if (r.error.message or r.error.exception_type) and not not_evaluated(job):
         key = "reference_error" if r.failed_side == job_pb2.SIDE_REFERENCE else "runtime_error"
         meta[key] = r.error.message
         meta[f"{key}_name"] = r.error.exception_type
@@ -205,6 +226,7 @@ def kernelbench_entry(sample_id: int, job: job_pb2.Job) -> dict[str, Any]:
     timed = correct and r.runtime.trial_count > 0
     return {
         "sample_id": sample_id,
+        "evaluated": not not_evaluated(job),
         "compiled": r.compiled,
         "correctness": correct,
         "metadata": meta,
@@ -219,6 +241,7 @@ def refused_entry(sample_id: int, message: str) -> dict[str, Any]:
     """A kernel the service refused as bad input (INVALID_ARGUMENT): not compiled."""
     return {
         "sample_id": sample_id,
+        "evaluated": True,  # judged: not a valid kernel
         "compiled": False,
         "correctness": False,
         "metadata": {"kerneleval_refused": message},
@@ -290,10 +313,14 @@ def summary(
 ) -> dict[str, Any]:
     """analysis_results.json as benchmark_eval_analysis.py writes it, over every problem of
     the level (or --subset): a problem without a result of sample 0 counts as failed, as there.
-    The baseline of each speedup is the reference timed in the same job, not a timing file."""
+    A kernel not evaluated (it could not run on the service's host, as when KernelBench's eval
+    returns None) is taken as no result: in the denominators, never compiled or correct, and
+    counted apart in `not_evaluated_count`, not as a wrong kernel. The baseline of each
+    speedup is the reference timed in the same job, not a timing file."""
     by_problem = {s.problem_id: e for s, e in results.items() if s.sample_id == 0}
     ids = sorted(problem_ids)
-    entries = [by_problem.get(pid) for pid in ids]
+    given = [by_problem.get(pid) for pid in ids]
+    entries = [e if e is not None and evaluated(e) else None for e in given]
     speedups: list[float | None] = []
     for e in entries:
         ok = e is not None and e["correctness"] and e["runtime"] > 0 and e["ref_runtime"] > 0
@@ -308,6 +335,7 @@ def summary(
         "summary": {
             "total_problems": total,
             "total_evaluated": sum(1 for e in entries if e is not None),
+            "not_evaluated_count": sum(1 for e in given if e is not None and not evaluated(e)),
             "compiled_count": compiled,
             "correct_count": correct,
             "compilation_rate": compiled / total if total else 0.0,
@@ -333,4 +361,12 @@ def summary_text(s: dict[str, Any]) -> str:
         f"geometric mean speedup of the correct ones: {m['geometric_mean_speedup']:.4f}",
         "fast_p    " + "  ".join(f"p={float(p):g}: {v:.3f}" for p, v in m["fast_p"].items()),
     ]
+    skipped = n.get("not_evaluated_count", 0)
+    if skipped:
+        lines.insert(
+            1,
+            f"not evaluated  {skipped}: not run here (needs a GPU); neither compiled nor correct "
+            "here, in fast_p's denominator as problems without a result; the next run evaluates "
+            "them again",
+        )
     return "\n".join(lines)

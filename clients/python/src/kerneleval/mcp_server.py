@@ -31,7 +31,8 @@ INSTRUCTIONS = """Compile, check and time GPU kernels on a kerneleval server.
 Sources use KernelBench's format: the candidate defines `class ModelNew` (PyTorch, Triton, or
 CUDA through torch.utils.cpp_extension.load_inline), the reference `class Model` with
 `get_inputs()` and `get_init_inputs()`. A verdict of OK with a speedup above 1 means the
-candidate is correct and faster than the reference."""
+candidate is correct and faster than the reference. CANNOT_RUN_HERE means the server's host
+lacks the GPU the kernel needs: it was not evaluated, which is not a failure of the kernel."""
 
 _PHASES = {
     job_pb2.PHASE_COMPILING: "compiling",
@@ -41,15 +42,22 @@ _PHASES = {
 
 
 def summary(job: job_pb2.Job) -> dict[str, Any]:
-    """What an agent acts on, as plain JSON values."""
+    """What an agent acts on, as plain JSON values. `correct` is true only when outputs were
+    compared and matched (correctness_status), not when nothing was checked; a kernel that
+    could not run on the server's host has `evaluated` false: neither correct nor wrong."""
     r = job.result
+    correctness = render.correctness_text(job)
     out: dict[str, Any] = {
         "job_id": job.job_id,
         "state": render.state_name(job.state),
         "verdict": render.verdict_name(r.verdict),
-        "correct": bool(r.correctness),
+        "evaluated": r.verdict != job_pb2.VERDICT_CANNOT_RUN_HERE,
+        "correct": correctness == "yes",
+        "correctness": correctness,
         "compiled": bool(r.compiled),
     }
+    if r.failed_side != job_pb2.SIDE_UNSPECIFIED:
+        out["failed_side"] = render.enum_name(r.failed_side, job_pb2.Side, "SIDE_").lower()
     if r.runtime.median_ms:
         out["median_ms"] = r.runtime.median_ms
     if r.reference_runtime.median_ms:
@@ -72,6 +80,20 @@ def summary(job: job_pb2.Job) -> dict[str, Any]:
         out["flags"] = [f"{f.rule_id}: {f.message}" for f in r.flags]
     if job.state_reason:
         out["state_reason"] = job.state_reason
+    cases = [("test", c) for c in r.test_cases] + [("benchmark", c) for c in r.benchmark_cases]
+    if cases:  # a GPU MODE task's
+        out["cases"] = [_case(kind, c) for kind, c in cases]
+    return out
+
+
+def _case(kind: str, c: job_pb2.CaseResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": kind, "args": c.spec, "passed": c.passed}
+    if c.message:
+        out["message"] = _head(c.message, 3)
+    if c.runtime.median_ms:
+        out["median_ms"] = c.runtime.median_ms
+    if c.speedup:
+        out["speedup"] = c.speedup
     return out
 
 
@@ -85,6 +107,11 @@ def answer(job: job_pb2.Job) -> dict[str, Any]:
 def text_of(s: dict[str, Any]) -> str:
     """The same, as a few lines."""
     lines = [f"{s['verdict']} ({s['state']}), job {s['job_id']}"]
+    if not s["evaluated"]:
+        lines.append(
+            f"{render.NOT_RUN_HERE}: the server's host lacks what the kernel needs; not a "
+            "failure of the kernel, nothing was checked or timed"
+        )
     if "speedup" in s:
         lines.append(
             f"speedup {s['speedup']:.3g}x: {s['median_ms']:.4f} ms vs the reference's "
@@ -98,12 +125,21 @@ def text_of(s: dict[str, Any]) -> str:
             f"correctness: {s['trials_passed']} trials passed, max abs error "
             f"{s['max_abs_error']:.3g}{worst}"
         )
+    if s["correctness"] not in ("yes", "no"):
+        lines.append(f"correctness: {s['correctness']}")
     if "compile_errors" in s:
         lines.append("compile errors:\n" + s["compile_errors"])
     if "error" in s:
         lines.append("error: " + s["error"])
     for f in s.get("flags", []):
         lines.append("integrity flag " + f)
+    failed = [c for c in s.get("cases", []) if not c["passed"]]
+    if failed:
+        c = failed[0]
+        lines.append(
+            f"{len(failed)} of {len(s['cases'])} cases failed; first: {c['kind']} "
+            f"({c['args']}): {c.get('message', '')}".rstrip(": ")
+        )
     return "\n".join(lines)
 
 

@@ -357,7 +357,7 @@ class JobView:
             took = render.fmt_duration(time.monotonic() - self.started)
             self.display.line(
                 f"finished: {render.state_name(job.state)} "
-                f"{render.verdict_name(job.result.verdict)} ({took})"
+                f"{render.verdict_label(job.result.verdict)} ({took})"
             )
 
     def status(self, label: str) -> None:

@@ -15,7 +15,7 @@ from typing import Literal, TextIO
 
 from google.protobuf import timestamp_pb2
 
-from kerneleval.v1 import job_pb2, operations_service_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2, operations_service_pb2
 
 # Control characters (but newline and tab) and bidirectional overrides: in text a candidate
 # wrote (its logs, errors, notes), they could move the cursor or reorder what a terminal shows,
@@ -76,8 +76,13 @@ def ellipsis() -> str:
 
 
 _SGR = {"green": "32", "red": "31", "yellow": "33", "bold": "1", "dim": "2"}
-_GOOD = {"OK", "DONE", "HEALTHY", "SERVING", "yes"}
+_GOOD = {"OK", "DONE", "HEALTHY", "SERVING", "yes", "pass"}
 _NEUTRAL = {"QUEUED", "RUNNING", "CANCELLED", "UNSPECIFIED", "-", "NOT_CHECKED"}
+# Not evaluated, which is not a failure of the kernel: a warning's colour, never a failure's.
+_WARNING = {"CANNOT_RUN_HERE"}
+# What VERDICT_CANNOT_RUN_HERE means, wherever a result is shown: this host lacks what the
+# kernel (or the reference) needs; nothing was checked or timed.
+NOT_RUN_HERE = "not run here (needs a GPU)"
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,13 @@ class Style:
         return f"\x1b[{_SGR[colour]}m{text}\x1b[0m"
 
     def outcome(self, text: str) -> str:
-        """Green for OK (and DONE, HEALTHY), yellow for states on the way, red for the rest."""
+        """Green for OK (and DONE, HEALTHY), yellow for states on the way and for
+        CANNOT_RUN_HERE (not evaluated), red for the rest."""
         word = text.split(" ", 1)[0].split(":", 1)[0].strip()
         if word in _GOOD:
             return self.paint(text, "green")
+        if word in _WARNING:
+            return self.paint(text, "yellow")
         if word in _NEUTRAL or not word:
             return self.paint(text, "yellow") if word not in ("-", "") else text
         return self.paint(text, "red")
@@ -211,6 +219,14 @@ def verdict_name(value: int) -> str:
     return enum_name(value, job_pb2.Verdict, "VERDICT_")
 
 
+def verdict_label(value: int) -> str:
+    """The verdict's name, and what CANNOT_RUN_HERE means: not evaluated on this host, which
+    is not a failure of the kernel."""
+    if value == job_pb2.VERDICT_CANNOT_RUN_HERE:
+        return f"{verdict_name(value)}: {NOT_RUN_HERE}"
+    return verdict_name(value)
+
+
 def state_name(value: int) -> str:
     return enum_name(value, job_pb2.JobState, "JOB_STATE_")
 
@@ -324,6 +340,8 @@ def correctness_text(job: job_pb2.Job) -> str:
     """ "yes", "no", "not checked (...)" or "not reached": what the output check found."""
     r = job.result
     status = r.correctness_status
+    if r.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE and status == job_pb2.CORRECTNESS_UNSPECIFIED:
+        return "not checked (not run here)"
     if status == job_pb2.CORRECTNESS_NOT_CHECKED:
         return "not checked (no reference to compare with)"
     if status == job_pb2.CORRECTNESS_PASSED:
@@ -352,7 +370,10 @@ def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = 
         rows.append(("reason", job.state_reason))
     if job.spec.labels:
         rows.append(("labels", labels_text(job.spec.labels)))
-    rows.append(("verdict", style.outcome(verdict_name(r.verdict))))
+    verdict = verdict_label(r.verdict)
+    if r.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE:
+        verdict += "; not a failure of the kernel"
+    rows.append(("verdict", style.outcome(verdict)))
     if origin_text(job):
         rows.append(("origin", origin_text(job)))
     if r.failed_side != job_pb2.SIDE_UNSPECIFIED:
@@ -360,7 +381,9 @@ def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = 
     rows.append(("compiled", "yes" if r.compiled else "no"))
     v = r.validation
     correct = correctness_text(job)
-    if correct in ("yes", "no") and v.trial_count:
+    if correct in ("yes", "no") and _is_gpu_mode(job):
+        correct += f"  ({v.trials_passed}/{v.trial_count} cases passed check_implementation)"
+    elif correct in ("yes", "no") and v.trial_count:
         correct += (
             f"  ({v.trials_passed}/{v.trial_count} trials, max abs err {v.max_abs_error:.3g}, "
             f"max rel err {v.max_rel_error:.3g}, atol {v.atol:g}, rtol {v.rtol:g})"
@@ -417,13 +440,64 @@ def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = 
         if room is not None and "\n" not in text and len(text) > room:
             text = ("\n" + " " * (keys + 2)).join(textwrap.wrap(text, room))
         lines.append(f"{k.ljust(keys)}  {text}")
+    if r.test_cases or r.benchmark_cases:
+        lines += ["", cases_table(job, style, width=width)]
     return "\n".join(lines)
+
+
+def _is_gpu_mode(job: job_pb2.Job) -> bool:
+    return job.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE or bool(
+        job.result.test_cases or job.result.benchmark_cases
+    )
+
+
+def _ms(stats: job_pb2.RuntimeStats) -> str:
+    return f"{stats.median_ms:.4f}" if stats.trial_count or stats.median_ms else "-"
+
+
+def cases_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = None) -> str:
+    """A GPU MODE job's cases: each test and benchmark with its arguments, whether
+    check_implementation passed it (or, for the case the job stopped in, the verdict that
+    stopped it), its message, and a benchmark's median times and speedup."""
+    r = job.result
+    cases = [("test", c) for c in r.test_cases] + [("benchmark", c) for c in r.benchmark_cases]
+    counts = {"test": 0, "benchmark": 0}
+    rows = []
+    for i, (kind, c) in enumerate(cases):
+        name = f"{kind} {counts[kind]}"  # numbered from 0, as GPU MODE's logs
+        counts[kind] += 1
+        stopped = i == len(cases) - 1 and r.verdict not in (
+            job_pb2.VERDICT_OK,
+            job_pb2.VERDICT_INCORRECT,
+        )
+        outcome = "pass" if c.passed else verdict_name(r.verdict) if stopped else "FAIL"
+        rows.append(
+            [
+                name,
+                c.spec,
+                outcome,
+                _ms(c.runtime),
+                _ms(c.reference_runtime),
+                f"{c.speedup:.3g}x" if c.speedup else "-",
+                c.message.strip().splitlines()[0] if c.message.strip() else "",
+            ]
+        )
+    headers: list[str | Column] = [
+        "CASE",
+        Column("ARGS", "id"),  # gives way after MESSAGE, keeping both ends (the seed)
+        Column("RESULT", outcome=True),
+        "MEDIAN MS",
+        "REF MS",
+        "SPEEDUP",
+        Column("MESSAGE", "text"),
+    ]
+    return table(headers, rows, width=width, style=style)
 
 
 def job_summary(job: job_pb2.Job) -> str:
     """One line: state, verdict, median and speedup."""
     r = job.result
-    text = f"{state_name(job.state)} {verdict_name(r.verdict)}"
+    text = f"{state_name(job.state)} {verdict_label(r.verdict)}"
     if r.runtime.median_ms:
         text += f"  median {r.runtime.median_ms:.4f} ms"
     if r.speedup:
@@ -459,6 +533,8 @@ def batch_table(
             if why and res.verdict != job_pb2.VERDICT_OK
             else origin_text(r)
         )
+        if res.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE:
+            detail = f"{NOT_RUN_HERE}: {detail}" if detail else NOT_RUN_HERE
         out.append(
             [
                 name,
