@@ -13,6 +13,8 @@
 #                                               # two-GPU machine it adds the two-GPU run)
 #   OUT=/some/dir bench/run_gpu.sh prebuilt     # built ahead (no GPU) vs JIT, per kernel
 #   OUT=/some/dir bench/run_gpu.sh builds       # load_inline builds: builder vs torch (~6 min)
+#   OUT=/some/dir bench/run_gpu.sh build_service # load_inline jobs: build processes and the
+#                                               # build cache vs in-job builds (~7 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
@@ -87,7 +89,8 @@ case "$STAGE" in
   watchdog) run 150 gpu_watchdog_check ;;
   interference) run 400 bench_interference ;;
   prebuilt) run 240 gpu_prebuilt_check ;;
-  builds) run 580 bench_builds ;;  # load_inline builds: the builder vs torch's (~6 min)
+  builds) run 580 bench_builds ;;
+  build_service) run 580 bench_build_service ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale

@@ -93,6 +93,20 @@ class Config:
     compile_cache_mib: int = field(
         default=256, metadata={"help": "compiled kernels kept for jobs with the same code; 0 = off"}
     )
+    build_cache_mib: int = field(
+        default=4096,
+        metadata={
+            "help": "load_inline extensions kept on disk (<state>/builds) for calls with the "
+            "same sources and flags; 0 = off"
+        },
+    )
+    build_pch: bool = field(
+        default=True,
+        metadata={
+            "help": "make precompiled torch headers (<state>/pch, ~3 GB) at start for build "
+            "processes' load_inline builds (with --build-processes)"
+        },
+    )
     result_cache_hours: float = field(
         default=24.0,
         metadata={
@@ -243,6 +257,8 @@ class Config:
             out.append("--build-processes must be >= 0, or -1 for auto")
         if self.compile_cache_mib < 0:
             out.append("--compile-cache-mib must be >= 0")
+        if self.build_cache_mib < 0:
+            out.append("--build-cache-mib must be >= 0")
         if self.job_user == "root":
             out.append("--job-user root: job processes never run as root")
         for path in self.sandbox_paths():

@@ -129,6 +129,9 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"  # jobproc/runtime.py reads it in build processes
+
+
 def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
     """Host paths the sandbox shows read-only at the same path: the Python installation, the
     virtual environment, the service's code, CUDA outside /usr, and --sandbox-path. Real paths,
@@ -141,6 +144,7 @@ def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
         *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
         str(src),
         str(gen),
+        env.get(PCH_DIR_ENV, ""),  # the service's precompiled headers (builder/pch.py)
     ]
     cuda_home = os.environ.get("CUDA_HOME", "")
     if cuda_home:
@@ -151,8 +155,12 @@ def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
     return [p for p in real if not any(o != p and _under(p, o) for o in real)]
 
 
-def build_configure(cfg: Config, state_dir: Path) -> watchdog_pb2.Configure:
+def build_configure(
+    cfg: Config, state_dir: Path, pch_dir: Path | None = None
+) -> watchdog_pb2.Configure:
     env = job_env(cfg)
+    if pch_dir is not None:
+        env[PCH_DIR_ENV] = str(pch_dir)
     nvml = {
         "auto": watchdog_pb2.NVML_SOURCE_UNSPECIFIED,
         "real": watchdog_pb2.NVML_SOURCE_REAL,
@@ -228,6 +236,11 @@ class Server:
         # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
         self.watchdog_dir = self.state / "watchdog"
         self.watchdog_dir.mkdir(mode=0o700, exist_ok=True)
+        # Precompiled torch headers for build processes' load_inline builds (builder/pch.py).
+        self.pch_dir: Path | None = None
+        if cfg.build_pch and cfg.effective_build_processes() > 0:
+            self.pch_dir = self.state / "pch"
+            self.pch_dir.mkdir(mode=0o755, exist_ok=True)
         self.stopping = asyncio.Event()
         self._supervise_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
@@ -253,7 +266,7 @@ class Server:
         binary = self.cfg.watchdog_binary()
         failures = 0
         while not self.stopping.is_set():
-            configure = build_configure(self.cfg, self.watchdog_dir)
+            configure = build_configure(self.cfg, self.watchdog_dir, self.pch_dir)
             try:
                 wd = await Watchdog.start(
                     binary, configure, self.manager.on_watchdog_event, self.manager.on_job_channel
@@ -283,6 +296,30 @@ class Server:
                 await asyncio.wait_for(self.stopping.wait(), delay)
             except asyncio.TimeoutError:
                 pass
+
+    async def _make_pch(self) -> None:
+        """Makes the build processes' precompiled headers (a few minutes of CPU, once: they
+        are kept in the state folder); builds meanwhile go without them."""
+        assert self.pch_dir is not None
+        # The build processes' environment (their compiler: a PCH serves only the same
+        # command), no GPU (no CUDA context for a header), any architecture (host headers).
+        env = {**job_env(self.cfg), "CUDA_VISIBLE_DEVICES": "", "TORCH_CUDA_ARCH_LIST": "9.0"}
+        proc = None
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kerneleval_server.builder.pch", str(self.pch_dir),
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            out, _ = await proc.communicate()
+        except asyncio.CancelledError:
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+            raise
+        except OSError as exc:
+            log.warning("precompiled headers not made: %s", exc)
+            return
+        for line in out.decode(errors="replace").splitlines()[-10:]:
+            log.info(line)
 
     async def _sweep(self, ops: OperationsService) -> None:
         while not self.stopping.is_set():
@@ -353,10 +390,13 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self._supervise_task = loop.create_task(self._supervise_watchdog())
+        pch = loop.create_task(self._make_pch()) if self.pch_dir is not None else None
         sweep = loop.create_task(self._sweep(ops))
         await self.stopping.wait()
         await self._shutdown(server)
         sweep.cancel()
+        if pch is not None:
+            pch.cancel()
         return 0
 
     def _listen(self, server: grpc.aio.Server) -> int:

@@ -79,6 +79,11 @@ class FastBuildError(Exception):
     """fast_build cannot build this the way torch would; torch's build runs instead."""
 
 
+class SourceError(Exception):
+    """The compiler refused the candidate's own file, compiled as torch compiles it (main.cpp:
+    torch's command with its headers precompiled): the build failed, as torch's would."""
+
+
 @dataclasses.dataclass
 class Built:
     library: bytes  # the extension (.so); empty when the build failed
@@ -86,6 +91,9 @@ class Built:
     log: str  # what ran, with times
     fast: bool  # fast_build made it (not torch's ninja)
     seconds: float
+
+    def error_tail(self) -> str:
+        return self.log.strip()[-2000:]
 
 
 def call_key(call: dict[str, Any], target: str) -> str:
@@ -124,6 +132,125 @@ def _plain(v: Any) -> Any:
     raise ValueError(f"a load_inline argument of type {type(v).__name__}")
 
 
+# ---- what the service builds ----------------------------------------------------------------
+
+# Flags a build process passes on. A compiler flag can run a program (gcc's -wrapper, -B,
+# -fplugin, -specs) or read a file into its output; torch's fallback ninja build runs its
+# commands through a shell. The service builds only calls whose flags are all plainly code
+# generation; any other call builds in its own job process, as torch would.
+_HOST_FLAG = re.compile(
+    r"^(-O[0-3sgz]?|-Ofast|-g[0-3]?|-w|-pthread|-fopenmp|-DNDEBUG|-D[A-Za-z_]\w*(=[\w.+-]*)?|"
+    r"-U[A-Za-z_]\w*|-std=[\w+]+|-W(?![lap],)[\w=+-]+|-f(?!plugin)(no-)?[a-z0-9-]+(=[\w.-]+)?|"
+    r"-m[a-z0-9-]+(=[\w.-]+)?)$"
+)
+_NVCC_FLAG = re.compile(
+    r"^(-?-use_fast_math|--expt-relaxed-constexpr|--expt-extended-lambda|--extended-lambda|"
+    r"-lineinfo|--generate-line-info|-res-usage|--resource-usage|-G|-restrict|--restrict|"
+    r"-Wno-deprecated-gpu-targets|-t\d+|--threads=\d+|-maxrregcount=\d+|--maxrregcount=\d+|"
+    r"-(Xptxas|-ptxas-options)=[\w,=.-]+|-(ftz|prec-div|prec-sqrt|fmad)=(true|false)|"
+    r"-arch=(sm|compute)_\d+a?|--gpu-architecture=(sm|compute)_\d+a?|"
+    r"-gencode=arch=compute_\d+a?,code=\[?(sm|compute)_\d+a?(,(sm|compute)_\d+a?)*\]?)$"
+)
+_NVCC_PAIRED = {"-Xptxas": r"^[\w,=.-]+$", "--ptxas-options": r"^[\w,=.-]+$",
+                "-maxrregcount": r"^\d+$"}  # fmt: skip
+_LD_FLAG = re.compile(r"^(-l[\w.+-]+|-L/[\w/.+-]+)$")
+_PATH = re.compile(r"^/[\w/.+-]*$")
+
+
+def refusal(call: dict[str, Any]) -> str:
+    """Why the service does not build this call ("" when it does): a flag it does not pass
+    on, or an argument it does not take. The job process then builds it itself."""
+    if not isinstance(call.get("name"), str) or not re.fullmatch(
+        r"[A-Za-z_]\w{0,99}", call["name"]
+    ):
+        return "the extension's name is not an identifier"
+    if call.get("is_python_module") is False:
+        return "is_python_module=False"
+
+    def flags(key: str) -> list[str]:
+        v = call.get(key) or []
+        return [v] if isinstance(v, str) else [str(f) for f in v]
+
+    for f in (x for x in flags("extra_cflags") if x):
+        if not _HOST_FLAG.match(f):
+            return f"extra_cflags {f!r}"
+    it = iter(x for x in flags("extra_cuda_cflags") if x)
+    for f in it:
+        if f in ("-Xcompiler", "--compiler-options"):
+            parts = next(it, "").split(",")
+            if not all(_HOST_FLAG.match(p) for p in parts if p):
+                return f"extra_cuda_cflags {f} {','.join(parts)!r}"
+        elif f in _NVCC_PAIRED:
+            if not re.match(_NVCC_PAIRED[f], next(it, "")):
+                return f"extra_cuda_cflags {f} with an unusual value"
+        elif not (_NVCC_FLAG.match(f) or _HOST_FLAG.match(f)):
+            return f"extra_cuda_cflags {f!r}"
+    for f in (x for x in flags("extra_ldflags") if x):
+        if not _LD_FLAG.match(f):
+            return f"extra_ldflags {f!r}"
+    for f in (x for x in flags("extra_include_paths") if x):
+        if not _PATH.match(f):
+            return f"extra_include_paths {f!r}"
+    return ""
+
+
+_ERROR_LINE = re.compile(r"(\berror\b|fatal error|undefined reference|ld returned)", re.I)
+
+
+def clear_errors(text: str, limit: int = 12) -> str:
+    """The compiler's errors out of torch's build output (pages of ninja commands and torch's
+    headers): each error line with the source line and caret after it, at most `limit`."""
+    lines = text.splitlines()
+    out: list[str] = []
+    count = 0
+    i = 0
+    while i < len(lines) and count < limit:
+        line = lines[i]
+        if _ERROR_LINE.search(line) and not line.lstrip().startswith(("[", "FAILED:", "ninja:")):
+            if not re.search(r"\b(c\+\+|g\+\+|nvcc|cc1plus)\b.* -c ", line):  # a command line
+                out.append(line.strip())
+                count += 1
+                for follow in lines[i + 1 : i + 3]:  # the source line and the caret, if there
+                    if follow.startswith(" ") and not _ERROR_LINE.search(follow):
+                        out.append(follow.rstrip())
+                        i += 1
+                    else:
+                        break
+        i += 1
+    return "\n".join(out)
+
+
+def build_answer(
+    arguments_json: str,
+    arch: str,
+    work_dir: Path,
+    pch_dir: Path | None,
+    progress: Callable[[str], None],
+) -> Built:
+    """A build process's build of a call sent by the service (ExtensionCall): checked again
+    here (refusal), for `arch` ("sm_90"; "" builds for what torch finds)."""
+    import json
+
+    try:
+        call = json.loads(arguments_json)
+    except ValueError as e:
+        return Built(b"", f"the call is not JSON: {e}", "", False, 0.0)
+    if not isinstance(call, dict) or (why := refusal(call)):
+        return Built(b"", f"not built by the service: {why or 'not a call'}", "", False, 0.0)
+    m = re.fullmatch(r"sm_(\d+)(\d)(a?)", arch)
+    if m:  # torch's spelling of the architecture: "9.0" (with "a" kept)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{m.group(1)}.{m.group(2)}{m.group(3)}"
+    built = build_load_inline(call, work_dir / "build", pch_dir, progress)
+    if built.error:
+        found = clear_errors(built.error)
+        name = call["name"]
+        built.log = f"{built.log}\n{built.error}".strip()
+        built.error = f"Error building extension '{name}'" + (f":\n{found}" if found else "")
+        if not found:
+            built.error += f": {built.error_tail()}"
+    return built
+
+
 # ---- the build ------------------------------------------------------------------------------
 
 
@@ -143,6 +270,8 @@ def build_load_inline(
         try:
             fast_build(Path(build_directory), pch_dir, log, progress)
             state["fast"] = True
+        except SourceError as e:  # torch's own words for a failed build
+            raise RuntimeError(f"{error_prefix}: {e}") from None
         except FastBuildError as e:
             log.append(f"fast build not used: {e}")
             progress("compiling with torch's build (ninja)")
@@ -237,7 +366,10 @@ def _main_job(
 ) -> Callable[[], None]:
     def job() -> None:
         pch = _pch(cxx, cflags, _EXT_HEADER, pch_dir, log)
-        _run([cxx, *pch, *cflags, "-c", str(src), "-o", str(out)], out.parent, log)
+        try:
+            _run([cxx, *pch, *cflags, "-c", str(src), "-o", str(out)], out.parent, log)
+        except FastBuildError as e:
+            raise SourceError(str(e).split(": ", 1)[-1]) from None
 
     return job
 
@@ -315,6 +447,11 @@ def _pch(
     folder = pch_dir / key[:24]
     h = folder / "pch.h"
     gch = folder / "pch.h.gch"
+    if not os.access(pch_dir, os.W_OK):  # a build process: the service's PCHs, read-only
+        if gch.is_file():
+            return ["-Winvalid-pch", "-include", str(h)]
+        log.append(f"no precompiled header for these flags: {shlex.join(stable)[-300:]}")
+        return []
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it, the others wait for it
@@ -362,18 +499,10 @@ def _run(cmd: list[str], cwd: Path, log: list[str], quiet: bool = False) -> str:
     return done.stdout
 
 
-def target_id(arch: str) -> str:
-    """What, besides a call's arguments, decides what it builds to: the cache key's target."""
-    import torch
-
-    parts = [
-        f"torch {torch.__version__}",
-        f"cuda {torch.version.cuda}",
-        f"arch {arch}",
-        _compiler_id(os.environ.get("CXX", "c++")),
-        _tool_version("nvcc"),
-    ]
-    return "\n".join(parts)
+def toolchain_id() -> str:
+    """The compilers a build uses (g++ and nvcc, by their versions): with torch, CUDA and the
+    architecture, what besides a call's arguments decides what it builds to."""
+    return f"{_compiler_id(os.environ.get('CXX', 'c++'))}|{_tool_version('nvcc')}"
 
 
 def _tool_version(tool: str) -> str:

@@ -337,6 +337,7 @@ class _Job:
             device=self.dev,
             limits=limits,
             log=self.reporter.log,
+            extension_builder=self.config.extension_builder,
         )
 
     def _build(self, k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> Program:

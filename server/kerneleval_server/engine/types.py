@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2
 
@@ -28,6 +29,9 @@ class EngineConfig:
     limits: validation.Limits = field(default_factory=validation.Limits.from_env)
     # Pre-flight limits instead of the GPU's own (tests use fake ones; None asks the GPU).
     device_limits: DeviceLimits | None = None
+    # A job process's way to have the service build a load_inline call (the arguments as
+    # JSON -> an ExtensionBuilt, None when the service is gone); None: load_inline builds here.
+    extension_builder: Callable[[str], Any] | None = None
 
 
 @dataclass

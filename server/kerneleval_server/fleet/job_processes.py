@@ -98,6 +98,7 @@ class WorkerState:
         *,
         build_arch: str = "",
         prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
+        extension: job_channel_pb2.ExtensionCall | None = None,
     ) -> bool:
         """Sends the process a job: its one job, a build job (`build_arch`: build for it), or
         a job of prebuilt kernels. FrameError (nothing sent, nothing changed) when the job does
@@ -109,9 +110,10 @@ class WorkerState:
             job_id=job_id,
             spec=spec,
             attempt=attempt,
-            build_only=bool(build_arch),
+            build_only=bool(build_arch) or extension is not None,
             build_arch=build_arch,
             prebuilt=prebuilt,
+            extension=extension,
         )
         msg = job_channel_pb2.FrontendMessage(assign=assign)
         if compile_cache:
@@ -122,7 +124,7 @@ class WorkerState:
                 msg = with_cache
         frame = encode(msg.SerializeToString())
         self.assigned_job_id = self.job_id = job_id
-        self.build_job = bool(build_arch)
+        self.build_job = assign.build_only
         self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():
             return False
@@ -218,6 +220,8 @@ def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> 
         return "a build outcome for a job that was not a build job"
     if kind == "outcome" and worker.build_job:
         return "a job outcome for a build job"
+    if kind == "extension" and worker.build_job:
+        return "an extension request from a build process"
     return ""
 
 

@@ -68,6 +68,9 @@ from . import (
 )
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"  # the service's precompiled torch headers (builder/pch.py)
+MAX_LIBRARY_BYTES = 12 << 20  # a built extension travels in one frame (framing.MAX_FRAME)
+MAX_BUILD_LOG = 64 << 10
 
 
 # ---- before the fork: the zygote's side ---------------------------------------------------------
@@ -250,6 +253,8 @@ class _Channel:
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
         self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
+        # load_inline calls the service builds: request id -> (answered, the answer)
+        self._extensions: dict[int, tuple[threading.Event, list[Any]]] = {}
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
 
@@ -281,6 +286,11 @@ class _Channel:
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
+                elif kind == "extension":
+                    waiting = self._extensions.get(msg.extension.request_id)
+                    if waiting is not None:
+                        waiting[1].append(msg.extension)
+                        waiting[0].set()
                 # A Welcome is ignored.
         except (OSError, FrameError, DecodeError):
             pass
@@ -290,6 +300,26 @@ class _Channel:
         with self._grants_lock:
             for event in self._grants.values():
                 event.set()
+            for event, _ in self._extensions.values():
+                event.set()
+
+    def build_extension(self, job_id: str, arguments_json: str) -> Any:
+        """Asks the service to build a load_inline call; waits for its ExtensionBuilt (None
+        when the channel closed)."""
+        with self._grants_lock:
+            request_id = len(self._extensions) + 1
+            waiting: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+            self._extensions[request_id] = waiting
+        call = job_channel_pb2.ExtensionCall(arguments_json=arguments_json)
+        self.send(
+            job_channel_pb2.JobProcessMessage(
+                extension=job_channel_pb2.ExtensionRequest(
+                    job_id=job_id, request_id=request_id, call=call
+                )
+            )
+        )
+        waiting[0].wait()
+        return waiting[1][0] if waiting[1] else None
 
 
 class _Reporter:
@@ -449,19 +479,54 @@ def _engine_error(exc: Exception) -> job_pb2.EvalResult:
 
 
 def _build_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob) -> None:
-    """A build job: compile the spec's kernels for assign.build_arch; send BuildOutcome."""
+    """A build job: compile the spec's kernels for assign.build_arch, or the load_inline call
+    in assign.extension; send BuildOutcome."""
     reporter = _Reporter(channel, assign.job_id)
     job_dir, cache_dir, _ = _job_dirs(assign)
     channel.job_running = True
     try:
-        built = engine.build_job(
-            assign.spec, reporter, engine.EngineConfig(work_dir=job_dir), assign.build_arch
-        )
+        if assign.HasField("extension"):
+            built = job_channel_pb2.BuildOutcome(
+                extension=_build_extension(assign, job_dir, reporter)
+            )
+        else:
+            built = engine.build_job(
+                assign.spec, reporter, engine.EngineConfig(work_dir=job_dir), assign.build_arch
+            )
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         built = job_channel_pb2.BuildOutcome(result=_engine_error(exc))
     built.job_id = assign.job_id
     channel.finishing = True
     channel.send(job_channel_pb2.JobProcessMessage(build=built))
+
+
+def _build_extension(
+    assign: job_channel_pb2.AssignJob, job_dir: Path, reporter: "_Reporter"
+) -> job_channel_pb2.ExtensionBuilt:
+    """A load_inline call the service sent (builder/extension.py), with the service's
+    precompiled headers (read-only here) when it made them."""
+    from kerneleval_server.builder import extension
+
+    pch = os.environ.get(PCH_DIR_ENV, "")
+    built = extension.build_answer(
+        assign.extension.arguments_json,
+        assign.build_arch,
+        job_dir,
+        Path(pch) if pch and os.path.isdir(pch) else None,
+        lambda step: reporter.log(f"kerneleval build: {step}"),
+    )
+    answer = job_channel_pb2.ExtensionBuilt(
+        job_id=assign.job_id,
+        library=built.library,
+        error=built.error,
+        log=built.log[-MAX_BUILD_LOG:],
+        fast=built.fast,
+    )
+    if len(built.library) > MAX_LIBRARY_BYTES:
+        answer.library = b""
+        answer.error = f"the extension is {len(built.library)} bytes, over {MAX_LIBRARY_BYTES}"
+    answer.build_time.FromNanoseconds(int(built.seconds * 1e9))
+    return answer
 
 
 def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
@@ -521,6 +586,8 @@ def _run_one(
     prebuilt = list(assign.prebuilt)
     try:
         config = engine.EngineConfig(work_dir=job_dir)
+        if not prebuilt and hasattr(config, "extension_builder"):
+            config.extension_builder = functools.partial(channel.build_extension, assign.job_id)
         if prebuilt:
             outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
         else:

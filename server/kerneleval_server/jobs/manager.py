@@ -41,9 +41,11 @@ from kerneleval_server.fleet.watchdog import AttachedFd
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
 from kerneleval_server.jobs import prebuild, result_cache, static_checks
+from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
 from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.metrics import Metrics
@@ -164,6 +166,9 @@ class JobManager:
         # ops log, the metrics and the service log, at WARNING); GetStats serves them.
         self.sandbox = SandboxReport()
         self.compile_cache = CompileCache(config.compile_cache_mib << 20)
+        self.extensions = ExtensionBuilds(
+            BuildCache(config.state_path() / "builds", config.build_cache_mib << 20)
+        )
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
@@ -363,6 +368,10 @@ class JobManager:
         if self.draining:
             return
         ready = [w for w in self.workers.by_id.values() if w.ready]
+        for worker in ready:  # load_inline builds first: their jobs hold a GPU's process
+            if worker.device_index == BUILD_DEVICE and self.extensions.queue:
+                self._start_extension_build(worker)
+        ready = [w for w in ready if w.ready]
         for worker in ready:
             while worker.device_index == BUILD_DEVICE and len(self.queue):
                 queued = self.queue.pop_for(None, self._built_ahead)
@@ -389,6 +398,88 @@ class JobManager:
                 if queued is not None:
                     self._start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
+
+    def _start_extension_build(self, worker: WorkerState) -> None:
+        build = self.extensions.next_build()
+        if build is None:
+            return
+        call = job_channel_pb2.ExtensionCall(arguments_json=build.arguments_json)
+        try:
+            sent = worker.assign(build.build_id, kernel_pb2.JobSpec(), 1, build_arch=build.arch,
+                                 extension=call)  # fmt: skip
+        except FrameError as exc:
+            sent = False
+            log.error("extension build %s cannot be sent: %s", build.build_id, exc)
+        self.extensions.started(build, worker)
+        self._publish_log(
+            build.waiters, f"kerneleval: building {build.name!r} in {worker.worker_id}"
+        )
+        if not sent:
+            self._extension_build_lost(worker, "could not be reached")
+            return
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, build.build_id))
+        worker.exit_watch = asyncio.get_running_loop().call_later(
+            BUILD_TIMEOUT_S, self._extension_build_timeout, worker
+        )
+
+    def _extension_build_timeout(self, worker: WorkerState) -> None:
+        if self.extensions.building(worker) is None:
+            return
+        self._extension_build_lost(worker, f"ran past {BUILD_TIMEOUT_S:.0f} s and was killed")
+        self._worker_lost(worker)
+
+    def _on_extension_request(
+        self, worker: WorkerState, run: Running, req: job_channel_pb2.ExtensionRequest
+    ) -> None:
+        assert worker.hello is not None
+        device = worker.hello.device
+        arch = prebuild.arch_of(device.compute_capability)
+        builders = BUILD_DEVICE in self.devices and self.device_takes_jobs(BUILD_DEVICE)
+        waiter = Waiter(run.job.job_id, worker, req.request_id)
+        answer = self.extensions.request(waiter, req, device, arch, builders)
+        if answer is None:
+            self._publish_log([waiter], "kerneleval: load_inline queued for a build process")
+            self.dispatch()
+            return
+        if answer.cache_hit:
+            self._publish_log([waiter], "kerneleval: load_inline from the build cache")
+        worker.send(job_channel_pb2.FrontendMessage(extension=answer))
+
+    def _on_extension_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
+        worker.gone = True  # a build process builds once, then exits
+        if worker.exit_watch is not None:  # the build's timeout
+            worker.exit_watch.cancel()
+            worker.exit_watch = None
+        self._watch_exit(worker)
+        self._free_worker(worker, completed=True)
+        self._answer_extensions(self.extensions.finished(worker, built.extension))
+        self.dispatch()
+
+    def _extension_build_lost(self, worker: WorkerState, why: str) -> None:
+        self._answer_extensions(self.extensions.lost(worker, why))
+
+    def _answer_extensions(
+        self, answers: list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]
+    ) -> None:
+        for waiter, answer in answers:
+            run = self.running.get(waiter.job_id)
+            if run is None or run.worker is not waiter.worker or run.outcome is not None:
+                continue  # it ended meanwhile
+            took = answer.build_time.ToNanoseconds() / 1e9
+            what = answer.error.splitlines()[0] if answer.error else f"built in {took:.1f} s"
+            self._publish_log([waiter], f"kerneleval: load_inline: {what}")
+            try:
+                waiter.worker.send(job_channel_pb2.FrontendMessage(extension=answer))
+            except FrameError as exc:
+                log.error("extension for job %s not sent: %s", waiter.job_id, exc)
+
+    def _publish_log(self, waiters: list[Waiter], text: str) -> None:
+        for waiter in waiters:
+            if waiter.job_id in self.running:
+                event = self.hub.next_event(waiter.job_id)
+                event.log.text = text
+                self.hub.publish(event)
 
     def _built_ahead(self, queued: QueuedJob) -> bool:
         """The job goes to a build process first: its kernels can be, there is a build
@@ -595,6 +686,13 @@ class JobManager:
         if kind == "outcome":
             self._on_outcome(worker, msg.outcome)
             return
+        build = self.extensions.building(worker)
+        if build is not None:  # a build process building a load_inline call
+            if kind == "build":
+                self._on_extension_built(worker, msg.build)
+            elif kind == "log":
+                self._publish_log(build.waiters, msg.log.text)
+            return
         if kind == "build":
             self._on_built(worker, msg.build)
             return
@@ -623,6 +721,8 @@ class JobManager:
             self.hub.publish(event)
         elif kind == "drain":
             self._on_drain_status(worker, run, msg.drain.busy)
+        elif kind == "extension":
+            self._on_extension_request(worker, run, msg.extension)
 
     def _exclusive(self, run: Running, phase: int) -> bool:
         """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
@@ -1026,6 +1126,7 @@ class JobManager:
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None:
         run = self.running.pop(job.job_id, None)
+        self.extensions.forget_job(job.job_id)
         self._launched.discard(job.job_id)
         self.run_whole.discard(job.job_id)
         if job.job_id in self.launch_queue:
@@ -1293,6 +1394,9 @@ class JobManager:
         if worker is not None:
             worker.gone = True
             self.gate.release(worker.device_index, worker.worker_id)
+            if self.extensions.building(worker) is not None:
+                why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
+                self._extension_build_lost(worker, why)
             for run in list(self.running.values()):
                 if run.worker is worker:
                     self._job_worker_exited(run, exited)

@@ -31,6 +31,7 @@ class BuildContext:
     log: Any  # Callable[[str], None]
     notes: list[str] = field(default_factory=list)
     source_files: list[str] = field(default_factory=list)
+    extension_builder: Any = None  # EngineConfig.extension_builder
 
 
 class Program(Protocol):

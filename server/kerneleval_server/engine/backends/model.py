@@ -4,8 +4,11 @@ with get_init_inputs() seeded as KernelBench does, move it to the device."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,7 +59,9 @@ def _extension_env(ctx: BuildContext, kind: int) -> Iterator[None]:
 
     real = cpp_ext.load_inline
     cuda_build = torch.version.cuda is not None and torch.cuda.is_available()
-    if not cuda_build:
+    if ctx.extension_builder is not None:
+        cpp_ext.load_inline = _service_load_inline(ctx, real, ext_dir, cuda_build)  # type: ignore[assignment]
+    elif not cuda_build:
         cpp_ext.load_inline = _no_cuda_load_inline(ctx)  # type: ignore[assignment]
     try:
         yield
@@ -66,6 +71,42 @@ def _extension_env(ctx: BuildContext, kind: int) -> Iterator[None]:
             os.environ.pop("TORCH_EXTENSIONS_DIR", None)
         else:
             os.environ["TORCH_EXTENSIONS_DIR"] = saved
+
+
+def _service_load_inline(ctx: BuildContext, real: Any, ext_dir: Path, cuda_build: bool) -> Any:
+    """load_inline through the service (builder/extension.py): the service builds the call in
+    a build process, or takes it from its build cache, and sends the library; it is imported
+    as torch would import its own build. A call the service does not take builds here."""
+    no_cuda = _no_cuda_load_inline(ctx)
+
+    def load_inline(*args: Any, **kwargs: Any) -> Any:
+        from kerneleval_server.builder import extension
+
+        try:
+            call = extension.normalize_call(real, args, kwargs)
+        except (ValueError, TypeError):
+            return real(*args, **kwargs)  # torch says what is wrong with the call
+        if call.get("cuda_sources") and not cuda_build:
+            return no_cuda(*args, **kwargs)
+        answer = ctx.extension_builder(json.dumps(call, sort_keys=True))
+        if answer is None or answer.build_here:
+            return real(*args, **kwargs)
+        name = call["name"]
+        took = answer.build_time.ToNanoseconds() / 1e9
+        how = "from the build cache" if answer.cache_hit else f"built in {took:.1f} s"
+        ctx.log(f"load_inline({name!r}): {how}" + (" (fast build)" if answer.fast else ""))
+        if answer.error:
+            if answer.log:
+                ctx.log(answer.log)
+            raise RuntimeError(answer.error)
+        folder = ext_dir / f"{name}-{hashlib.sha256(answer.library).hexdigest()[:16]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.so").write_bytes(answer.library)
+        from torch.utils.cpp_extension import _import_module_from_library
+
+        return _import_module_from_library(name, str(folder), call.get("is_python_module", True))
+
+    return load_inline
 
 
 def _no_cuda_load_inline(ctx: BuildContext) -> Any:

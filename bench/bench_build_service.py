@@ -1,0 +1,162 @@
+"""KernelBench load_inline candidates through the service: builds by build processes and the
+build cache (jobs/extension_builds.py) against each job building its own (torch's
+load_inline in its job process, --build-processes 0), in the same run.
+
+Candidates are the example pairs' ModelNews (../shared/kernelbench/examples, read in place)
+against their Models, each made distinct by a comment in its CUDA source (nothing can come from
+a cache). Rows:
+  - builds by the service: --count distinct candidates through RunBatch at once; a minute's
+    worth, and how many were correct;
+  - builds in the job: --plain-count distinct candidates the same way, build processes off;
+  - cache hit: a candidate sent again (the result cache off): from its start to its
+    correctness run (PHASE_VALIDATING), and to the build cache's answer.
+The service makes its precompiled headers at start; the run waits for them (their time is a
+row of its own).
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_build_service.py --out DIR
+
+Results: <out>/bench_build_service.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+from bench_throughput import run_batch  # noqa: E402
+from kerneleval.kernelbench import job_from_sources  # noqa: E402
+from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
+
+KERNELBENCH = os.environ.get("KERNELBENCH", C.REPO.parent / "shared" / "kernelbench")
+EXAMPLES = Path(KERNELBENCH) / "examples"
+PAIRS = ("add", "fuse_gelu", "tiled_matmul")
+
+
+def candidate(index: int, tag: str) -> kernel_pb2.JobSpec:
+    pair = PAIRS[index % len(PAIRS)]
+    kernel = (EXAMPLES / f"model_new_ex_{pair}.py").read_text()
+    include = "#include <torch/extension.h>"
+    assert include in kernel, pair
+    kernel = kernel.replace(include, f"{include}\n// candidate {tag}-{index}-{time.time_ns()}", 1)
+    reference = (EXAMPLES / f"model_ex_{pair}.py").read_text()
+    spec = job_from_sources(kernel, reference, client_tag="bench-build-service")
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH_CUDA
+    spec.options.timeout.seconds = 300
+    spec.options.perf_trial_count = 5
+    return spec
+
+
+def wait_for_pch(svc: C.Service, timeout: float) -> float:
+    """Seconds until the service's precompiled headers are made (its log says so)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if svc.log.exists() and "kerneleval pch: done" in svc.log.read_text(errors="replace"):
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    print("precompiled headers not made in time:", svc.tail(), flush=True)
+    return -1.0
+
+
+def cache_hits(svc: C.Service, spec: kernel_pb2.JobSpec, n: int) -> dict[str, Any]:
+    """The same candidate n times, one at a time: start -> PHASE_VALIDATING and start -> the
+    build cache's answer, from the jobs' own event times."""
+    to_check, to_answer, verdicts = [], [], []
+    with svc.client() as c:
+        for _ in range(n):
+            events = list(c.run(spec))
+            start = next(C.ts(e.time) for e in events if e.HasField("started"))
+            check = next(
+                C.ts(e.time) for e in events
+                if e.HasField("phase") and e.phase.phase == job_pb2.PHASE_VALIDATING
+            )  # fmt: skip
+            hit = [C.ts(e.time) for e in events if "from the build cache" in e.log.text]
+            to_check.append(check - start)
+            to_answer.extend(h - start for h in hit[:1])
+            verdicts.append(job_pb2.Verdict.Name(events[-1].finished.result.verdict))
+    return {
+        "start_to_check_ms": [1e3 * x for x in to_check],
+        "start_to_cache_answer_ms": [1e3 * x for x in to_answer],
+        "p50_start_to_check_ms": 1e3 * statistics.median(to_check),
+        "p50_start_to_cache_answer_ms": 1e3 * statistics.median(to_answer) if to_answer else -1,
+        "verdicts": verdicts,
+    }
+
+
+def batch(
+    flags: list[str], count: int, tag: str, workers: int, hits: int, pch: bool
+) -> dict[str, Any]:
+    svc = C.Service(["--workers-per-device", str(workers), *flags], nvml="real").start()
+    try:
+        out: dict[str, Any] = {"flags": flags}
+        out["pch_s"] = wait_for_pch(svc, 400) if pch else 0.0
+        svc.wait_workers(workers)
+        warm = candidate(0, f"{tag}-warm")
+        with svc.client() as c:  # a first build (and the GPU's first kernels) untimed
+            out["warm_verdict"] = job_pb2.Verdict.Name(
+                list(c.run(warm))[-1].finished.result.verdict
+            )
+        specs = [candidate(i, tag) for i in range(count)]
+        out["batch"] = run_batch(svc, specs, in_flight=count)
+        b = out["batch"]
+        b["per_minute"] = 60 * b["finished"] / b["wall_s"]
+        if hits:
+            out["cache_hits"] = cache_hits(svc, warm, hits)
+        print(json.dumps({k: v for k, v in out.items() if k != "cache_hits"})[:1500], flush=True)
+        return out
+    finally:
+        svc.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap, smoke=False)
+    ap.add_argument("--count", type=int, default=64, help="distinct candidates, service builds")
+    ap.add_argument("--plain-count", type=int, default=16, help="distinct candidates, in-job")
+    ap.add_argument("--workers-per-device", type=int, default=8)
+    ap.add_argument("--build-processes", type=int, default=-1)
+    ap.add_argument("--hits", type=int, default=5)
+    args = ap.parse_args()
+    info = C.machine_info()
+    w = args.workers_per_device
+    data: dict[str, Any] = {}
+    fast_flags = []
+    if args.build_processes >= 0:
+        fast_flags = ["--build-processes", str(args.build_processes)]
+    data["service"] = batch(fast_flags, args.count, "svc", w, args.hits, pch=True)
+    if args.plain_count:
+        data["in_job"] = batch(["--build-processes", "0"], args.plain_count, "job", w, 0, False)
+    rows = []
+    for name, key in (("builds by the service", "service"), ("each job builds its own", "in_job")):
+        if key in data:
+            b = data[key]["batch"]
+            rows.append([name, b["jobs"], b["ok"], b["wall_s"], b["per_minute"], b["verdicts"]])
+    notes = []
+    if "in_job" in data:
+        s, p = data["service"]["batch"]["per_minute"], data["in_job"]["batch"]["per_minute"]
+        notes.append(f"distinct candidates a minute: {s:.1f} vs {p:.1f} ({C.ratio(s, p):.1f}x)")
+    hits = data["service"].get("cache_hits")
+    if hits:
+        notes.append(
+            f"a candidate sent again: start -> correctness run p50 "
+            f"{hits['p50_start_to_check_ms']:.0f} ms, start -> build cache answer p50 "
+            f"{hits['p50_start_to_cache_answer_ms']:.0f} ms ({hits['verdicts']})"
+        )
+    notes.append(f"precompiled headers made at start in {data['service']['pch_s']:.1f} s")
+    head = ["how", "candidates", "correct", "wall s", "per minute", "verdicts"]
+    tables = [(f"distinct KernelBench load_inline candidates, RunBatch, {w} per GPU", head, rows)]
+    title = "load_inline candidates through the service: build processes vs in-job builds"
+    C.write_results(args.out, "bench_build_service", title, info, data, tables, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""load_inline calls of running jobs, built by build processes: the queue, the waiters and the
+build cache in front of them.
+
+A job process whose code calls load_inline sends the call (ExtensionRequest) and waits. The
+front end answers at once from the build cache (build_cache.py), or joins the call to a build
+of the same key already under way, or queues a build: the next free build process (no GPU,
+sandboxed, one build and it exits) gets it as AssignJob.extension and answers a BuildOutcome
+with the library or the compile error, which every job waiting on that key receives and the
+cache keeps. Builds never run on a GPU's job process, so they never hold a GPU or its timing
+window, and as many run at once as there are build processes (--build-processes).
+
+The service builds only calls the builder takes (extension.refusal: plain code generation
+flags); for any other call, and where there are no build processes, the answer is
+`build_here`: load_inline runs in the job's own process, as torch would.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kerneleval.internal.v1 import job_channel_pb2
+
+from kerneleval_server.builder import extension
+
+from .build_cache import BuildCache
+
+MAX_CALLS_PER_JOB = 16
+MAX_CALL_BYTES = 4 << 20
+BUILD_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Waiter:
+    job_id: str
+    worker: Any  # the job process's WorkerState
+    request_id: int
+
+
+@dataclass
+class Build:
+    key: str
+    name: str
+    arguments_json: str
+    arch: str
+    waiters: list[Waiter] = field(default_factory=list)
+    worker: Any = None  # the build process's WorkerState, once started
+    started: float = 0.0
+
+    @property
+    def build_id(self) -> str:
+        return f"build-{self.key[:20]}"
+
+
+def _answer(
+    waiter: Waiter, built: job_channel_pb2.ExtensionBuilt
+) -> job_channel_pb2.ExtensionBuilt:
+    out = job_channel_pb2.ExtensionBuilt()
+    out.CopyFrom(built)
+    out.job_id, out.request_id = waiter.job_id, waiter.request_id
+    return out
+
+
+class ExtensionBuilds:
+    def __init__(self, cache: BuildCache) -> None:
+        self.cache = cache
+        self.queue: deque[Build] = deque()
+        self.by_key: dict[str, Build] = {}  # queued or building
+        self.by_worker: dict[str, Build] = {}  # build process id -> its build
+        self.calls: dict[str, int] = {}  # job id -> calls so far
+        self.built = 0
+        self._compilers = ""
+
+    def _target(self, device: Any, arch: str) -> str:
+        if not self._compilers:  # asked once: `c++ --version` and `nvcc --version`
+            self._compilers = extension.toolchain_id()
+        return f"torch {device.torch_version}|cuda {device.cuda_version}|{arch}|{self._compilers}"
+
+    def request(
+        self, waiter: Waiter, req: job_channel_pb2.ExtensionRequest, device: Any, arch: str,
+        builders: bool,
+    ) -> job_channel_pb2.ExtensionBuilt | None:  # fmt: skip
+        """The answer now (from the cache, or build_here), or None: the job waits for a build
+        (`next_build` hands it out)."""
+        done = job_channel_pb2.ExtensionBuilt(job_id=waiter.job_id, request_id=waiter.request_id)
+        self.calls[waiter.job_id] = self.calls.get(waiter.job_id, 0) + 1
+        if self.calls[waiter.job_id] > MAX_CALLS_PER_JOB:
+            done.error = f"more than {MAX_CALLS_PER_JOB} load_inline calls in one job"
+            return done
+        arguments = req.call.arguments_json
+        try:
+            call = json.loads(arguments) if len(arguments) <= MAX_CALL_BYTES else None
+        except ValueError:
+            call = None
+        if not isinstance(call, dict):
+            done.build_here = True  # torch judges the call itself
+            return done
+        if not builders or extension.refusal(call):
+            done.build_here = True
+            return done
+        key = extension.call_key(call, self._target(device, arch))
+        cached = self.cache.get(key)
+        if cached is not None:
+            out = _answer(waiter, cached)
+            out.cache_hit = True
+            return out
+        build = self.by_key.get(key)
+        if build is None:
+            build = Build(key, str(call.get("name", "")), arguments, arch)
+            self.by_key[key] = build
+            self.queue.append(build)
+        build.waiters.append(waiter)
+        return None
+
+    def next_build(self) -> Build | None:
+        """The oldest queued build still wanted by a job."""
+        while self.queue:
+            build = self.queue.popleft()
+            if build.waiters:
+                return build
+            self.by_key.pop(build.key, None)
+        return None
+
+    def started(self, build: Build, worker: Any) -> None:
+        build.worker = worker
+        build.started = time.monotonic()
+        self.by_worker[worker.worker_id] = build
+
+    def building(self, worker: Any) -> Build | None:
+        return self.by_worker.get(worker.worker_id)
+
+    def finished(
+        self, worker: Any, built: job_channel_pb2.ExtensionBuilt
+    ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
+        """A build process answered: kept in the cache (a library or a compile error; not
+        a build the builder refused), and the answer for each waiting job."""
+        build = self.by_worker.pop(worker.worker_id, None)
+        if build is None:
+            return []
+        self.by_key.pop(build.key, None)
+        kept = job_channel_pb2.ExtensionBuilt(
+            library=built.library, error=built.error, log=built.log, fast=built.fast
+        )
+        kept.build_time.CopyFrom(built.build_time)
+        if built.library or (built.error and not built.error.startswith("not built by")):
+            self.cache.put(build.key, kept)
+            self.built += 1
+        return [(w, _answer(w, kept)) for w in build.waiters]
+
+    def lost(self, worker: Any, why: str) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
+        """The build process ended without an answer: each waiting job gets the failure (not
+        kept: the next call builds again)."""
+        build = self.by_worker.pop(worker.worker_id, None)
+        if build is None:
+            return []
+        self.by_key.pop(build.key, None)
+        failed = job_channel_pb2.ExtensionBuilt(
+            error=f"Error building extension '{build.name}': the build process {why}"
+        )
+        return [(w, _answer(w, failed)) for w in build.waiters]
+
+    def forget_job(self, job_id: str) -> None:
+        """The job ended: it waits for nothing (a build only it wanted is dropped from the
+        queue when its turn comes)."""
+        self.calls.pop(job_id, None)
+        for build in self.by_key.values():
+            build.waiters = [w for w in build.waiters if w.job_id != job_id]
