@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -91,6 +92,27 @@ def cache_hits(svc: C.Service, spec: kernel_pb2.JobSpec, n: int) -> dict[str, An
     }
 
 
+def one_at_a_time(svc: C.Service, n: int, tag: str) -> dict[str, Any]:
+    """n distinct candidates, one after the other: each build's own time (the job's log:
+    "load_inline('name'): built in X s") and each job's wall time."""
+    builds, walls = [], []
+    with svc.client() as c:
+        for i in range(n):
+            t0 = time.perf_counter()
+            events = list(c.run(candidate(i, tag)))
+            walls.append(time.perf_counter() - t0)
+            for e in events:
+                m = re.search(r"load_inline\('\w+'\): built in ([0-9.]+) s", e.log.text)
+                if m:
+                    builds.append(float(m.group(1)))
+    return {
+        "build_s": builds,
+        "job_wall_s": walls,
+        "p50_build_s": statistics.median(builds) if builds else -1.0,
+        "p50_job_wall_s": statistics.median(walls),
+    }
+
+
 def batch(
     flags: list[str], count: int, tag: str, workers: int, hits: int, pch: bool
 ) -> dict[str, Any]:
@@ -110,6 +132,7 @@ def batch(
         b["per_minute"] = 60 * b["finished"] / b["wall_s"]
         if hits:
             out["cache_hits"] = cache_hits(svc, warm, hits)
+            out["one_at_a_time"] = one_at_a_time(svc, 6, f"{tag}-seq")
         print(json.dumps({k: v for k, v in out.items() if k != "cache_hits"})[:1500], flush=True)
         return out
     finally:
@@ -149,6 +172,12 @@ def main() -> int:
             f"a candidate sent again: start -> correctness run p50 "
             f"{hits['p50_start_to_check_ms']:.0f} ms, start -> build cache answer p50 "
             f"{hits['p50_start_to_cache_answer_ms']:.0f} ms ({hits['verdicts']})"
+        )
+    seq = data["service"].get("one_at_a_time")
+    if seq:
+        notes.append(
+            f"one distinct candidate at a time: build p50 {seq['p50_build_s']:.2f} s (main.cpp "
+            f"as an earlier candidate's: its object reused), job p50 {seq['p50_job_wall_s']:.2f} s"
         )
     notes.append(f"precompiled headers made at start in {data['service']['pch_s']:.1f} s")
     head = ["how", "candidates", "correct", "wall s", "per minute", "verdicts"]

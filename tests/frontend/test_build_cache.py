@@ -153,3 +153,33 @@ def test_plain_code_generation_flags_pass() -> None:
     }  # fmt: skip
     assert extension.refusal(call) == ""
     assert extension.refusal({**call, "name": "bad name"})
+
+
+def test_main_object_kept_for_calls_with_the_same_main_cpp(tmp_path: Path) -> None:
+    """Candidates that change only their CUDA sources share main.o; other declarations,
+    flags or names do not."""
+    builds = ExtensionBuilds(BuildCache(tmp_path / "builds", 1 << 20))
+    cuda = {**CALL, "cuda_sources": ["__global__ void k() {}"]}
+    assert builds.request(Waiter("a", object(), 1), request(cuda), DEVICE, "sm_90", True) is None
+    first = builds.next_build()
+    assert first is not None and builds.main_object(first) == b""
+    worker = SimpleNamespace(worker_id="build-3")
+    builds.started(first, worker)
+    done = built(b"lib")
+    done.main_object = b"main.o bytes"
+    ((_, answer),) = builds.finished(worker, done)
+    assert answer.main_object == b""  # never sent to a job
+    other_kernel = {**cuda, "cuda_sources": ["__global__ void k() { /* v2 */ }"]}
+    assert (
+        builds.request(Waiter("b", object(), 1), request(other_kernel), DEVICE, "sm_90", True)
+        is None
+    )
+    second = builds.next_build()
+    assert second is not None and builds.main_object(second) == b"main.o bytes"
+    for changed in ({"cpp_sources": ["int g();"]}, {"extra_cflags": ["-O2"]}, {"name": "other"}):
+        call = {**other_kernel, **changed}
+        assert (
+            builds.request(Waiter("c", object(), 1), request(call), DEVICE, "sm_90", True) is None
+        )
+        build = builds.next_build()
+        assert build is not None and builds.main_object(build) == b"", changed

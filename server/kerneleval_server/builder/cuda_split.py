@@ -30,8 +30,20 @@ LAUNCH_PREFIX = "kerneleval_launch_"
 # Headers only the host unit gets (the device unit must compile without them).
 _HOST_HEADERS = re.compile(r"#\s*include\s*[<\"](torch/|ATen/|c10/|pybind11/|Python\.h)")
 _INCLUDE = re.compile(r"#\s*include\b")
-# The device side cannot follow host code that asks which compiler reads it.
-_COMPILER_MACROS = re.compile(r"\b(__CUDACC__|__NVCC__|__CUDA_ARCH__|__CUDACC_RTC__)\b")
+# The device side cannot follow host code that asks which compiler reads it (nvcc predefines
+# __CUDACC__, __CUDACC_VER_MAJOR__, __NVCC__, __CUDA_ARCH__, __CUDA_ARCH_LIST__, ...).
+_COMPILER_MACROS = re.compile(r"\b(__CUDACC\w*|__NVCC\w*|__CUDA_ARCH\w*)")
+# A conditional in device code may test only what both units define the same way: the
+# source's own macros and these (torch's headers, which only the host unit reads, define
+# thousands).
+_CONDITIONAL = re.compile(r"^[ \t]*#[ \t]*(?:el)?if(?:n?def)?\b((?:.*\\\n)*.*)$", re.M)
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*(?:define|undef)[ \t]+([A-Za-z_]\w*)", re.M)
+_PP_SAME = {"defined", "__has_include", "__has_include_next", "__has_cpp_attribute",
+            "__has_attribute", "__has_builtin", "true", "false", "__cplusplus", "__GNUC__",
+            "__GNUC_MINOR__", "__GNUC_PATCHLEVEL__", "__clang__", "__linux__", "__x86_64__",
+            "__aarch64__", "_WIN32", "_MSC_VER", "CUDART_VERSION"}  # fmt: skip
+# ... and what the system headers that cuda_runtime.h includes (in both units) define
+_PP_SYSTEM = re.compile(r"M_[A-Z0-9_]+|INFINITY|NAN|HUGE_VALF?|U?INT_MAX|INT_MIN|CHAR_BIT")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _TORCH_NAMES = re.compile(r"\b(torch|at|c10|pybind11|py)\s*::|\bTORCH_|\bAT_|\bC10_")
 
@@ -59,6 +71,9 @@ class _Item:
 def split(source: str, path: str) -> Split:
     if _COMPILER_MACROS.search(source):
         raise SplitError("the source tests which compiler reads it")
+    for m in re.finditer(r"^[ \t]*#(?:.*\\\n)*.*", _mask(source), re.M):
+        if "<<<" in m.group():
+            raise SplitError("a launch in a macro")  # the host unit cannot compile it
     items = _items(source)
     kernels: dict[str, _Item] = {}
     for it in items:
@@ -67,11 +82,24 @@ def split(source: str, path: str) -> Split:
                 raise SplitError(f"kernel {it.name} is overloaded")
             kernels[it.name] = it
     host_text = "".join(it.text for it in items if it.kind == "host")
+    if any("<<<" in _strip(it.text) for it in items if it.kind == "both"):
+        raise SplitError("a launch in __host__ __device__ code")  # g++ reads it too
     launched = _check_kernel_uses(host_text, kernels)
+    _check_device_variables(host_text, items)
+    _check_conditionals("".join(it.text for it in items if it.kind != "host"))
     dev: list[str] = []
     host: list[str] = ["#include <cuda_runtime.h>\n"]  # as nvcc includes it first
+    scopes = 0  # namespaces and extern "C" blocks open at this item
     for it in items:
         line = f'\n#line {source.count(chr(10), 0, it.start) + 1} "{path}"\n'
+        if it.kind == "both" and _strip(it.text).endswith("{"):
+            scopes += 1
+        elif it.kind == "both" and it.text == "}":
+            scopes -= 1
+        if it.kind == "kernel" and it.name in launched and scopes:
+            # its launch function would be declared there (a template cannot have C linkage,
+            # one in an unnamed namespace no external linkage) and defined at the end
+            raise SplitError(f'kernel {it.name} is in a namespace or extern "C" block')
         if it.kind == "pp":
             host.append(line + it.text)
             if not _HOST_HEADERS.match(it.text.strip()):
@@ -206,6 +234,9 @@ def _is_body_end(src: str, start: int, close: int) -> bool:
     head = _strip(src[start:close])
     body_open = _matching_open(head)
     before = head[:body_open]
+    while m := re.match(r"\s*template\s*<", before):  # template <int N = 4>
+        before = before[_angle_end(before, m.end() - 1) + 1 :]
+    before = re.sub(r"\boperator\s*[^\w\s(]+", "operator", before)  # operator+=
     if re.search(r"\b(class|struct|union|enum)\b", before) and "(" not in before:
         return False
     return "=" not in before.split("(")[0] and "(" in before
@@ -242,7 +273,12 @@ def _classify(text: str, start: int) -> _Item:
         return _Item(text, start, "both")
     if words & {"__device__", "__constant__", "__shared__", "__managed__"}:
         return _Item(text, start, "device")
-    if re.match(r"\s*(typedef|using|struct|class|union|enum|static_assert)\b", head):
+    if re.match(r"\s*(typedef|using|namespace)\b", head) and "{" not in code:
+        if re.search(r"\b(cooperative_groups|nvcuda)\b", code):
+            return _Item(text, start, "device")  # declared by nvcc's headers only (g++: empty)
+        if _TORCH_NAMES.search(code) or re.search(r"\b(torch|at|c10|pybind11)\s*;", code):
+            return _Item(text, start, "host")  # using namespace torch; using torch::Tensor;
+    if re.match(r"\s*(typedef|using|namespace|struct|class|union|enum|static_assert)\b", head):
         return _Item(text, start, "both")
     if "(" not in head.split("=")[0]:
         # a variable: constants go to both units, anything else is host state
@@ -298,6 +334,39 @@ def _check_kernel_uses(host: str, kernels: dict[str, _Item]) -> list[str]:
     return launched
 
 
+def _check_device_variables(host: str, items: list[_Item]) -> None:
+    """A __device__/__constant__/__shared__/__managed__ variable is only in the device unit:
+    host code that names it (cudaMemcpyToSymbol) would find another declaration or none."""
+    code = _strip(host)
+    for it in items:
+        if it.kind != "device":
+            continue
+        head = re.split(r"[=;{]", _strip(it.text), maxsplit=1)[0]
+        if "(" in head:
+            continue  # a __device__ function: host code calling it does not compile
+        for part in _split_top(head):
+            names = _IDENT.findall(re.sub(r"\[[^\]]*\]", " ", part))
+            if names and re.search(rf"\b{names[-1]}\b", code):
+                raise SplitError(f"device variable {names[-1]} is named in host code")
+
+
+def _check_conditionals(device: str) -> None:
+    """Conditionals the device unit reads must test macros both units define alike."""
+    known = set(_PP_SAME)
+    masked = _mask(device)
+    events = [(m.start(), "define", m.group(1)) for m in _DEFINE.finditer(masked)]
+    events += [(m.start(), "test", m.group(1)) for m in _CONDITIONAL.finditer(masked)]
+    for _, what, text in sorted(events):
+        if what == "define":
+            known.add(text)
+            continue
+        for name in _IDENT.findall(re.sub(r"<[^>]*>|\b\d[\w.']*", " ", text)):  # 201703L
+            if name not in known and not _PP_SYSTEM.fullmatch(name):
+                raise SplitError(
+                    f"a preprocessor conditional on {name}, which torch's headers may define"
+                )
+
+
 def _launch_re(name: str) -> re.Pattern[str]:
     return re.compile(rf"\b{re.escape(name)}\s*(<(?:[^<>]|<[^<>]*>)*>\s*)?<<<")
 
@@ -327,12 +396,15 @@ def _rewrite_launches(text: str, kernels: dict[str, _Item]) -> str:
         if paren < 0 or masked[cfg_end + 3 : paren].strip():
             raise SplitError(f"a launch of {name} without arguments")
         targs = m.group(2) or ""
-        if _template_params(kernels[name].template) and not targs:
-            raise SplitError(f"a launch of template kernel {name} without template arguments")
+        given = len([a for a in _split_top(targs.strip()[1:-1]) if a.strip()]) if targs else 0
+        wanted = len(_template_params(kernels[name].template))
+        if given != wanted:  # the rest deduced or defaulted: the launch function cannot
+            raise SplitError(f"a launch of {name} with {given} of its {wanted} template arguments")
         call = f"{LAUNCH_PREFIX}{name}{targs.strip()}({', '.join(c.strip() for c in cfg)}"
+        lines = "\n" * (text.count("\n", begin, paren) - call.count("\n"))  # keep #line true
         close = _paren_end(masked, paren)
         args = text[paren + 1 : close]
-        call += f", {args})" if args.strip() else ")"
+        call += f",{lines} {args})" if args.strip() else f"{lines})"
         out.append(text[i:begin] + call)
         i = close + 1
     return "".join(out)
@@ -384,6 +456,9 @@ def _mask(text: str) -> str:
         elif text.startswith("/*", i):
             j = text.find("*/", i + 2)
             j = len(text) if j < 0 else j + 2
+        elif text.startswith('R"', i) and (m := re.match(r'R"([^(\s]*)\(', text[i:])):
+            j = text.find(f'){m.group(1)}"', i)
+            j = len(text) if j < 0 else j + len(m.group(1)) + 2
         elif text[i] in "\"'":
             j = _skip_literal(text, i)
             if j == i + 1:

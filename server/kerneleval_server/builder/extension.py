@@ -91,6 +91,7 @@ class Built:
     log: str  # what ran, with times
     fast: bool  # fast_build made it (not torch's ninja)
     seconds: float
+    main_object: bytes = b""  # main.o, when this build compiled it (for main_key's entry)
 
     def error_tail(self) -> str:
         return self.log.strip()[-2000:]
@@ -106,6 +107,23 @@ def call_key(call: dict[str, Any], target: str) -> str:
     h.update(target.encode())
     h.update(RECIPE_VERSION.encode())
     return h.hexdigest()
+
+
+# What main.cpp and its compile depend on: torch writes it from these (the CUDA sources and
+# flags are cuda.cu's; ldflags the link's).
+_MAIN_ARGS = frozenset(CALL_ARGS) - {"cuda_sources", "extra_cuda_cflags", "extra_ldflags"}
+
+
+def main_key(call: dict[str, Any], target: str) -> str:
+    """The content address of a call's main.o: in a search over one problem, candidates change
+    their kernels and keep their declarations, so most builds need no main.cpp compile."""
+    part = {k: v for k, v in call.items() if k in _MAIN_ARGS}
+    part["with_cuda"] = (
+        call.get("with_cuda")
+        if call.get("with_cuda") is not None
+        else bool(call.get("cuda_sources"))
+    )
+    return call_key(part, target + "\nmain.o")
 
 
 def normalize_call(
@@ -226,6 +244,7 @@ def build_answer(
     work_dir: Path,
     pch_dir: Path | None,
     progress: Callable[[str], None],
+    main_object: bytes = b"",
 ) -> Built:
     """A build process's build of a call sent by the service (ExtensionCall): checked again
     here (refusal), for `arch` ("sm_90"; "" builds for what torch finds)."""
@@ -240,7 +259,7 @@ def build_answer(
     m = re.fullmatch(r"sm_(\d+)(\d)(a?)", arch)
     if m:  # torch's spelling of the architecture: "9.0" (with "a" kept)
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{m.group(1)}.{m.group(2)}{m.group(3)}"
-    built = build_load_inline(call, work_dir / "build", pch_dir, progress)
+    built = build_load_inline(call, work_dir / "build", pch_dir, progress, main_object)
     if built.error:
         found = clear_errors(built.error)
         name = call["name"]
@@ -255,10 +274,15 @@ def build_answer(
 
 
 def build_load_inline(
-    call: dict[str, Any], work_dir: Path, pch_dir: Path | None, progress: Callable[[str], None]
+    call: dict[str, Any],
+    work_dir: Path,
+    pch_dir: Path | None,
+    progress: Callable[[str], None],
+    main_object: bytes = b"",
 ) -> Built:
     """Runs load_inline(**call) with its build in work_dir: fast_build first, torch's ninja if
-    that cannot. Never imports the result (a build process has no GPU)."""
+    that cannot. Never imports the result (a build process has no GPU). `main_object`: main.o
+    as an earlier build of the same main.cpp made it (main_key), not compiled again."""
     import torch.utils.cpp_extension as cpp_ext
 
     started = time.monotonic()
@@ -268,7 +292,7 @@ def build_load_inline(
 
     def ninja(build_directory: str, verbose: bool, error_prefix: str) -> None:
         try:
-            fast_build(Path(build_directory), pch_dir, log, progress)
+            fast_build(Path(build_directory), pch_dir, log, progress, main_object)
             state["fast"] = True
         except SourceError as e:  # torch's own words for a failed build
             raise RuntimeError(f"{error_prefix}: {e}") from None
@@ -293,7 +317,11 @@ def build_load_inline(
     if not so.is_file():
         error = f"load_inline built no {so.name}"
         return Built(b"", error, "\n".join(log), False, time.monotonic() - started)
-    return Built(so.read_bytes(), "", "\n".join(log), state["fast"], time.monotonic() - started)
+    built = Built(so.read_bytes(), "", "\n".join(log), state["fast"], time.monotonic() - started)
+    main_o = work_dir / "main.o"
+    if state["fast"] and not main_object and main_o.is_file():
+        built.main_object = main_o.read_bytes()
+    return built
 
 
 @contextlib.contextmanager
@@ -335,6 +363,7 @@ def fast_build(
     pch_dir: Path | None,
     log: list[str],
     progress: Callable[[str], None] = lambda _: None,
+    main_object: bytes = b"",
 ) -> None:
     n = _read_ninja(build_dir / "build.ninja")
     if n.flags.get("cuda_dlink_post_cflags") or n.flags.get("sycl_cflags"):
@@ -346,7 +375,10 @@ def fast_build(
     jobs: list[Callable[[], None]] = []
     for obj, (rule, src) in n.objects.items():
         out = build_dir / obj
-        if rule == "compile":
+        if rule == "compile" and main_object:
+            out.write_bytes(main_object)
+            log.append(f"{obj}: from the build cache (the same main.cpp and flags)")
+        elif rule == "compile":
             jobs.append(_main_job(n.cxx, cflags, Path(src), out, pch_dir, log))
         else:
             jobs.append(_cuda_job(n, Path(src), out, pch_dir, log, progress))

@@ -514,6 +514,7 @@ def _build_extension(
         job_dir,
         Path(pch) if pch and os.path.isdir(pch) else None,
         lambda step: reporter.log(f"kerneleval build: {step}"),
+        assign.extension.main_object,
     )
     answer = job_channel_pb2.ExtensionBuilt(
         job_id=assign.job_id,
@@ -522,6 +523,8 @@ def _build_extension(
         log=built.log[-MAX_BUILD_LOG:],
         fast=built.fast,
     )
+    if len(built.main_object) <= MAX_LIBRARY_BYTES:
+        answer.main_object = built.main_object
     if len(built.library) > MAX_LIBRARY_BYTES:
         answer.library = b""
         answer.error = f"the extension is {len(built.library)} bytes, over {MAX_LIBRARY_BYTES}"

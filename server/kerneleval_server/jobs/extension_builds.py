@@ -43,6 +43,7 @@ class Waiter:
 @dataclass
 class Build:
     key: str
+    main_key: str  # its main.o's (extension.main_key)
     name: str
     arguments_json: str
     arch: str
@@ -101,7 +102,8 @@ class ExtensionBuilds:
         if not builders or extension.refusal(call):
             done.build_here = True
             return done
-        key = extension.call_key(call, self._target(device, arch))
+        target = self._target(device, arch)
+        key = extension.call_key(call, target)
         cached = self.cache.get(key)
         if cached is not None:
             out = _answer(waiter, cached)
@@ -109,7 +111,8 @@ class ExtensionBuilds:
             return out
         build = self.by_key.get(key)
         if build is None:
-            build = Build(key, str(call.get("name", "")), arguments, arch)
+            main = extension.main_key(call, target)
+            build = Build(key, main, str(call.get("name", "")), arguments, arch)
             self.by_key[key] = build
             self.queue.append(build)
         build.waiters.append(waiter)
@@ -123,6 +126,11 @@ class ExtensionBuilds:
                 return build
             self.by_key.pop(build.key, None)
         return None
+
+    def main_object(self, build: Build) -> bytes:
+        """main.o of an earlier build with the same main.cpp and flags (b"": none kept)."""
+        entry = self.cache.get(build.main_key)
+        return entry.library if entry is not None else b""
 
     def started(self, build: Build, worker: Any) -> None:
         build.worker = worker
@@ -148,6 +156,10 @@ class ExtensionBuilds:
         if built.library or (built.error and not built.error.startswith("not built by")):
             self.cache.put(build.key, kept)
             self.built += 1
+        if built.library and built.main_object:
+            self.cache.put(
+                build.main_key, job_channel_pb2.ExtensionBuilt(library=built.main_object)
+            )
         return [(w, _answer(w, kept)) for w in build.waiters]
 
     def lost(self, worker: Any, why: str) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:

@@ -403,7 +403,9 @@ class JobManager:
         build = self.extensions.next_build()
         if build is None:
             return
-        call = job_channel_pb2.ExtensionCall(arguments_json=build.arguments_json)
+        call = job_channel_pb2.ExtensionCall(
+            arguments_json=build.arguments_json, main_object=self.extensions.main_object(build)
+        )
         try:
             sent = worker.assign(build.build_id, kernel_pb2.JobSpec(), 1, build_arch=build.arch,
                                  extension=call)  # fmt: skip
