@@ -56,6 +56,39 @@ def candidate(index: int, tag: str) -> kernel_pb2.JobSpec:
     return spec
 
 
+# Planted in the add example's kernel (its CUDA source), to judge that a build by the service
+# means what torch's own build means: the same verdicts, and the compiler's error in both.
+PLANTED = {
+    "compile_error": ("out[idx] = a[idx] + b[idx];", "out[idx] = a[idx] + undefined_thing;"),
+    "illegal_address": ("out[idx] = a[idx] + b[idx];", "out[idx + (1 << 28)] = a[idx] + b[idx];"),
+    "hang": ("out[idx] = a[idx] + b[idx];",
+             "while (a[idx] == a[idx]) { out[idx] += 1.0f; } out[idx] = a[idx] + b[idx];"),
+}  # fmt: skip
+
+
+def planted(kind: str, tag: str) -> kernel_pb2.JobSpec:
+    spec = candidate(0, f"{tag}-{kind}")
+    old, new = PLANTED[kind]
+    assert old in spec.kernel.source_code
+    spec.kernel.source_code = spec.kernel.source_code.replace(old, new)
+    spec.options.timeout.seconds = 60 if kind == "hang" else 300
+    return spec
+
+
+def behaviour(jobs: dict[str, Any]) -> dict[str, Any]:
+    """Each planted candidate's verdict and the first line of its error."""
+    out = {}
+    for kind in PLANTED:
+        job = jobs.get(f"planted-{kind}")
+        if job is None:
+            continue
+        r = job.result
+        text = r.compilation_error or r.error.message
+        first = next((ln for ln in text.splitlines() if "error" in ln.lower()), text[:200])
+        out[kind] = {"verdict": job_pb2.Verdict.Name(r.verdict), "error": first[:300]}
+    return out
+
+
 def wait_for_pch(svc: C.Service, timeout: float) -> float:
     """Seconds until the service's precompiled headers are made (its log says so)."""
     t0 = time.monotonic()
@@ -128,6 +161,18 @@ def batch(
             )
         specs = [candidate(i, tag) for i in range(count)]
         out["batch"] = run_batch(svc, specs, in_flight=count)
+        with svc.client() as c:  # the planted ones, at once
+            kinds = list(PLANTED)
+            finished = {}
+            for be in c.run_batch([planted(k, tag) for k in kinds], max_in_flight=len(kinds)):
+                if be.event is not None and be.event.HasField("finished"):
+                    finished[f"planted-{kinds[int(be.request_tag)]}"] = be.event.finished
+                if len(finished) == len(kinds) or be.error is not None:
+                    if be.error is not None:
+                        print("refused:", be.error.message, flush=True)
+                    if len(finished) == len(kinds):
+                        break
+        out["behaviour"] = behaviour(finished)
         b = out["batch"]
         b["per_minute"] = 60 * b["finished"] / b["wall_s"]
         if hits:
@@ -162,6 +207,8 @@ def main() -> int:
         if key in data:
             b = data[key]["batch"]
             rows.append([name, b["jobs"], b["ok"], b["wall_s"], b["per_minute"], b["verdicts"]])
+    head = ["how", "candidates", "correct", "wall s", "per minute", "verdicts"]
+    tables = [(f"distinct KernelBench load_inline candidates, RunBatch, {w} per GPU", head, rows)]
     notes = []
     if "in_job" in data:
         s, p = data["service"]["batch"]["per_minute"], data["in_job"]["batch"]["per_minute"]
@@ -173,6 +220,15 @@ def main() -> int:
             f"{hits['p50_start_to_check_ms']:.0f} ms, start -> build cache answer p50 "
             f"{hits['p50_start_to_cache_answer_ms']:.0f} ms ({hits['verdicts']})"
         )
+    if "in_job" in data:
+        brows = []
+        for kind in PLANTED:
+            svc_b = data["service"]["behaviour"].get(kind, {})
+            job_b = data["in_job"]["behaviour"].get(kind, {})
+            brows.append([kind, svc_b.get("verdict", "-"), job_b.get("verdict", "-"),
+                          svc_b.get("error", "")[:90], job_b.get("error", "")[:90]])  # fmt: skip
+        bhead = ["planted", "service verdict", "in-job verdict", "service error", "in-job error"]
+        tables.append(("the same meaning: planted faults", bhead, brows))
     seq = data["service"].get("one_at_a_time")
     if seq:
         notes.append(
@@ -180,8 +236,6 @@ def main() -> int:
             f"as an earlier candidate's: its object reused), job p50 {seq['p50_job_wall_s']:.2f} s"
         )
     notes.append(f"precompiled headers made at start in {data['service']['pch_s']:.1f} s")
-    head = ["how", "candidates", "correct", "wall s", "per minute", "verdicts"]
-    tables = [(f"distinct KernelBench load_inline candidates, RunBatch, {w} per GPU", head, rows)]
     title = "load_inline candidates through the service: build processes vs in-job builds"
     C.write_results(args.out, "bench_build_service", title, info, data, tables, notes)
     return 0
