@@ -482,7 +482,7 @@ def main() -> int:
         "in the host wrapper): the bound of what a device/host split gives",
     ]
     C.write_results(
-        args.out, "bench_builds_smoke" if smoke else "bench_builds",
+        args.out, "build_breakdown_smoke" if smoke else "build_breakdown",
         "KernelBench load_inline builds: where the time goes", info,
         {"candidates": n, "example": str(example), "runs": runs, "pch": pch_info},
         [("Variants (seconds per candidate)",
