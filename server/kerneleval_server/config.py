@@ -96,8 +96,8 @@ class Config:
     build_cache_mib: int = field(
         default=4096,
         metadata={
-            "help": "load_inline extensions kept on disk (<state>/builds) for calls with the "
-            "same sources and flags; 0 = off"
+            "help": "what was built, kept on disk (<state>/builds) across restarts: load_inline "
+            "extensions and the compile cache's kernels, for the same code; 0 = off"
         },
     )
     build_pch: bool = field(

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
-from kerneleval.v1 import job_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server.builder import extension
 from kerneleval_server.jobs.build_cache import BuildCache
+from kerneleval_server.jobs.compile_cache import CompileCache, cache_key
 from kerneleval_server.jobs.extension_builds import MAX_CALLS_PER_JOB, ExtensionBuilds, Waiter
 
 DEVICE = job_pb2.DeviceInfo(torch_version="2.11.0", cuda_version="13.0")
@@ -25,14 +26,13 @@ def built(library: bytes = b"\x7fELF lib", error: str = "") -> job_channel_pb2.E
 
 def test_kept_across_restarts_and_bounded(tmp_path: Path) -> None:
     cache = BuildCache(tmp_path / "builds", max_bytes=300)
-    cache.put("a" * 64, built(b"x" * 100))
-    cache.put("b" * 64, built(b"y" * 100))
+    cache.put("a" * 64, b"x" * 120)
+    cache.put("b" * 64, b"y" * 120)
     assert cache.get("a" * 64) is not None  # a is now the most recently used
     reopened = BuildCache(tmp_path / "builds", max_bytes=300)  # a restart
     assert len(reopened) == 2
-    got = reopened.get("b" * 64)
-    assert got is not None and got.library == b"y" * 100 and got.fast
-    reopened.put("c" * 64, built(b"z" * 100))  # over the bound: the least recently used goes
+    assert reopened.get("b" * 64) == b"y" * 120
+    reopened.put("c" * 64, b"z" * 120)  # over the bound: the least recently used goes
     assert reopened.bytes <= 300
     assert reopened.get("c" * 64) is not None
     assert reopened.get("b" * 64) is not None
@@ -42,10 +42,39 @@ def test_kept_across_restarts_and_bounded(tmp_path: Path) -> None:
 
 def test_a_damaged_entry_is_built_again(tmp_path: Path) -> None:
     cache = BuildCache(tmp_path / "builds", max_bytes=1 << 20)
-    cache.put("d" * 64, built())
-    (tmp_path / "builds" / "dd" / f"{'d' * 64}.pb").write_bytes(b"\xff\xff not a message")
-    assert cache.get("d" * 64) is None
+    builds = ExtensionBuilds(cache)
+    assert builds.request(Waiter("j", object(), 1), request(CALL), DEVICE, "", True) is None
+    build = builds.next_build()
+    assert build is not None
+    worker = SimpleNamespace(worker_id="build-0")
+    builds.started(build, worker)
+    builds.finished(worker, built())
+    assert len(cache) == 1
+    (path,) = (tmp_path / "builds").glob("??/*.pb")
+    path.write_bytes(b"\xff\xff not a message")
+    assert builds.request(Waiter("j2", object(), 1), request(CALL), DEVICE, "", True) is None
     assert len(cache) == 0
+
+
+def test_compile_cache_entries_survive_a_restart(tmp_path: Path) -> None:
+    """Raw CUDA and Triton: what a job compiled (or a build process built) is found by a
+    later job with the same code after the service restarted; a damaged entry is not."""
+    spec = kernel_pb2.JobSpec()
+    spec.kernel.source_code = "__global__ void k() {}"
+    files = [job_channel_pb2.CacheFile(path="ab/k.cubin", data=b"\x7fELF cubin")]
+    first = CompileCache(1 << 20, BuildCache(tmp_path / "builds", 1 << 20))
+    assert first.store(spec, 0, [], files) == ""
+    again = CompileCache(1 << 20, BuildCache(tmp_path / "builds", 1 << 20))
+    assert [f.data for f in again.files_for(spec, 0)] == [b"\x7fELF cubin"]
+    other = kernel_pb2.JobSpec()
+    other.kernel.source_code = "__global__ void k() { /* other */ }"
+    assert again.files_for(other, 0) == [] and again.files_for(spec, 1) == []
+    hostile = job_channel_pb2.CompileCacheEntry(
+        files=[job_channel_pb2.CacheFile(path="../../etc/x", data=b"x")]
+    )
+    disk = BuildCache(tmp_path / "builds", 1 << 20)
+    disk.put(cache_key(other, 0), hostile.SerializeToString())
+    assert CompileCache(1 << 20, disk).files_for(other, 0) == []
 
 
 def request(call: dict[str, object], request_id: int = 1) -> job_channel_pb2.ExtensionRequest:

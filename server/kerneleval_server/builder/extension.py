@@ -305,6 +305,9 @@ def build_load_inline(
     kwargs["build_directory"] = str(work_dir)
     kwargs["verbose"] = False
     work_dir.mkdir(parents=True, exist_ok=True)
+    # torch numbers a name's builds within a process (name_v1.so for a second one): each build
+    # here is the name's first, as in the job that asked for it
+    cpp_ext.JIT_EXTENSION_VERSIONER.entries.pop(call["name"], None)
     with (
         _patched(cpp_ext, "_run_ninja_build", ninja),
         _patched(cpp_ext, "_import_module_from_library", lambda *a, **k: None),
@@ -397,7 +400,9 @@ def _main_job(
     cxx: str, cflags: list[str], src: Path, out: Path, pch_dir: Path | None, log: list[str]
 ) -> Callable[[], None]:
     def job() -> None:
-        pch = _pch(cxx, cflags, _EXT_HEADER, pch_dir, log)
+        # torch's main.cpp starts with torch/extension.h, unless no_implicit_headers
+        starts = src.read_text().lstrip().startswith(_EXT_HEADER.strip())
+        pch = _pch(cxx, cflags, _EXT_HEADER, pch_dir, log) if starts else []
         try:
             _run([cxx, *pch, *cflags, "-c", str(src), "-o", str(out)], out.parent, log)
         except FastBuildError as e:

@@ -1,12 +1,13 @@
-"""Built load_inline extensions by content address, on disk: shared by every job on the node,
-kept across restarts, bounded in bytes (least recently used out first).
+"""What was built, by content address, on disk: shared by every job on the node, kept across
+restarts, bounded in bytes (least recently used out first). Two users, each with keys of its
+own: load_inline extensions (extension_builds.py: the call's arguments and the target: torch,
+CUDA, the architecture, the compilers, the builder's recipe) and the compile cache's entries
+(compile_cache.py: a job's code and device; raw CUDA and Triton kernels, built ahead or not).
 
-The key is the front end's own (extension_builds.py: the call's arguments and the target:
-torch, CUDA, the architecture, the compilers, the builder's recipe), so an entry holds what
-exactly that call builds to: a job that sent other sources or flags cannot reach it. Only the
-front end writes here (a job or build process has no path to the state folder); a write is a
-new file renamed into place, so a reader never sees half of one. Compile errors are kept too:
-the same call fails the same way.
+The keys are the front end's own, computed from what a job sent, so an entry holds what exactly
+that code builds to: a job with other sources or flags cannot reach it. Only the front end
+writes here (a job or build process has no path to the state folder); a write is a new file
+renamed into place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
-
-from google.protobuf.message import DecodeError
-from kerneleval.internal.v1 import job_channel_pb2
 
 log = logging.getLogger("kerneleval.build_cache")
 
@@ -50,27 +48,26 @@ class BuildCache:
             self.bytes += size
         self._evict()
 
-    def get(self, key: str) -> job_channel_pb2.ExtensionBuilt | None:
+    def get(self, key: str) -> bytes | None:
         if self.max_bytes <= 0 or key not in self._sizes:
             self.misses += 1
             return None
         path = self._path(key)
         try:
-            built = job_channel_pb2.ExtensionBuilt.FromString(path.read_bytes())
+            data = path.read_bytes()
             os.utime(path)
-        except (OSError, DecodeError) as e:  # gone or damaged: built again
+        except OSError as e:  # gone: built again
             log.warning("build cache entry %s unreadable: %s", key[:16], e)
-            self._forget(key)
+            self.forget(key)
             self.misses += 1
             return None
         self._sizes.move_to_end(key)
         self.hits += 1
-        return built
+        return data
 
-    def put(self, key: str, built: job_channel_pb2.ExtensionBuilt) -> None:
+    def put(self, key: str, data: bytes) -> None:
         if self.max_bytes <= 0:
             return
-        data = built.SerializeToString()
         if len(data) > self.max_bytes:
             return
         path = self._path(key)
@@ -91,9 +88,10 @@ class BuildCache:
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self._sizes:
-            self._forget(next(iter(self._sizes)))
+            self.forget(next(iter(self._sizes)))
 
-    def _forget(self, key: str) -> None:
+    def forget(self, key: str) -> None:
+        """Drops an entry (one its user found damaged)."""
         self.bytes -= self._sizes.pop(key, 0)
         with contextlib.suppress(OSError):
             self._path(key).unlink()

@@ -16,7 +16,9 @@ The same cache keeps what build processes built for jobs built ahead (prebuild.p
 artifacts, one file per source, under the key of the code and the architecture (`built_key`):
 a later job with exactly that code skips its build.
 
-Bounded by bytes (least recently used out first); in memory, so a restart starts empty.
+Bounded by bytes (least recently used out first) in memory, and kept on disk too when given
+the build cache (build_cache.py, under the same key): a restart, or an entry pushed out of
+memory, is found there again.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import hashlib
 import posixpath
 from collections import OrderedDict
 
+from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
+
+from .build_cache import BuildCache
 
 MAX_FILES = 256  # per entry
 MAX_ENTRY_BYTES = 3 << 20  # per entry: it travels with the spec in one frame
@@ -80,8 +85,9 @@ def check_files(files: list[job_channel_pb2.CacheFile]) -> str:
 
 
 class CompileCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, disk: BuildCache | None = None) -> None:
         self.max_bytes = max_bytes
+        self.disk = disk
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -99,11 +105,38 @@ class CompileCache:
         key = cache_key(spec, device_index)
         files = self._entries.get(key)
         if files is None:
+            files = self._from_disk(key)
+        if files is None:
             self.misses += 1
             return []
         self._entries.move_to_end(key)
         self.hits += 1
         return files
+
+    def _from_disk(self, key: str) -> list[job_channel_pb2.CacheFile] | None:
+        data = self.disk.get(key) if self.disk is not None else None
+        if data is None:
+            return None
+        try:
+            files = list(job_channel_pb2.CompileCacheEntry.FromString(data).files)
+        except DecodeError:
+            files = []
+        if not files or check_files(files):  # damaged: compiled again
+            assert self.disk is not None
+            self.disk.forget(key)
+            return None
+        self._keep(key, files)
+        return files
+
+    def _keep(self, key: str, files: list[job_channel_pb2.CacheFile]) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= self._size(old)
+        self._entries[key] = files
+        self.bytes += self._size(files)
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= self._size(evicted)
 
     def store(
         self,
@@ -126,14 +159,9 @@ class CompileCache:
         if size > self.max_bytes:
             return f"{size} bytes, more than the whole cache"
         key = cache_key(spec, device_index)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.bytes -= self._size(old)
-        self._entries[key] = merged
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= self._size(evicted)
+        self._keep(key, merged)
+        if self.disk is not None:
+            self.disk.put(key, job_channel_pb2.CompileCacheEntry(files=merged).SerializeToString())
         return ""
 
     def __len__(self) -> int:

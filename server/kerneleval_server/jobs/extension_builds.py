@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 
 from kerneleval_server.builder import extension
@@ -104,7 +105,7 @@ class ExtensionBuilds:
             return done
         target = self._target(device, arch)
         key = extension.call_key(call, target)
-        cached = self.cache.get(key)
+        cached = self._entry(key)
         if cached is not None:
             out = _answer(waiter, cached)
             out.cache_hit = True
@@ -129,8 +130,18 @@ class ExtensionBuilds:
 
     def main_object(self, build: Build) -> bytes:
         """main.o of an earlier build with the same main.cpp and flags (b"": none kept)."""
-        entry = self.cache.get(build.main_key)
+        entry = self._entry(build.main_key)
         return entry.library if entry is not None else b""
+
+    def _entry(self, key: str) -> job_channel_pb2.ExtensionBuilt | None:
+        data = self.cache.get(key)
+        if data is None:
+            return None
+        try:
+            return job_channel_pb2.ExtensionBuilt.FromString(data)
+        except DecodeError:  # damaged on disk: built again
+            self.cache.forget(key)
+            return None
 
     def started(self, build: Build, worker: Any) -> None:
         build.worker = worker
@@ -154,12 +165,11 @@ class ExtensionBuilds:
         )
         kept.build_time.CopyFrom(built.build_time)
         if built.library or (built.error and not built.error.startswith("not built by")):
-            self.cache.put(build.key, kept)
+            self.cache.put(build.key, kept.SerializeToString())
             self.built += 1
         if built.library and built.main_object:
-            self.cache.put(
-                build.main_key, job_channel_pb2.ExtensionBuilt(library=built.main_object)
-            )
+            entry = job_channel_pb2.ExtensionBuilt(library=built.main_object)
+            self.cache.put(build.main_key, entry.SerializeToString())
         return [(w, _answer(w, kept)) for w in build.waiters]
 
     def lost(self, worker: Any, why: str) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:

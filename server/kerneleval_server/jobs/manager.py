@@ -165,10 +165,10 @@ class JobManager:
         # Sandbox features the host refused, and other warnings of the watchdog (also in the
         # ops log, the metrics and the service log, at WARNING); GetStats serves them.
         self.sandbox = SandboxReport()
-        self.compile_cache = CompileCache(config.compile_cache_mib << 20)
-        self.extensions = ExtensionBuilds(
-            BuildCache(config.state_path() / "builds", config.build_cache_mib << 20)
-        )
+        # What was built, on disk across restarts: extensions, and the compile cache's entries.
+        built = BuildCache(config.state_path() / "builds", config.build_cache_mib << 20)
+        self.compile_cache = CompileCache(config.compile_cache_mib << 20, built)
+        self.extensions = ExtensionBuilds(built)
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
