@@ -13,6 +13,7 @@
 #                                               # two-GPU machine it adds the two-GPU run)
 #   OUT=/some/dir bench/run_gpu.sh prebuilt     # built ahead (no GPU) vs JIT, per kernel
 #   OUT=/some/dir bench/run_gpu.sh builds       # load_inline builds: builder vs torch (~6 min)
+#   OUT=/some/dir bench/run_gpu.sh kernelbench_run # level 1 through `kerneleval kernelbench`
 #   OUT=/some/dir bench/run_gpu.sh build_service # load_inline jobs: build processes and the
 #                                               # build cache vs in-job builds (~7 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
@@ -91,6 +92,7 @@ case "$STAGE" in
   prebuilt) run 240 gpu_prebuilt_check ;;
   builds) run 580 bench_builds ;;
   build_service) run 580 bench_build_service ;;
+  kernelbench_run) run 580 bench_kernelbench_run ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale

@@ -4,6 +4,9 @@ It runs inside the sealed job process: it sees none of the test's files, and not
 outlives its job. What it has to tell the test goes back in the result's notes.
 
 The kernel source is a JSON command:
+  {"do": "oom", "seconds": s}
+      checks for s seconds, then reports the assertion torch's allocator raises for an
+      out-of-memory where NVML cannot start (as in the sandbox).
   {"do": "illegal_address"}
       reports VERDICT_DEVICE_FAULT with a poisoned context, as the real engine does after
       cudaErrorIllegalAddress (the test writes the XID into the fake NVML file, as the driver
@@ -155,6 +158,18 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
         reporter.phase(job_pb2.PHASE_VALIDATING)
         # A real fault: PID 1 of the job's PID namespace ignores a plain kill(SIGSEGV).
         ctypes.string_at(0)
+    if cmd["do"] == "oom":
+        # As torch's allocator in a sandbox without NVML says an out-of-memory (a neighbour's
+        # memory or its own: the job process cannot tell).
+        reporter.phase(job_pb2.PHASE_VALIDATING)
+        time.sleep(float(cmd.get("seconds", 0)))
+        result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+        result.error.message = (
+            "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
+            '"/pytorch/c10/cuda/CUDACachingAllocator.cpp":1135'
+        )
+        result.notes.append(f"ran {time.time()}")
+        return Outcome(result)
     if cmd["do"] == "illegal_address":
         reporter.phase(job_pb2.PHASE_VALIDATING)
         result.verdict = job_pb2.VERDICT_DEVICE_FAULT

@@ -88,6 +88,46 @@ def test_illegal_address_carries_the_xid_and_does_not_hold_up_the_next_job(
     assert stats.xid_count >= 1 and stats.fault_count >= 1
 
 
+def test_out_of_memory_beside_another_job_runs_again_alone(svc: ServiceProcess) -> None:
+    """A job that runs out of GPU memory while another job held some of the GPU is run again,
+    once, with the GPU to itself: no other job starts on it meanwhile. Alone, it is not."""
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    svc.wait_serving()
+    neighbour = stub.Submit(pb.SubmitRequest(spec=command_spec({"do": "time", "seconds": 1.5}))).job
+    oom = stub.Submit(pb.SubmitRequest(spec=command_spec({"do": "oom", "seconds": 0.5}))).job
+    time.sleep(0.3)  # both running: two job processes on the GPU
+    later = stub.Submit(pb.SubmitRequest(spec=command_spec({"do": "time", "seconds": 0.2}))).job
+    events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=oom.job_id), timeout=60)]
+    done = stub.GetJob(pb.GetJobRequest(job_id=oom.job_id)).job
+    assert done.attempt_count == 2, done
+    assert done.result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or "nvmlInit" in (
+        done.result.error.message
+    )
+    assert any("runs again with GPU 0 to itself" in e.log.text for e in events)
+    started = [e for e in events if e.WhichOneof("kind") == "started"]
+    assert len(started) == 2
+    # The second run had the GPU alone: every other job ended before it started, or started
+    # after it ended.
+    rerun_start = started[1].time.ToNanoseconds() / 1e9
+    rerun_end = done.end_time.ToNanoseconds() / 1e9
+    for other_id in (neighbour.job_id, later.job_id):
+        other = _wait_done(stub, other_id)
+        assert other.result.verdict == job_pb2.VERDICT_OK
+        s, e = other.start_time.ToNanoseconds() / 1e9, other.end_time.ToNanoseconds() / 1e9
+        assert e <= rerun_start + 0.05 or s >= rerun_end - 0.05, (other_id, s, e, rerun_start)
+    alone = stub.Evaluate(pb.EvaluateRequest(spec=command_spec({"do": "oom"})), timeout=60).job
+    assert alone.attempt_count == 1  # nothing else ran: its own memory, its own result
+
+
+def _wait_done(stub, job_id: str) -> job_pb2.Job:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 60
+    while True:
+        job = stub.GetJob(pb.GetJobRequest(job_id=job_id)).job
+        if job.state == job_pb2.JOB_STATE_DONE or time.monotonic() > deadline:
+            return job
+        time.sleep(0.05)
+
+
 def test_one_timing_phase_at_a_time_per_device(svc: ServiceProcess) -> None:
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
     svc.wait_serving()

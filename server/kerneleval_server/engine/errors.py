@@ -186,7 +186,13 @@ def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     msg = str(exc)
-    return "DefaultCPUAllocator: can't allocate memory" in msg or "CUDA out of memory" in msg
+    # torch's allocator, describing an OOM where NVML cannot start (a sandbox), asserts instead
+    nvml_oom = "nvmlInit_v2_() INTERNAL ASSERT FAILED" in msg and "CUDACachingAllocator" in msg
+    return (
+        "DefaultCPUAllocator: can't allocate memory" in msg
+        or "CUDA out of memory" in msg
+        or nvml_oom
+    )
 
 
 def _resource_limit(exc: BaseException) -> str | None:

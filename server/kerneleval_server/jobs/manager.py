@@ -51,6 +51,9 @@ from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.metrics import Metrics
 
 log = logging.getLogger("kerneleval.jobs")
+# An allocation that failed, as torch says it: its OOM error, or the assertion its allocator
+# raises instead where NVML cannot start (a sandbox) while it describes the OOM.
+OOM_TEXTS = ("CUDA out of memory", "nvmlInit_v2_() INTERNAL ASSERT FAILED")
 
 DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
@@ -112,6 +115,7 @@ class Running:
     built: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
     awaiting_launch: bool = False
     build_arch: str = ""  # what its build process built for
+    crowded: bool = False  # another job ran on its GPU meanwhile (their memory was its too)
 
 
 @dataclass
@@ -174,6 +178,9 @@ class JobManager:
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
         self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
+        self.alone: set[str] = (
+            set()
+        )  # re-run with a GPU to themselves (out of memory beside others)
         self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
         self.watchdog: WatchdogLike | None = None
         self.draining = False
@@ -388,13 +395,23 @@ class JobManager:
         ]
         # Built jobs to launch processes warm from the last one first; other jobs to fresh
         # processes first (a launch process that takes one runs its code, and then exits).
+        # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
+        # starts there while it waits for the GPU to empty and while it runs.
+        held = self._held_devices()
+        for worker in gpu:
+            if worker.device_index in held and worker.ready:
+                self._start_alone(worker)
+        gpu = [w for w in gpu if w.device_index not in held]
         for worker in sorted(gpu, key=lambda w: -w.launches):
             built = self._next_launch(worker.device_index) if self.launch_queue else ""
             if built:
                 self._start(built, worker)
         for worker in sorted(gpu, key=lambda w: w.launches):
             if worker.ready and len(self.queue):
-                queued = self.queue.pop_for(worker.device_index, lambda q: not self._built_ahead(q))
+                queued = self.queue.pop_for(
+                    worker.device_index,
+                    lambda q: not self._built_ahead(q) and q.job_id not in self.alone,
+                )
                 if queued is not None:
                     self._start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
@@ -482,6 +499,65 @@ class JobManager:
                 event = self.hub.next_event(waiter.job_id)
                 event.log.text = text
                 self.hub.publish(event)
+
+    def _running_on(self, device: int) -> list[Running]:
+        return [
+            r for r in self.running.values()
+            if r.worker.device_index == device and r.worker.worker_id and not r.awaiting_launch
+        ]  # fmt: skip
+
+    def _held_devices(self) -> dict[int, str]:
+        """GPU -> the job to run alone there (queued: where it ran out of memory; or running)."""
+        held: dict[int, str] = {}
+        for job_id in self.alone:
+            run = self.running.get(job_id)
+            if run is not None:
+                held[run.worker.device_index] = job_id
+            elif job_id in self.queue:
+                job = self.store.get(job_id)
+                if job is not None:
+                    held.setdefault(job.device_index, job_id)
+        return held
+
+    def _start_alone(self, worker: WorkerState) -> None:
+        """Starts the job held for the worker's GPU once the GPU runs nothing else."""
+        job_id = self._held_devices().get(worker.device_index, "")
+        if not job_id or job_id in self.running or self._running_on(worker.device_index):
+            return
+        queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
+        if queued is not None:
+            self._start(queued.job_id, worker)
+
+    def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
+        """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
+        that was not its own: it runs again, once, with the GPU to itself."""
+        text = f"{result.error.message}\n{result.compilation_error}"
+        oom = result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or any(m in text for m in OOM_TEXTS)
+        job = run.job
+        if not oom or not run.crowded or job.job_id in self.alone:
+            return False
+        if job.attempt_count >= self.config.max_attempts:
+            return False
+        self.alone.add(job.job_id)
+        for timer in run.timers:
+            timer.cancel()
+        if run.deadline is not None:
+            run.deadline.cancel()
+        if run.outcome_wait is not None:
+            run.outcome_wait.cancel()
+        self.running.pop(job.job_id, None)
+        if run.worker.job_id == job.job_id:
+            self._free_worker(run.worker, completed=True)
+        event = self.hub.next_event(job.job_id)
+        event.log.text = (
+            "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
+            f"with GPU {job.device_index} to itself (attempt {job.attempt_count + 1})"
+        )
+        self.hub.publish(event)
+        log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
+        self._requeue(job)
+        self.dispatch()
+        return True
 
     def _built_ahead(self, queued: QueuedJob) -> bool:
         """The job goes to a build process first: its kernels can be, there is a build
@@ -620,6 +696,10 @@ class JobManager:
         if waiting is not None:
             run.deadline.resume()
         worker.job_id = job_id
+        if not build_arch:
+            for other in self._running_on(worker.device_index):
+                if other is not run:
+                    other.crowded = run.crowded = True
         if self.windows.frozen(worker.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
@@ -984,6 +1064,8 @@ class JobManager:
             return
         result = job_pb2.EvalResult()
         result.CopyFrom(run.outcome.result)
+        if self._retry_alone(run, result):
+            return
         result.ClearField("timing_window")  # the service's to say, not the job's
         if run.window is not None:
             run.window.fill(result.timing_window)
@@ -1129,6 +1211,7 @@ class JobManager:
     ) -> None:
         run = self.running.pop(job.job_id, None)
         self.extensions.forget_job(job.job_id)
+        self.alone.discard(job.job_id)
         self._launched.discard(job.job_id)
         self.run_whole.discard(job.job_id)
         if job.job_id in self.launch_queue:

@@ -1,0 +1,126 @@
+"""A KernelBench run through the CLI (`kerneleval kernelbench RUN_DIR --level 1 --problems
+PATH --preset kernelbench`), as a KernelBench user runs it, on every level-1 problem.
+
+There are no generated kernels in ../shared/kernelbench, so RUN_DIR is made here, one sample
+per problem: the problem's own Model as the ModelNew (correct, about 1x), and for --wrong
+problems a ModelNew that adds 1 to the Model's output (planted wrong kernels: they must come
+out incorrect). The run's eval_results.json and analysis_results.json (KernelBench's shapes)
+are copied into the results.
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_kernelbench_run.py --out DIR
+
+Results: <out>/bench_kernelbench_run.json and .md, <out>/kernelbench_run/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+KERNELBENCH = Path(os.environ.get("KERNELBENCH", C.REPO.parent / "shared" / "kernelbench"))
+
+WRONG = """
+
+class ModelNew(_KernelevalBase):
+    def forward(self, *args):
+        return super().forward(*args) + 1.0
+"""
+
+
+def make_run(run_dir: Path, problems: Path, wrong: set[int]) -> int:
+    count = 0
+    for path in sorted(problems.glob("*.py")):
+        m = re.match(r"^(\d+)_", path.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        source = path.read_text()
+        if pid in wrong:
+            kernel = re.sub(r"\bModel\b", "_KernelevalBase", source) + WRONG
+        else:
+            kernel = re.sub(r"\bModel\b", "ModelNew", source)
+        (run_dir / f"level_1_problem_{pid}_sample_0_kernel.py").write_text(kernel)
+        count += 1
+    return count
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap, smoke=False)
+    ap.add_argument("--wrong", default="1,19,23,40,95", help="problems given a wrong kernel")
+    ap.add_argument("--workers-per-device", type=int, default=8)
+    args = ap.parse_args()
+    wrong = {int(x) for x in args.wrong.split(",") if x}
+    problems = KERNELBENCH / "level1"
+    root = Path(tempfile.mkdtemp(prefix="kerneleval-kb-run-"))
+    run_dir = root / "run"
+    run_dir.mkdir()
+    samples = make_run(run_dir, problems, wrong)
+    info = C.machine_info()
+    svc = C.Service(["--workers-per-device", str(args.workers_per_device)], nvml="real").start()
+    try:
+        svc.wait_workers(args.workers_per_device)
+        cmd = [
+            sys.executable, "-m", "kerneleval.cli", "--server", svc.address, "--no-progress",
+            "kernelbench", str(run_dir), "--level", "1", "--problems", str(problems),
+            "--preset", "kernelbench",
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=C.child_env(), capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    finally:
+        svc.stop()
+    print(done.stdout[-4000:], done.stderr[-2000:], flush=True)
+    out = Path(args.out) / "kernelbench_run"
+    out.mkdir(parents=True, exist_ok=True)
+    analysis: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+    for name in ("eval_results.json", "analysis_results.json"):
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, out / name)
+    if (run_dir / "analysis_results.json").exists():
+        analysis = json.loads((run_dir / "analysis_results.json").read_text())
+    if (run_dir / "eval_results.json").exists():
+        results = json.loads((run_dir / "eval_results.json").read_text())
+    wrong_found = sorted(
+        int(pid)
+        for pid, entries in results.items()
+        if entries and not any(e.get("correctness") for e in entries)
+    )
+    data = {
+        "samples": samples,
+        "wrong_planted": sorted(wrong),
+        "incorrect": wrong_found,
+        "cli_exit": done.returncode,
+        "wall_s": wall,
+        "analysis": analysis,
+    }
+    rows = [[k, json.dumps(v) if isinstance(v, (dict, list)) else v] for k, v in analysis.items()]
+    notes = [
+        f"{samples} kernels (level 1, one per problem) in {wall:.0f} s through the CLI, exit "
+        f"{done.returncode}",
+        f"planted wrong: {sorted(wrong)}; incorrect: {wrong_found}",
+    ]
+    title = "kerneleval kernelbench: level 1 through the CLI (KernelBench's preset)"
+    C.write_results(
+        args.out, "bench_kernelbench_run", title, info, data, [("summary", ["", ""], rows)], notes
+    )
+    shutil.rmtree(root, ignore_errors=True)
+    return 0 if done.returncode == 0 and wrong_found == sorted(wrong) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
