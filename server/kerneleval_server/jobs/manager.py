@@ -506,6 +506,15 @@ class JobManager:
             if r.worker.device_index == device and r.worker.worker_id and not r.awaiting_launch
         ]  # fmt: skip
 
+    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
+        """A job process of the device has had a job and has not exited (its GPU memory is
+        not given back until it has), other than `but` and idle launch processes."""
+        return any(
+            w is not but and w.device_index == device and w.assigned_job_id
+            and not (w.reusable and not w.job_id)
+            for w in self.workers.by_id.values()
+        )  # fmt: skip
+
     def _held_devices(self) -> dict[int, str]:
         """GPU -> the job to run alone there (queued: where it ran out of memory; or running)."""
         held: dict[int, str] = {}
@@ -522,7 +531,7 @@ class JobManager:
     def _start_alone(self, worker: WorkerState) -> None:
         """Starts the job held for the worker's GPU once the GPU runs nothing else."""
         job_id = self._held_devices().get(worker.device_index, "")
-        if not job_id or job_id in self.running or self._running_on(worker.device_index):
+        if not job_id or job_id in self.running or self._busy_on(worker.device_index, worker):
             return
         queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
@@ -697,9 +706,11 @@ class JobManager:
             run.deadline.resume()
         worker.job_id = job_id
         if not build_arch:
+            if self._busy_on(worker.device_index, but=worker):
+                run.crowded = True
             for other in self._running_on(worker.device_index):
                 if other is not run:
-                    other.crowded = run.crowded = True
+                    other.crowded = True
         if self.windows.frozen(worker.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
