@@ -78,37 +78,47 @@ def _fail(check: TrialCheck, name: str, message: str) -> TrialCheck:
     return check
 
 
+# Elements compared at once: the comparison works in float64 with several temporaries, so a
+# KernelBench level-1 output (1.6e9 float32s, 6.4 GB) compared whole needs ~60 GB more; in
+# chunks it needs ~2 GB.
+COMPARE_CHUNK = 1 << 26
+
+
 def _compare_tensor(
     check: TrialCheck, name: str, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
 ) -> None:
     if c.device != r.device:
         c = c.to(r.device)
-    if r.dtype == torch.bool:
-        cf, rf = c.to(torch.float64), r.to(torch.float64)
-    else:
-        cf, rf = c.to(torch.float64), r.to(torch.float64)
-    diff = (cf - rf).abs()
-    # Equal infinities pass; NaN on either side never does.
-    ok = (cf == rf) | (diff <= atol + rtol * rf.abs())
-    finite = torch.isfinite(diff)
-    if finite.any():
-        check.max_abs = max(check.max_abs, float(diff[finite].max()))
-        nz = finite & (rf != 0)
-        if nz.any():
-            check.max_rel = max(check.max_rel, float((diff[nz] / rf[nz].abs()).max()))
-    bad = int((~ok).sum())
+    cflat, rflat = c.reshape(-1), r.reshape(-1)
+    bad, first = 0, -1
+    for start in range(0, rflat.numel(), COMPARE_CHUNK):
+        end = start + COMPARE_CHUNK
+        cf, rf = cflat[start:end].to(torch.float64), rflat[start:end].to(torch.float64)
+        diff = (cf - rf).abs()
+        # Equal infinities pass; NaN on either side never does.
+        ok = (cf == rf) | (diff <= atol + rtol * rf.abs())
+        finite = torch.isfinite(diff)
+        if finite.any():
+            check.max_abs = max(check.max_abs, float(diff[finite].max()))
+            nz = finite & (rf != 0)
+            if nz.any():
+                check.max_rel = max(check.max_rel, float((diff[nz] / rf[nz].abs()).max()))
+        chunk_bad = int((~ok).sum())
+        if chunk_bad and first < 0:
+            first = start + int((~ok).nonzero()[0, 0])
+        bad += chunk_bad
+        del cf, rf, diff, ok, finite
     if bad and check.ok:
         check.ok = False
         check.output_name = name
         check.mismatches = bad
         check.elements = r.numel()
-        flat = int((~ok).reshape(-1).nonzero()[0, 0])
-        check.first_index = [int(i) for i in _unravel(flat, tuple(r.shape))]
+        check.first_index = [int(i) for i in _unravel(first, tuple(r.shape))]
         where = check.first_index
         check.message = (
             f"{name}: {bad} of {r.numel()} elements differ (atol={atol:g}, rtol={rtol:g}); "
-            f"first at {where}: got {c.reshape(-1)[flat].item()!r}, "
-            f"expected {r.reshape(-1)[flat].item()!r}"
+            f"first at {where}: got {cflat[first].item()!r}, "
+            f"expected {rflat[first].item()!r}"
         )
 
 
