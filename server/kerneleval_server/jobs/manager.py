@@ -548,15 +548,8 @@ class JobManager:
         if job.attempt_count >= self.config.max_attempts:
             return False
         self.alone.add(job.job_id)
-        for timer in run.timers:
-            timer.cancel()
-        if run.deadline is not None:
-            run.deadline.cancel()
-        if run.outcome_wait is not None:
-            run.outcome_wait.cancel()
         self.running.pop(job.job_id, None)
-        if run.worker.job_id == job.job_id:
-            self._free_worker(run.worker, completed=True)
+        self._stop_following(run, completed=True)
         event = self.hub.next_event(job.job_id)
         event.log.text = (
             "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
@@ -567,6 +560,18 @@ class JobManager:
         self._requeue(job)
         self.dispatch()
         return True
+
+    def _stop_following(self, run: Running, completed: bool) -> None:
+        """The run is over for the front end: its timers stop, its process takes no more of
+        it."""
+        for timer in run.timers:
+            timer.cancel()
+        if run.deadline is not None:
+            run.deadline.cancel()
+        if run.outcome_wait is not None:
+            run.outcome_wait.cancel()
+        if run.worker.job_id == run.job.job_id:
+            self._free_worker(run.worker, completed=completed)
 
     def _built_ahead(self, queued: QueuedJob) -> bool:
         """The job goes to a build process first: its kernels can be, there is a build
@@ -1228,14 +1233,7 @@ class JobManager:
         if job.job_id in self.launch_queue:
             self.launch_queue.remove(job.job_id)
         if run is not None:
-            for timer in run.timers:
-                timer.cancel()
-            if run.deadline is not None:
-                run.deadline.cancel()
-            if run.outcome_wait is not None:
-                run.outcome_wait.cancel()
-            if run.worker.job_id == job.job_id:
-                self._free_worker(run.worker, completed=False)
+            self._stop_following(run, completed=False)
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         job.state = state  # type: ignore[assignment]
