@@ -103,6 +103,9 @@ def test_built_by_a_build_process_then_from_the_cache(stub) -> None:  # type: ig
     assert job.result.correctness
     assert any("load_inline queued for a build process" in t for t in logs), logs
     assert any(t.startswith("kerneleval: building ") for t in logs), logs
+    # The build's progress: the compiler's step and the time so far.
+    steps = [t for t in logs if t.startswith("kerneleval build: ")]
+    assert any("compiling" in t and t.endswith(" s)") for t in steps), logs
     # The same call again: the library comes from the build cache, nothing is built.
     again, logs = run(stub, source)
     assert again.result.verdict == job_pb2.VERDICT_OK, again.result

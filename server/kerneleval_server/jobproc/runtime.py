@@ -38,6 +38,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -508,12 +509,13 @@ def _build_extension(
     from kerneleval_server.builder import extension
 
     pch = os.environ.get(PCH_DIR_ENV, "")
+    started = time.monotonic()
     built = extension.build_answer(
         assign.extension.arguments_json,
         assign.build_arch,
         job_dir,
         Path(pch) if pch and os.path.isdir(pch) else None,
-        lambda step: reporter.log(f"kerneleval build: {step}"),
+        lambda step: reporter.log(f"kerneleval build: {step} ({time.monotonic() - started:.1f} s)"),
         assign.extension.main_object,
     )
     answer = job_channel_pb2.ExtensionBuilt(
