@@ -320,9 +320,8 @@ def test_cuda_build_splits_compiles_and_links(
     assert needed == {
         "void kerneleval_launch_fill<float, 3, float*, int>(dim3, dim3, unsigned long, "
         "CUstream_st*, float*, int)",
-        # a non-template kernel: its own parameter types (int64_t), the int converted at the call
-        "void kerneleval_launch_add_one<float*, long>(dim3, dim3, unsigned long, CUstream_st*, "
-        "float*, long)",
+        "void kerneleval_launch_add_one<float*, int>(dim3, dim3, unsigned long, CUstream_st*, "
+        "float*, int)",
     }
     defined = " ".join(launch_symbols(so, "--defined-only"))
     assert all(sym in defined for sym in needed)
@@ -537,12 +536,11 @@ def test_kernelbench_add_host_unit_compiles_against_torch(
     so = tmp_path / f"{name}.so"
     assert so.is_file() and has_device_code(so)
     assert launch_symbols(so, "-u") == []
-    # the launch function takes the kernel's own parameter types: size is a.numel()
-    # (int64_t), converted to the kernel's int at the call, as a launch converts it; the
-    # instantiation is known from the source, so nvcc ran beside g++
+    # size is a.numel() (int64_t): the launch function takes it as it is, and the kernel's
+    # int parameter converts it at the launch, as in the original
     assert [s.split(" ", 2)[-1] for s in launch_symbols(so, "--defined-only")] == [
-        "void kerneleval_launch_elementwise_add_kernel<float const*, float const*, float*, "
-        "int>(dim3, dim3, unsigned long, CUstream_st*, float const*, float const*, float*, int)"
+        "void kerneleval_launch_elementwise_add_kernel<float*, float*, float*, long>(dim3, "
+        "dim3, unsigned long, CUstream_st*, float*, float*, float*, long)"
     ]
     assert f"PyInit_{name}" in " ".join(nm(so, "-D", "--defined-only"))
     host = (tmp_path / "cuda.cuda.host.cpp").read_text()

@@ -37,7 +37,7 @@ from typing import Any
 
 from . import cuda_split
 
-RECIPE_VERSION = "2"  # part of every cache key: bump when the build's output would differ
+RECIPE_VERSION = "1"  # part of every cache key: bump when the build's output would differ
 
 # load_inline's arguments that the builder honours; anything else makes the call run in the
 # job process as before (they are rare: sycl, standalone executables).
@@ -430,30 +430,19 @@ def _cuda_job(
     host_obj, dev_obj = out.with_suffix(".host.o"), out.with_suffix(".device.o")
     host_src.write_text(parts.host)
 
-    def device(inst: str) -> None:
-        dev_src.write_text(parts.device + inst)
-        _run([n.nvcc, *cuda_flags, "-c", str(dev_src), "-o", str(dev_obj)], out.parent, log)
-
     def job() -> None:
         # the PCH holds torch/extension.h: used only where the source includes it itself
         uses_ext = re.search(r"#\s*include\s*<torch/extension\.h>", source)
         pch = _pch(n.cxx, host_flags, _CU_HEADER, pch_dir, log) if uses_ext else []
-        host = [n.cxx, *pch, *host_flags, "-c", str(host_src), "-o", str(host_obj)]
-        if parts.typed:  # the launches' types are the kernels' own: nvcc beside g++
-            progress("compiling the kernels (nvcc) and the host code (g++)")
-            with ThreadPoolExecutor(1) as pool:
-                kernels = pool.submit(device, parts.typed_instantiations)
-                _run(host, out.parent, log)
-                kernels.result()
-        else:  # the launches' types come from the host object
-            _run(host, out.parent, log)
-            undefined = _run(["nm", "-C", "-u", str(host_obj)], out.parent, log, quiet=True)
-            try:
-                inst = cuda_split.instantiations(undefined.splitlines())
-            except cuda_split.SplitError as e:
-                raise FastBuildError(str(e)) from None
-            progress("compiling the kernels (nvcc)")
-            device(inst)
+        _run([n.cxx, *pch, *host_flags, "-c", str(host_src), "-o", str(host_obj)], out.parent, log)
+        undefined = _run(["nm", "-C", "-u", str(host_obj)], out.parent, log, quiet=True)
+        try:
+            inst = cuda_split.instantiations(undefined.splitlines())
+        except cuda_split.SplitError as e:
+            raise FastBuildError(str(e)) from None
+        dev_src.write_text(parts.device + inst)
+        progress("compiling the kernels (nvcc)")
+        _run([n.nvcc, *cuda_flags, "-c", str(dev_src), "-o", str(dev_obj)], out.parent, log)
         _run(["ld", "-r", str(host_obj), str(dev_obj), "-o", str(out)], out.parent, log)
 
     return job
