@@ -41,7 +41,7 @@ from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import Config
-from kerneleval_server.jobproc import POISONED_EXIT
+from kerneleval_server.jobproc import PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.store import StoreError, open_store
@@ -127,9 +127,6 @@ def job_env(cfg: Config) -> dict[str, str]:
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"  # jobproc/runtime.py reads it in build processes
 
 
 def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:

@@ -34,6 +34,8 @@ MAX_JOBS_PER_LAUNCH_PROCESS = 500
 MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+# The service's precompiled torch headers (builder/pch.py), read-only in build processes.
+PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"
 
 # Phases whose GPU work waits for the front end's grant (the device's GPU gate): checks share
 # the GPU with other jobs' checks, a timing window has it alone.

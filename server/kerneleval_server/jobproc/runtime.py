@@ -61,6 +61,7 @@ from . import (
     MAX_JOBS_PER_LAUNCH_PROCESS,
     MAX_LOG_LINE_BYTES,
     OK_EXIT,
+    PCH_DIR_ENV,
     POISONED_EXIT,
     TRITON_CACHE_ENV,
     WORKER_ID_ENV,
@@ -69,7 +70,6 @@ from . import (
 )
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"  # the service's precompiled torch headers (builder/pch.py)
 MAX_LIBRARY_BYTES = 12 << 20  # a built extension travels in one frame (framing.MAX_FRAME)
 MAX_BUILD_LOG = 64 << 10
 

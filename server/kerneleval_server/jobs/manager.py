@@ -178,9 +178,8 @@ class JobManager:
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
         self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
-        self.alone: set[str] = (
-            set()
-        )  # re-run with a GPU to themselves (out of memory beside others)
+        # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
+        self.alone: set[str] = set()
         self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
         self.watchdog: WatchdogLike | None = None
         self.draining = False
