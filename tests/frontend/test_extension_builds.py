@@ -56,6 +56,33 @@ def candidate(*, body: str = "1", flags: str = "extra_cflags=['-O2']", name: str
 SHARED_NAME = f"ext_{uuid.uuid4().hex[:8]}"
 SHARED = candidate(name=SHARED_NAME)
 
+# A call without torch's headers (no_implicit_headers, pybind11 alone): a real load_inline
+# build in seconds instead of a minute on 2 cores, for the tests that need several builds.
+LIGHT = """
+import torch
+from torch.utils.cpp_extension import load_inline
+cpp = '''
+#include <pybind11/pybind11.h>
+// SALT
+float one() { return BODY; }
+'''
+ext = load_inline(name="NAME", cpp_sources=[cpp], functions=["one"], no_implicit_headers=True,
+                  with_pytorch_error_handling=False, FLAGS)
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + ext.one()
+"""
+LIGHT_NAME = f"light_{uuid.uuid4().hex[:8]}"
+
+
+def light(*, body: str = "1.0f", flags: str = "extra_cflags=['-O2']") -> str:
+    return (
+        LIGHT.replace("SALT", "")
+        .replace("BODY", body)
+        .replace("FLAGS", flags)
+        .replace("NAME", LIGHT_NAME)
+    )
+
 
 def spec_for(source: str) -> kernel_pb2.JobSpec:
     spec = kernel_pb2.JobSpec(client_tag="extensions")
@@ -116,16 +143,19 @@ def test_built_by_a_build_process_then_from_the_cache(stub) -> None:  # type: ig
 def test_other_sources_never_get_a_cached_library(stub) -> None:  # type: ignore[no-untyped-def]
     """The key is the call's content: a candidate with the same name and flags but another
     body is built for itself, and its own (wrong) answer is judged."""
-    wrong, logs = run(stub, SHARED.replace("x * 2 + 1", "x * 2 + 2"))
+    first, _ = run(stub, light())
+    assert first.result.verdict == job_pb2.VERDICT_OK, first.result
+    wrong, logs = run(stub, light(body="2.0f"))
     assert not any("from the build cache" in t for t in logs), logs
     assert wrong.result.verdict == job_pb2.VERDICT_INCORRECT, wrong.result
-    # And the next tenant's correct job is still correct.
-    after, _ = run(stub, SHARED)
+    # And the next tenant's correct job is still correct, from the cache.
+    after, logs = run(stub, light())
     assert after.result.verdict == job_pb2.VERDICT_OK, after.result
+    assert any("from the build cache" in t for t in logs), logs
 
 
 def test_compile_error_names_the_line(stub) -> None:  # type: ignore[no-untyped-def]
-    job, _ = run(stub, candidate(body="undefined_symbol_xyz"))
+    job, _ = run(stub, light(body="undefined_symbol_xyz"))
     assert job.result.verdict == job_pb2.VERDICT_COMPILE_ERROR, job.result
     assert not job.result.compiled
     message = job.result.compilation_error
@@ -139,9 +169,9 @@ def test_compile_error_names_the_line(stub) -> None:  # type: ignore[no-untyped-
 def test_unusual_flags_build_in_the_job(stub) -> None:  # type: ignore[no-untyped-def]
     """A flag that could run a program (gcc's -wrapper) never reaches a build process: the
     call builds in the job's own sandboxed process, as torch would, and fails there."""
-    job, logs = run(stub, candidate(flags="extra_cflags=['-wrapper', '/bin/true,-x']"))
+    job, logs = run(stub, light(flags="extra_cflags=['-wrapper', '/bin/true,-x']"))
     assert not any(t.startswith("kerneleval: building ") for t in logs), logs
     assert not any("queued for a build process" in t for t in logs), logs
     assert job.result.verdict != job_pb2.VERDICT_OK
-    nxt, _ = run(stub, SHARED)
+    nxt, _ = run(stub, light())
     assert nxt.result.verdict == job_pb2.VERDICT_OK, nxt.result
