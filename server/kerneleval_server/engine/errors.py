@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from kerneleval.v1 import job_pb2
 
+from kerneleval_server.jobproc import NVML_OOM_ASSERT
+
 
 @dataclass(frozen=True)
 class CudaError:
@@ -187,7 +189,7 @@ def _is_oom(exc: BaseException) -> bool:
         return True
     msg = str(exc)
     # torch's allocator, describing an OOM where NVML cannot start (a sandbox), asserts instead
-    nvml_oom = "nvmlInit_v2_() INTERNAL ASSERT FAILED" in msg and "CUDACachingAllocator" in msg
+    nvml_oom = NVML_OOM_ASSERT in msg and "CUDACachingAllocator" in msg
     return (
         "DefaultCPUAllocator: can't allocate memory" in msg
         or "CUDA out of memory" in msg

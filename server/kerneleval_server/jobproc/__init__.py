@@ -34,6 +34,9 @@ MAX_JOBS_PER_LAUNCH_PROCESS = 500
 MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+# What torch's allocator raises instead of its out-of-memory error where NVML cannot start (in
+# the sandbox): read as an out-of-memory by the engine and by the front end.
+NVML_OOM_ASSERT = "nvmlInit_v2_() INTERNAL ASSERT FAILED"
 # The service's precompiled torch headers (builder/pch.py), read-only in build processes.
 PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"
 

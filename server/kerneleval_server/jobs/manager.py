@@ -39,7 +39,12 @@ from kerneleval_server.fleet.timing_windows import (
 )
 from kerneleval_server.fleet.watchdog import AttachedFd
 from kerneleval_server.framing import FrameError
-from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, POISONED_EXIT
+from kerneleval_server.jobproc import (
+    BUILD_DEVICE,
+    GATED_PHASES,
+    NVML_OOM_ASSERT,
+    POISONED_EXIT,
+)
 from kerneleval_server.jobs import prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
@@ -53,7 +58,7 @@ from kerneleval_server.metrics import Metrics
 log = logging.getLogger("kerneleval.jobs")
 # An allocation that failed, as torch says it: its OOM error, or the assertion its allocator
 # raises instead where NVML cannot start (a sandbox) while it describes the OOM.
-OOM_TEXTS = ("CUDA out of memory", "nvmlInit_v2_() INTERNAL ASSERT FAILED")
+OOM_TEXTS = ("CUDA out of memory", NVML_OOM_ASSERT)
 
 DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
@@ -399,7 +404,7 @@ class JobManager:
         held = self._held_devices()
         for worker in gpu:
             if worker.device_index in held and worker.ready:
-                self._start_alone(worker)
+                self._start_alone(worker, held[worker.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
         for worker in sorted(gpu, key=lambda w: -w.launches):
             built = self._next_launch(worker.device_index) if self.launch_queue else ""
@@ -527,10 +532,9 @@ class JobManager:
                     held.setdefault(job.device_index, job_id)
         return held
 
-    def _start_alone(self, worker: WorkerState) -> None:
+    def _start_alone(self, worker: WorkerState, job_id: str) -> None:
         """Starts the job held for the worker's GPU once the GPU runs nothing else."""
-        job_id = self._held_devices().get(worker.device_index, "")
-        if not job_id or job_id in self.running or self._busy_on(worker.device_index, worker):
+        if job_id in self.running or self._busy_on(worker.device_index, worker):
             return
         queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
