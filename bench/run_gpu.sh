@@ -16,6 +16,8 @@
 #   OUT=/some/dir bench/run_gpu.sh kernelbench_run # level 1 through `kerneleval kernelbench`
 #   OUT=/some/dir bench/run_gpu.sh build_service # load_inline jobs: build processes and the
 #                                               # build cache vs in-job builds (~7 min)
+#   OUT=/some/dir bench/run_gpu.sh rl_step      # one RL step: 64 KernelBench candidates, on
+#                                               # every GPU of the machine (~5 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
@@ -93,6 +95,10 @@ case "$STAGE" in
   builds) run 580 bench_builds ;;
   build_service) run 580 bench_build_service ;;
   kernelbench_run) run 580 bench_kernelbench_run ;;
+  rl_step)
+    run 580 bench_rl_step --devices "$(nvidia-smi --query-gpu=index --format=csv,noheader \
+      | paste -sd, -)"
+    ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale

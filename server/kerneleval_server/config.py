@@ -81,6 +81,27 @@ class Config:
             "default_text": "empty (SQLite)",
         },
     )
+    role: str = field(
+        default="all",
+        metadata={
+            "help": "all: the whole service on this machine; gateway: the API only, on a "
+            "shared --store; node: this machine's GPUs, taking jobs from a shared --store"
+        },
+    )
+    lease_seconds: float = field(
+        default=10.0,
+        metadata={
+            "help": "--role node: a node's hold on the jobs it took, renewed every third of it; "
+            "a dead node's jobs run elsewhere once it expires"
+        },
+    )
+    advertise_address: str = field(
+        default="",
+        metadata={
+            "help": "--role node: the gRPC address gateways are told to reach this node at",
+            "default_text": "--host:<bound port>",
+        },
+    )
     admin_token: str = field(
         default="",
         metadata={
@@ -164,6 +185,13 @@ class Config:
         default=True,
         metadata={
             "help": "freeze a GPU's other job processes while one times (false: benchmarks only)"
+        },
+    )
+    gpu_memory_share: float = field(
+        default=0.85,
+        metadata={
+            "help": "share of a GPU's memory that checking jobs may hold together, by what "
+            "their problem was seen to need (fleet/gpu_memory.py); 0 = no admission"
         },
     )
     job_user: str = field(
@@ -253,6 +281,17 @@ class Config:
             out.append("--cuda-max-connections: 0 (CUDA's default) to 32")
         if self.store and not self.store.startswith(("postgresql://", "postgres://")):
             out.append(f"--store {self.store[:40]!r}: a postgresql:// URL (SQLite: --database)")
+        if self.role not in ("all", "gateway", "node"):
+            out.append(f"--role {self.role!r}: one of all, gateway, node")
+        elif self.role != "all" and not self.store:
+            out.append(
+                f"--role {self.role} needs --store postgresql://...: gateways and nodes share "
+                "one PostgreSQL job store (SQLite serves --role all only)"
+            )
+        if self.lease_seconds < 0.5:
+            out.append("--lease-seconds must be >= 0.5")
+        if not 0 <= self.gpu_memory_share <= 1:
+            out.append("--gpu-memory-share: from 0 (off) to 1")
         if self.build_processes < -1:
             out.append("--build-processes must be >= 0, or -1 for auto")
         if self.compile_cache_mib < 0:

@@ -44,6 +44,7 @@ from kerneleval_server.config import Config
 from kerneleval_server.jobproc import PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.shared_queue import GATEWAY, SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
 
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kerneleval.main")
 
 WATCHDOG_RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+# A shared store: followers read it this often even when no NOTIFY woke them.
+SHARED_POLL_S = 5.0
 SERVICES = (
     "kerneleval.v1.KernelEvalService",
     "kerneleval.v1.OperationsService",
@@ -217,7 +220,12 @@ class Server:
         self.state = cfg.state_path()
         self.state.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_state(self.state)
-        self.store = open_store(cfg.store or cfg.database_path(), exclusive=True)
+        # --role all holds its store alone; gateways and nodes share theirs.
+        self.store = open_store(
+            cfg.store or cfg.database_path(),
+            exclusive=cfg.role == "all",
+            shared=cfg.role != "all",
+        )
         self.metrics = Metrics()
         self.limits = validation.Limits.from_env()
         self.manager = JobManager(
@@ -228,6 +236,13 @@ class Server:
             self.metrics,
             max_timeout_s=float(self.limits.max_timeout_seconds),
         )
+        self.shared: SharedQueue | None = None
+        if cfg.role != "all":
+            self.shared = SharedQueue(
+                self.manager, cfg.store, cfg.role, cfg.lease_seconds, cfg.max_attempts
+            )
+            self.manager.shared = self.shared
+            self.manager.hub.poll_s = SHARED_POLL_S
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.manager.on_health_change = self._update_health
         # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
@@ -235,7 +250,7 @@ class Server:
         self.watchdog_dir.mkdir(mode=0o700, exist_ok=True)
         # Precompiled torch headers for build processes' load_inline builds (builder/pch.py).
         self.pch_dir: Path | None = None
-        if cfg.build_pch and cfg.effective_build_processes() > 0:
+        if cfg.build_pch and cfg.effective_build_processes() > 0 and cfg.role != GATEWAY:
             self.pch_dir = self.state / "pch"
             self.pch_dir.mkdir(mode=0o755, exist_ok=True)
         self.stopping = asyncio.Event()
@@ -350,7 +365,7 @@ class Server:
         kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
             KernelEvalService(self.manager, self.limits), server
         )
-        ops = OperationsService(self.manager)
+        ops = OperationsService(self.manager, self.shared)
         operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (
@@ -386,7 +401,16 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self._supervise_task = loop.create_task(self._supervise_watchdog())
+        if self.shared is not None:
+            self.shared.address = cfg.advertise_address or f"{cfg.host}:{port}"
+            self.shared.devices_blob = lambda: operations_service_pb2.ListDevicesResponse(
+                devices=ops.devices()
+            ).SerializeToString()
+            self.shared.start()
+        if cfg.role == GATEWAY:
+            self._update_health()  # no GPUs, no watchdog: it serves from now on
+        else:
+            self._supervise_task = loop.create_task(self._supervise_watchdog())
         pch = loop.create_task(self._make_pch()) if self.pch_dir is not None else None
         sweep = loop.create_task(self._sweep(ops))
         await self.stopping.wait()
@@ -452,6 +476,8 @@ class Server:
             log.warning(
                 "%d jobs still running; they re-run at the next start", len(self.manager.running)
             )
+        if self.shared is not None:
+            await self.shared.stop()
         wd = self.manager.watchdog
         self.stopping.set()
         if wd is not None:

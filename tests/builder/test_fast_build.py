@@ -12,6 +12,7 @@ cores.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -320,8 +321,9 @@ def test_cuda_build_splits_compiles_and_links(
     assert needed == {
         "void kerneleval_launch_fill<float, 3, float*, int>(dim3, dim3, unsigned long, "
         "CUstream_st*, float*, int)",
-        "void kerneleval_launch_add_one<float*, int>(dim3, dim3, unsigned long, CUstream_st*, "
-        "float*, int)",
+        # a non-template kernel: its own parameter types (int64_t), the int converted at the call
+        "void kerneleval_launch_add_one<float*, long>(dim3, dim3, unsigned long, CUstream_st*, "
+        "float*, long)",
     }
     defined = " ".join(launch_symbols(so, "--defined-only"))
     assert all(sym in defined for sym in needed)
@@ -406,6 +408,84 @@ def test_cuda_build_reuses_an_earlier_main_object(
     commands = [ln.split("] ", 1)[1] for ln in second.log.splitlines() if ln.startswith("[")]
     assert [Path(c.split()[0]).name for c in commands] == ["c++", "nvcc", "ld", "c++"]
     assert (tmp_path / "b" / "main.o").read_bytes() == first.main_object
+
+
+@pytest.fixture(scope="session")
+def prelude_dir(tmp_path_factory: pytest.TempPathFactory, stub_libs: Path) -> Path:
+    """A folder with the device prelude, as the service makes it beside its precompiled
+    headers (from torch's flags for a CUDA extension), and nothing else."""
+    folder = tmp_path_factory.mktemp("prelude")
+    build = tmp_path_factory.mktemp("prelude_build")
+    with pytest.MonkeyPatch.context() as mp:
+        if cpp_ext.CUDA_HOME is None:
+            mp.setattr(cpp_ext, "CUDA_HOME", cuda_home())
+        mp.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+        write_torch_files(cheap_call("kerneleval_test_prelude", stub_libs), build)
+    said = extension.make_device_prelude(build, folder)
+    assert re.fullmatch(r"device prelude: \d+ headers, \d+ macros", said), said
+    return folder
+
+
+BF16_CU = CHEAP_CU.replace(
+    "if (i < n) x[i] += 1;", "if (i < n) x[i] = __bfloat162float(__float2bfloat16(x[i])) + 1;"
+)
+
+
+@needs_nvcc
+def test_kernels_leaning_on_a_header_torch_includes_build_fast(
+    tmp_path: Path, cuda_torch: None, stub_libs: Path, prelude_dir: Path
+) -> None:
+    """__nv_bfloat16 without cuda_bf16.h: torch's build compiles it (torch's headers include
+    it), the kernels alone do not; with the device prelude they do, with no torch build."""
+    prelude = (prelude_dir / "device_prelude.h").read_text()
+    assert "#include <cuda_bf16.h>" in prelude and "#include <torch" not in prelude
+    call = cheap_call("kerneleval_test_bf16", stub_libs, BF16_CU)
+    steps: list[str] = []
+    with no_fallback():
+        built = extension.build_load_inline(call, tmp_path / "b", prelude_dir, steps.append)
+    assert built.fast and built.error == "", built.log[-2000:]
+    assert "compiling the kernels again, with the headers torch's build includes" in steps
+    assert "device prelude" in built.log
+
+
+@needs_nvcc
+def test_a_kernel_error_that_stays_with_the_prelude_is_the_candidates_at_once(
+    tmp_path: Path, cuda_torch: None, stub_libs: Path, prelude_dir: Path
+) -> None:
+    """No 45 s torch build for a candidate's own kernel error: it is the answer, in torch's
+    words, naming the candidate's line."""
+    source = CHEAP_CU.replace("if (i < n) x[i] += 1;", "if (i < n) x[i] += undefined_here;")
+    call = cheap_call("kerneleval_test_own_error", stub_libs, source)
+    with no_fallback():
+        built = extension.build_load_inline(call, tmp_path / "b", prelude_dir, lambda _: None)
+    assert built.library == b"" and not built.fast
+    assert built.error.startswith("Error building extension 'kerneleval_test_own_error'")
+    assert re.search(r'cuda\.cu\(11\): error: identifier "undefined_here"', built.error), (
+        built.error
+    )
+    assert "fast build not used" not in built.log
+
+
+@needs_nvcc
+def test_a_kernel_error_naming_a_torch_macro_is_left_to_torchs_build(
+    tmp_path: Path, cuda_torch: None, stub_libs: Path, prelude_dir: Path
+) -> None:
+    """CUDA_KERNEL_ASSERT is torch's (c10's) macro: the kernels alone cannot tell whether
+    torch's build would compile them, so torch's build decides."""
+    assert "CUDA_KERNEL_ASSERT" in (prelude_dir / "torch_macros.txt").read_text().split()
+    source = CHEAP_CU.replace("if (i < n) x[i] += 1;", "CUDA_KERNEL_ASSERT(i >= 0);")
+    ran: list[str] = []
+
+    def ninja(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        ran.append(build_directory)
+        raise RuntimeError(f"{error_prefix}: torch's build")
+
+    call = cheap_call("kerneleval_test_torch_macro", stub_libs, source)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpp_ext, "_run_ninja_build", ninja)
+        built = extension.build_load_inline(call, tmp_path / "b", prelude_dir, lambda _: None)
+    assert ran and built.error.endswith("torch's build")
+    assert "fast build not used: the kernels, with the device prelude" in built.log
 
 
 def test_one_name_built_twice_in_one_process(tmp_path: Path) -> None:
@@ -497,6 +577,23 @@ def test_cpp_build_with_a_precompiled_header_imports_and_computes(
 
 
 @pytest.mark.slow
+def test_a_precompiled_header_folder_that_does_not_exist_yet_is_made(tmp_path: Path) -> None:
+    """A caller's new folder is made and filled (a missing folder once read as a read-only
+    one: every build of bench_builds ran without its precompiled header); a folder that
+    exists read-only (a build process's view of the service's) is only read."""
+    log: list[str] = []
+    folder = tmp_path / "new" / "pch"
+    use = extension._pch("c++", ["-O2"], "#include <vector>\n", folder, log)
+    assert use[:2] == ["-Winvalid-pch", "-include"] and Path(use[2]).is_file(), log
+    assert list(folder.glob("*/pch.h.gch")), log
+    frozen = tmp_path / "frozen"
+    frozen.mkdir(mode=0o555)
+    if os.access(frozen, os.W_OK):  # root writes anywhere: nothing to check here
+        return
+    assert extension._pch("c++", ["-O2"], "#include <vector>\n", frozen, log) == []
+    assert "no precompiled header for these flags" in log[-1]
+
+
 def test_cpp_build_without_torch_headers_gets_none(tmp_path: Path, pch_dir: Path) -> None:
     """no_implicit_headers=True: main.cpp is the candidate's code alone, and torch builds it
     so; with torch's headers put in front, `int at` would clash with namespace at."""
@@ -536,11 +633,12 @@ def test_kernelbench_add_host_unit_compiles_against_torch(
     so = tmp_path / f"{name}.so"
     assert so.is_file() and has_device_code(so)
     assert launch_symbols(so, "-u") == []
-    # size is a.numel() (int64_t): the launch function takes it as it is, and the kernel's
-    # int parameter converts it at the launch, as in the original
+    # the launch function takes the kernel's own parameter types: size is a.numel()
+    # (int64_t), converted to the kernel's int at the call, as a launch converts it; the
+    # instantiation is known from the source, so nvcc ran beside g++
     assert [s.split(" ", 2)[-1] for s in launch_symbols(so, "--defined-only")] == [
-        "void kerneleval_launch_elementwise_add_kernel<float*, float*, float*, long>(dim3, "
-        "dim3, unsigned long, CUstream_st*, float*, float*, float*, long)"
+        "void kerneleval_launch_elementwise_add_kernel<float const*, float const*, float*, "
+        "int>(dim3, dim3, unsigned long, CUstream_st*, float const*, float const*, float*, int)"
     ]
     assert f"PyInit_{name}" in " ".join(nm(so, "-D", "--defined-only"))
     host = (tmp_path / "cuda.cuda.host.cpp").read_text()

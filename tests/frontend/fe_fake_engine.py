@@ -19,7 +19,9 @@ The kernel source is a JSON command:
       hold "<phase> <start> <end>" for prepare, check and profile. With "crash_in_window":
       true the job process dies with SIGSEGV half way through its window; with "busy_for": b
       its window starts as if the GPU stayed busy with others' queued work for b seconds
-      (DrainStatus busy, then not busy).
+      (DrainStatus busy, then not busy). With "peak": n it reports n bytes as its peak device
+      memory (the front end learns its problem's footprint from it: jobs with the same
+      reference share one).
   {"do": "spin", "cpu_seconds": c}
       burns c seconds of CPU in its compile phase (which asks for no GPU), noting the wall
       time every few ms; the notes hold "stall <start> <end>", its longest pause (a job process
@@ -68,6 +70,7 @@ class EngineConfig:
 class Outcome:
     result: job_pb2.EvalResult
     context_poisoned: bool = False
+    peak_memory_bytes: int = 0
 
 
 def configure_process_environment() -> None:
@@ -222,4 +225,4 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
     _record(result, "profile", start, time.time())
     result.verdict = job_pb2.VERDICT_OK
     result.correctness = True
-    return Outcome(result)
+    return Outcome(result, peak_memory_bytes=int(cmd.get("peak", 0)))

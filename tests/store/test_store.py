@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -249,3 +250,82 @@ def test_one_front_end_per_store(
         first.close()
     again = open_store(location, exclusive=True)  # the lock went with the first
     again.close()
+
+
+def _requeue(job: job_pb2.Job, last: int) -> tuple[job_pb2.Job, list[job_pb2.JobEvent]]:
+    job.state = job_pb2.JOB_STATE_QUEUED
+    ev = job_pb2.JobEvent(job_id=job.job_id, sequence=last + 1)
+    ev.queued.position = 0
+    return job, [ev]
+
+
+def test_leases_claim_renew_fence_and_reap(store: JobStore) -> None:
+    """The shared queue's primitives (roles gateway and node): a job is leased by one node at
+    a time, only to a node with the device it names; a node writes only jobs it holds; an
+    expired lease sends the job back to the queue through `reap`, exactly once."""
+    pinned = make_job("pinned")
+    pinned.spec.options.device_index = 3
+    for job in (make_job("a"), pinned, make_job("b")):
+        store.insert(job, event(job.job_id, 1))
+    first = store.claim("n1", [0], limit=5, lease_s=30)
+    assert [j.job_id for j in first] == ["a", "b"] and first[0].spec.kernel.source_code
+    assert store.claim("n2", [0], limit=5, lease_s=30) == []  # held by n1
+    assert [j.job_id for j in store.claim("n2", [3], limit=5, lease_s=30)] == ["pinned"]
+    assert store.renew("n1", 30) == {"a", "b"}
+    # Fencing: n2's writes of n1's job do nothing; n1's do.
+    store.node_id = "n2"
+    running = first[0]
+    running.state = job_pb2.JOB_STATE_RUNNING
+    assert store.update(running, event("a", 2)) is False
+    store.add_event(event("a", 2))
+    assert store.last_sequence("a") == 1
+    store.node_id = "n1"
+    assert store.update(running, event("a", 2)) is True
+    store.node_id = ""
+    # The nodes die: their leases expire; reap requeues each job once.
+    assert store.reap(time.time() + 60, _requeue) == ["a", "pinned", "b"]
+    assert store.reap(time.time() + 60, _requeue) == []
+    again = store.get("a")
+    assert again is not None and again.state == job_pb2.JOB_STATE_QUEUED
+    assert store.last_sequence("a") == 3
+    assert store.renew("n1", 30) == set()
+    assert sorted(j.job_id for j in store.claim("n3", [0], limit=5, lease_s=30)) == ["a", "b"]
+    # Cancels from a front end that does not run the job.
+    store.insert(make_job("c"), event("c", 1))
+    assert store.request_cancel("c", _cancel) is True  # nobody holds it: it ends here
+    c = store.get("c")
+    assert c is not None and c.state == job_pb2.JOB_STATE_CANCELLED
+    assert store.request_cancel("c", _cancel) is False  # finished already
+    assert store.request_cancel("a", _cancel) is True  # held by n3: recorded for it
+    assert store.cancel_requests("n3") == ["a"] and store.cancel_requests("n1") == []
+    # Nodes register with their address and devices, and age out.
+    store.register_node("n3", "10.0.0.3:50051", b"devices", ttl_s=30)
+    store.register_node("old", "10.0.0.9:50051", b"", ttl_s=-1)
+    assert store.nodes() == [("n3", "10.0.0.3:50051", b"devices")]
+    store.forget_node("n3")
+    assert store.nodes() == []
+
+
+def _cancel(job: job_pb2.Job, last: int) -> tuple[job_pb2.Job, list[job_pb2.JobEvent]]:
+    job.state = job_pb2.JOB_STATE_CANCELLED
+    ev = job_pb2.JobEvent(job_id=job.job_id, sequence=last + 1)
+    ev.finished.CopyFrom(job)
+    return job, [ev]
+
+
+def test_role_all_and_shared_roles_exclude_each_other(postgres: PostgresServer) -> None:
+    url = postgres.new_database()
+    gateway = open_store(url, shared=True)
+    node = open_store(url, shared=True)  # gateways and nodes share the database
+    try:
+        with pytest.raises(StoreError, match="another kerneleval front end uses"):
+            open_store(url, exclusive=True)
+    finally:
+        gateway.close()
+        node.close()
+    alone = open_store(url, exclusive=True)
+    try:
+        with pytest.raises(StoreError, match="role all uses this database"):
+            open_store(url, shared=True)
+    finally:
+        alone.close()

@@ -13,6 +13,7 @@ from kerneleval.v1 import operations_service_pb2 as pb
 
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.shared_queue import GATEWAY, SharedQueue
 
 
 def _pseudo_name(index: int) -> str:
@@ -44,8 +45,24 @@ def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
 class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     """Behind the admin token (auth.AdminAuth checks it before any of these runs)."""
 
-    def __init__(self, manager: JobManager) -> None:
+    def __init__(self, manager: JobManager, shared: SharedQueue | None = None) -> None:
         self.m = manager
+        # A gateway (--role gateway) owns no device: it lists its nodes' and names the node
+        # that owns a device for ResetGpu and RestartWorkers.
+        self.gateway = shared if shared is not None and shared.role == GATEWAY else None
+
+    async def _refer_to_node(self, device: int | None, what: str, context: Any) -> None:
+        """A gateway owns no device: the caller asks the node that does."""
+        assert self.gateway is not None
+        owners = sorted(
+            {d.node for d in self.gateway.node_devices() if device is None or d.index == device}
+        )
+        where = f"the node(s) that own it: {', '.join(owners)}" if owners else "no node has it"
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{what} on a gateway (--role gateway), which owns no device: call {what} on "
+            f"{where} (ListDevices on a gateway names each device's node)",
+        )
 
     def devices(self) -> list[pb.Device]:
         out: dict[int, pb.Device] = {}
@@ -93,6 +110,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     async def ListDevices(
         self, request: pb.ListDevicesRequest, context: Any
     ) -> pb.ListDevicesResponse:
+        if self.gateway is not None:
+            return pb.ListDevicesResponse(devices=self.gateway.node_devices())
         return pb.ListDevicesResponse(devices=self.devices())
 
     async def WatchEvents(
@@ -102,6 +121,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             yield pb.WatchEventsResponse(event=event)
 
     async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
+        if self.gateway is not None:
+            await self._refer_to_node(request.device_index, "ResetGpu", context)
         known = self.m.device_indices()
         if request.device_index < 0:
             await context.abort(
@@ -145,6 +166,12 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         self, request: pb.RestartWorkersRequest, context: Any
     ) -> pb.RestartWorkersResponse:
         device = request.device_index if request.HasField("device_index") else ALL_DEVICES
+        if self.gateway is not None:
+            await self._refer_to_node(
+                request.device_index if request.HasField("device_index") else None,
+                "RestartWorkers",
+                context,
+            )
         known = self.m.device_indices()
         if request.HasField("device_index") and device not in known:
             await context.abort(

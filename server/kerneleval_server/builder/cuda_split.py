@@ -57,6 +57,12 @@ class Split:
     device: str  # the device unit (.cu), with #line directives into the original
     host: str  # the host unit (.cpp)
     kernels: list[str]  # the kernels launched from host code
+    # Explicit instantiations of the launch functions whose types the source says (a
+    # non-template kernel: the host passes its arguments as the kernel's parameter types,
+    # converted at the call as a launch converts them). `typed`: every launched kernel is
+    # such, so the device unit needs nothing of the host object and compiles beside it.
+    typed_instantiations: str = ""
+    typed: bool = False
 
 
 @dataclasses.dataclass
@@ -87,6 +93,7 @@ def split(source: str, path: str) -> Split:
     launched = _check_kernel_uses(host_text, kernels)
     _check_device_variables(host_text, items)
     _check_conditionals("".join(it.text for it in items if it.kind != "host"))
+    typed = {name: t for name in launched if (t := _param_types(kernels[name])) is not None}
     dev: list[str] = []
     host: list[str] = ["#include <cuda_runtime.h>\n"]  # as nvcc includes it first
     scopes = 0  # namespaces and extern "C" blocks open at this item
@@ -109,7 +116,7 @@ def split(source: str, path: str) -> Split:
             if it.name in launched:  # declared where the kernel was: its types are known
                 host.append(_launch_declaration(it))
         elif it.kind == "host":
-            host.append(line + _rewrite_launches(it.text, kernels))
+            host.append(line + _rewrite_launches(it.text, kernels, typed))
         else:  # both: types, constants, namespace braces, __host__ __device__ code
             dev.append(line + it.text)
             host.append(line + it.text)
@@ -123,7 +130,59 @@ def split(source: str, path: str) -> Split:
             "(dim3 g, dim3 b, size_t s, cudaStream_t st, A... a) "
             f"{{ {name}{targs}<<<g, b, s, st>>>(a...); }}\n"
         )
-    return Split(device="".join(dev), host="".join(host), kernels=launched)
+    inst = "".join(
+        f"template void {LAUNCH_PREFIX}{name}<{', '.join(types)}>"
+        f"(dim3, dim3, size_t, cudaStream_t{''.join(', ' + t for t in types)});\n"
+        for name, types in typed.items()
+    )
+    return Split(
+        device="".join(dev),
+        host="".join(host),
+        kernels=launched,
+        typed_instantiations=inst,
+        typed=len(typed) == len(launched),
+    )
+
+
+# C++ words that are never a parameter's name: "unsigned int" is a type without a name.
+_TYPE_WORDS = frozenset(
+    "int long short char float double bool unsigned signed const volatile void auto "
+    "__restrict__ __restrict restrict struct class enum size_t".split()
+)
+
+
+def _param_types(kernel: _Item) -> list[str] | None:
+    """A non-template kernel's parameter types as written, names and defaults dropped; None
+    where they cannot be read plainly (a template kernel, an unnamed parameter, an array or a
+    function pointer): its launch then takes the types the host object says."""
+    if kernel.template:
+        return None
+    head = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", _strip(kernel.text).split("{")[0])
+    open_at = head.find("(")
+    if open_at < 0:
+        return None
+    inner = head[open_at + 1 : _paren_end(_mask(head), open_at)]
+    if inner.strip() in ("", "void"):
+        return []
+    types = []
+    for param in _split_top(inner):
+        param = param.split("=")[0].strip()
+        m = re.fullmatch(r"([\w\s\*&:<>,]*?[\s\*&>])([A-Za-z_]\w*)", param)
+        qualifiers = {"const", "volatile", "__restrict__", "__restrict", "struct", "enum", "class"}
+        if (
+            m is None
+            or m.group(2) in _TYPE_WORDS
+            or not set(_IDENT.findall(m.group(1))) - qualifiers
+        ):
+            return None  # "const T" names no parameter: T is the type
+        # restrict qualifies the kernel's own parameter, not the value passed in (and nvcc
+        # takes no restrict in a template argument)
+        words = [w for w in m.group(1).replace("*", " * ").split() if w not in _RESTRICT]
+        types.append(" ".join(words).replace(" *", "*"))
+    return types
+
+
+_RESTRICT = frozenset({"__restrict__", "__restrict", "restrict"})
 
 
 def _launch_declaration(kernel: _Item) -> str:
@@ -371,8 +430,12 @@ def _launch_re(name: str) -> re.Pattern[str]:
     return re.compile(rf"\b{re.escape(name)}\s*(<(?:[^<>]|<[^<>]*>)*>\s*)?<<<")
 
 
-def _rewrite_launches(text: str, kernels: dict[str, _Item]) -> str:
-    """`k<T><<<g, b, s, st>>>(args)` -> `kerneleval_launch_k<T>(g, b, s, st, args)`."""
+def _rewrite_launches(
+    text: str, kernels: dict[str, _Item], typed: dict[str, list[str]] | None = None
+) -> str:
+    """`k<T><<<g, b, s, st>>>(args)` -> `kerneleval_launch_k<T>(g, b, s, st, args)`; a kernel
+    in `typed` gets its parameter types as the launch function's: `kerneleval_launch_k<const
+    float*, int>(g, b, s, st, args)`."""
     out, i = [], 0
     masked = _mask(text)
     while True:
@@ -400,6 +463,8 @@ def _rewrite_launches(text: str, kernels: dict[str, _Item]) -> str:
         wanted = len(_template_params(kernels[name].template))
         if given != wanted:  # the rest deduced or defaulted: the launch function cannot
             raise SplitError(f"a launch of {name} with {given} of its {wanted} template arguments")
+        if typed and name in typed:
+            targs = f"<{', '.join(typed[name])}>"
         call = f"{LAUNCH_PREFIX}{name}{targs.strip()}({', '.join(c.strip() for c in cfg)}"
         lines = "\n" * (text.count("\n", begin, paren) - call.count("\n"))  # keep #line true
         close = _paren_end(masked, paren)

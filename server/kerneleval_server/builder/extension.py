@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import cuda_split
+from . import cuda_split, device_prelude
 
-RECIPE_VERSION = "1"  # part of every cache key: bump when the build's output would differ
+RECIPE_VERSION = "2"  # part of every cache key: bump when the build's output would differ
 
 # load_inline's arguments that the builder honours; anything else makes the call run in the
 # job process as before (they are rare: sycl, standalone executables).
@@ -430,22 +430,94 @@ def _cuda_job(
     host_obj, dev_obj = out.with_suffix(".host.o"), out.with_suffix(".device.o")
     host_src.write_text(parts.host)
 
+    def device(inst: str) -> None:
+        # errors in the instantiations are the split's (they name no line of the candidate's)
+        dev_src.write_text(f'{parts.device}\n#line 1 "{_INSTANTIATIONS}"\n{inst}')
+        nvcc = [n.nvcc, *cuda_flags, "-c", str(dev_src), "-o", str(dev_obj)]
+        try:
+            _run(nvcc, out.parent, log)
+        except FastBuildError as e:
+            _kernels_again(nvcc, src, e, pch_dir, out.parent, log, progress)
+
     def job() -> None:
         # the PCH holds torch/extension.h: used only where the source includes it itself
         uses_ext = re.search(r"#\s*include\s*<torch/extension\.h>", source)
         pch = _pch(n.cxx, host_flags, _CU_HEADER, pch_dir, log) if uses_ext else []
-        _run([n.cxx, *pch, *host_flags, "-c", str(host_src), "-o", str(host_obj)], out.parent, log)
-        undefined = _run(["nm", "-C", "-u", str(host_obj)], out.parent, log, quiet=True)
-        try:
-            inst = cuda_split.instantiations(undefined.splitlines())
-        except cuda_split.SplitError as e:
-            raise FastBuildError(str(e)) from None
-        dev_src.write_text(parts.device + inst)
-        progress("compiling the kernels (nvcc)")
-        _run([n.nvcc, *cuda_flags, "-c", str(dev_src), "-o", str(dev_obj)], out.parent, log)
+        host = [n.cxx, *pch, *host_flags, "-c", str(host_src), "-o", str(host_obj)]
+        if parts.typed:  # the launches' types are the kernels' own: nvcc beside g++
+            progress("compiling the kernels (nvcc) and the host code (g++)")
+            with ThreadPoolExecutor(1) as pool:
+                kernels = pool.submit(device, parts.typed_instantiations)
+                _run(host, out.parent, log)
+                kernels.result()
+        else:  # the launches' types come from the host object
+            _run(host, out.parent, log)
+            undefined = _run(["nm", "-C", "-u", str(host_obj)], out.parent, log, quiet=True)
+            try:
+                inst = cuda_split.instantiations(undefined.splitlines())
+            except cuda_split.SplitError as e:
+                raise FastBuildError(str(e)) from None
+            progress("compiling the kernels (nvcc)")
+            device(inst)
         _run(["ld", "-r", str(host_obj), str(dev_obj), "-o", str(out)], out.parent, log)
 
     return job
+
+
+_INSTANTIATIONS = "kerneleval-launch-instantiations"
+# nvcc's summary line names the unit it compiled, not the candidate's file
+_ERROR_COUNT = re.compile(r"^\d+ errors? detected in the compilation of ")
+_UNDEFINED = re.compile(r'identifier "(\w+)" is undefined')
+
+
+def make_device_prelude(build_dir: Path, pch_dir: Path) -> str:
+    """The device prelude into pch_dir, with the nvcc, host compiler and flags of a build
+    torch set up in build_dir."""
+    n = _read_ninja(build_dir / "build.ninja")
+    cuda_flags = n.flags.get("cuda_cflags", []) + n.flags.get("cuda_post_cflags", [])
+    return device_prelude.make(pch_dir, n.nvcc, n.cxx, cuda_flags)
+
+
+def _kernels_again(
+    nvcc: list[str],
+    src: Path,
+    failed: FastBuildError,
+    pch_dir: Path | None,
+    cwd: Path,
+    log: list[str],
+    progress: Callable[[str], None],
+) -> None:
+    """The kernels failed to compile without torch's headers: again with the headers torch's
+    build would have included (device_prelude.py). Built: they leaned on those. Failed on the
+    candidate's own lines only, naming no macro of torch's: the candidate's error, as torch's
+    build would have said it (SourceError). Anything else: torch's build (FastBuildError)."""
+    if pch_dir is None or not (pch_dir / device_prelude.PRELUDE).is_file():
+        raise failed
+    prelude = pch_dir / device_prelude.PRELUDE
+    progress("compiling the kernels again, with the headers torch's build includes")
+    try:
+        _run([nvcc[0], "-include", str(prelude), *nvcc[1:]], cwd, log)
+        log.append("the kernels needed headers that torch's build includes (device prelude)")
+        return
+    except FastBuildError as again:
+        text = str(again).split(": ", 1)[-1]
+        if _candidates_own(text, src, device_prelude.torch_macros(pch_dir)):
+            raise SourceError(text) from None
+        raise FastBuildError(f"the kernels, with the device prelude: {text}") from None
+
+
+def _candidates_own(text: str, src: Path, torch_macros: set[str]) -> bool:
+    """Every error nvcc printed is on a line of the candidate's file (the split's #line
+    directives), none in a launch function or instantiation, none about a name torch's
+    headers define as a macro."""
+    errors = [ln for ln in text.splitlines() if "error" in ln and not _ERROR_COUNT.match(ln)]
+    return (
+        bool(errors)
+        and cuda_split.LAUNCH_PREFIX not in text
+        and _INSTANTIATIONS not in text
+        and all(ln.startswith(f"{src}(") for ln in errors)
+        and not any(name in torch_macros for name in _UNDEFINED.findall(text))
+    )
 
 
 def _host_flags(cuda_flags: list[str]) -> list[str]:
@@ -484,6 +556,9 @@ def _pch(
     folder = pch_dir / key[:24]
     h = folder / "pch.h"
     gch = folder / "pch.h.gch"
+    if not pch_dir.exists():
+        with contextlib.suppress(OSError):  # a new folder of ours (the service's is made)
+            pch_dir.mkdir(parents=True)
     if not os.access(pch_dir, os.W_OK):  # a build process: the service's PCHs, read-only
         if gch.is_file():
             return ["-Winvalid-pch", "-include", str(h)]

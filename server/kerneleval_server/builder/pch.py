@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from . import extension
@@ -34,34 +34,41 @@ torch::Tensor probe(torch::Tensor x) {
 
 
 def make(folder: Path) -> list[str]:
-    """Builds every variant's headers into folder; what happened, a line each."""
+    """Builds every variant's headers into folder; what happened, a line each. Each variant
+    builds in a process of its own: a build patches torch's cpp_extension module for its
+    own use, which two threads of one process would do to each other."""
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
-    cuda = shutil.which("nvcc") is not None
-
-    def one(i: int, flags: list[str]) -> str:
-        call = {
-            "name": f"kerneleval_pch_probe_{i}",
-            "cpp_sources": [_CPP],
-            "cuda_sources": [_CU] if cuda else [],
-            "functions": ["probe"],
-            "extra_cflags": flags,
-            "extra_cuda_cflags": flags,
-        }
-        if not cuda:
-            call["cpp_sources"] = [_CPP.replace(";", "{ return x; }")]
-        work = Path(tempfile.mkdtemp(prefix="kerneleval-pch-"))
-        try:
-            built = extension.build_load_inline(call, work, folder, lambda _: None)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return f"flags {flags}: {built.seconds:.1f} s " + ("ok" if built.fast else built.log[-300:])
-
-    with ThreadPoolExecutor(len(VARIANTS)) as pool:
-        lines = list(pool.map(lambda a: one(*a), enumerate(VARIANTS)))
+    with ProcessPoolExecutor(len(VARIANTS)) as pool:
+        lines = list(pool.map(_variant, [folder] * len(VARIANTS), range(len(VARIANTS))))
     for p in folder.rglob("*"):  # readable by the build processes' user
         p.chmod(0o755 if p.is_dir() else 0o644)
     return lines
+
+
+def _variant(folder: Path, i: int) -> str:
+    flags = VARIANTS[i]
+    cuda = shutil.which("nvcc") is not None
+    call = {
+        "name": f"kerneleval_pch_probe_{i}",
+        "cpp_sources": [_CPP],
+        "cuda_sources": [_CU] if cuda else [],
+        "functions": ["probe"],
+        "extra_cflags": flags,
+        "extra_cuda_cflags": flags,
+    }
+    if not cuda:
+        call["cpp_sources"] = [_CPP.replace(";", "{ return x; }")]
+    work = Path(tempfile.mkdtemp(prefix="kerneleval-pch-"))
+    try:
+        built = extension.build_load_inline(call, work, folder, lambda _: None)
+        said = f"flags {flags}: {built.seconds:.1f} s "
+        said += "ok" if built.fast else built.log[-300:]
+        if built.fast and cuda and not flags:  # torch's default flags: what its build shows
+            said += "; " + extension.make_device_prelude(work, folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return said
 
 
 def main() -> int:

@@ -38,6 +38,9 @@ class EngineConfig:
 class Outcome:
     result: job_pb2.EvalResult
     context_poisoned: bool  # sticky CUDA error: the worker must exit after reporting
+    # Peak device memory, where the engine knows better than torch's allocator; 0: the job
+    # process reads the allocator's.
+    peak_memory_bytes: int = 0
 
 
 class NullReporter:

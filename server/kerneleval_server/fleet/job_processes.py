@@ -55,6 +55,9 @@ class WorkerState:
     launches: int = 0
     reusable: bool = False
     completed: int = 0
+    # Its job was let use the GPU (a check or timing): it holds GPU memory until it exits (a
+    # launch process: until it cleaned up). A job still compiling holds next to none.
+    used_gpu: bool = False
     gone: bool = False  # finished its job, killed, disconnected or exited: takes no job
     hello: job_channel_pb2.Hello | None = None
     outcome_seen: bool = False

@@ -27,6 +27,7 @@ Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
 # No `from __future__ import annotations`: the Triton warm-up kernel's `tl.constexpr`
 # annotation must be a real object when Triton reads it.
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -548,9 +549,9 @@ def _clean_after_launch() -> bool:
     the next job's answers) and given back to the driver. Memory still allocated belongs to
     the process (cuBLAS's workspace, the engine's own buffers) and is left as it is. False
     when any of it fails: the process then exits."""
-    torch: Any = sys.modules.get("torch")
     gc.collect()
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    torch = _cuda_in_use()
+    if torch is None:
         return True
     try:
         torch.cuda.synchronize()
@@ -566,6 +567,33 @@ def _clean_after_launch() -> bool:
     except Exception:  # noqa: BLE001 - a GPU that fails here is not fit for the next job
         return False
     return True
+
+
+def _cuda_in_use() -> Any:
+    """torch, when this process has made its CUDA context; else None."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch
+
+
+def _reset_peak_memory() -> None:
+    torch = _cuda_in_use()
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory() -> int:
+    """The most device memory torch's allocator held during the job (the front end learns
+    from it what a problem's jobs need: fleet/gpu_memory.py)."""
+    torch = _cuda_in_use()
+    if torch is None:
+        return 0
+    try:
+        return int(torch.cuda.max_memory_reserved())
+    except Exception:  # noqa: BLE001 - a failing context reports nothing
+        return 0
 
 
 @functools.cache
@@ -589,6 +617,7 @@ def _run_one(
     job_dir, cache_dir, seeded = _job_dirs(assign)
     channel.job_running = True
     prebuilt = list(assign.prebuilt)
+    _reset_peak_memory()
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
@@ -598,8 +627,9 @@ def _run_one(
         else:
             outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
+        peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
-        result, poisoned = _engine_error(exc), False
+        result, poisoned, peak = _engine_error(exc), False, 0
     reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
     if not poisoned:  # the private /tmp goes with the process; without one, clean up
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -613,6 +643,7 @@ def _run_one(
         compile_cache=added,
         window_drained=reporter.window_drain[1],
         reusable=reusable,
+        peak_memory_bytes=peak,
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))

@@ -54,13 +54,33 @@ class EventHub:
     def __init__(self, store: JobStore, max_log_bytes: int | None = None) -> None:
         self._store = store
         self._next: dict[str, int] = {}
-        self._watchers: dict[str, set[asyncio.Queue[job_pb2.JobEvent]]] = {}
+        # A follower's queue: events published here, or None: read the store (wake).
+        self._watchers: dict[str, set[asyncio.Queue[job_pb2.JobEvent | None]]] = {}
+        # A shared store (--role gateway, node): events of other front ends come by wake();
+        # followers also read the store every `poll_s` in case a notification was missed.
+        self.poll_s: float | None = None
         # Log text stored per job; None: validation.Limits (KERNELEVAL_LIMIT_MAX_LOG_BYTES).
         self.max_log_bytes = (
             Limits.from_env().max_log_bytes if max_log_bytes is None else max_log_bytes
         )
         self._logs: dict[str, _LogBudget] = {}
         self._labels: dict[str, dict[str, str]] = {}  # JobSpec.labels of unfinished jobs
+
+    def forget(self, job_id: str) -> None:
+        """Drops what this front end keeps of a job's events (its next sequence, its log
+        budget, labels): another front end writes them meanwhile (a shared store)."""
+        self._next.pop(job_id, None)
+        self._logs.pop(job_id, None)
+        self._labels.pop(job_id, None)
+
+    def wake(self, job_id: str) -> None:
+        """Another front end stored events of the job: its followers here read them."""
+        for queue in self._watchers.get(job_id, ()):
+            queue.put_nowait(None)
+
+    def wake_all(self) -> None:
+        for job_id in list(self._watchers):
+            self.wake(job_id)
 
     def set_labels(self, job_id: str, labels: Mapping[str, str]) -> None:
         """Every later event of the job carries these (JobEvent.labels)."""
@@ -153,7 +173,7 @@ class EventHub:
 
     async def watch(self, job_id: str, after_sequence: int) -> AsyncIterator[job_pb2.JobEvent]:
         """Events after `after_sequence`, replayed then live, up to and including `finished`."""
-        queue: asyncio.Queue[job_pb2.JobEvent] = asyncio.Queue()
+        queue: asyncio.Queue[job_pb2.JobEvent | None] = asyncio.Queue()
         self._watchers.setdefault(job_id, set()).add(queue)
         try:
             last = after_sequence
@@ -168,13 +188,17 @@ class EventHub:
                 if event.HasField("finished"):
                     return
             while True:
-                event = await queue.get()
-                if event.sequence <= last:
-                    continue
-                last = event.sequence
-                yield event
-                if event.HasField("finished"):
-                    return
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.poll_s)
+                except asyncio.TimeoutError:
+                    item = None
+                for event in self._store.events_after(job_id, last) if item is None else [item]:
+                    if event.sequence <= last:
+                        continue
+                    last = event.sequence
+                    yield event
+                    if event.HasField("finished"):
+                        return
         finally:
             watchers = self._watchers.get(job_id)
             if watchers is not None:

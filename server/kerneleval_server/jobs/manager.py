@@ -20,7 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -29,6 +29,7 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
 from kerneleval_server.fleet import faults
+from kerneleval_server.fleet.gpu_memory import GpuMemory, problem_key
 from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
 from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
 from kerneleval_server.fleet.timing_windows import (
@@ -54,6 +55,9 @@ from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBu
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from kerneleval_server.jobs.shared_queue import SharedQueue
 
 log = logging.getLogger("kerneleval.jobs")
 # An allocation that failed, as torch says it: its OOM error, or the assertion its allocator
@@ -121,6 +125,8 @@ class Running:
     awaiting_launch: bool = False
     build_arch: str = ""  # what its build process built for
     crowded: bool = False  # another job ran on its GPU meanwhile (their memory was its too)
+    memory_key: str = ""  # its problem, for GPU memory admission (fleet/gpu_memory.py)
+    memory_wait_said: bool = False  # its events said it waits for GPU memory
 
 
 @dataclass
@@ -140,6 +146,10 @@ class DeviceState:
 
 def _stamp(ts: Any) -> None:
     ts.FromNanoseconds(time.time_ns())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
@@ -185,6 +195,10 @@ class JobManager:
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
         self.alone: set[str] = set()
+        # What a problem's jobs need of a GPU's memory, and who holds it; jobs whose check
+        # waits for it, by worker, in the order they asked.
+        self.memory = GpuMemory(config.gpu_memory_share)
+        self.memory_waiting: dict[str, Running] = {}
         self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
         self.watchdog: WatchdogLike | None = None
         self.draining = False
@@ -198,6 +212,8 @@ class JobManager:
         self.inflight = result_cache.InFlight()
         self._software = result_cache.software()
         self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
+        # --role gateway or node: the queue is the shared store's (jobs/shared_queue.py).
+        self.shared: SharedQueue | None = None
 
     # ---- submission -------------------------------------------------------------------
 
@@ -245,6 +261,13 @@ class JobManager:
         if hit is not None:
             self.metrics.result_cache.labels("hit").inc()
             self._answer(job, hit, job_pb2.RESULT_ORIGIN_CACHE)
+            return job
+        if self.shared is not None:
+            # In the shared store now (the insert NOTIFYs the nodes): a node takes it with a
+            # lease. Identical jobs in flight are not shared across nodes.
+            self.hub.forget(job.job_id)
+            self.metrics.result_cache.labels("bypass" if not key else "miss").inc()
+            log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
             return job
         self.metrics.result_cache.labels(self._enqueue_or_wait(job, key)).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
@@ -346,6 +369,19 @@ class JobManager:
         reason = f"rejected: static checks flagged {rules}"
         self._finish(job, job_pb2.JOB_STATE_DONE, result, reason)
 
+    def take(self, job: job_pb2.Job) -> None:
+        """A job this node leased from the shared store (shared_queue.py) joins its queue."""
+        if job.job_id not in self.queue and job.job_id not in self.running:
+            self._enqueue(job)
+
+    def abandon(self, job_id: str) -> None:
+        """This node lost the job's lease (another runs it now): its process is killed; what
+        it still reports is not written (the store fences this node's writes)."""
+        run = self.running.get(job_id)
+        if run is not None and run.outcome is None and not run.pending:
+            run.pending = "cancel"
+            self._kill(run, metrics_mod.KILL_CANCEL)
+
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
         device = spec.options.device_index if spec.options.HasField("device_index") else None
@@ -354,7 +390,10 @@ class JobManager:
         self.metrics.queue_depth.set(len(self.queue))
 
     def recover(self) -> None:
-        """After a restart: queued jobs queue again; running ones re-run once or fail."""
+        """After a restart: queued jobs queue again; running ones re-run once or fail. (A
+        shared store has no restart to recover from: nodes' leases expire instead.)"""
+        if self.shared is not None:
+            return
         for job in self.store.unfinished():
             self.hub.set_labels(job.job_id, job.spec.labels)
             key = self.store.cache_key(job.job_id)
@@ -378,6 +417,7 @@ class JobManager:
     def dispatch(self) -> None:
         if self.draining:
             return
+        self._admit_waiting()
         ready = [w for w in self.workers.by_id.values() if w.ready]
         for worker in ready:  # load_inline builds first: their jobs hold a GPU's process
             if worker.device_index == BUILD_DEVICE and self.extensions.queue:
@@ -511,10 +551,11 @@ class JobManager:
         ]  # fmt: skip
 
     def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
-        """A job process of the device has had a job and has not exited (its GPU memory is
-        not given back until it has), other than `but` and idle launch processes."""
+        """A job process of the device has used the GPU for a job and has not exited (its GPU
+        memory is not given back until it has), other than `but` and idle launch processes.
+        Jobs still compiling (a load_inline build can take half a minute) hold next to none."""
         return any(
-            w is not but and w.device_index == device and w.assigned_job_id
+            w is not but and w.device_index == device and w.used_gpu
             and not (w.reusable and not w.job_id)
             for w in self.workers.by_id.values()
         )  # fmt: skip
@@ -550,6 +591,7 @@ class JobManager:
             return False
         if job.attempt_count >= self.config.max_attempts:
             return False
+        self.memory.ran_out(run.memory_key or problem_key(job.spec))
         self.alone.add(job.job_id)
         self.running.pop(job.job_id, None)
         self._stop_following(run, completed=True)
@@ -714,11 +756,11 @@ class JobManager:
             run.deadline.resume()
         worker.job_id = job_id
         if not build_arch:
-            if self._busy_on(worker.device_index, but=worker):
+            others = [o for o in self._running_on(worker.device_index) if o is not run]
+            if others or self._busy_on(worker.device_index, but=worker):
                 run.crowded = True
-            for other in self._running_on(worker.device_index):
-                if other is not run:
-                    other.crowded = True
+            for other in others:
+                other.crowded = True
         if self.windows.frozen(worker.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
@@ -747,6 +789,8 @@ class JobManager:
         self.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
+        if self.shared is not None:
+            self.shared.claim_soon()
 
     def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
         """The job process sent what its channel does not allow: kill it; its job ends with
@@ -808,9 +852,14 @@ class JobManager:
             self.hub.publish(event)
             if msg.phase.phase in GATED_PHASES:
                 run.grant_asked_at = asyncio.get_running_loop().time()
-                self.gate.request(
-                    worker.device_index, worker.worker_id, self._exclusive(run, msg.phase.phase)
-                )
+                if self._admit(run):
+                    worker.used_gpu = True
+                    self.gate.request(
+                        worker.device_index, worker.worker_id, self._exclusive(run, run.phase)
+                    )
+                else:
+                    self.memory_waiting[worker.worker_id] = run
+                    self._say_memory_wait(run)
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase
@@ -824,6 +873,61 @@ class JobManager:
             self._on_drain_status(worker, run, msg.drain.busy)
         elif kind == "extension":
             self._on_extension_request(worker, run, msg.extension)
+
+    def _admit(self, run: Running) -> bool:
+        """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
+        was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
+        held for a job re-run alone, but that job."""
+        device, worker_id = run.worker.device_index, run.worker.worker_id
+        if not self.memory.admits_on(device) or self.memory.holds(device, worker_id):
+            return True
+        held = self._held_devices().get(device)
+        if held is not None and held != run.job.job_id:
+            return False
+        if not run.memory_key:
+            run.memory_key = problem_key(run.job.spec)
+        return self.memory.admit(device, worker_id, run.memory_key, run.job.job_id in self.alone)
+
+    def _admit_waiting(self) -> None:
+        """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
+        not fit holds back the later ones of its GPU (a large job is not passed over for
+        ever)."""
+        blocked: set[int] = set()
+        for worker_id, run in list(self.memory_waiting.items()):
+            device = run.worker.device_index
+            if self.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
+                del self.memory_waiting[worker_id]
+                continue
+            if device in blocked:
+                continue
+            if not self._admit(run):
+                blocked.add(device)
+                continue
+            del self.memory_waiting[worker_id]
+            run.worker.used_gpu = True
+            self.gate.request(device, worker_id, self._exclusive(run, run.phase))
+
+    def _say_memory_wait(self, run: Running) -> None:
+        if run.memory_wait_said:
+            return
+        run.memory_wait_said = True
+        device = run.worker.device_index
+        need = self.memory.footprint(run.memory_key) if run.memory_key else None
+        held, budget, holders = self.memory.usage(device)
+        if need is not None and run.job.job_id not in self.alone:
+            why = (
+                f"waits for {_size(need)} of GPU {device}'s memory (what this problem's jobs "
+                f"held), {_size(held)} of {_size(budget)} being held by {holders} checking "
+                "job(s)"
+            )
+        else:
+            why = (
+                f"waits for GPU {device} to itself: this problem's jobs ran out of memory "
+                f"beside others ({holders} job(s) hold memory there now)"
+            )
+        event = self.hub.next_event(run.job.job_id)
+        event.log.text = f"kerneleval: {why}"
+        self.hub.publish(event)
 
     def _exclusive(self, run: Running, phase: int) -> bool:
         """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
@@ -982,9 +1086,18 @@ class JobManager:
         # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
         # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
         # (A process given a job whole can never be given another: WorkerState.assign.)
+        if (
+            outcome.peak_memory_bytes
+            and not outcome.context_poisoned
+            and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
+        ):
+            key = run.memory_key or problem_key(run.job.spec)
+            self.memory.learn(key, outcome.peak_memory_bytes)
         if outcome.reusable and not outcome.context_poisoned and run.job.job_id in self._launched:
             worker.launches += 1
             worker.reusable = True
+            worker.used_gpu = False  # it cleans up before it reads the next job
+            self.memory.release(worker.device_index, worker.worker_id)
         else:
             worker.gone = True
             self._watch_exit(worker)
@@ -1172,6 +1285,13 @@ class JobManager:
         run = self.running.get(job_id)
         if run is None or run.outcome is not None:
             return
+        if run.grant_asked_at and run.deadline is not None:
+            # Waiting for the GPU (its memory, or other jobs' checks and windows) is not the
+            # job's time: the wait so far goes onto its deadline (the grant adds the rest).
+            now = asyncio.get_running_loop().time()
+            run.deadline.push(now - run.grant_asked_at)
+            run.grant_asked_at = now
+            return
         run.pending = "timeout"
         self._kill(run, metrics_mod.KILL_TIMEOUT)
 
@@ -1192,6 +1312,9 @@ class JobManager:
             return None
         if job.state in TERMINAL:
             return job
+        if self.shared is not None and not self.shared.is_local(job_id):
+            await self.shared.cancel_elsewhere(job_id, KILL_FALLBACK_S + 5)
+            return self.store.get(job_id)
         if self.inflight.drop_waiting(job_id):
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         elif self.queue.remove(job_id):
@@ -1216,6 +1339,9 @@ class JobManager:
     async def wait_finished(self, job_id: str, timeout: float | None = None) -> None:
         job = self.store.get(job_id, include_spec=False)
         if job is None or job.state in TERMINAL:
+            return
+        if self.shared is not None and not self.shared.is_local(job_id):
+            await self.shared.wait_finished(job_id, timeout)
             return
         event = self._finished.setdefault(job_id, asyncio.Event())
         try:
@@ -1288,6 +1414,8 @@ class JobManager:
             extra={"job_id": job.job_id, "verdict": verdict, "event": state_name},
         )
         self.dispatch()
+        if self.shared is not None:
+            self.shared.claim_soon()
 
     def _retry_or_fail(
         self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int, service_fault: bool = False
@@ -1491,6 +1619,8 @@ class JobManager:
         if worker is not None:
             worker.gone = True
             self.gate.release(worker.device_index, worker.worker_id)
+            self.memory.release(worker.device_index, worker.worker_id)
+            self.memory_waiting.pop(worker.worker_id, None)
             if self.extensions.building(worker) is not None:
                 why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
                 self._extension_build_lost(worker, why)
@@ -1572,6 +1702,8 @@ class JobManager:
             dev = self.devices[status.device_index] = DeviceState(status.device_index, status)
         else:
             dev.status = status
+        if status.device_index >= 0:
+            self.memory.set_total(status.device_index, status.memory_total_bytes)
         if old is not None and old != status.health:
             self.ops.emit(
                 status.device_index,
@@ -1605,6 +1737,8 @@ class JobManager:
         Hello, jobs queue: that is no reason to flip the health check."""
         if self.draining:
             return False
+        if self.shared is not None and self.shared.role == "gateway":
+            return True  # no devices of its own: it serves while its store does
         return any(self.device_takes_jobs(d) for d in self.warm_devices)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
@@ -1619,6 +1753,9 @@ class JobManager:
         task.add_done_callback(self._tasks.discard)
 
     def device_indices(self) -> list[int]:
-        """The devices jobs run on (not the build processes' pseudo-device)."""
+        """The devices jobs run on (not the build processes' pseudo-device); a gateway's:
+        those its nodes registered."""
+        if self.shared is not None and self.shared.role == "gateway":
+            return self.shared.device_indices()
         known = set(self.devices) | {w.device_index for w in self.workers.by_id.values()}
         return sorted(known - {BUILD_DEVICE})

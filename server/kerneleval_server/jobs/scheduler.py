@@ -34,6 +34,9 @@ class FairQueue:
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._index
 
+    def job_ids(self) -> list[str]:
+        return list(self._index)
+
     def push(self, job: QueuedJob) -> int:
         """Queues a job; returns how many jobs were ahead of it."""
         ahead = len(self._index)

@@ -3,8 +3,10 @@ supplies its connection, its transactions and its dialect's few differences."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -14,6 +16,22 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 _INT64_MAX = 2**63 - 1
 
 TERMINAL = (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_CANCELLED, job_pb2.JOB_STATE_FAILED)
+_UNFINISHED = (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING)
+
+# PostgreSQL NOTIFY channels (jobs/shared_queue.py listens): a job's new events (payload: its
+# id), a job queued or requeued, a cancel request for a node.
+EVENTS_CHANNEL = "kerneleval_events"
+QUEUED_CHANNEL = "kerneleval_queued"
+CANCEL_CHANNEL = "kerneleval_cancel"
+
+# reap's and request_cancel's callback: (job, its last event's sequence) -> (the job as it
+# must be written, the events that say so).
+Decide = Callable[[job_pb2.Job, int], tuple[job_pb2.Job, list[job_pb2.JobEvent]]]
+
+
+def wanted_device(spec: kernel_pb2.JobSpec) -> int | None:
+    """The device index a job names (None: any device)."""
+    return spec.options.device_index if spec.options.HasField("device_index") else None
 
 
 class StoreError(RuntimeError):
@@ -21,6 +39,8 @@ class StoreError(RuntimeError):
 
 
 class JobStore(Protocol):
+    node_id: str
+
     def close(self) -> None: ...
     def insert(
         self,
@@ -30,7 +50,7 @@ class JobStore(Protocol):
         cache_key: str = "",
         idempotency_key: str = "",
     ) -> None: ...
-    def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> None: ...
+    def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> bool: ...
     def add_event(self, event: job_pb2.JobEvent) -> None: ...
     def get(self, job_id: str, include_spec: bool = True) -> job_pb2.Job | None: ...
     def get_spec(self, job_id: str) -> kernel_pb2.JobSpec | None: ...
@@ -54,12 +74,28 @@ class JobStore(Protocol):
     def delete_finished_before(self, cutoff_unix: float) -> int: ...
     def counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def schema_version(self) -> int: ...
+    def claim(
+        self, node_id: str, devices: Sequence[int], limit: int, lease_s: float
+    ) -> builtins.list[job_pb2.Job]: ...
+    def renew(self, node_id: str, lease_s: float) -> set[str]: ...
+    def release(self, node_id: str, job_ids: Sequence[str]) -> None: ...
+    def reap(self, now: float, decide: Decide, limit: int = 100) -> builtins.list[str]: ...
+    def request_cancel(self, job_id: str, decide: Decide) -> bool: ...
+    def cancel_requests(self, node_id: str) -> builtins.list[str]: ...
+    def register_node(self, node_id: str, address: str, devices: bytes, ttl_s: float) -> None: ...
+    def forget_node(self, node_id: str) -> None: ...
+    def nodes(self) -> builtins.list[tuple[str, str, bytes]]: ...
 
 
 class SqlStore:
     """The queries, with `?` placeholders (`_sql` turns them into the engine's)."""
 
     placeholder = "?"
+    skip_locked = ""  # PostgreSQL: " FOR UPDATE SKIP LOCKED" (SQLite's writes are serial)
+    lock_row = ""  # PostgreSQL: " FOR UPDATE"
+    # A node's id when this store serves a node of a shared queue: its writes of jobs are
+    # fenced by its leases (update, add_event).
+    node_id = ""
 
     # ---- what an engine provides ----------------------------------------------------------
 
@@ -92,7 +128,7 @@ class SqlStore:
             cur.execute(
                 self._sql(
                     "INSERT INTO jobs (job_id, state, client_tag, create_time, job, spec,"
-                    " cache_key, idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+                    " cache_key, idempotency_key, want_device) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 ),
                 (
                     job.job_id,
@@ -103,6 +139,7 @@ class SqlStore:
                     job.spec.SerializeToString(),
                     cache_key,
                     idempotency_key or None,
+                    wanted_device(job.spec),
                 ),
             )
             for label, value in sorted(job.spec.labels.items()):
@@ -111,29 +148,52 @@ class SqlStore:
                     (job.job_id, label, value),
                 )
             self._put_event(cur, first_event)
+            self._notify(cur, QUEUED_CHANNEL, job.job_id)
 
-    def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> None:
-        """Writes the job's new state (and the event that tells it) in one transaction."""
+    def update(self, job: job_pb2.Job, event: job_pb2.JobEvent | None = None) -> bool:
+        """Writes the job's new state (and the event that tells it) in one transaction. A
+        node's store (`node_id` set) writes only jobs it holds the lease of: False (nothing
+        written) for a job whose lease it lost (another node runs it now)."""
         end = job.end_time.ToNanoseconds() / 1e9 if job.HasField("end_time") else None
+        fence, fence_args = self._fence()
         with self._tx() as cur:
             cur.execute(
                 self._sql(
-                    "UPDATE jobs SET state = ?, verdict = ?, end_time = ?, job = ? WHERE job_id = ?"
+                    "UPDATE jobs SET state = ?, verdict = ?, end_time = ?, job = ?"
+                    f" WHERE job_id = ?{fence}"
                 ),
-                (job.state, job.result.verdict, end, _bare(job), job.job_id),
+                (job.state, job.result.verdict, end, _bare(job), job.job_id, *fence_args),
             )
+            if fence and cur.rowcount == 0:
+                return False
             if event is not None:
                 self._put_event(cur, event)
+        return True
 
     def add_event(self, event: job_pb2.JobEvent) -> None:
         with self._tx() as cur:
+            if self.node_id:  # a node adds events only to jobs it holds (see update)
+                cur.execute(
+                    self._sql("SELECT 1 FROM jobs WHERE job_id = ? AND lease_node = ?"),
+                    (event.job_id, self.node_id),
+                )
+                if cur.fetchone() is None:
+                    return
             self._put_event(cur, event)
+
+    def _fence(self) -> tuple[str, tuple[Any, ...]]:
+        return (" AND lease_node = ?", (self.node_id,)) if self.node_id else ("", ())
 
     def _put_event(self, cur: Any, event: job_pb2.JobEvent) -> None:
         cur.execute(
             self._sql("INSERT INTO events (job_id, sequence, event) VALUES (?, ?, ?)"),
             (event.job_id, event.sequence, event.SerializeToString()),
         )
+        self._notify(cur, EVENTS_CHANNEL, event.job_id)
+
+    def _notify(self, cur: Any, channel: str, payload: str) -> None:
+        """Wakes the followers of other front ends when the transaction commits (PostgreSQL's
+        NOTIFY; SQLite has one front end, nobody to wake)."""
 
     def get(self, job_id: str, include_spec: bool = True) -> job_pb2.Job | None:
         rows = self._query(self._sql("SELECT job, spec FROM jobs WHERE job_id = ?"), (job_id,))
@@ -267,6 +327,169 @@ class SqlStore:
             {int(k): int(v) for k, v in by_state},
             {int(k): int(v) for k, v in by_verdict},
         )
+
+    # ---- the shared queue: leases, cancel requests, nodes (jobs/shared_queue.py) ----------
+
+    def claim(
+        self, node_id: str, devices: Sequence[int], limit: int, lease_s: float
+    ) -> builtins.list[job_pb2.Job]:
+        """Leases up to `limit` QUEUED jobs nobody holds, oldest first, that may run on one of
+        `devices` (a job that names a device index waits for a node that has it)."""
+        if limit <= 0:
+            return []
+        marks = ", ".join("?" for _ in devices) or "NULL"
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "SELECT job_id FROM jobs WHERE state = ? AND lease_node IS NULL"
+                    " AND cancel_requested = 0"
+                    f" AND (want_device IS NULL OR want_device IN ({marks}))"
+                    f" ORDER BY rowid LIMIT ?{self.skip_locked}"
+                ),
+                (job_pb2.JOB_STATE_QUEUED, *devices, _clamp(limit)),
+            )
+            ids = [str(r[0]) for r in cur.fetchall()]
+            jobs = []
+            for job_id in ids:
+                cur.execute(
+                    self._sql("UPDATE jobs SET lease_node = ?, lease_expires = ? WHERE job_id = ?"),
+                    (node_id, time.time() + lease_s, job_id),
+                )
+                cur.execute(self._sql("SELECT job, spec FROM jobs WHERE job_id = ?"), (job_id,))
+                row = cur.fetchone()
+                jobs.append(_job_from_row(row[0], row[1]))
+        return jobs
+
+    def renew(self, node_id: str, lease_s: float) -> set[str]:
+        """Extends the node's leases of its unfinished jobs; returns the jobs it still holds."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "UPDATE jobs SET lease_expires = ? WHERE lease_node = ? AND state IN (?, ?)"
+                ),
+                (time.time() + lease_s, node_id, *_UNFINISHED),
+            )
+            cur.execute(
+                self._sql("SELECT job_id FROM jobs WHERE lease_node = ? AND state IN (?, ?)"),
+                (node_id, *_UNFINISHED),
+            )
+            return {str(r[0]) for r in cur.fetchall()}
+
+    def release(self, node_id: str, job_ids: Sequence[str]) -> None:
+        """Gives back the leases of QUEUED jobs the node took and will not start (it stops)."""
+        with self._tx() as cur:
+            for job_id in job_ids:
+                cur.execute(
+                    self._sql(
+                        "UPDATE jobs SET lease_node = NULL, lease_expires = NULL"
+                        " WHERE job_id = ? AND lease_node = ? AND state = ?"
+                    ),
+                    (job_id, node_id, job_pb2.JOB_STATE_QUEUED),
+                )
+            if job_ids:
+                self._notify(cur, QUEUED_CHANNEL, "")
+
+    def reap(self, now: float, decide: Decide, limit: int = 100) -> builtins.list[str]:
+        """Jobs whose lease expired (their node died or lost the store): each, locked, goes to
+        `decide(job, last sequence)`, which returns the job as it must be written (QUEUED again,
+        or ended) and the events that say so; the lease is cleared. Returns their ids."""
+        done = []
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "SELECT job_id, job, spec FROM jobs WHERE lease_expires < ?"
+                    f" AND state IN (?, ?) ORDER BY rowid LIMIT ?{self.skip_locked}"
+                ),
+                (now, *_UNFINISHED, _clamp(limit)),
+            )
+            for job_id, job_blob, spec_blob in cur.fetchall():
+                cur.execute(
+                    self._sql("SELECT MAX(sequence) FROM events WHERE job_id = ?"), (job_id,)
+                )
+                last = int(cur.fetchone()[0] or 0)
+                job, events = decide(_job_from_row(job_blob, spec_blob), last)
+                self._write_decided(cur, job, events)
+                done.append(str(job_id))
+            if done:
+                self._notify(cur, QUEUED_CHANNEL, "")
+        return done
+
+    def request_cancel(self, job_id: str, decide: Decide) -> bool:
+        """A cancel from a front end that does not run the job: a QUEUED job nobody holds ends
+        here (`decide` as in reap); otherwise the request is recorded for the node that holds
+        it (cancel_requests). False for an unknown or finished job."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    f"SELECT job, spec, lease_node FROM jobs WHERE job_id = ?{self.lock_row}"
+                ),
+                (job_id,),
+            )
+            row = cur.fetchone()
+            if row is None:
+                return False
+            job = _job_from_row(row[0], row[1])
+            if job.state in TERMINAL:
+                return False
+            if job.state == job_pb2.JOB_STATE_QUEUED and row[2] is None:
+                cur.execute(
+                    self._sql("SELECT MAX(sequence) FROM events WHERE job_id = ?"), (job_id,)
+                )
+                last = int(cur.fetchone()[0] or 0)
+                self._write_decided(cur, *decide(job, last))
+                return True
+            cur.execute(
+                self._sql("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?"), (job_id,)
+            )
+            self._notify(cur, CANCEL_CHANNEL, job_id)
+        return True
+
+    def cancel_requests(self, node_id: str) -> builtins.list[str]:
+        """Unfinished jobs the node holds that a client asked to cancel."""
+        rows = self._query(
+            self._sql(
+                "SELECT job_id FROM jobs WHERE lease_node = ? AND cancel_requested = 1"
+                " AND state IN (?, ?)"
+            ),
+            (node_id, *_UNFINISHED),
+        )
+        return [str(r[0]) for r in rows]
+
+    def _write_decided(
+        self, cur: Any, job: job_pb2.Job, events: Sequence[job_pb2.JobEvent]
+    ) -> None:
+        end = job.end_time.ToNanoseconds() / 1e9 if job.HasField("end_time") else None
+        cur.execute(
+            self._sql(
+                "UPDATE jobs SET state = ?, verdict = ?, end_time = ?, job = ?,"
+                " lease_node = NULL, lease_expires = NULL WHERE job_id = ?"
+            ),
+            (job.state, job.result.verdict, end, _bare(job), job.job_id),
+        )
+        for event in events:
+            self._put_event(cur, event)
+
+    def register_node(self, node_id: str, address: str, devices: bytes, ttl_s: float) -> None:
+        """A node says it lives (until now + ttl_s), where it serves and what devices it has."""
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM nodes WHERE node_id = ?"), (node_id,))
+            cur.execute(
+                self._sql(
+                    "INSERT INTO nodes (node_id, address, devices, expires) VALUES (?, ?, ?, ?)"
+                ),
+                (node_id, address, devices, time.time() + ttl_s),
+            )
+
+    def forget_node(self, node_id: str) -> None:
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM nodes WHERE node_id = ?"), (node_id,))
+
+    def nodes(self) -> builtins.list[tuple[str, str, bytes]]:
+        """Live nodes: (node id, gRPC address, their devices as they registered them)."""
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM nodes WHERE expires < ?"), (time.time(),))
+        rows = self._query("SELECT node_id, address, devices FROM nodes ORDER BY node_id")
+        return [(str(r[0]), str(r[1]), bytes(r[2] or b"")) for r in rows]
 
     def schema_version(self) -> int:
         rows = self._query("SELECT MAX(version) FROM kerneleval_schema")

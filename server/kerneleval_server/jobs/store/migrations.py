@@ -103,6 +103,36 @@ CREATE TABLE job_labels (
 CREATE INDEX job_labels_value ON job_labels(label, value);
 """,
     ),
+    Migration(
+        3,
+        "leases of a shared queue (roles gateway and node), cancel requests, nodes",
+        sqlite="""
+ALTER TABLE jobs ADD COLUMN want_device INTEGER;
+ALTER TABLE jobs ADD COLUMN lease_node TEXT;
+ALTER TABLE jobs ADD COLUMN lease_expires REAL;
+ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX jobs_lease ON jobs(lease_node, lease_expires);
+CREATE TABLE nodes (
+  node_id TEXT PRIMARY KEY,
+  address TEXT NOT NULL DEFAULT '',
+  devices BLOB,
+  expires REAL NOT NULL
+) WITHOUT ROWID;
+""",
+        postgres="""
+ALTER TABLE jobs ADD COLUMN want_device INTEGER;
+ALTER TABLE jobs ADD COLUMN lease_node TEXT;
+ALTER TABLE jobs ADD COLUMN lease_expires DOUBLE PRECISION;
+ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX jobs_lease ON jobs(lease_node, lease_expires);
+CREATE TABLE nodes (
+  node_id TEXT PRIMARY KEY,
+  address TEXT NOT NULL DEFAULT '',
+  devices BYTEA,
+  expires DOUBLE PRECISION NOT NULL
+);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -16,18 +16,29 @@ from . import migrations
 from .base import SqlStore, StoreError
 
 _MIGRATION_LOCK = 0x6B65_7276  # "kerv": pg_advisory_xact_lock's key for schema changes
-# One front end per database (a session lock, held while the service runs): two would both
-# re-run each other's RUNNING jobs at start. The gateway and node roles will share one.
+# One `--role all` front end per database (a session lock, held while the service runs): two
+# would both re-run each other's RUNNING jobs at start. Gateways and nodes hold it shared.
 _FRONT_END_LOCK = 0x6B65_7266  # "kerf"
-IN_USE = "another kerneleval front end uses this database (one per database for now)"
+IN_USE = (
+    "another kerneleval front end uses this database (one --role all per database; "
+    "gateways and nodes share one)"
+)
+IN_USE_SHARED = "a kerneleval --role all uses this database: gateways and nodes cannot share it"
 POOL_MAX = 8
 
 
 class PostgresStore(SqlStore):
     placeholder = "%s"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+    lock_row = " FOR UPDATE"
 
     def __init__(
-        self, url: str, *, connect_timeout_s: float = 10.0, exclusive: bool = False
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 10.0,
+        exclusive: bool = False,
+        shared: bool = False,
     ) -> None:
         import psycopg  # the SQLite default needs neither
         from psycopg_pool import ConnectionPool
@@ -38,15 +49,16 @@ class PostgresStore(SqlStore):
         )
         self._owner: Any = None  # the connection that holds the front end's lock
         try:
-            if exclusive:
+            if exclusive or shared:
+                # `all` holds the lock alone; gateways and nodes share it: neither kind starts
+                # while the other runs on the database (an `all` re-runs RUNNING jobs at start).
                 self._owner = psycopg.connect(
                     url, autocommit=True, connect_timeout=max(1, int(connect_timeout_s))
                 )
-                got = self._owner.execute(
-                    "SELECT pg_try_advisory_lock(%s)", (_FRONT_END_LOCK,)
-                ).fetchone()
+                how = "pg_try_advisory_lock_shared" if shared else "pg_try_advisory_lock"
+                got = self._owner.execute(f"SELECT {how}(%s)", (_FRONT_END_LOCK,)).fetchone()
                 if not got or not got[0]:
-                    raise StoreError(IN_USE)
+                    raise StoreError(IN_USE_SHARED if shared else IN_USE)
             self._pool.open(wait=True, timeout=connect_timeout_s)
             self._migrate()
         except Exception as exc:
@@ -73,6 +85,9 @@ class PostgresStore(SqlStore):
     def _tx(self) -> Iterator[Any]:
         with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             yield cur
+
+    def _notify(self, cur: Any, channel: str, payload: str) -> None:
+        cur.execute("SELECT pg_notify(%s, %s)", (channel, payload))
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._pool.connection() as conn, conn.cursor() as cur:

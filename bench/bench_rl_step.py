@@ -1,0 +1,406 @@
+"""One RL step: 64 distinct KernelBench candidates for level-1 problems, sent through RunBatch
+at once, timed from the first send to the last verdict (issue 19).
+
+Candidates are written here for the elementwise level-1 problems of ../shared/kernelbench (read
+in place): half `load_inline` CUDA ModelNews, half Triton ModelNews, each made distinct by a
+comment and its block size (no build or result can come from a cache). As real rollouts, a
+share is wrong or does not build or faults; the mix is --mix (default: 44 correct, 10 wrong
+by a constant, 5 that do not compile, 5 that store out of bounds), spread over problems and
+kernel types by a seeded shuffle. Every verdict is checked against what its candidate was
+planted to be: OK, INCORRECT, COMPILE_ERROR, DEVICE_FAULT.
+
+Reported: the step's wall time, and per phase where the jobs' time went, from their own
+events: waiting for a job process (queued -> started), building (started -> correctness
+run: the module's import, its load_inline build or Triton JIT), correctness (-> timed
+trials), waiting for the GPU's timing window (EvalResult.timing_window.waited) and the timed
+trials with the GPU alone (the rest, to the verdict). Options are KernelBench's
+(`--preset kernelbench`): seed 42, one correctness trial, 10 timed runs after 3 warm-ups.
+
+    PYTHONPATH=server:clients/python/src python3 bench/bench_rl_step.py --out DIR
+    ... --devices 0,1            # two GPUs
+    ... --cpu-smoke              # here: Triton under the interpreter, the problems shrunk
+
+Results: <out>/bench_rl_step_<N>gpu.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+from bench_build_service import wait_for_pch  # noqa: E402
+from bench_throughput import timing_windows, window_fraction  # noqa: E402
+from kerneleval.kernelbench import job_from_sources, kernelbench_options  # noqa: E402
+from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
+
+KERNELBENCH = Path(os.environ.get("KERNELBENCH", C.REPO.parent / "shared" / "kernelbench"))
+
+# Level-1 problem file -> (CUDA expression of `v`, Triton expression of `x`), the problem's own
+# formula (inputs are torch.rand: in [0, 1)).
+PROBLEMS: dict[str, tuple[str, str]] = {
+    "19_ReLU.py": ("fmaxf(v, 0.0f)", "tl.maximum(x, 0.0)"),
+    "20_LeakyReLU.py": ("v > 0.0f ? v : 0.01f * v", "tl.where(x > 0, x, 0.01 * x)"),
+    "21_Sigmoid.py": ("1.0f / (1.0f + expf(-v))", "tl.sigmoid(x)"),
+    "22_Tanh.py": ("tanhf(v)", "2.0 * tl.sigmoid(2.0 * x) - 1.0"),
+    "25_Swish.py": ("v / (1.0f + expf(-v))", "x * tl.sigmoid(x)"),
+    "26_GELU_.py": ("0.5f * v * (1.0f + erff(v * 0.70710678118654752f))",
+                    "0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))"),
+    "28_HardSigmoid.py": ("fminf(fmaxf(v / 6.0f + 0.5f, 0.0f), 1.0f)",
+                          "tl.minimum(tl.maximum(x / 6.0 + 0.5, 0.0), 1.0)"),
+    "29_Softplus.py": ("v > 20.0f ? v : log1pf(expf(v))",
+                       "tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))"),
+    "30_Softsign.py": ("v / (1.0f + fabsf(v))", "x / (1.0 + tl.abs(x))"),
+    "31_ELU.py": ("v > 0.0f ? v : expf(v) - 1.0f", "tl.where(x > 0, x, tl.exp(x) - 1.0)"),
+    "32_HardTanh.py": ("fminf(fmaxf(v, -1.0f), 1.0f)", "tl.minimum(tl.maximum(x, -1.0), 1.0)"),
+    "88_MinGPTNewGelu.py": (
+        "0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))",
+        "0.5 * x * (2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x)))",
+    ),
+}  # fmt: skip
+
+CUDA_TEMPLATE = '''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+source = r"""
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+// rollout {tag}
+
+__global__ void act_kernel(const float* x, float* out, long long n) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < n) {
+        float v = x[idx];
+        out[idx{oob}] = {expr};
+    }
+}
+
+torch::Tensor act_cuda(torch::Tensor x) {
+    auto out = torch::empty_like(x);
+    long long n = x.numel();
+    const int block = {block};
+    const int blocks = (int)((n + block - 1) / block);
+    act_kernel<<<blocks, block>>>(x.data_ptr<float>(), out.data_ptr<float>(), n);
+    return out;
+}
+"""
+
+act = load_inline(
+    name="act_{stem}",
+    cpp_sources="torch::Tensor act_cuda(torch::Tensor x);",
+    cuda_sources=source,
+    functions=["act_cuda"],
+    verbose=False,
+)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, *args) -> None:
+        super().__init__()
+
+    def forward(self, x):
+        return act.act_cuda(x.contiguous())
+'''
+
+TRITON_TEMPLATE = """import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+# rollout {tag}
+
+
+@triton.jit
+def act_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets{oob}, {expr}, mask=mask)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, *args) -> None:
+        super().__init__()
+
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = x.numel()
+        act_kernel[(triton.cdiv(n, {block}),)](x, out, n, BLOCK={block})
+        return out
+"""
+
+# What each planted kind does to a candidate, and the verdict it must get.
+EXPECTED = {
+    "ok": job_pb2.VERDICT_OK,
+    "wrong": job_pb2.VERDICT_INCORRECT,
+    "compile_error": job_pb2.VERDICT_COMPILE_ERROR,
+    "fault": job_pb2.VERDICT_DEVICE_FAULT,
+}
+DEFAULT_MIX = "ok=44,wrong=10,compile_error=5,fault=5"
+# Under Triton's interpreter (--cpu-smoke) nothing compiles (an unknown tl function is an
+# AttributeError when it runs) and an out-of-bounds store is a segfault of the job process.
+SMOKE_EXPECTED = {
+    **EXPECTED,
+    "compile_error": job_pb2.VERDICT_RUNTIME_ERROR,
+    "fault": job_pb2.VERDICT_CRASHED,
+}
+
+
+def candidate_source(problem: str, backend: str, kind: str, tag: str, block: int) -> str:
+    cuda_expr, triton_expr = PROBLEMS[problem]
+    cuda = backend == "cuda"
+    expr = cuda_expr if cuda else triton_expr
+    oob = ""
+    if kind == "wrong":
+        expr = f"({expr}) + 0.01{'f' if cuda else ''}"
+    elif kind == "compile_error":
+        expr = "undefined_value * v" if cuda else "tl.undefined_function(x)"
+    elif kind == "fault":  # far past the output: an illegal address, whatever the allocation
+        oob = " + (1LL << 36)" if cuda else " + (1 << 36)"
+    template = CUDA_TEMPLATE if cuda else TRITON_TEMPLATE
+    stem = re.sub(r"\W", "_", Path(problem).stem.split("_", 1)[1]).lower()
+    out = template.replace("{tag}", tag).replace("{oob}", oob).replace("{expr}", expr)
+    return out.replace("{block}", str(block)).replace("{stem}", stem)
+
+
+def shrink(reference: str) -> str:
+    """For --cpu-smoke: the problem's sizes cut to a few thousand elements."""
+    reference = re.sub(r"^batch_size = .*$", "batch_size = 16", reference, flags=re.M)
+    return re.sub(r"^dim = .*$", "dim = 1024", reference, flags=re.M)
+
+
+def plan(count: int, mix: str, backends: list[str], seed: int) -> list[dict[str, Any]]:
+    """`count` candidates: problems in turn, backends alternating, kinds shuffled by `seed`."""
+    kinds: list[str] = []
+    for part in mix.split(","):
+        name, _, n = part.partition("=")
+        if name not in EXPECTED:
+            raise SystemExit(f"--mix: unknown kind {name!r} (one of {', '.join(EXPECTED)})")
+        kinds += [name] * int(n)
+    if len(kinds) != count:
+        raise SystemExit(f"--mix adds up to {len(kinds)} candidates, not --count {count}")
+    random.Random(seed).shuffle(kinds)
+    problems = sorted(PROBLEMS)
+    return [
+        {"index": i, "problem": problems[i % len(problems)],
+         "backend": backends[i % len(backends)], "kind": kinds[i],
+         "block": (128, 256, 512, 1024)[(i // len(problems)) % 4]}
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def specs_for(
+    planned: list[dict[str, Any]], tag: str, smoke: bool, timeout_s: int
+) -> list[kernel_pb2.JobSpec]:
+    out = []
+    for p in planned:
+        reference = (KERNELBENCH / "level1" / p["problem"]).read_text()
+        if smoke:
+            reference = shrink(reference)
+        source = candidate_source(
+            p["problem"], p["backend"], p["kind"], f"{tag}-{p['index']}", p["block"]
+        )
+        spec = job_from_sources(
+            source, reference, options=kernelbench_options(), client_tag="bench-rl-step"
+        )
+        spec.options.timeout.seconds = timeout_s
+        out.append(spec)
+    return out
+
+
+def phases(events: list[job_pb2.JobEvent]) -> dict[str, float]:
+    """Seconds of one job in each phase, from its events (the last attempt's)."""
+    queued = C.ts(events[0].time)
+    started = [C.ts(e.time) for e in events if e.HasField("started")]
+    validating = [
+        C.ts(e.time) for e in events
+        if e.HasField("phase") and e.phase.phase == job_pb2.PHASE_VALIDATING
+    ]  # fmt: skip
+    profiling = [
+        C.ts(e.time) for e in events
+        if e.HasField("phase") and e.phase.phase == job_pb2.PHASE_PROFILING
+    ]  # fmt: skip
+    end = C.ts(events[-1].time)
+    start = started[-1] if started else end
+    check = validating[-1] if validating else end
+    timed = profiling[-1] if profiling else end
+    result = events[-1].finished.result
+    waited = result.timing_window.waited.ToNanoseconds() / 1e9 if profiling else 0.0
+    return {
+        "wait_for_process": (started[0] if started else end) - queued,
+        "build": max(0.0, min(check, timed) - start),
+        "correctness": max(0.0, timed - check) if validating else 0.0,
+        "wait_for_window": min(waited, max(0.0, end - timed)),
+        "timed_alone": max(0.0, end - timed - waited) if profiling else 0.0,
+        "attempts": float(len(started)),
+        "total": end - queued,
+    }
+
+
+def step(
+    svc: C.Service,
+    specs: list[kernel_pb2.JobSpec],
+    planned: list[dict[str, Any]],
+    expected: dict[str, int],
+) -> dict[str, Any]:
+    events: dict[int, list[job_pb2.JobEvent]] = {}
+    finished: dict[int, job_pb2.Job] = {}
+    refused = []
+    windows = timing_windows(svc)
+    t0 = time.perf_counter()
+    with svc.client() as c:
+        for be in c.run_batch(specs, max_in_flight=len(specs)):
+            i = int(be.request_tag)
+            if be.error is not None:
+                refused.append(f"{i}: {be.error.message}")
+            elif be.event is not None:
+                events.setdefault(i, []).append(be.event)
+                if be.event.HasField("finished"):
+                    finished[i] = be.event.finished
+            if len(finished) + len(refused) >= len(specs):
+                break
+    wall = time.perf_counter() - t0
+    after = timing_windows(svc)
+    jobs = []
+    for p in planned:
+        i = p["index"]
+        job = finished.get(i)
+        got = job_pb2.Verdict.Name(job.result.verdict) if job else "none"
+        why = ""
+        want = expected[p["kind"]]
+        if job and job.result.verdict != want:
+            r = job.result
+            why = (r.error.message or r.compilation_error or r.fault.description
+                   or job.state_reason)[:300]  # fmt: skip
+        jobs.append({
+            **p, "verdict": got, "expected": job_pb2.Verdict.Name(want),
+            "as_planted": job is not None and job.result.verdict == want,
+            "why": why, "device": job.device_index if job else -1,
+            "speedup": job.result.speedup if job else 0.0,
+            "phases": phases(events[i]) if i in events and job else {},
+        })  # fmt: skip
+    return {
+        "wall_s": wall, "finished": len(finished), "refused": refused, "jobs": jobs,
+        "as_planted": sum(j["as_planted"] for j in jobs),
+        "timing_window_fraction": window_fraction(windows, after, wall),
+    }  # fmt: skip
+
+
+PHASES = ("wait_for_process", "build", "correctness", "wait_for_window", "timed_alone")
+
+
+def phase_rows(jobs: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per phase: jobs' seconds summed (and as a share of all the jobs' time), the median and
+    the largest of one job."""
+    rows = []
+    total = sum(j["phases"].get("total", 0.0) for j in jobs) or 1.0
+    for name in PHASES:
+        values = [j["phases"][name] for j in jobs if j["phases"]]
+        if not values:
+            continue
+        s = sum(values)
+        rows.append([name, s, s / total, statistics.median(values), max(values)])
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    C.add_common_args(ap)
+    ap.add_argument("--count", type=int, default=64)
+    ap.add_argument("--mix", default=DEFAULT_MIX, help="planted kinds, adding up to --count")
+    ap.add_argument("--devices", default="0", help="GPUs the service uses, e.g. 0,1")
+    ap.add_argument("--workers-per-device", type=int, default=None, help="16 (1 smoke)")
+    ap.add_argument("--build-processes", type=int, default=None, help="the service's auto")
+    ap.add_argument("--timeout-s", type=int, default=120, help="each job's")
+    ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--steps", type=int, default=2, help="steps, each of fresh candidates")
+    args = ap.parse_args()
+    smoke = args.cpu_smoke
+    devices = [d for d in args.devices.split(",") if d]
+    wpd = args.workers_per_device or (1 if smoke else 16)
+    backends = ["triton"] if smoke else ["cuda", "triton"]
+    info = C.machine_info()
+    flags = ["--workers-per-device", str(wpd)]
+    if args.build_processes is not None:
+        flags += ["--build-processes", str(args.build_processes)]
+    if not smoke:
+        flags += ["--devices", ",".join(devices)]
+    planned = plan(args.count, args.mix, backends, args.seed)
+    expected = SMOKE_EXPECTED if smoke else EXPECTED
+    data: dict[str, Any] = {
+        "count": args.count, "mix": args.mix, "devices": len(devices) if not smoke else 0,
+        "workers_per_device": wpd, "backends": backends, "steps": [],
+    }  # fmt: skip
+    svc = C.Service(flags, nvml="none" if smoke else "real").start()
+    try:
+        data["pch_s"] = 0.0 if smoke else wait_for_pch(svc, 400)
+        svc.wait_workers(wpd * max(1, len(devices)))
+        # A first candidate of each backend, untimed: the GPU's and the build processes' first
+        # work (a step of a running RL loop never meets a cold service).
+        warm = plan(len(backends), f"ok={len(backends)}", backends, args.seed)
+        warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
+        warm_step = step(svc, warm_specs, warm, expected)
+        data["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
+        for n in range(args.steps):
+            tag = f"step{n}-{time.time_ns()}"
+            result = step(svc, specs_for(planned, tag, smoke, args.timeout_s), planned, expected)
+            print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
+            data["steps"].append(result)
+        data["service_log_tail"] = svc.tail()[-3000:]
+    finally:
+        svc.stop()
+    walls = [s["wall_s"] for s in data["steps"]]
+    data["median_wall_s"] = statistics.median(walls)
+    best = min(data["steps"], key=lambda s: abs(s["wall_s"] - data["median_wall_s"]))
+    gpus = data["devices"]
+    where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "the CPU (smoke)"
+    tables = [
+        (f"one RL step: {args.count} candidates through RunBatch at once, {where}",
+         ["step", "wall s", "finished", "as planted", "window held (share of wall)"],
+         [[i, s["wall_s"], s["finished"], s["as_planted"], json.dumps(
+             {k: round(v, 2) for k, v in s["timing_window_fraction"].items()})]
+          for i, s in enumerate(data["steps"])]),
+    ]  # fmt: skip
+    for i, st in enumerate(data["steps"]):
+        what = "the first: no problem's GPU memory known yet" if i == 0 else "footprints known"
+        tables.append((f"step {i} ({what}): where the jobs' time went, job-seconds",
+                       ["phase", "sum s", "share", "median s", "max s"],
+                       phase_rows(st["jobs"])))  # fmt: skip
+    kinds: dict[tuple[str, str], list[int]] = {}
+    for j in best["jobs"]:
+        k = kinds.setdefault((j["backend"], j["kind"]), [0, 0])
+        k[0] += 1
+        k[1] += j["as_planted"]
+    tables.append((
+        "verdicts against what was planted (the median step)",
+        ["backend", "planted", "candidates", "as planted"],
+        [[b, k, n[0], n[1]] for (b, k), n in sorted(kinds.items())],
+    ))  # fmt: skip
+    off = [f"{j['problem']} {j['backend']} {j['kind']}: {j['verdict']} ({j['why'][:160]})"
+           for s in data["steps"] for j in s["jobs"] if not j["as_planted"]]  # fmt: skip
+    notes = [
+        f"step wall time: median {data['median_wall_s']:.1f} s over {len(walls)} steps "
+        f"({', '.join(f'{w:.1f}' for w in walls)}); {wpd} job processes per GPU",
+        f"mix: {args.mix}; options: KernelBench's (seed 42, 1 correctness trial, 10 timed)",
+        f"precompiled headers made at start in {data['pch_s']:.1f} s (before the steps)",
+        "not as planted: " + ("; ".join(off[:8]) if off else "none"),
+    ]
+    name = f"bench_rl_step_{gpus}gpu" if gpus else "bench_rl_step_smoke"
+    C.write_results(args.out, name, "The RL step benchmark (issue 19)", info, data, tables, notes)
+    return 0 if not off and all(s["finished"] == args.count for s in data["steps"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

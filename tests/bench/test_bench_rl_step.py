@@ -1,0 +1,67 @@
+"""bench_rl_step's candidates, checked on the CPU: the mix adds up, every candidate is a
+distinct valid spec carrying what it was planted with, and the Triton ones get their planted
+verdicts in the engine (Triton's interpreter; the CUDA ones need a GPU: the bench's own run
+checks them)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_rl_step as R  # noqa: E402
+from kerneleval_server.api.validation import validate_spec  # noqa: E402
+
+needs_kernelbench = pytest.mark.skipif(
+    not (R.KERNELBENCH / "level1").is_dir(), reason="no ../shared/kernelbench"
+)
+
+
+def test_the_mix_adds_up_and_spreads_over_problems_and_backends() -> None:
+    planned = R.plan(64, R.DEFAULT_MIX, ["cuda", "triton"], seed=19)
+    assert Counter(p["kind"] for p in planned) == {
+        "ok": 44, "wrong": 10, "compile_error": 5, "fault": 5
+    }  # fmt: skip
+    assert Counter(p["backend"] for p in planned) == {"cuda": 32, "triton": 32}
+    assert {p["problem"] for p in planned} == set(R.PROBLEMS)
+    assert planned == R.plan(64, R.DEFAULT_MIX, ["cuda", "triton"], seed=19)  # seeded
+    with pytest.raises(SystemExit, match="adds up to 3"):
+        R.plan(64, "ok=3", ["cuda"], seed=1)
+    with pytest.raises(SystemExit, match="unknown kind"):
+        R.plan(1, "lucky=1", ["cuda"], seed=1)
+
+
+@needs_kernelbench
+def test_candidates_are_distinct_valid_and_carry_their_plant() -> None:
+    planned = R.plan(64, R.DEFAULT_MIX, ["cuda", "triton"], seed=19)
+    specs = R.specs_for(planned, "t", smoke=False, timeout_s=60)
+    assert len({s.kernel.source_code for s in specs}) == 64
+    for p, spec in zip(planned, specs, strict=True):
+        assert validate_spec(spec) == [], p
+        src = spec.kernel.source_code
+        assert ("load_inline" in src) == (p["backend"] == "cuda")
+        assert ("undefined" in src) == (p["kind"] == "compile_error")
+        assert ("<< 36" in src) == (p["kind"] == "fault")
+        assert ("+ 0.01" in src) == (p["kind"] == "wrong")
+        assert spec.options.seed == 42 and spec.options.perf_trial_count == 10
+
+
+@needs_kernelbench
+@pytest.mark.parametrize("kind", ["ok", "wrong", "compile_error"])
+def test_triton_candidates_get_their_verdicts_in_the_engine(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kerneleval_server.engine import EngineConfig, NullReporter, run_job
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as a CPU job process runs Triton
+    planned = [{"index": 0, "problem": "19_ReLU.py", "backend": "triton", "kind": kind,
+                "block": 128}]  # fmt: skip
+    (spec,) = R.specs_for(planned, "engine", smoke=True, timeout_s=60)
+    spec.options.perf_trial_count = 0
+    outcome = run_job(spec, NullReporter(), EngineConfig(work_dir=tmp_path))
+    assert outcome.result.verdict == R.SMOKE_EXPECTED[kind], outcome.result
