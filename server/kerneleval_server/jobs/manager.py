@@ -874,14 +874,17 @@ class JobManager:
         elif kind == "extension":
             self._on_extension_request(worker, run, msg.extension)
 
-    def _admit(self, run: Running) -> bool:
+    def _admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
         """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
         was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
-        held for a job re-run alone, but that job."""
+        held for a job re-run alone, but that job. `held_devices`: _held_devices(), when the
+        caller has it."""
         device, worker_id = run.worker.device_index, run.worker.worker_id
         if not self.memory.admits_on(device) or self.memory.holds(device, worker_id):
             return True
-        held = self._held_devices().get(device)
+        if held_devices is None:
+            held_devices = self._held_devices()
+        held = held_devices.get(device)
         if held is not None and held != run.job.job_id:
             return False
         if not run.memory_key:
@@ -892,7 +895,10 @@ class JobManager:
         """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
         not fit holds back the later ones of its GPU (a large job is not passed over for
         ever)."""
+        if not self.memory_waiting:
+            return
         blocked: set[int] = set()
+        held_devices = self._held_devices()
         for worker_id, run in list(self.memory_waiting.items()):
             device = run.worker.device_index
             if self.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
@@ -900,7 +906,7 @@ class JobManager:
                 continue
             if device in blocked:
                 continue
-            if not self._admit(run):
+            if not self._admit(run, held_devices):
                 blocked.add(device)
                 continue
             del self.memory_waiting[worker_id]
