@@ -220,3 +220,42 @@ def test_result_table_says_how_the_job_was_timed() -> None:
     assert table.endswith(
         "gpu end SM 1980 MHz, memory 2619 MHz, 41 C, 312 W, throttled: sw_thermal_slowdown"
     )
+
+
+def test_calls_go_round_robin_over_every_address_a_name_resolves_to() -> None:
+    """Several gateways behind one name (a headless Service, docs/DEPLOY.md): the client's
+    service config asks for round_robin, so its calls reach each of them, not the first
+    alone as gRPC's default (pick_first) would."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from kerneleval.client import Client
+
+    class Counting(health.HealthServicer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def Check(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+            self.calls += 1
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    servers, servicers, ports = [], [], []
+    for _ in range(2):
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        servicer = Counting()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        ports.append(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        servers.append(server)
+        servicers.append(servicer)
+    try:
+        with Client(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}") as client:
+            assert client.wait_ready(10)
+            for _ in range(20):
+                assert client.health() == "SERVING"
+        assert all(s.calls >= 5 for s in servicers), [s.calls for s in servicers]
+    finally:
+        for server in servers:
+            server.stop(0)

@@ -85,8 +85,11 @@ _RETRY_POLICY: dict[str, Any] = {
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
+# round_robin: a name that resolves to several gateways (a headless Service, docs/DEPLOY.md)
+# gets each call on the next one; a single address is one subchannel, as with pick_first.
 SERVICE_CONFIG = json.dumps(
     {
+        "loadBalancingConfig": [{"round_robin": {}}],
         "methodConfig": [
             {
                 "name": [
