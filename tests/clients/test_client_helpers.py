@@ -259,3 +259,17 @@ def test_calls_go_round_robin_over_every_address_a_name_resolves_to() -> None:
     finally:
         for server in servers:
             server.stop(0)
+
+
+def test_devices_from_a_gateway_say_whose_they_are() -> None:
+    from kerneleval import render
+    from kerneleval.v1 import operations_service_pb2 as ops
+
+    here = [ops.Device(index=0, name="H100")]
+    assert "NODE" not in render.devices_table(here, width=200)
+    fleet = [
+        ops.Device(index=0, name="H100", node="10.0.0.7:50051"),
+        ops.Device(index=0, name="H200", node="10.0.0.8:50051"),
+    ]
+    text = render.devices_table(fleet, width=200)
+    assert "NODE" in text and "10.0.0.7:50051" in text and "10.0.0.8:50051" in text

@@ -213,9 +213,30 @@ def test_a_gateway_and_nodes_survive_a_node_killed_mid_batch(cluster: Cluster) -
         gw_ops = ops_grpc.OperationsServiceStub(ch)
         devices = gw_ops.ListDevices(ops.ListDevicesRequest(), metadata=AUTH)
         assert {d.node for d in devices.devices} >= {n.address for n in cluster.nodes[1:]}
+        # ResetGpu and RestartWorkers go to the node that owns the device: which one, when
+        # several have it, is the caller's to say (every node here has the CPU device, -1).
+        with pytest.raises(grpc.RpcError) as err:
+            gw_ops.RestartWorkers(ops.RestartWorkersRequest(device_index=-1), metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert all(n.address in err.value.details() for n in cluster.nodes[1:])
+        node = cluster.nodes[1].address
+        restarted = gw_ops.RestartWorkers(
+            ops.RestartWorkersRequest(device_index=-1, node=node), metadata=AUTH
+        )
+        assert restarted.restarted_count >= 1  # the node's own answer
+        with pytest.raises(grpc.RpcError) as err:  # the node's own refusal, named
+            gw_ops.ResetGpu(ops.ResetGpuRequest(device_index=-1, node=node), metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"node {node}: device_index: -1 is not a GPU")
+        with pytest.raises(grpc.RpcError) as err:  # a wrong token is refused at the gateway
+            gw_ops.RestartWorkers(
+                ops.RestartWorkersRequest(node=node),
+                metadata=[("authorization", "Bearer wrong")],
+            )
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
             gw_ops.ResetGpu(ops.ResetGpuRequest(device_index=0), metadata=AUTH)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND  # no node has a GPU 0
         # Evaluate answers from the gateway; CancelJob from the gateway stops a job a node
         # runs (the node hears the request through the store).
         done = stub.Evaluate(pb.EvaluateRequest(spec=_spec(JOBS)), timeout=60).job  # type: ignore[arg-type]

@@ -51,18 +51,31 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         # that owns a device for ResetGpu and RestartWorkers.
         self.gateway = shared if shared is not None and shared.role == GATEWAY else None
 
-    async def _refer_to_node(self, device: int | None, what: str, context: Any) -> None:
-        """A gateway owns no device: the caller asks the node that does."""
+    async def _forward(self, method: str, request: Any, device: int | None, context: Any) -> Any:
+        """A gateway owns no device: the call goes to the node that does (`request.node`, or
+        the one node with that device), with the caller's own metadata (its admin token: the
+        node checks it again), and the node's answer or error comes back as it is."""
         assert self.gateway is not None
         owners = sorted(
             {d.node for d in self.gateway.node_devices() if device is None or d.index == device}
         )
-        where = f"the node(s) that own it: {', '.join(owners)}" if owners else "no node has it"
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"{what} on a gateway (--role gateway), which owns no device: call {what} on "
-            f"{where} (ListDevices on a gateway names each device's node)",
-        )
+        node = request.node or (owners[0] if len(owners) == 1 else "")
+        if not node or node not in owners:
+            where = f"one of {', '.join(owners)}" if owners else "no node has it"
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION if owners else grpc.StatusCode.NOT_FOUND,
+                f"{method} on a gateway (--role gateway), which owns no device: set node to "
+                f"the node that owns it, {where} (ListDevices on a gateway names each "
+                "device's node)",
+            )
+        forwarded = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+        async with grpc.aio.insecure_channel(node) as channel:
+            stub = operations_service_pb2_grpc.OperationsServiceStub(channel)
+            try:
+                return await getattr(stub, method)(request, metadata=forwarded, timeout=3600)
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), f"node {node}: {e.details()}")
+                raise
 
     def devices(self) -> list[pb.Device]:
         out: dict[int, pb.Device] = {}
@@ -122,7 +135,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
 
     async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
         if self.gateway is not None:
-            await self._refer_to_node(request.device_index, "ResetGpu", context)
+            return await self._forward("ResetGpu", request, request.device_index, context)
         known = self.m.device_indices()
         if request.device_index < 0:
             await context.abort(
@@ -167,11 +180,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     ) -> pb.RestartWorkersResponse:
         device = request.device_index if request.HasField("device_index") else ALL_DEVICES
         if self.gateway is not None:
-            await self._refer_to_node(
-                request.device_index if request.HasField("device_index") else None,
-                "RestartWorkers",
-                context,
-            )
+            on = request.device_index if request.HasField("device_index") else None
+            return await self._forward("RestartWorkers", request, on, context)
         known = self.m.device_indices()
         if request.HasField("device_index") and device not in known:
             await context.abort(

@@ -739,6 +739,9 @@ def cmd_events(a: argparse.Namespace, c: Client, out: _Output) -> int:
     return EXIT_OK
 
 
+NODE_HELP = "through a gateway: the node that owns the device (as `devices` shows it)"
+
+
 def cmd_reset_gpu(a: argparse.Namespace, c: Client, out: _Output) -> int:
     if not c.admin_token:
         print(f"error: reset-gpu needs --admin-token or ${ADMIN_TOKEN_ENV}", file=sys.stderr)
@@ -754,7 +757,7 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client, out: _Output) -> int:
         if answer.strip().lower() != "yes":
             print("not reset", file=sys.stderr)
             return EXIT_USAGE
-    resp = c.reset_gpu(a.index, grace_period=a.grace)
+    resp = c.reset_gpu(a.index, grace_period=a.grace, node=a.node)
     if out.json:
         _dump(as_dict(resp))
     else:
@@ -766,7 +769,7 @@ def cmd_reset_gpu(a: argparse.Namespace, c: Client, out: _Output) -> int:
 
 
 def cmd_restart_workers(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    count = c.restart_workers(a.device)
+    count = c.restart_workers(a.device, node=a.node)
     if out.json:
         _dump({"restartedCount": count})
         return EXIT_OK
@@ -1176,10 +1179,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds running jobs get to finish (default 30)",
     )
+    s.add_argument("--node", default="", help=NODE_HELP)
     s.set_defaults(func=cmd_reset_gpu)
 
     s = command("restart-workers", "replace the workers (admin token)")
     s.add_argument("--device", type=int, default=None, help="GPU index (default: every device)")
+    s.add_argument("--node", default="", help=NODE_HELP)
     s.set_defaults(func=cmd_restart_workers)
 
     s = command("cleanup", "delete old finished jobs now (admin token)")

@@ -99,7 +99,7 @@ SERVICE_CONFIG = json.dumps(
                 ],
                 "retryPolicy": _RETRY_POLICY,
             }
-        ]
+        ],
     }
 )
 # Submit's own retries: the codes, and the back-off without a RetryInfo (seconds).
@@ -688,15 +688,17 @@ class Client(_Base):
             call.cancel()
 
     def reset_gpu(
-        self, device_index: int, *, grace_period: float | None = None
+        self, device_index: int, *, grace_period: float | None = None, node: str = ""
     ) -> operations_service_pb2.ResetGpuResponse:
+        """`node`: on a gateway, the node that owns the GPU (ListDevices' `Device.node`)."""
         req = operations_service_pb2.ResetGpuRequest(
-            device_index=device_index, grace_period=_duration(grace_period)
+            device_index=device_index, grace_period=_duration(grace_period), node=node
         )
         return self._ops_call(self._ops.ResetGpu, req)
 
-    def restart_workers(self, device_index: int | None = None) -> int:
-        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index)
+    def restart_workers(self, device_index: int | None = None, *, node: str = "") -> int:
+        """`node`: on a gateway, the node whose job processes restart."""
+        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index, node=node)
         return self._ops_call(self._ops.RestartWorkers, req).restarted_count
 
     def cleanup(self, older_than: float | None = None) -> operations_service_pb2.CleanupResponse:
@@ -988,15 +990,17 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def reset_gpu(
-        self, device_index: int, *, grace_period: float | None = None
+        self, device_index: int, *, grace_period: float | None = None, node: str = ""
     ) -> operations_service_pb2.ResetGpuResponse:
+        """As `Client.reset_gpu`."""
         req = operations_service_pb2.ResetGpuRequest(
-            device_index=device_index, grace_period=_duration(grace_period)
+            device_index=device_index, grace_period=_duration(grace_period), node=node
         )
         return await self._call(self._ops.ResetGpu, req, metadata=self._admin_metadata())
 
-    async def restart_workers(self, device_index: int | None = None) -> int:
-        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index)
+    async def restart_workers(self, device_index: int | None = None, *, node: str = "") -> int:
+        """As `Client.restart_workers`."""
+        req = operations_service_pb2.RestartWorkersRequest(device_index=device_index, node=node)
         resp = await self._call(self._ops.RestartWorkers, req, metadata=self._admin_metadata())
         return resp.restarted_count
 

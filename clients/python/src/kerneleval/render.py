@@ -632,6 +632,10 @@ def devices_table(
         "WORKERS",
         Column("RECENT XIDS", "text"),
     ]
+    if any(d.node for d in devices):  # a gateway's answer: whose device it is
+        headers.insert(0, Column("NODE", "text"))
+        for row, d in zip(rows, devices, strict=True):
+            row.insert(0, d.node or "-")
     return table(headers, rows, width=width, style=style)
 
 
