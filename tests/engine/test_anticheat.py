@@ -96,3 +96,40 @@ def test_speedup_over_ten_is_flagged(run) -> None:
     r = out.result
     assert r.verdict == V.VERDICT_OK and r.speedup > 10 and r.speedup_suspicious
     assert any("worth a second look" in n for n in r.notes)
+
+
+def test_results_handed_back_in_the_timed_trials_are_caught(run) -> None:
+    """Hostile: honest through the correctness trials (5 calls, fresh inputs each), then the
+    last result handed back: the timed trials pass the same tensors every time. One timed
+    trial runs on new inputs written in place, so the replay is INCORRECT and flagged."""
+    body = """        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls > 5 and self.cache is not None:
+            return self.cache
+        self.cache = a + b
+        return self.cache"""
+    out, _ = run(job(source(TORCH, cand(body)), source(TORCH, REF), perf_trial_count=20))
+    r = out.result
+    assert r.verdict == V.VERDICT_INCORRECT, r
+    assert r.validation.trials_passed == r.validation.trial_count == 5  # honest until timed
+    assert [f.rule_id for f in r.flags] == ["replayed_outputs"]
+    assert "results computed earlier were handed back" in r.validation_error
+
+
+def test_results_keyed_by_the_tensors_addresses_are_caught(run) -> None:
+    """Hostile: a cache keyed by the inputs' addresses (every correctness trial has new
+    tensors, so it never hits there; the timed trials reuse theirs)."""
+    body = """        key = (a.data_ptr(), b.data_ptr())
+        if getattr(self, "seen", None) == key:
+            return self.cache
+        self.seen, self.cache = key, a + b
+        return self.cache"""
+    out, _ = run(job(source(TORCH, cand(body)), source(TORCH, REF), perf_trial_count=20))
+    assert out.result.verdict == V.VERDICT_INCORRECT, out.result
+    assert [f.rule_id for f in out.result.flags] == ["replayed_outputs"]
+
+
+def test_an_honest_kernel_timed_with_new_inputs_in_one_trial_stays_ok(run) -> None:
+    out, _ = run(
+        job(source(TORCH, cand("        return a + b")), source(TORCH, REF), perf_trial_count=20)
+    )
+    assert out.result.verdict == V.VERDICT_OK and not out.result.flags, out.result

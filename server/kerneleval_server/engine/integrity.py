@@ -10,6 +10,9 @@ candidate's host code, that code could suppress them (never add them to another 
   new tensor; a reference that returns a view allows it). Compare only.
 - output_aliases_reference: an output shares memory with the reference's outputs (found and
   returned, not computed).
+- replayed_outputs: a timed trial, picked at random, ran on new inputs written in place
+  before it, and its outputs did not match the reference's on them (runner._ReplayCheck):
+  results computed earlier were handed back. The job is also INCORRECT.
 - faster_than_memory: the median is below the time the GPU needs just to write the outputs
   (those beyond its L2 cache) at its peak memory bandwidth, a floor no honest kernel beats.
 """
@@ -26,6 +29,7 @@ from kerneleval.v1 import job_pb2
 ALIASES_INPUT = "output_aliases_input"
 ALIASES_REFERENCE = "output_aliases_reference"
 FASTER_THAN_MEMORY = "faster_than_memory"
+REPLAYED_OUTPUTS = "replayed_outputs"
 FLOOR_MARGIN = 0.9  # below 90% of the floor: clock and counter noise cannot explain it
 
 

@@ -623,7 +623,12 @@ class _Job:
         cand_args = make_args(0)
         ref_args = cand_args.clone() if ref is not None else None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
-        stats = self._measure(lambda: cand.run(cand_args), "", lambda d: self._progress(d, total))
+        replay = _ReplayCheck(self, cand, ref, cand_args, make_args) if ref is not None else None
+        run = replay.run if replay is not None else (lambda: cand.run(cand_args))
+        check = replay.trial_check() if replay is not None else None
+        stats = self._measure(run, "", lambda d: self._progress(d, total), check)
+        if replay is not None and replay.failed is not None:
+            self._replayed(replay)
         self.result.runtime.CopyFrom(stats)
         if self.dev.type == "cuda":
             bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
@@ -641,6 +646,25 @@ class _Job:
                 self._judge_speedup()
         if self.dev.type == "cpu":
             self.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+
+    def _replayed(self, replay: _ReplayCheck) -> NoReturn:
+        """A timed trial's outputs were not what the reference computes from the inputs
+        written before it: results computed earlier, handed back (or a kernel that reads
+        more than its inputs). Incorrect, and flagged."""
+        failed = replay.failed
+        assert failed is not None
+        why = (
+            f"timed trial {replay.trial + 1}: new inputs were written in place before it and "
+            f"its outputs did not match the reference on them ({failed.message}): results "
+            "computed earlier were handed back"
+        )
+        self._flag([integrity.flag(integrity.REPLAYED_OUTPUTS, why)])
+        self.result.validation_error = why
+        self.result.verdict = job_pb2.VERDICT_INCORRECT
+        self.result.failed_side = job_pb2.SIDE_KERNEL
+        self.result.correctness = False
+        self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
+        raise _Stop
 
     def _judge_speedup(self) -> None:
         self.result.speedup_suspicious = self.result.speedup > SUSPICIOUS_SPEEDUP
@@ -663,7 +687,11 @@ class _Job:
         self.reporter.progress(job_pb2.PHASE_PROFILING, done, total)
 
     def _measure(
-        self, run: Callable[[], object], who: str, progress: Callable[[int], None]
+        self,
+        run: Callable[[], object],
+        who: str,
+        progress: Callable[[int], None],
+        check: timing.TrialCheck | None = None,
     ) -> job_pb2.RuntimeStats:
         with self._guard(who):
             t = timing.measure(
@@ -673,6 +701,7 @@ class _Job:
                 flush_l2=self.opts.flush_l2,
                 device=self.dev,
                 progress=lambda done, _total: progress(done),
+                check=check,
             )
             if t.side_stream_trials:
                 self.notes.append(
@@ -683,6 +712,65 @@ class _Job:
                 self.notes.append(f"{who}timing produced no finite median")
             return t.stats
         raise AssertionError("unreachable")
+
+
+class _ReplayCheck:
+    """One timed trial, picked at random, runs on new inputs written in place into the
+    arguments every trial uses (before its timed span), and its outputs are checked against
+    the reference's on those inputs (after it): a kernel that hands back results it computed
+    earlier (after a few honest calls, keyed by the tensors' addresses, ...) for the timed
+    trials shows there. The trial is drawn from the OS, not from the job's seed."""
+
+    def __init__(
+        self,
+        job: Any,
+        cand: Program,
+        ref: Program,
+        args: TrialArgs,
+        make_args: Callable[[int], TrialArgs],
+    ) -> None:
+        self.job, self.cand, self.ref, self.args, self.make_args = job, cand, ref, args, make_args
+        trials = job.opts.perf_trials
+        self.trial = 1 + int.from_bytes(os.urandom(4)) % (trials - 1) if trials > 1 else -1
+        self.keep = False
+        self.out: list[Any] | None = None
+        self.fresh: TrialArgs | None = None
+        self.failed: compare.TrialCheck | None = None
+
+    def trial_check(self) -> timing.TrialCheck | None:
+        if self.trial < 0:
+            return None
+        return timing.TrialCheck(self.trial, self.before, self.after)
+
+    def run(self) -> object:
+        out = self.cand.run(self.args)
+        if self.keep:
+            self.out, self.keep = out, False
+        return out
+
+    def before(self) -> None:
+        # inputs no correctness trial used (a trial index past them), written into the very
+        # tensors the timed trials pass
+        fresh = self.make_args(self.job.opts.correct_trials + 1)
+        for i, (dst, src) in enumerate(zip(self.args.values, fresh.values, strict=True)):
+            written = self.args.roles[i] != kernel_pb2.ARG_ROLE_OUTPUT
+            if written and isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+                dst.copy_(src)
+        self.fresh, self.keep = fresh, True
+
+    def after(self) -> None:
+        assert self.fresh is not None
+        cand_out, self.out = self.out, None
+        if cand_out is None:
+            return
+        ref_out = self.job._run(self.ref, self.fresh.clone(), REFERENCE_PREFIX)
+        names = self.job._output_names(self.cand, self.ref, self.fresh)
+        check = compare.compare_outputs(
+            cand_out, ref_out, names, self.job.opts.atol, self.job.opts.rtol
+        )
+        if not check.ok:
+            self.failed = check
+        self.fresh = None
 
 
 __all__ = ["LaunchProgram", "Options", "is_triton_launch", "run_job"]

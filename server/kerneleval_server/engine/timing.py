@@ -22,6 +22,16 @@ _IDLE_CYCLES = 100_000  # without a flush, a short spin hides the host's launch 
 
 
 @dataclass
+class TrialCheck:
+    """Work around one timed trial, outside its timed span: `before` it (new inputs written in
+    place), `after` it (its outputs checked). Which trial is the caller's secret."""
+
+    trial: int
+    before: Callable[[], None]
+    after: Callable[[], None]
+
+
+@dataclass
 class Timing:
     stats: job_pb2.RuntimeStats
     side_stream_trials: int = 0  # trials whose work finished after the launching stream
@@ -35,6 +45,7 @@ def measure(
     flush_l2: bool,
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
+    check: TrialCheck | None = None,
 ) -> Timing:
     every = max(1, trials // 10)
 
@@ -47,12 +58,19 @@ def measure(
             fn()
         times = []
         for i in range(trials):
+            _around(check, i, before=True)
             t0 = time.perf_counter_ns()
             fn()
             times.append((time.perf_counter_ns() - t0) / 1e6)
+            _around(check, i, before=False)
             tick(i + 1)
         return Timing(stats(times, job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK, flushed=False))
-    return _measure_cuda(fn, trials, warmup, flush_l2, tick)
+    return _measure_cuda(fn, trials, warmup, flush_l2, tick, check=check)
+
+
+def _around(check: TrialCheck | None, trial: int, *, before: bool) -> None:
+    if check is not None and check.trial == trial:
+        (check.before if before else check.after)()
 
 
 class CudaOps:
@@ -81,13 +99,14 @@ def _measure_cuda(
     flush_l2: bool,
     tick: Callable[[int], None],
     ops: Any = None,
+    check: TrialCheck | None = None,
 ) -> Timing:
     ops = ops or CudaOps()
     cache = ops.flush_buffer() if flush_l2 else None
     _warm_up(fn, warmup, ops)
     baseline = _sync_gap_ms(ops)
     if _hides_work(fn, ops, baseline):
-        return _measure_synchronized(fn, trials, cache, tick, ops, baseline)
+        return _measure_synchronized(fn, trials, cache, tick, ops, baseline, check)
     # do_bench's loop: trials queued back to back, so the GPU runs at the clocks it runs at
     # under load, and the host's launch latency hides behind the flush of the next trial.
     # A synchronize every tenth of the way keeps progress true for long kernels.
@@ -95,10 +114,12 @@ def _measure_cuda(
     end = [ops.event() for _ in range(trials)]
     every = max(1, trials // 10)
     for i in range(trials):
+        _around(check, i, before=True)
         _prepare(ops, cache)
         start[i].record()
         fn()
         end[i].record()
+        _around(check, i, before=False)
         if (i + 1) % every == 0 or i + 1 == trials:
             ops.synchronize()
             tick(i + 1)
@@ -160,6 +181,7 @@ def _measure_synchronized(
     tick: Callable[[int], None],
     ops: Any,
     baseline: float,
+    check: TrialCheck | None = None,
 ) -> Timing:
     """For kernels that leave work on other streams: a device-wide synchronize after every
     trial, and the trial lasts until that work ends."""
@@ -167,12 +189,14 @@ def _measure_synchronized(
     end = [ops.event() for _ in range(trials)]
     after = [ops.event() for _ in range(trials)]
     for i in range(trials):
+        _around(check, i, before=True)
         _prepare(ops, cache)
         start[i].record()
         fn()
         end[i].record()
         ops.synchronize()  # every stream: work on side streams ends before `after`
         after[i].record()
+        _around(check, i, before=False)
         tick(i + 1)
     ops.synchronize()
     times, hidden = [], 0

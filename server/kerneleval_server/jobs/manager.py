@@ -76,7 +76,12 @@ RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
 # engine/integrity.py's rules (the front end does not import the engine: torch).
-RUNTIME_RULES = ("output_aliases_input", "output_aliases_reference", "faster_than_memory")
+RUNTIME_RULES = (
+    "output_aliases_input",
+    "output_aliases_reference",
+    "faster_than_memory",
+    "replayed_outputs",
+)
 
 
 class QueueFull(Exception):
