@@ -381,3 +381,29 @@ def test_a_generated_admin_token_never_reads_as_an_option(tmp_path: Path) -> Non
     tokens = {admin_token(cfg, d) for d in (tmp_path / str(i) for i in range(8)) if not d.mkdir()}
     assert len(tokens) == 8 and all(t.startswith("ket_") and len(t) > 40 for t in tokens)
     assert admin_token(cfg, tmp_path / "0") in tokens  # read back, not made again
+
+
+def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
+    """A gateway has no GPU: what a cached result depends on is the GPUs of the nodes the job
+    may run on (their models and drivers), so a fleet that gains another model, or a job
+    pinned to an index only one model has, never takes a result from another GPU."""
+    from types import SimpleNamespace
+
+    from kerneleval.v1 import kernel_pb2
+    from kerneleval.v1 import operations_service_pb2 as ops
+    from kerneleval_server.jobs.manager import JobManager
+
+    def target(devices: list[ops.Device], pinned: int | None = None) -> str:
+        shared = SimpleNamespace(node_devices=lambda: devices)
+        me = SimpleNamespace(shared=shared, devices={}, config=SimpleNamespace(engine=""),
+                             _software="sw")  # fmt: skip
+        spec = kernel_pb2.JobSpec()
+        if pinned is not None:
+            spec.options.device_index = pinned
+        return JobManager._target(me, spec)  # type: ignore[arg-type]
+
+    h100 = ops.Device(index=0, name="H100", driver_version="580", node="a:1")
+    h200 = ops.Device(index=1, name="H200", driver_version="580", node="b:1")
+    assert "H100/580" in target([h100]) and "H200" not in target([h100])
+    assert target([h100]) != target([h100, h200])
+    assert target([h100, h200], pinned=1).endswith(";H200/580")

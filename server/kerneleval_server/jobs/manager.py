@@ -285,13 +285,14 @@ class JobManager:
         """What a result depends on besides the spec: the engine, the software, and the model
         and driver of the GPUs the job may run on."""
         pinned = spec.options.device_index if spec.options.HasField("device_index") else None
-        gpus = sorted(
-            {
-                f"{d.status.name}/{d.status.driver_version}"
-                for d in self.devices.values()
-                if pinned is None or d.index == pinned
-            }
+        # This machine's GPUs; a gateway has none: its nodes' (ListDevices), where the job
+        # may run as much as on any GPU here.
+        devices = (
+            [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
+            if self.shared is not None
+            else [(d.index, d.status.name, d.status.driver_version) for d in self.devices.values()]
         )
+        gpus = sorted({f"{n}/{d}" for i, n, d in devices if pinned is None or i == pinned})
         return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
 
     def _cache_key(self, spec: kernel_pb2.JobSpec) -> str:
