@@ -723,7 +723,7 @@ class _ReplayCheck:
 
     def __init__(
         self,
-        job: Any,
+        job: _Job,
         cand: Program,
         ref: Program,
         args: TrialArgs,

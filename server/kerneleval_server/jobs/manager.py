@@ -53,6 +53,7 @@ from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
+from kerneleval_server.jobs.shared_queue import GATEWAY
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.metrics import Metrics
 
@@ -597,7 +598,7 @@ class JobManager:
             return False
         if job.attempt_count >= self.config.max_attempts:
             return False
-        self.memory.ran_out(run.memory_key or problem_key(job.spec))
+        self.memory.ran_out(self._memory_key(run))
         self.alone.add(job.job_id)
         self.running.pop(job.job_id, None)
         self._stop_following(run, completed=True)
@@ -859,10 +860,7 @@ class JobManager:
             if msg.phase.phase in GATED_PHASES:
                 run.grant_asked_at = asyncio.get_running_loop().time()
                 if self._admit(run):
-                    worker.used_gpu = True
-                    self.gate.request(
-                        worker.device_index, worker.worker_id, self._exclusive(run, run.phase)
-                    )
+                    self._use_gpu(run)
                 else:
                     self.memory_waiting[worker.worker_id] = run
                     self._say_memory_wait(run)
@@ -893,9 +891,20 @@ class JobManager:
         held = held_devices.get(device)
         if held is not None and held != run.job.job_id:
             return False
+        alone = run.job.job_id in self.alone
+        return self.memory.admit(device, worker_id, self._memory_key(run), alone)
+
+    @staticmethod
+    def _memory_key(run: Running) -> str:
         if not run.memory_key:
             run.memory_key = problem_key(run.job.spec)
-        return self.memory.admit(device, worker_id, run.memory_key, run.job.job_id in self.alone)
+        return run.memory_key
+
+    def _use_gpu(self, run: Running) -> None:
+        """Admitted to its GPU's memory: the job asks the GPU gate for its phase."""
+        worker = run.worker
+        worker.used_gpu = True
+        self.gate.request(worker.device_index, worker.worker_id, self._exclusive(run, run.phase))
 
     def _admit_waiting(self) -> None:
         """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
@@ -916,15 +925,14 @@ class JobManager:
                 blocked.add(device)
                 continue
             del self.memory_waiting[worker_id]
-            run.worker.used_gpu = True
-            self.gate.request(device, worker_id, self._exclusive(run, run.phase))
+            self._use_gpu(run)
 
     def _say_memory_wait(self, run: Running) -> None:
         if run.memory_wait_said:
             return
         run.memory_wait_said = True
         device = run.worker.device_index
-        need = self.memory.footprint(run.memory_key) if run.memory_key else None
+        need = self.memory.footprint(self._memory_key(run))
         held, budget, holders = self.memory.usage(device)
         if need is not None and run.job.job_id not in self.alone:
             why = (
@@ -1103,8 +1111,7 @@ class JobManager:
             and not outcome.context_poisoned
             and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
         ):
-            key = run.memory_key or problem_key(run.job.spec)
-            self.memory.learn(key, outcome.peak_memory_bytes)
+            self.memory.learn(self._memory_key(run), outcome.peak_memory_bytes)
         if outcome.reusable and not outcome.context_poisoned and run.job.job_id in self._launched:
             worker.launches += 1
             worker.reusable = True
@@ -1749,7 +1756,7 @@ class JobManager:
         Hello, jobs queue: that is no reason to flip the health check."""
         if self.draining:
             return False
-        if self.shared is not None and self.shared.role == "gateway":
+        if self.shared is not None and self.shared.role == GATEWAY:
             return True  # no devices of its own: it serves while its store does
         return any(self.device_takes_jobs(d) for d in self.warm_devices)
 
@@ -1767,7 +1774,7 @@ class JobManager:
     def device_indices(self) -> list[int]:
         """The devices jobs run on (not the build processes' pseudo-device); a gateway's:
         those its nodes registered."""
-        if self.shared is not None and self.shared.role == "gateway":
+        if self.shared is not None and self.shared.role == GATEWAY:
             return self.shared.device_indices()
         known = set(self.devices) | {w.device_index for w in self.workers.by_id.values()}
         return sorted(known - {BUILD_DEVICE})
