@@ -228,6 +228,12 @@ def test_a_gateway_and_nodes_survive_a_node_killed_mid_batch(cluster: Cluster) -
             gw_ops.ResetGpu(ops.ResetGpuRequest(device_index=-1, node=node), metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith(f"node {node}: device_index: -1 is not a GPU")
+        with pytest.raises(grpc.RpcError) as err:  # hostile: only a node that owns it
+            gw_ops.RestartWorkers(
+                ops.RestartWorkersRequest(device_index=-1, node="127.0.0.1:1"), metadata=AUTH
+            )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # never dialled
+        assert "127.0.0.1:1" not in err.value.details().split("one of ", 1)[-1]
         with pytest.raises(grpc.RpcError) as err:  # a wrong token is refused at the gateway
             gw_ops.RestartWorkers(
                 ops.RestartWorkersRequest(node=node),
