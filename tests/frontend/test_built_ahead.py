@@ -208,8 +208,13 @@ def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: i
     slow = stub.Submit(
         pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 3})), timeout=30
     ).job
-    waiting = stub.Submit(pb.SubmitRequest(spec=io_spec({"do": "build"})), timeout=30).job
     deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # launched first (two builds finish in either order)
+        job = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
+        if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("d0-"):
+            break
+        time.sleep(0.05)
+    waiting = stub.Submit(pb.SubmitRequest(spec=io_spec({"do": "build"})), timeout=30).job
     while time.monotonic() < deadline:  # built, waiting: the one launch process is busy
         job = stub.GetJob(pb.GetJobRequest(job_id=waiting.job_id)).job
         if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("build-w"):
