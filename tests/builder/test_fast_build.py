@@ -566,14 +566,86 @@ def test_cpp_build_with_a_precompiled_header_imports_and_computes(
     assert module.scaled_sum(torch.arange(4.0), 2.5).item() == 15.0
     assert "-x c++-header" in built.log  # made the header
     assert re.search(r"\] c\+\+ -Winvalid-pch -include \S+/pch\.h ", built.log)
+    assert "main.cpp: compiled against '#include <torch/types.h>" in built.log
     assert "not used because" not in built.log  # and used it
+    assert "needs more than" not in built.log  # the smaller header was enough
     # another extension's flags (its name aside) find the same header, made already
     n = extension._read_ninja(build / "build.ninja")
     flags = [f.replace(name, "other_name") for f in n.flags["cflags"]]
     log: list[str] = []
-    use = extension._pch(n.cxx, flags, extension._EXT_HEADER, pch_dir, log)
+    use = extension._pch(n.cxx, flags, extension._EXT_NARROW, pch_dir, log)
     assert use[:2] == ["-Winvalid-pch", "-include"] and Path(use[2] + ".gch").is_file()
     assert log == []
+
+
+def _narrow(
+    tmp_path: Path, body: str, narrow: str = "#include <vector>\n"
+) -> tuple[bool, list[str]]:
+    src, out = tmp_path / "unit.cpp", tmp_path / "unit.o"
+    src.write_text(f"#include <torch/extension.h>\n{body}\n")
+    out.write_bytes(b"stale")
+    log: list[str] = []
+    done = extension._compiled_narrow("c++", ["-O0"], src, out, tmp_path / "pch", log, narrow)
+    return done, log
+
+
+def test_a_file_compiles_against_the_smaller_header_with_its_extension_include_blanked(
+    tmp_path: Path,
+) -> None:
+    """What the smaller (precompiled) header declares is enough: compiled from a copy whose
+    torch/extension.h include is blanked, line numbers kept."""
+    done, log = _narrow(tmp_path, "std::vector<int> v{1, 2};")
+    assert done and log[-1] == "unit.cpp: compiled against '#include <vector>' (precompiled)"
+    assert (tmp_path / "unit.narrow.cpp").read_text() == "\nstd::vector<int> v{1, 2};\n"
+    assert "v" in " ".join(nm(tmp_path / "unit.o", "--defined-only"))
+    assert "#include <torch/extension.h>" in (tmp_path / "unit.cpp").read_text()  # untouched
+
+
+def test_a_file_that_needs_more_than_the_smaller_header_is_left_to_the_full_one(
+    tmp_path: Path,
+) -> None:
+    """A compile error against the smaller header is no verdict: False, no object left, and
+    the caller compiles the file as torch would (its errors are torch's own)."""
+    done, log = _narrow(tmp_path, "std::map<int, int> m;")
+    assert not done and not (tmp_path / "unit.o").exists()
+    assert "unit.cpp: needs more than '#include <vector>'" in log[-1]
+
+
+@pytest.mark.parametrize("name", ["torch::nn::Linear", "torch::autograd::Function", "py::object"])
+def test_names_only_torch_extension_declares_go_straight_to_the_full_header(
+    tmp_path: Path, name: str
+) -> None:
+    """Not even tried against the smaller header (a compile there would only fail); pybind11 is
+    in main.cpp's smaller header, not in the host unit's."""
+    done, log = _narrow(tmp_path, f"// uses {name}", extension._CU_NARROW)
+    assert not done and log == [] and not (tmp_path / "unit.narrow.cpp").exists()
+    if name == "py::object":
+        assert not extension._BEYOND_EXT_NARROW.search(name)
+
+
+def test_full_headers_are_precompiled_with_the_builds_own_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start (pch.py), after the probe built the smaller headers: all of torch/extension.h
+    for main.cpp (torch's cflags) and for the host unit (nvcc's flags as g++ sees them)."""
+    (tmp_path / "build.ninja").write_text(
+        "cxx = c++\nnvcc = nvcc\n"
+        "cflags = -DTORCH_EXTENSION_NAME=p -fPIC\npost_cflags = -std=c++17\n"
+        "cuda_cflags = -DTORCH_EXTENSION_NAME=p -Xcompiler -fPIC\n"
+        "cuda_post_cflags = -O3 -gencode=arch=compute_80,code=sm_80 -std=c++17\n"
+        "build main.o: compile main.cpp\nbuild cuda.cuda.o: cuda_compile cuda.cu\n"
+        "build p.so: link main.o cuda.cuda.o\n"
+    )
+    made: list[tuple[list[str], str]] = []
+    monkeypatch.setattr(
+        extension, "_pch", lambda cxx, flags, header, d, log: made.append((flags, header)) or ["x"]
+    )
+    said = extension.make_full_pchs(tmp_path, tmp_path / "pch")
+    assert said.startswith("torch/extension.h precompiled in "), said
+    assert sorted(made, key=lambda m: m[1]) == [
+        (["-DTORCH_EXTENSION_NAME=p", "-fPIC", "-std=c++17"], extension._EXT_HEADER),
+        (["-DTORCH_EXTENSION_NAME=p", "-fPIC", "-O3", "-std=c++17"], extension._CU_HEADER),
+    ]
 
 
 @pytest.mark.slow
@@ -616,7 +688,7 @@ def test_cpp_build_without_torch_headers_gets_none(tmp_path: Path, pch_dir: Path
 @needs_nvcc
 @needs_examples
 def test_kernelbench_add_host_unit_compiles_against_torch(
-    tmp_path: Path, cuda_torch: None, stub_libs: Path
+    tmp_path: Path, cuda_torch: None, stub_libs: Path, pch_dir: Path
 ) -> None:
     """The KernelBench add example as torch writes it: the host unit (torch/extension.h, the
     rewritten launch) with g++ and torch's flags, the kernel with nvcc, the link."""
@@ -629,7 +701,11 @@ def test_kernelbench_add_host_unit_compiles_against_torch(
     call.update(name=name, extra_ldflags=[f"-L{stub_libs}"])
     write_torch_files(call, tmp_path)
     log: list[str] = []
-    extension.fast_build(tmp_path, None, log)
+    extension.fast_build(tmp_path, pch_dir, log)
+    # both g++ files against the smaller precompiled headers: all the example needs
+    assert not [ln for ln in log if "needs more than" in ln or "not used because" in ln], log
+    narrow = [ln for ln in log if ": compiled against '#include <torch/types.h>" in ln]
+    assert sorted(ln.split(":")[0] for ln in narrow) == ["cuda.cuda.host.cpp", "main.cpp"], log
     so = tmp_path / f"{name}.so"
     assert so.is_file() and has_device_code(so)
     assert launch_symbols(so, "-u") == []

@@ -5,9 +5,11 @@
 A precompiled header is only used by a compile with the same flags, so one is made per flag
 set that candidates commonly use (VARIANTS: torch's defaults, and -O3), by building a probe
 extension with each through the builder itself: the headers come out exactly as a candidate's
-build asks for them. Made by the front end's own user from torch's headers and fixed flags,
-no candidate input; build processes see DIR read-only (a candidate's build cannot change what
-the next one includes) and build without a PCH when none matches their flags.
+build asks for them (the smaller ones most files compile against, extension.py), then all of
+torch/extension.h with the probe's flags, for the files that need more. Made by the front
+end's own user from torch's headers and fixed flags, no candidate input; build processes see
+DIR read-only (a candidate's build cannot change what the next one includes) and build
+without a PCH when none matches their flags.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def _variant(folder: Path, i: int) -> str:
         built = extension.build_load_inline(call, work, folder, lambda _: None)
         said = f"flags {flags}: {built.seconds:.1f} s "
         said += "ok" if built.fast else built.log[-300:]
+        if built.fast:  # the probe used the smaller headers; some candidates need them all
+            said += "; " + extension.make_full_pchs(work, folder)
         if built.fast and cuda and not flags:  # torch's default flags: what its build shows
             said += "; " + extension.make_device_prelude(work, folder)
     finally:
