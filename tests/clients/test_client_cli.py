@@ -108,6 +108,14 @@ def test_reject_flagged_reaches_the_options(fake, capsys, triton_file):
     assert not sent.spec.options.reject_flagged
 
 
+def test_no_check_precision_reaches_the_options(fake, capsys, triton_file):
+    for args, has in ((["--no-check-precision"], True), ([], False)):
+        run(fake, capsys, "evaluate", str(triton_file), *args)
+        sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)]
+        o = sent[-1].spec.options
+        assert o.HasField("check_precision") == has and not o.check_precision
+
+
 def test_no_cache_reaches_the_options(fake, capsys, triton_file):
     for args, bypass in ((["--no-cache"], True), ([], False)):
         run(fake, capsys, "evaluate", str(triton_file), *args)

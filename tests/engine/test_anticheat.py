@@ -59,9 +59,10 @@ def test_candidate_runs_before_the_reference_in_some_trials(run) -> None:
     import builtins
 
     builtins.__dict__["_ke_order"] = []
-    out, _ = run(
-        job(source(TORCH, c), source(TORCH, ref), correct_trial_count=4, perf_trial_count=0)
-    )
+    out, _ = run(  # no float64 run of the reference after the first trial's two
+        job(source(TORCH, c), source(TORCH, ref), correct_trial_count=4, perf_trial_count=0,
+            check_precision=False)
+    )  # fmt: skip
     assert out.result.verdict == V.VERDICT_OK
     log = builtins.__dict__.pop("_ke_order")
     pairs = [tuple(log[i : i + 2]) for i in range(0, 8, 2)]

@@ -36,3 +36,61 @@ def test_a_scalar_and_an_empty_output(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = compare.compare_outputs([torch.tensor(2.0)], [torch.tensor(1.0)], [], None, None)
     assert not bad.ok and bad.first_index == [] and bad.mismatches == 1
     assert compare.compare_outputs([torch.empty(0, 3)], [torch.empty(0, 3)], [], None, None).ok
+
+
+def _errors_one_by_one(cand: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """The largest finite absolute and relative errors, element by element in Python."""
+    max_abs = max_rel = 0.0
+    for c, r in zip(cand.double().flatten().tolist(), ref.double().flatten().tolist(), strict=True):
+        diff = abs(c - r)
+        if diff == diff and diff != float("inf"):
+            max_abs = max(max_abs, diff)
+            if r != 0:
+                max_rel = max(max_rel, diff / abs(r))
+    return max_abs, max_rel
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 26])
+def test_errors_read_back_at_once_are_those_of_the_finite_elements(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """A chunk's largest errors and mismatch count come back from the device in one read:
+    NaN and infinite errors are left out of the largest ones, and a reference's zeros out of
+    the relative one, as element by element."""
+    monkeypatch.setattr(compare, "COMPARE_CHUNK", chunk)
+    torch.manual_seed(1)
+    ref = torch.randn(40)
+    cand = ref * 1.001  # a relative error of 1e-3 everywhere
+    ref[5] = 0.0  # relative error undefined: left out
+    cand[5] = 0.25  # the largest absolute error
+    cand[9] = float("nan")
+    cand[17] = float("-inf")
+    ref[23] = cand[23] = float("inf")
+    ref[30] = 1e-30  # the largest relative error: a tiny reference value
+    cand[30] = 2e-30
+    check = compare.compare_outputs([cand], [ref], ["out"], 1e-4, 1e-4)
+    max_abs, max_rel = _errors_one_by_one(cand, ref)
+    assert check.max_abs == max_abs == pytest.approx(0.25)
+    assert check.max_rel == max_rel == pytest.approx(1.0)
+    wrong = [
+        i
+        for i, (c, r) in enumerate(zip(cand.tolist(), ref.tolist(), strict=True))
+        if not (c == r or abs(c - r) <= 1e-4 + 1e-4 * abs(r))
+    ]
+    assert check.mismatches == len(wrong) and check.first_index == [wrong[0]]
+    nothing_finite = compare.compare_outputs(
+        [torch.full((4,), float("nan"))], [torch.ones(4)], ["out"], None, None
+    )
+    assert nothing_finite.max_abs == 0.0 and nothing_finite.max_rel == 0.0
+    assert nothing_finite.mismatches == 4
+
+
+def test_an_infinite_reference_value_is_matched_only_by_the_same_infinity() -> None:
+    """rtol times an infinite reference value is no bound: a finite value, or the other
+    infinity, where the reference has one is a mismatch (as torch.isclose says)."""
+    ref = torch.tensor([1.0, float("inf"), float("-inf"), float("inf"), 2.0])
+    cand = torch.tensor([1.0, 0.0, float("inf"), float("inf"), float("inf")])
+    check = compare.compare_outputs([cand], [ref], ["out"], 1e-4, 1e-4)
+    assert not check.ok and check.mismatches == 3 and check.first_index == [1]
+    close = torch.isclose(cand, ref, rtol=1e-4, atol=1e-4)
+    assert check.mismatches == int((~close).sum())

@@ -1,11 +1,12 @@
 """Runtime integrity flags (engine/integrity.py): outputs that alias inputs or the reference's
-outputs, and a time below the memory-bandwidth floor. Honest kernels raise none."""
+outputs, a time below the memory-bandwidth floor, a persisting-L2 set-aside found at timed
+trials (lower precision: test_precision.py). Honest kernels raise none."""
 
 from __future__ import annotations
 
 import torch
-from engine_helpers import ADD_MODEL, TORCH, V, job, source
-from kerneleval_server.engine import integrity
+from engine_helpers import ADD_MODEL, TORCH, V, gpu, job, needs_gpu, source
+from kerneleval_server.engine import integrity, timing
 
 COPY_REF = """
 import torch
@@ -70,3 +71,63 @@ def test_the_memory_bandwidth_floor() -> None:
     l2 = 50 << 20  # H100: 50 MiB; 40 MiB written in 1 us may all still be in it
     assert integrity.memory_floor(0.001, 40 << 20, h100, l2) is None
     assert integrity.memory_floor(0.05, gib, h100, l2) is not None
+
+
+def test_a_persisting_l2_found_at_timed_trials_is_flagged_once(run, monkeypatch) -> None:
+    """The runner's side (timing's own is in test_units): the kernel's timing found the limit
+    set, the reference's did too (a note: it is not the candidate's doing)."""
+    real = timing.measure
+
+    def measure(fn, **kw):
+        t = real(fn, **kw)
+        t.persisting_l2_bytes, t.persisting_l2_resets = 8 << 20, 4
+        return t
+
+    monkeypatch.setattr(timing, "measure", measure)
+    honest = ADD_MODEL.replace("class Model(", "class ModelNew(")
+    out, _ = run(job(source(TORCH, honest), source(TORCH, ADD_MODEL)))
+    r = out.result
+    assert r.verdict == V.VERDICT_OK and rules(r) == [integrity.PERSISTING_L2]
+    assert r.flags[0].source == V.FLAG_SOURCE_RUNTIME
+    assert (
+        "8.0 MiB of persisting L2" in r.flags[0].message and "4 of the resets" in r.flags[0].message
+    )
+    assert "reference: set aside persisting L2; reset before its timed trials" in r.notes
+
+
+def test_every_runtime_rule_reaches_the_result() -> None:
+    """The front end keeps only runtime flags of the rules it knows (it does not import the
+    engine): every rule of engine/integrity.py is one of them."""
+    from kerneleval_server.jobs.manager import RUNTIME_RULES
+
+    rules_here = {v for k, v in vars(integrity).items() if k.isupper() and isinstance(v, str)}
+    assert len(rules_here) == 6 and rules_here <= set(RUNTIME_RULES)
+
+
+PERSISTS = """
+import ctypes
+import torch
+_cudart = ctypes.CDLL("libcudart.so." + torch.version.cuda.split(".")[0])
+
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        # cudaLimitPersistingL2CacheSize: 8 MiB of the L2 set aside for persisting accesses
+        assert _cudart.cudaDeviceSetLimit(6, ctypes.c_size_t(8 << 20)) == 0
+        return a + b
+"""
+
+
+@gpu
+@needs_gpu
+def test_a_kernel_that_sets_aside_persisting_l2_is_flagged_and_reset(run) -> None:
+    out, _ = run(job(source(TORCH, PERSISTS), source(TORCH, ADD_MODEL), perf_trial_count=10))
+    r = out.result
+    assert r.verdict == V.VERDICT_OK, r
+    assert rules(r) == [integrity.PERSISTING_L2]
+    # the driver rounds the set-aside up to its granularity (9.4 MiB on an H100)
+    assert "MiB of persisting L2 cache" in r.flags[0].message
+    assert timing.persisting_l2().reset() == 0  # reset after the last trial too
+    honest = ADD_MODEL.replace("class Model(", "class ModelNew(")
+    out, _ = run(job(source(TORCH, honest), source(TORCH, ADD_MODEL), perf_trial_count=10))
+    assert out.result.verdict == V.VERDICT_OK and list(out.result.flags) == []
+    assert not [n for n in out.result.notes if "persisting L2" in n]  # reset, nothing found

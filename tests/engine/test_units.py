@@ -247,6 +247,93 @@ def test_cuda_timing_counts_work_hidden_on_another_stream() -> None:
     assert t.stats.median_ms == pytest.approx(0.5, abs=0.01) and not t.stats.l2_flushed
 
 
+class FakeL2:
+    """timing.PersistingL2 over a simulated limit: records every reset into `events`."""
+
+    note = ""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.limit = events, 0
+
+    def reset(self) -> int:
+        self.events.append("reset")
+        found, self.limit = self.limit, 0
+        return found
+
+
+def _l2_timeline(monkeypatch: pytest.MonkeyPatch, side_ms: float = 0.0):
+    events: list[str] = []
+    l2 = FakeL2(events)
+    monkeypatch.setattr(timing, "persisting_l2", lambda: l2)
+    gpu = SimGpu(kernel_ms=0.25, side_ms=side_ms)
+    flush = gpu.flush
+    gpu.flush = lambda buffer: (events.append("flush"), flush(buffer))  # type: ignore[method-assign]
+    return events, l2, gpu
+
+
+@pytest.mark.parametrize("side_ms", [0.0, 0.5])  # queued trials; synchronized ones
+def test_persisting_l2_is_reset_before_every_timed_trial(
+    monkeypatch: pytest.MonkeyPatch, side_ms: float
+) -> None:
+    events, l2, gpu = _l2_timeline(monkeypatch, side_ms)
+
+    def kernel() -> None:
+        events.append("run")
+        gpu.run_kernel()
+
+    t = timing._measure_cuda(kernel, 20, 2, True, lambda d: None, ops=gpu)
+    assert (t.side_stream_trials > 0) == (side_ms > 0)
+    assert events[0] == "reset"  # before the warm-ups
+    # each timed trial: demoted, then flushed (lines still persisting would survive the
+    # flush), then run; once more after the last
+    assert events[-61:] == ["reset", "flush", "run"] * 20 + ["reset"]
+    assert events.count("reset") == 22 and t.persisting_l2_bytes == 0 and t.note == ""
+
+    events.clear()
+    l2.limit = 8 << 20  # set aside before the timing (a constructor, or the driver's default)
+    t = timing._measure_cuda(kernel, 20, 2, True, lambda d: None, ops=gpu)
+    assert t.persisting_l2_bytes == 0 and l2.limit == 0  # reset, but not the kernel's doing
+
+    def persisting_kernel() -> None:
+        kernel()
+        l2.limit = 8 << 20  # cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 8 MiB)
+
+    t = timing._measure_cuda(persisting_kernel, 20, 2, True, lambda d: None, ops=gpu)
+    assert t.persisting_l2_bytes == 8 << 20
+    assert t.persisting_l2_resets == 21  # before every trial and after the last
+    assert l2.limit == 0  # nothing left to the next code timed
+
+
+def test_persisting_l2_control_fails_soft() -> None:
+    class Runtime:
+        """A libcudart whose persisting-L2 calls fail (a GPU without the limit)."""
+
+        def __init__(self) -> None:
+            self.cleared = 0
+
+        def cudaDeviceGetLimit(self, size, limit) -> int:  # noqa: N802 - CUDA's names
+            return 0
+
+        def cudaCtxResetPersistingL2Cache(self) -> int:  # noqa: N802
+            return 801  # cudaErrorNotSupported
+
+        def cudaDeviceSetLimit(self, limit, size) -> int:  # noqa: N802
+            return 0
+
+        def cudaGetLastError(self) -> int:  # noqa: N802
+            self.cleared += 1
+            return 801
+
+    lib = Runtime()
+    control = timing.PersistingL2(lib)
+    assert control.reset() is None and lib.cleared == 1  # torch's next check sees no error
+    assert "cudaCtxResetPersistingL2Cache failed (cudaError 801)" in control.note
+    assert control.reset() is None and lib.cleared == 1  # it stops trying
+    absent = timing._load_cudart() if not torch.cuda.is_available() else None
+    if absent is not None and absent.lib is None:  # a CPU build of torch loads no libcudart
+        assert "libcudart" in absent.note and absent.reset() is None
+
+
 def test_documented_defaults() -> None:
     from kerneleval_server.engine import Options
 

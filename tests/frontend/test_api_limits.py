@@ -542,3 +542,35 @@ def test_spec_limit_cannot_be_raised_past_one_frame() -> None:
     assert high.max_spec_bytes == validation.SPEC_BYTES_CEILING < MAX_FRAME
     low = validation.Limits.from_env({"KERNELEVAL_LIMIT_MAX_SPEC_BYTES": str(1 << 20)})
     assert low.max_spec_bytes == 1 << 20
+
+
+def test_static_checks_of_a_small_source_run_on_the_loop_a_large_one_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KernelBench-sized source is checked on the event loop (no thread hand-off on the
+    way to the queue); a large one in a thread. Both are flagged alike."""
+    import threading
+
+    from kerneleval_server.api import kernel_eval_service
+
+    ran_on: list[str] = []
+    real = kernel_eval_service.static_checks.check
+
+    def check(spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
+        ran_on.append(threading.current_thread().name)
+        return real(spec)
+
+    monkeypatch.setattr(kernel_eval_service.static_checks, "check", check)
+    small = ADD_MODEL + "import threading\n"
+    large = small + "#" * kernel_eval_service.INLINE_STATIC_CHECK_CHARS + "\n"
+
+    async def scenario(h: Harness) -> None:
+        loop_thread = threading.current_thread().name
+        for source in (small, large):
+            spec = torch_spec()
+            spec.kernel.source_code = source
+            job = (await h.stub.Submit(pb.SubmitRequest(spec=spec))).job
+            assert [f.rule_id for f in job.result.flags] == ["thread_or_process"]
+        assert ran_on[0] == loop_thread and ran_on[1] != loop_thread
+
+    run(tmp_path, scenario)

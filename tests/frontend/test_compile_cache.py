@@ -110,3 +110,21 @@ def test_seeded_triton_group_files_name_the_members_in_the_new_folder(tmp_path: 
         "add.json": str(root / "KEY" / "add.json"),
     }
     assert (root / "KEY" / "__grp__bad.json").read_bytes() == b"not json"
+
+
+def test_seeding_reads_paths_as_pathlib_and_never_writes_the_folder_itself(
+    tmp_path: Path,
+) -> None:
+    """Paths are split by hand (the seeding is on the way to the job's first phase): empty and
+    "." parts are dropped as pathlib drops them; a path that names the cache folder itself,
+    leaves it or is absolute is skipped, not written (nor the job failed)."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    given = [
+        jc.CacheFile(path=p, data=p.encode())
+        for p in ("KEY//a.cubin", "KEY/./b.json", ".", "./", "", "/abs", "KEY/../../x")
+    ]
+    assert seed_compile_cache(root, given) == {"KEY//a.cubin", "KEY/./b.json"}
+    assert sorted(p.name for p in (root / "KEY").iterdir()) == ["a.cubin", "b.json"]
+    assert (root / "KEY" / "a.cubin").read_bytes() == b"KEY//a.cubin"
+    assert sorted(p.name for p in root.iterdir()) == ["KEY"] and not (tmp_path / "x").exists()

@@ -407,3 +407,47 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
     assert "H100/580" in target([h100]) and "H200" not in target([h100])
     assert target([h100]) != target([h100, h200])
     assert target([h100, h200], pinned=1).endswith(";H200/580")
+
+
+def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> None:
+    """PHASE_VALIDATING: the job process waits for its grant, which goes out before the event
+    is written to the store (one store write less on the way to every result); the event is
+    stored, with the next sequence, right after."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.metrics import Metrics
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    hub = EventHub(store)
+    m = JobManager(config_mod.Config(), store, hub, OpsLog(), Metrics(), 600.0)
+    job = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_RUNNING)
+    queued = hub.next_event("j1")
+    queued.queued.position = 0
+    store.insert(job, queued)
+    stored_at_grant: list[list[str]] = []
+
+    class Writer:
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, frame: bytes) -> None:
+            msg = job_channel_pb2.FrontendMessage.FromString(frame[4:])
+            if msg.WhichOneof("kind") == "grant":
+                kinds = [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
+                stored_at_grant.append(kinds)
+
+    worker = WorkerState("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
+    m.workers.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+    validating = job_channel_pb2.PhaseUpdate(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
+
+    async def main() -> None:
+        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
+
+    asyncio.run(main())
+    assert stored_at_grant == [["queued"]]
+    after = store.events_after("j1", 0)
+    assert [e.WhichOneof("kind") for e in after] == ["queued", "phase"]
+    assert after[1].phase.phase == job_pb2.PHASE_VALIDATING and after[1].sequence == 2
+    store.close()

@@ -8,7 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+import types
+from pathlib import Path
 
+import pytest
 from jp_helpers import ADD_MODEL, REPO
 from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -55,6 +58,10 @@ def _messages(sock: socket.socket) -> list[jc.JobProcessMessage]:
         out.append(jc.JobProcessMessage.FromString(frame))
 
 
+# Imported once: the job process writes no bytecode for it.
+ONCE = ADD_MODEL + "\nimport sys\n\nassert sys.dont_write_bytecode\n"
+
+
 def test_one_job_then_exit(tmp_path: os.PathLike[str]) -> None:
     proc, sock = _start(tmp_path)
     first = recv_frame(sock)
@@ -68,7 +75,7 @@ def test_one_job_then_exit(tmp_path: os.PathLike[str]) -> None:
     # a Welcome is not needed and is ignored; the second AssignJob is never taken
     for request in (
         jc.FrontendMessage(welcome=jc.Welcome(worker_id="w-rt")),
-        jc.FrontendMessage(assign=jc.AssignJob(job_id="job-1", spec=_spec(ADD_MODEL), attempt=1)),
+        jc.FrontendMessage(assign=jc.AssignJob(job_id="job-1", spec=_spec(ONCE), attempt=1)),
         jc.FrontendMessage(assign=jc.AssignJob(job_id="job-2", spec=_spec(ADD_MODEL), attempt=1)),
     ):
         sock.sendall(encode(request.SerializeToString()))
@@ -138,6 +145,7 @@ from triton.runtime.cache import triton_key
 pid = os.fork()
 if pid == 0:
     loaded = [m for m in PREIMPORTED if m in sys.modules]
+    loaded += [m for m in ("kerneleval_server.engine.isolated",) if m in sys.modules]
     print(json.dumps({"loaded": loaded, "cached": triton_key.cache_info().currsize}))
     sys.stdout.flush()
     os._exit(0)
@@ -145,7 +153,44 @@ os.waitpid(pid, 0)
 """
     report = json.loads(_python(probe).strip().splitlines()[-1])
     assert "torch.utils.cpp_extension" in report["loaded"] and "triton" in report["loaded"]
+    assert "torch.utils._device" in report["loaded"]
+    assert "kerneleval_server.engine.isolated" in report["loaded"]
     assert report["cached"] == 1
+
+
+def test_a_job_process_imports_nothing_for_its_job() -> None:
+    """A job forked from the zygote finds every module its evaluation needs loaded already
+    (each first import compiles or reads files in the job's time: 1-4 ms apiece): a Compare of
+    a Model with get_inputs(), and a Triton kernel launched from its IOContract."""
+    probe = """
+import json, os, sys, tempfile
+from pathlib import Path
+from kerneleval.v1 import kernel_pb2
+from kerneleval_server.jobproc import warm_job
+from kerneleval_server.jobproc.runtime import load_engine
+engine, _ = load_engine()
+model = kernel_pb2.JobSpec()
+model.kernel.type = model.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
+model.kernel.source_code = warm_job.REFERENCE.replace("class Model", "class ModelNew")
+model.reference.source_code = warm_job.REFERENCE
+model.options.correct_trial_count = 1
+model.options.perf_trial_count = 0
+new = {}
+for name, spec in (("model", model), ("triton", warm_job.spec())):
+    pid = os.fork()
+    if pid == 0:
+        before = set(sys.modules)
+        work = Path(tempfile.mkdtemp())
+        out = engine.run_job(spec, engine.NullReporter(), engine.EngineConfig(work_dir=work))
+        added = sorted(m for m in set(sys.modules) - before if not m.startswith("ke_"))
+        print(json.dumps({"verdict": out.result.verdict, "imported": added}))
+        sys.stdout.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+    reports = [json.loads(line) for line in _python(probe).strip().splitlines()[-2:]]
+    for report in reports:
+        assert report == {"verdict": job_pb2.VERDICT_OK, "imported": []}
 
 
 def test_warm_up_job_passes_through_the_real_engine() -> None:
@@ -163,3 +208,32 @@ print(result.verdict, result.correctness, "not timed" in " ".join(result.notes))
     out = _python(probe)
     verdict, correct, timed = out.split()[-3:]
     assert int(verdict) == job_pb2.VERDICT_OK and correct == timed == "True", out
+
+
+def test_the_outcome_goes_out_before_the_job_folders_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The result does not wait for the cleanup: the job's work and compile-cache folders are
+    still there when its outcome is sent, and gone when the job is over."""
+    from kerneleval_server.jobproc import runtime
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "unused"))
+    sent: list[tuple[str, list[str]]] = []
+
+    class Channel:
+        job_running = finishing = False
+
+        def send(self, msg: jc.JobProcessMessage) -> None:
+            folders = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
+            sent.append((msg.WhichOneof("kind") or "", folders))
+
+    def run_job(spec: object, reporter: object, config: object) -> object:
+        return types.SimpleNamespace(result=job_pb2.EvalResult(verdict=job_pb2.VERDICT_OK),
+                                     context_poisoned=False)  # fmt: skip
+
+    engine = types.SimpleNamespace(EngineConfig=types.SimpleNamespace, run_job=run_job)
+    assign = jc.AssignJob(job_id="j", spec=_spec(ADD_MODEL), attempt=1)
+    assert runtime._run_one(engine, Channel(), assign, last=True) == (False, False)  # type: ignore[arg-type]
+    assert ("outcome", ["compile", "job"]) in sent
+    assert not any(tmp_path.iterdir())

@@ -259,6 +259,35 @@ def _requeue(job: job_pb2.Job, last: int) -> tuple[job_pb2.Job, list[job_pb2.Job
     return job, [ev]
 
 
+def test_a_node_claims_only_jobs_its_gpus_match(store: JobStore) -> None:
+    """A job that names a GPU model (any case, a part of the name) goes only to a node with
+    such a GPU; with an index as well, that very GPU must be of the model."""
+    jobs = {
+        "any": make_job("any"),
+        "h100": make_job("h100"),
+        "h200_on_1": make_job("h200_on_1"),
+        "h100_on_1": make_job("h100_on_1"),
+        "wild": make_job("wild"),
+    }
+    jobs["h100"].spec.options.device_model = "h100 80gb"
+    jobs["h200_on_1"].spec.options.device_model = "H200"
+    jobs["h200_on_1"].spec.options.device_index = 1
+    jobs["h100_on_1"].spec.options.device_model = "H100"
+    jobs["h100_on_1"].spec.options.device_index = 1
+    jobs["wild"].spec.options.device_model = "A1"  # a part of "NVIDIA A100", not "H100"
+    for job in jobs.values():
+        store.insert(job, event(job.job_id, 1))
+    h100_node = {0: "NVIDIA H100 80GB HBM3"}
+    mixed_node = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    assert store.claim("n0", {}, limit=9, lease_s=30) == []
+    got = [j.job_id for j in store.claim("n1", h100_node, limit=9, lease_s=30)]
+    assert got == ["any", "h100"]
+    got = [j.job_id for j in store.claim("n2", mixed_node, limit=9, lease_s=30)]
+    assert got == ["h200_on_1"]  # H100 on 1: no node has it; A1: no A100 anywhere
+    got = [j.job_id for j in store.claim("n3", {1: "NVIDIA A100-SXM4-80GB"}, 9, 30)]
+    assert got == ["wild"]
+
+
 def test_leases_claim_renew_fence_and_reap(store: JobStore) -> None:
     """The shared queue's primitives (roles gateway and node): a job is leased by one node at
     a time, only to a node with the device it names; a node writes only jobs it holds; an
@@ -267,10 +296,10 @@ def test_leases_claim_renew_fence_and_reap(store: JobStore) -> None:
     pinned.spec.options.device_index = 3
     for job in (make_job("a"), pinned, make_job("b")):
         store.insert(job, event(job.job_id, 1))
-    first = store.claim("n1", [0], limit=5, lease_s=30)
+    first = store.claim("n1", {0: "GPU"}, limit=5, lease_s=30)
     assert [j.job_id for j in first] == ["a", "b"] and first[0].spec.kernel.source_code
-    assert store.claim("n2", [0], limit=5, lease_s=30) == []  # held by n1
-    assert [j.job_id for j in store.claim("n2", [3], limit=5, lease_s=30)] == ["pinned"]
+    assert store.claim("n2", {0: "GPU"}, limit=5, lease_s=30) == []  # held by n1
+    assert [j.job_id for j in store.claim("n2", {3: "GPU"}, limit=5, lease_s=30)] == ["pinned"]
     assert store.renew("n1", 30) == {"a", "b"}
     # Fencing: n2's writes of n1's job do nothing; n1's do.
     store.node_id = "n2"
@@ -289,7 +318,10 @@ def test_leases_claim_renew_fence_and_reap(store: JobStore) -> None:
     assert again is not None and again.state == job_pb2.JOB_STATE_QUEUED
     assert store.last_sequence("a") == 3
     assert store.renew("n1", 30) == set()
-    assert sorted(j.job_id for j in store.claim("n3", [0], limit=5, lease_s=30)) == ["a", "b"]
+    assert sorted(j.job_id for j in store.claim("n3", {0: "GPU"}, limit=5, lease_s=30)) == [
+        "a",
+        "b",
+    ]
     # Cancels from a front end that does not run the job.
     store.insert(make_job("c"), event("c", 1))
     assert store.request_cancel("c", _cancel) is True  # nobody holds it: it ends here

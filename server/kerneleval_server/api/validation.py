@@ -20,6 +20,7 @@ from kerneleval.contracts import ITEMSIZE  # bytes per element of every DType
 from kerneleval.v1 import dtype_pb2, kernel_pb2
 
 from kerneleval_server.framing import MAX_FRAME
+from kerneleval_server.jobs import placement
 
 # The largest spec a job process can receive: one frame less the AssignJob wrapper's room.
 SPEC_BYTES_CEILING = MAX_FRAME - (4 << 20)
@@ -546,6 +547,18 @@ def _check_options(
             )
     if o.HasField("device_index") and o.device_index < 0:
         out.append(FieldViolation(f"{path}.device_index", "must be >= 0"))
+    if o.device_model and (
+        len(o.device_model) > placement.MAX_MODEL_CHARS
+        or not placement.MODEL_PATTERN.fullmatch(o.device_model)
+    ):
+        out.append(
+            FieldViolation(
+                f"{path}.device_model",
+                f"letters, digits, spaces, '.' and '-' (starting with a letter or digit), at "
+                f"most {placement.MAX_MODEL_CHARS} characters: a part of a GPU's name as "
+                "ListDevices gives it, such as 'H100'",
+            )
+        )
 
 
 def is_triton_launch(k: kernel_pb2.KernelSource) -> bool:

@@ -38,6 +38,17 @@ def mix_seed(*parts: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+def seed_all(seed: int) -> None:
+    """torch.manual_seed(seed) for the devices a job has, the CPU and CUDA, with the same
+    generator states; without what torch.manual_seed does besides on every call, formatting
+    the call stack for each backend it seeds lazily (XPU, MTIA): ~0.3 ms a call, several
+    calls a job."""
+    seed = int(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)  # at once when CUDA is initialised, else when it is
+    torch.default_generator.manual_seed(seed)
+
+
 def is_output(arg: kernel_pb2.ArgSpec) -> bool:
     return arg.role in (kernel_pb2.ARG_ROLE_OUTPUT, kernel_pb2.ARG_ROLE_INOUT)
 

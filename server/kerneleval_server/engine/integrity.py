@@ -15,6 +15,11 @@ candidate's host code, that code could suppress them (never add them to another 
   results computed earlier were handed back. The job is also INCORRECT.
 - faster_than_memory: the median is below the time the GPU needs just to write the outputs
   (those beyond its L2 cache) at its peak memory bandwidth, a floor no honest kernel beats.
+- persisting_l2: the kernel set part of the L2 aside as persisting (its data would survive
+  the flush between timed trials); timing found it before a trial and reset it (timing.py).
+- lower_precision: the kernel's outputs are much further from a float64 run of the reference
+  than the reference's own float32 outputs are: computed in float16, bfloat16 or TF32
+  (precision.py). Compare with a Model reference only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ ALIASES_INPUT = "output_aliases_input"
 ALIASES_REFERENCE = "output_aliases_reference"
 FASTER_THAN_MEMORY = "faster_than_memory"
 REPLAYED_OUTPUTS = "replayed_outputs"
+PERSISTING_L2 = "persisting_l2"
+LOWER_PRECISION = "lower_precision"
 FLOOR_MARGIN = 0.9  # below 90% of the floor: clock and counter noise cannot explain it
 
 
@@ -129,4 +136,14 @@ def memory_floor(
         f"outputs ({must_move / 1e6:.1f} MB beyond the L2 cache) takes at least "
         f"{floor_ms * 1e3:.2f} us at the GPU's peak memory bandwidth "
         f"({bytes_per_s / 1e12:.2f} TB/s)",
+    )
+
+
+def persisting_l2(limit_bytes: int, resets: int) -> job_pb2.IntegrityFlag:
+    return flag(
+        PERSISTING_L2,
+        f"the kernel set aside {limit_bytes / 2**20:.1f} MiB of persisting L2 cache "
+        f"(cudaLimitPersistingL2CacheSize), which keeps its data in the L2 across the flush "
+        f"between timed trials; found at {resets} of the resets before timed trials and reset "
+        "each time (the limit back to 0, persisting lines demoted)",
     )

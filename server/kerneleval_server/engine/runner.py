@@ -2,8 +2,8 @@
 
 Defaults (EvalOptions fields left unset): correct_trial_count 5, perf_trial_count 100 (0 skips
 timing), warmup_count 10, atol/rtol 1e-4 for float32/float64 and 1e-2 for float16/bfloat16,
-exact for integers and booleans, seed 42, flush_l2 true. The timeout (120 s) is enforced by
-the front end, which kills the worker.
+exact for integers and booleans, seed 42, flush_l2 true, check_precision true. The timeout
+(120 s) is enforced by the front end, which kills the worker.
 
 Compare runs `correct_trial_count` trials on fresh inputs; trial 0 (and every even trial) runs
 the candidate before the reference. Evaluate runs the kernel once (nothing is checked:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,13 +32,13 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.api import validation
 
-from . import compare, device, errors, gpumode, integrity, loader, preflight, timing
+from . import compare, device, errors, gpumode, integrity, loader, precision, preflight, timing
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram
 from .backends.model import to_device
 from .backends.prebuilt import build_prebuilt
 from .backends.triton_launch import TritonLaunch
-from .inputs import TrialArgs, build_args, mix_seed
+from .inputs import TrialArgs, build_args, mix_seed, seed_all
 from .types import EngineConfig, Outcome, Reporter
 
 DEFAULT_CORRECT_TRIALS = 5
@@ -57,6 +58,7 @@ class Options:
     rtol: float | None
     seed: int
     flush_l2: bool
+    check_precision: bool = True
 
     @classmethod
     def of(cls, o: kernel_pb2.EvalOptions) -> Options:
@@ -71,6 +73,7 @@ class Options:
             rtol=get("rtol", None),
             seed=get("seed", DEFAULT_SEED),
             flush_l2=get("flush_l2", DEFAULT_FLUSH_L2),
+            check_precision=get("check_precision", True),
         )
 
 
@@ -425,7 +428,7 @@ class _Job:
             with self._guard("get_inputs(): ", self.inputs_side), torch.device(self.dev):
                 # Factory calls default to the device: KernelBench's torch.rand(4096, 393216)
                 # takes 20 s on the host and milliseconds on an H200.
-                torch.manual_seed(mix_seed(self.opts.seed, trial))
+                seed_all(mix_seed(self.opts.seed, trial))
                 values = [to_device(v, self.dev) for v in get_inputs()]
             self._check_input_size(values)
             n = len(values)
@@ -523,6 +526,7 @@ class _Job:
         trials = self.opts.correct_trials
         first_failure: compare.TrialCheck | None = None
         out_bytes = 0
+        ref_seconds = 0.0  # the reference's first run: how long a float64 one may take
         wrote_inputs = False
         for t in range(trials):
             pristine = make_args(t)
@@ -539,7 +543,9 @@ class _Job:
                     )
             cand_out = self._run(cand, cand_args, "")
             if ref_out is None:
+                ref_start = time.perf_counter()
                 ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
+                ref_seconds = time.perf_counter() - ref_start
                 out_bytes = compare.nbytes_of(ref_out)
             names = self._output_names(cand, ref, pristine)
             self._output_bytes = out_bytes
@@ -552,6 +558,8 @@ class _Job:
             check = compare.compare_outputs(
                 cand_out, ref_out, names, self.opts.atol, self.opts.rtol
             )
+            if t == 0 and check.ok and ref.kind == "model" and self.opts.check_precision:
+                self._check_precision(ref, pristine, cand_out, ref_out, names, ref_seconds)
             written = self._written_inputs(pristine, cand_args)
             if written and cand.kind == "launch" and check.ok:
                 check.ok = False
@@ -589,6 +597,24 @@ class _Job:
             raise _Stop
         self.result.correctness = True
         self.result.correctness_status = job_pb2.CORRECTNESS_PASSED
+
+    def _check_precision(
+        self, ref: Program, pristine: TrialArgs, cand_out: list[Any], ref_out: list[Any],
+        names: list[str], ref_seconds: float,
+    ) -> None:  # fmt: skip
+        """lower_precision (precision.py), on the inputs before anything ran; never fails."""
+        try:
+            with self._cpu_shim(), torch.no_grad():
+                c = precision.check(
+                    getattr(ref, "instance", None), pristine.model_inputs(), cand_out, ref_out,
+                    names, max_bytes=self.config.limits.max_total_tensor_bytes,
+                    device=self.dev, ref_seconds=ref_seconds, sync=self._sync,
+                )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
+            c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
+        self._flag([c.flag] if c.flag is not None else [])
+        if c.note:
+            self.notes.append(c.note)
 
     @staticmethod
     def _output_names(cand: Program, ref: Program, args: TrialArgs) -> list[str]:
@@ -703,6 +729,12 @@ class _Job:
                 progress=lambda done, _total: progress(done),
                 check=check,
             )
+            if t.persisting_l2_bytes and who == "":
+                self._flag([integrity.persisting_l2(t.persisting_l2_bytes, t.persisting_l2_resets)])
+            elif t.persisting_l2_bytes:
+                self.notes.append(f"{who}set aside persisting L2; reset before its timed trials")
+            if t.note and t.note not in self.notes:
+                self.notes.append(t.note)
             if t.side_stream_trials:
                 self.notes.append(
                     f"{who or 'kernel: '}work on another stream outlasted the launching stream "

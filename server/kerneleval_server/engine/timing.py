@@ -1,11 +1,20 @@
 """Timing as do_bench does it: CUDA events, warm-ups, the L2 flushed before each trial, trials
 queued back to back. A kernel that leaves work on another stream (seen in most of a few
 probe runs) is timed with a device-wide synchronize after every trial instead, so that the
-hidden work is counted."""
+hidden work is counted.
+
+Persisting L2: a kernel can set part of the L2 aside (cudaLimitPersistingL2CacheSize) and mark
+its data persisting (an access-policy window on its stream), and that data survives the flush.
+Before the warm-ups, before every timed trial (ahead of its flush) and after the last one, the
+timing demotes every persisting line and sets the limit back to 0 (`PersistingL2.reset`: two
+runtime calls a trial, about 4 us on an H100, not waiting for the GPU), and says how often it
+found the limit set again after the first reset (the persisting_l2 flag)."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +28,7 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than an
 WARMUP_MS = 25.0  # at least this much warm-up work, as triton.testing.do_bench
 MAX_EXTRA_WARMUPS = 10_000
 _IDLE_CYCLES = 100_000  # without a flush, a short spin hides the host's launch latency
+LIMIT_PERSISTING_L2 = 0x06  # cudaLimitPersistingL2CacheSize (cuda_runtime_api.h, CUDA 11+)
 
 
 @dataclass
@@ -35,6 +45,95 @@ class TrialCheck:
 class Timing:
     stats: job_pb2.RuntimeStats
     side_stream_trials: int = 0  # trials whose work finished after the launching stream
+    persisting_l2_bytes: int = 0  # the largest persisting-L2 set-aside found (and reset)
+    persisting_l2_resets: int = 0  # how many resets found one
+    note: str = ""  # why persisting L2 could not be reset, where it could not
+
+
+class PersistingL2:
+    """The persisting-L2 set-aside, through the CUDA runtime this process already loaded (the
+    libcudart torch links, found by its soname: nothing new is loaded). `reset` demotes every
+    persisting line (cudaCtxResetPersistingL2Cache) and sets the limit back to 0, and answers
+    the limit it found: two calls when none was set. None where it cannot (`note` says why);
+    after a failed call it stops trying, and clears the runtime's last error, which torch's
+    next launch check would otherwise take for its own."""
+
+    def __init__(self, lib: Any = None, note: str = "") -> None:
+        self.lib, self.note = lib, note
+
+    def reset(self) -> int | None:
+        lib = self.lib
+        if lib is None:
+            return None
+        size = ctypes.c_size_t(0)
+        ok = (
+            self._call("cudaDeviceGetLimit", ctypes.byref(size), LIMIT_PERSISTING_L2)
+            and self._call("cudaCtxResetPersistingL2Cache")
+            and (not size.value or self._call("cudaDeviceSetLimit", LIMIT_PERSISTING_L2, 0))
+        )
+        return size.value if ok else None
+
+    def _call(self, name: str, *args: Any) -> bool:
+        code = getattr(self.lib, name)(*args)
+        if code != 0:
+            self.lib.cudaGetLastError()
+            self.lib = None
+            self.note = (
+                f"persisting L2 was not reset before timed trials: {name} failed (cudaError {code})"
+            )
+        return code == 0
+
+
+def _load_cudart() -> PersistingL2:
+    names = []
+    if torch.version.cuda:
+        names.append(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    try:
+        with open("/proc/self/maps") as maps:
+            names += sorted({line.split()[-1] for line in maps if "/libcudart.so" in line})
+    except OSError:
+        pass
+    for name in names:
+        try:  # RTLD_NOLOAD: only a library this process has loaded already
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib.cudaDeviceGetLimit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+            lib.cudaDeviceSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+            lib.cudaCtxResetPersistingL2Cache.argtypes = []
+        except (OSError, AttributeError):
+            continue
+        return PersistingL2(lib)
+    return PersistingL2(
+        note="persisting L2 was not reset before timed trials: the CUDA runtime (libcudart) "
+        "is not loaded in this process"
+    )
+
+
+_cudart: PersistingL2 | None = None
+
+
+def persisting_l2() -> PersistingL2:
+    """The process's PersistingL2, looked up once (tests replace this function)."""
+    global _cudart
+    if _cudart is None:
+        _cudart = _load_cudart()
+    return _cudart
+
+
+@dataclass
+class _L2Resets:
+    control: PersistingL2
+    found: int = 0
+    resets: int = 0
+
+    def __call__(self, count: bool = True) -> None:
+        size = self.control.reset()
+        if size and count:
+            self.found, self.resets = max(self.found, size), self.resets + 1
+
+    def into(self, t: Timing) -> Timing:
+        t.persisting_l2_bytes, t.persisting_l2_resets = self.found, self.resets
+        t.note = self.control.note
+        return t
 
 
 def measure(
@@ -102,11 +201,17 @@ def _measure_cuda(
     check: TrialCheck | None = None,
 ) -> Timing:
     ops = ops or CudaOps()
+    l2 = _L2Resets(persisting_l2())
     cache = ops.flush_buffer() if flush_l2 else None
+    # Not counted: a limit found before the warm-ups may be the driver's default (9.4 MiB
+    # on an H100 with driver 580), or set by code that ran before (the reference too).
+    l2(count=False)
     _warm_up(fn, warmup, ops)
     baseline = _sync_gap_ms(ops)
     if _hides_work(fn, ops, baseline):
-        return _measure_synchronized(fn, trials, cache, tick, ops, baseline, check)
+        t = _measure_synchronized(fn, trials, cache, tick, ops, baseline, check, l2)
+        l2()  # what the last trial set aside is not left to the next code timed
+        return l2.into(t)
     # do_bench's loop: trials queued back to back, so the GPU runs at the clocks it runs at
     # under load, and the host's launch latency hides behind the flush of the next trial.
     # A synchronize every tenth of the way keeps progress true for long kernels.
@@ -115,7 +220,7 @@ def _measure_cuda(
     every = max(1, trials // 10)
     for i in range(trials):
         _around(check, i, before=True)
-        _prepare(ops, cache)
+        _prepare(ops, cache, l2)
         start[i].record()
         fn()
         end[i].record()
@@ -123,8 +228,9 @@ def _measure_cuda(
         if (i + 1) % every == 0 or i + 1 == trials:
             ops.synchronize()
             tick(i + 1)
+    l2()
     times = [s.elapsed_time(e) for s, e in zip(start, end, strict=True)]
-    return Timing(stats(times, job_pb2.TIMING_SOURCE_CUDA_EVENTS, flushed=flush_l2))
+    return l2.into(Timing(stats(times, job_pb2.TIMING_SOURCE_CUDA_EVENTS, flushed=flush_l2)))
 
 
 def _warm_up(fn: Callable[[], object], count: int, ops: Any) -> None:
@@ -147,7 +253,10 @@ def _warm_up(fn: Callable[[], object], count: int, ops: Any) -> None:
         ops.synchronize()
 
 
-def _prepare(ops: Any, cache: Any) -> None:
+def _prepare(ops: Any, cache: Any, l2: Callable[[], None]) -> None:
+    # Demoted first, then flushed: lines still persisting would survive the flush, and
+    # demoted after it they would stay in the L2 for the trial.
+    l2()
     if cache is not None:
         ops.flush(cache)
     else:
@@ -182,6 +291,7 @@ def _measure_synchronized(
     ops: Any,
     baseline: float,
     check: TrialCheck | None = None,
+    l2: Callable[[], None] = lambda: None,
 ) -> Timing:
     """For kernels that leave work on other streams: a device-wide synchronize after every
     trial, and the trial lasts until that work ends."""
@@ -190,7 +300,7 @@ def _measure_synchronized(
     after = [ops.event() for _ in range(trials)]
     for i in range(trials):
         _around(check, i, before=True)
-        _prepare(ops, cache)
+        _prepare(ops, cache, l2)
         start[i].record()
         fn()
         end[i].record()

@@ -124,6 +124,7 @@ PREIMPORTED = (
     "torch.utils.cpp_extension",
     "triton.compiler.compiler",
     "triton.experimental.gluon.nvidia.hopper",
+    "torch.utils._device",  # `with torch.device(...)`, around every get_inputs() call
 )
 
 
@@ -159,7 +160,10 @@ def load_engine(engine_name: str | None = None) -> tuple[ModuleType, dict[str, s
     if torch is not None:
         # Modules jobs import on first use (measured: ~70 ms a job on the CPU machine), imported
         # once here so that every job process finds them loaded.
-        for module in PREIMPORTED:
+        # The service's engine imports its debug aids' module on a job's first call (not from
+        # the package: `python -m ...engine.isolated` runs it as a script).
+        extra = (f"{DEFAULT_ENGINE}.isolated",) if name == DEFAULT_ENGINE else ()
+        for module in (*PREIMPORTED, *extra):
             try:
                 importlib.import_module(module)
             except ImportError:
@@ -400,45 +404,79 @@ def device_info(device_index: int) -> job_pb2.DeviceInfo:
 # ---- the compile cache: what earlier jobs with this code compiled (compile_cache.py) ----------
 
 
-def _cache_path(root: Path, rel: str) -> Path | None:
-    """root/rel for a plain relative path; None for anything that could leave root."""
-    parts = Path(rel).parts
-    if not rel or rel.startswith("/") or any(p in ("..", ".", "") for p in parts):
+def _cache_parts(rel: str) -> list[str] | None:
+    """The parts of a plain relative path (empty and "." parts dropped, as pathlib reads it);
+    None for anything that could leave the folder, or name the folder itself."""
+    if not rel or rel.startswith("/"):
         return None
-    return root.joinpath(*parts)
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return parts
 
 
 def seed_compile_cache(root: Path, files: Any) -> set[str]:
-    """Writes the given files into the job's own (empty) compile cache; their paths."""
+    """Writes the given files into the job's own (empty) compile cache; their paths. (On the
+    way to the job's first phase: plain os calls, each folder made once.)"""
+    base = str(root)
+    made: set[str] = set()
     seeded: set[str] = set()
     for f in files:
-        path = _cache_path(root, f.path)
-        if path is None:
+        parts = _cache_parts(f.path)
+        if parts is None:
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = os.path.join(base, *parts[:-1])
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
+        name = parts[-1]
         data = f.data
-        if path.name.startswith("__grp__") and path.suffix == ".json":
-            data = _regroup(root, data)
-        path.write_bytes(data)
+        if name.startswith("__grp__") and name.endswith(".json"):
+            data = _regroup(base, data)
+        with open(os.path.join(folder, name), "wb") as out:
+            out.write(data)
         seeded.add(f.path)
     return seeded
 
 
-def _regroup(root: Path, data: bytes) -> bytes:
+def _regroup(base: str, data: bytes) -> bytes:
     """A Triton group file names its members by absolute path, in the cache folder of the job
-    that compiled them: point them into this folder (<root>/<key>/<file>), or Triton misses
+    that compiled them: point them into this folder (<base>/<key>/<file>), or Triton misses
     its own cache and compiles again. A member named outside a <key>/<file> shape is dropped."""
     try:
         group = json.loads(data)
         children = group["child_paths"]
-        group["child_paths"] = {
-            name: str(root / Path(p).parent.name / Path(p).name)
-            for name, p in children.items()
-            if isinstance(p, str) and _cache_path(root, f"{Path(p).parent.name}/{Path(p).name}")
-        }
+        kept = {}
+        for name, p in children.items():
+            if not isinstance(p, str):
+                continue
+            parts = [q for q in p.split("/") if q not in ("", ".")]
+            if len(parts) >= 2 and ".." not in parts[-2:]:
+                kept[name] = os.path.join(base, parts[-2], parts[-1])
+        group["child_paths"] = kept
         return json.dumps(group).encode()
     except (ValueError, KeyError, TypeError, AttributeError):
         return data  # not a group file Triton would read: left to Triton to refuse
+
+
+def _files_under(root: str) -> list[tuple[tuple[str, ...], str]]:
+    """(path parts relative to root, full path) of every regular file under root, in path
+    order; symbolic links are neither followed nor listed. OSError when a folder cannot be
+    read."""
+    found: list[tuple[tuple[str, ...], str]] = []
+    folders: list[tuple[str, tuple[str, ...]]] = [(root, ())]
+    while folders:
+        folder, rel = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((entry.path, (*rel, entry.name)))
+                elif entry.is_file(follow_symlinks=False):
+                    found.append(((*rel, entry.name), entry.path))
+    found.sort()
+    return found
 
 
 def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.CacheFile]:
@@ -447,13 +485,12 @@ def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.Ca
     out: list[job_channel_pb2.CacheFile] = []
     total = 0
     try:
-        for path in sorted(root.rglob("*")):
-            if path.is_symlink() or not path.is_file():
-                continue
-            rel = path.relative_to(root).as_posix()
+        for parts, full in _files_under(str(root)):
+            rel = "/".join(parts)
             if rel in seeded or rel.startswith("tmp.") or "/tmp." in rel:  # Triton's temporaries
                 continue
-            data = path.read_bytes()
+            with open(full, "rb") as f:
+                data = f.read()
             total += len(data)
             if total > MAX_ENTRY_BYTES or len(out) >= MAX_FILES:
                 return []  # too big to keep: the next job compiles again
@@ -631,11 +668,8 @@ def _run_one(
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         result, poisoned, peak = _engine_error(exc), False, 0
     reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
-    if not poisoned:  # the private /tmp goes with the process; without one, clean up
-        shutil.rmtree(job_dir, ignore_errors=True)
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
-    shutil.rmtree(cache_dir, ignore_errors=True)
     outcome_msg = job_channel_pb2.JobOutcome(
         job_id=assign.job_id,
         result=result,
@@ -649,7 +683,12 @@ def _run_one(
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
     # The result (and the GPU's timing window) does not wait for the cleanup; the next job
     # does: it is read only once the process is clean, and a failed cleanup ends the process
-    # (a job given meanwhile runs again elsewhere: the exit is not its doing).
+    # (a job given meanwhile runs again elsewhere: the exit is not its doing). The job's
+    # folders go with a private /tmp, which goes with the process; without one, and before a
+    # launch process's next job, they are removed here.
+    if not poisoned:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    shutil.rmtree(cache_dir, ignore_errors=True)
     if reusable and _clean_after_launch():
         channel.accept_next()
     else:
@@ -663,6 +702,9 @@ def main(channel_fd: int) -> int:
     # Everything made so far (modules, the warm-up's objects) is the process's own: a full
     # collection after each job (_clean_after_launch) then scans only what the job made.
     gc.freeze()
+    # A job's sources are imported once, from its private /tmp: writing their bytecode next
+    # to them is work for nobody (everything else here is read-only).
+    sys.dont_write_bytecode = True
     engine = importlib.import_module(os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
     sock = socket.socket(fileno=channel_fd)
     channel = _Channel(sock)

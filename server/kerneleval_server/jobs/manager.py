@@ -46,7 +46,7 @@ from kerneleval_server.jobproc import (
     NVML_OOM_ASSERT,
     POISONED_EXIT,
 )
-from kerneleval_server.jobs import prebuild, result_cache, static_checks
+from kerneleval_server.jobs import placement, prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
 from kerneleval_server.jobs.deadline import Deadline
@@ -82,6 +82,8 @@ RUNTIME_RULES = (
     "output_aliases_reference",
     "faster_than_memory",
     "replayed_outputs",
+    "persisting_l2",
+    "lower_precision",
 )
 
 
@@ -293,7 +295,13 @@ class JobManager:
             if self.shared is not None
             else [(d.index, d.status.name, d.status.driver_version) for d in self.devices.values()]
         )
-        gpus = sorted({f"{n}/{d}" for i, n, d in devices if pinned is None or i == pinned})
+        model = placement.wanted_model(spec)
+        gpus = sorted(
+            {
+                f"{n}/{d}" for i, n, d in devices
+                if (pinned is None or i == pinned) and placement.model_matches(n, model)
+            }
+        )  # fmt: skip
         return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
 
     def _cache_key(self, spec: kernel_pb2.JobSpec) -> str:
@@ -391,9 +399,13 @@ class JobManager:
 
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
-        device = spec.options.device_index if spec.options.HasField("device_index") else None
         kind = "" if job.job_id in self.run_whole else prebuild.kind(spec)
-        self.queue.push(QueuedJob(job.job_id, spec.client_tag, device, kind))
+        self.queue.push(
+            QueuedJob(
+                job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
+                placement.wanted_model(spec),
+            )
+        )  # fmt: skip
         self.metrics.queue_depth.set(len(self.queue))
 
     def recover(self) -> None:
@@ -420,6 +432,16 @@ class JobManager:
     def device_takes_jobs(self, index: int) -> bool:
         dev = self.devices.get(index)
         return dev is None or dev.takes_jobs
+
+    def device_names(self) -> dict[int, str]:
+        """index -> GPU name (NVML's) of the devices jobs run on; a gateway's: its nodes'."""
+        if self.shared is not None and self.shared.role == GATEWAY:
+            return {d.index: d.name for d in self.shared.node_devices() if d.index != BUILD_DEVICE}
+        return {i: self.device_name(i) for i in self.device_indices()}
+
+    def device_name(self, index: int) -> str:
+        dev = self.devices.get(index)
+        return dev.status.name if dev is not None else ""
 
     def dispatch(self) -> None:
         if self.draining:
@@ -462,6 +484,7 @@ class JobManager:
                 queued = self.queue.pop_for(
                     worker.device_index,
                     lambda q: not self._built_ahead(q) and q.job_id not in self.alone,
+                    self.device_name(worker.device_index),
                 )
                 if queued is not None:
                     self._start(queued.job_id, worker)
@@ -639,7 +662,10 @@ class JobManager:
         if queued.device_index is not None:
             arch = self.device_arch.get(queued.device_index, "")
         else:
-            archs = set(self.device_arch.values())
+            archs = {
+                a for i, a in self.device_arch.items()
+                if placement.model_matches(self.device_name(i), queued.model)
+            }  # fmt: skip
             arch = archs.pop() if len(archs) == 1 else ""
         if not arch and queued.prebuild == "cuda" and not self.device_arch:
             return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
@@ -703,8 +729,9 @@ class JobManager:
             run = self.running.get(job_id)
             if run is None:
                 continue
-            wanted = run.job.spec.options
-            if not wanted.HasField("device_index") or wanted.device_index == device_index:
+            if device_index in placement.allowed_devices(
+                run.job.spec, {device_index: self.device_name(device_index)}
+            ):
                 self.launch_queue.remove(job_id)
                 return job_id
         return ""
@@ -856,14 +883,21 @@ class JobManager:
         if kind == "phase":
             run.phase = msg.phase.phase
             event.phase.phase = msg.phase.phase
-            self.hub.publish(event)
-            if msg.phase.phase in GATED_PHASES:
-                run.grant_asked_at = asyncio.get_running_loop().time()
-                if self._admit(run):
+            if msg.phase.phase not in GATED_PHASES:
+                self.hub.publish(event)
+                return
+            run.grant_asked_at = asyncio.get_running_loop().time()
+            if self._admit(run):
+                # The job process waits for the grant (a check's comes at once): it goes out
+                # before the event is stored. No other event of the job comes in between.
+                try:
                     self._use_gpu(run)
-                else:
-                    self.memory_waiting[worker.worker_id] = run
-                    self._say_memory_wait(run)
+                finally:
+                    self.hub.publish(event)
+            else:
+                self.hub.publish(event)
+                self.memory_waiting[worker.worker_id] = run
+                self._say_memory_wait(run)
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase

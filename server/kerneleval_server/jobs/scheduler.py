@@ -13,6 +13,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .placement import model_matches
+
 
 @dataclass
 class QueuedJob:
@@ -20,6 +22,10 @@ class QueuedJob:
     client_tag: str
     device_index: int | None  # None: any device
     prebuild: str = ""  # prebuild.kind(spec): "" runs whole, "cuda"/"triton" may be built ahead
+    model: str = ""  # the GPU model it names (placement.py); "": any
+
+    def fits(self, device_index: int, device_name: str) -> bool:
+        return self.device_index in (None, device_index) and model_matches(device_name, self.model)
 
 
 class FairQueue:
@@ -55,16 +61,19 @@ class FairQueue:
         return True
 
     def pop_for(
-        self, device_index: int | None, accept: Callable[[QueuedJob], bool] | None = None
+        self,
+        device_index: int | None,
+        accept: Callable[[QueuedJob], bool] | None = None,
+        device_name: str = "",
     ) -> QueuedJob | None:
-        """The next job that may run on the device (None: any) and that `accept` takes,
-        taking clients in turn."""
+        """The next job that may run on the device (None: any; `device_name`, its GPU's name,
+        for jobs that name a model) and that `accept` takes, taking clients in turn."""
         for tag in list(self._lanes):
             lane = self._lanes[tag]
             for job in lane:
                 if accept is not None and not accept(job):
                     continue
-                if device_index is None or job.device_index in (None, device_index):
+                if device_index is None or job.fits(device_index, device_name):
                     lane.remove(job)
                     del self._index[job.job_id]
                     # This client goes to the back of the round.

@@ -22,6 +22,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
@@ -150,10 +151,14 @@ def _check(kernel: kernel_pb2.KernelSource) -> list[job_pb2.IntegrityFlag]:
         return []
     hits = _Hits()
     try:
-        _Walker(_aliases(tree), hits).visit(tree)
+        # Every rule reads the same nodes: the tree is walked once (a walk costs far more than
+        # going over its list again).
+        nodes = list(ast.walk(tree))
+        aliases = _aliases(nodes)
+        _Walker(aliases, hits).visit(nodes)
         # A kernel launched from the IOContract is launched by the service: never a decoy.
         if not kernel.io.args:
-            _decoys(tree, hits)
+            _decoys(nodes, aliases, hits)
     except RecursionError:
         # Parsed, but nested too deeply for a rule: honest code never is. Flagged rather
         # than passed, so that nesting cannot hide what the rules would have seen.
@@ -169,10 +174,11 @@ def rule_names(flags: Iterable[job_pb2.IntegrityFlag]) -> str:
 # ---- names -------------------------------------------------------------------------------
 
 
-def _aliases(tree: ast.AST) -> dict[str, str]:
-    """Local name -> the dotted module path it stands for, from every import in the source."""
+def _aliases(nodes: Iterable[ast.AST]) -> dict[str, str]:
+    """Local name -> the dotted module path it stands for, from every import in the source
+    (`nodes`: all of its syntax tree's nodes)."""
     names: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.asname:
@@ -210,9 +216,14 @@ class _Walker:
         self.aliases = aliases
         self.hits = hits
 
-    def visit(self, tree: ast.AST) -> None:
-        for node in ast.walk(tree):
-            method = getattr(self, "visit_" + type(node).__name__, None)
+    def visit(self, nodes: Iterable[ast.AST]) -> None:
+        """Each of `nodes` (a tree's, from ast.walk) once."""
+        methods: dict[type, Any] = {}
+        for node in nodes:
+            kind = type(node)
+            method = methods.get(kind, methods)
+            if method is methods:
+                method = methods[kind] = getattr(self, "visit_" + kind.__name__, None)
             if method is not None:
                 method(node)
 
@@ -387,14 +398,13 @@ def _is_triton_jit(dec: ast.expr, aliases: dict[str, str]) -> bool:
     return name in ("triton.jit", "triton.autotune", "triton.heuristics", "triton.runtime.jit")
 
 
-def _decoys(tree: ast.Module, hits: _Hits) -> None:
+def _decoys(nodes: list[ast.AST], aliases: dict[str, str], hits: _Hits) -> None:
     """A Triton kernel never referenced from host code, or inline CUDA whose `__global__`
     kernels are never launched (no `<<<` and no launch API) or whose loaded module is never
     used. Textual: a reference is not a launch, so a decoy that names its kernel somewhere
     passes; the runtime check of launched kernels (later work) is what closes that."""
-    aliases = _aliases(tree)
     jit: dict[str, ast.FunctionDef] = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.FunctionDef) and any(
             _is_triton_jit(d, aliases) for d in node.decorator_list
         ):
@@ -403,7 +413,7 @@ def _decoys(tree: ast.Module, hits: _Hits) -> None:
         inside_jit = {id(n) for f in jit.values() for n in ast.walk(f)}
         referenced = {
             n.id if isinstance(n, ast.Name) else n.attr
-            for n in ast.walk(tree)
+            for n in nodes
             if id(n) not in inside_jit
             and (
                 (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
@@ -418,9 +428,7 @@ def _decoys(tree: ast.Module, hits: _Hits) -> None:
                 f"@triton.jit {', '.join(sorted(jit))} never launched or referenced outside "
                 "Triton code",
             )
-    texts = [
-        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    ]
+    texts = [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
     cuda = "\n".join(t for t in texts if "__global__" in t)
     if cuda and "<<<" not in cuda and not re.search(r"cudaLaunch\w*|cuLaunchKernel", cuda):
         hits.add(
@@ -429,8 +437,8 @@ def _decoys(tree: ast.Module, hits: _Hits) -> None:
             "its CUDA source defines __global__ kernels and never "
             "launches one (no <<<...>>> and no launch API)",
         )
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    for node in ast.walk(tree):
+    used = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    for node in nodes:
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, ast.Call)

@@ -230,10 +230,21 @@ def _add_check_options(g: Any) -> None:  # an argument group
     )
     g.add_argument("--rtol", type=float, metavar="X", help="relative tolerance (default: as atol)")
     g.add_argument("--seed", type=int, metavar="N", help="seed of inputs and weights (default 42)")
+    g.add_argument(
+        "--no-check-precision",
+        action="store_true",
+        help="skip the float64 run of the reference that flags lower_precision",
+    )
 
 
 def _add_run_options(g: Any) -> None:  # an argument group
     g.add_argument("--device", type=int, help="GPU index (default: the scheduler picks)")
+    g.add_argument(
+        "--device-model",
+        default="",
+        help="run only on a GPU whose name contains this, any case (e.g. H100; "
+        "`kerneleval devices` lists the names)",
+    )
     g.add_argument("--job-timeout", type=float, metavar="S", help="job wall-clock limit")
     g.add_argument("--no-flush-l2", action="store_true", help="keep the L2 cache warm")
     g.add_argument("--launch-blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1")
@@ -268,10 +279,14 @@ def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
         value = getattr(a, attr, None)  # a GPU MODE task has no --correct-trials, --atol, ...
         if value is not None:
             setattr(o, fld, value)
+    if getattr(a, "device_model", ""):
+        o.device_model = a.device_model
     if a.job_timeout is not None:
         o.timeout.FromNanoseconds(int(a.job_timeout * 1e9))
     if a.no_flush_l2:
         o.flush_l2 = False
+    if getattr(a, "no_check_precision", False):  # a GPU MODE task has no Model reference
+        o.check_precision = False
     o.launch_blocking = a.launch_blocking
     o.device_side_assertions = a.dsa
     o.sanitize = a.sanitize

@@ -15,6 +15,7 @@ import torch
 from kerneleval.v1 import kernel_pb2
 
 from .. import loader
+from ..inputs import seed_all
 from .base import BuildContext, ModelProgram, NoDeviceError
 
 
@@ -28,11 +29,11 @@ def build_model(k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> Mod
     get_init = getattr(module, "get_init_inputs", None)
     with loader.cpu_as_device():
         if callable(get_init):
-            torch.manual_seed(ctx.seed)
+            seed_all(ctx.seed)
             init_inputs = list(get_init())
         init_inputs = [to_device(v, ctx.device) for v in init_inputs]
         # Seeded right before construction so Model and ModelNew get the same weights.
-        torch.manual_seed(ctx.seed)
+        seed_all(ctx.seed)
         instance = cls(*init_inputs)
     if isinstance(instance, torch.nn.Module):
         instance = instance.to(ctx.device)

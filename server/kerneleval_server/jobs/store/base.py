@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
+from ..placement import wanted_device, wanted_model
+
 # SQL's BIGINT is int64: a larger Python int raises OverflowError. Numbers that come from a
 # client (a sequence, a page's rowid) are clamped to it here as a last line of defence.
 _INT64_MAX = 2**63 - 1
@@ -27,11 +29,6 @@ CANCEL_CHANNEL = "kerneleval_cancel"
 # reap's and request_cancel's callback: (job, its last event's sequence) -> (the job as it
 # must be written, the events that say so).
 Decide = Callable[[job_pb2.Job, int], tuple[job_pb2.Job, list[job_pb2.JobEvent]]]
-
-
-def wanted_device(spec: kernel_pb2.JobSpec) -> int | None:
-    """The device index a job names (None: any device)."""
-    return spec.options.device_index if spec.options.HasField("device_index") else None
 
 
 class StoreError(RuntimeError):
@@ -75,7 +72,7 @@ class JobStore(Protocol):
     def counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def schema_version(self) -> int: ...
     def claim(
-        self, node_id: str, devices: Sequence[int], limit: int, lease_s: float
+        self, node_id: str, devices: Mapping[int, str], limit: int, lease_s: float
     ) -> builtins.list[job_pb2.Job]: ...
     def renew(self, node_id: str, lease_s: float) -> set[str]: ...
     def release(self, node_id: str, job_ids: Sequence[str]) -> None: ...
@@ -128,7 +125,8 @@ class SqlStore:
             cur.execute(
                 self._sql(
                     "INSERT INTO jobs (job_id, state, client_tag, create_time, job, spec,"
-                    " cache_key, idempotency_key, want_device) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " cache_key, idempotency_key, want_device, want_model)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 ),
                 (
                     job.job_id,
@@ -140,6 +138,7 @@ class SqlStore:
                     cache_key,
                     idempotency_key or None,
                     wanted_device(job.spec),
+                    wanted_model(job.spec) or None,
                 ),
             )
             for label, value in sorted(job.spec.labels.items()):
@@ -331,22 +330,28 @@ class SqlStore:
     # ---- the shared queue: leases, cancel requests, nodes (jobs/shared_queue.py) ----------
 
     def claim(
-        self, node_id: str, devices: Sequence[int], limit: int, lease_s: float
+        self, node_id: str, devices: Mapping[int, str], limit: int, lease_s: float
     ) -> builtins.list[job_pb2.Job]:
         """Leases up to `limit` QUEUED jobs nobody holds, oldest first, that may run on one of
-        `devices` (a job that names a device index waits for a node that has it)."""
-        if limit <= 0:
+        `devices` (index -> GPU name): a job that names a device index or a GPU model waits
+        for a node that has it (placement.py; the model as a lower-cased substring, which
+        validation keeps free of LIKE's wildcards)."""
+        if limit <= 0 or not devices:
             return []
-        marks = ", ".join("?" for _ in devices) or "NULL"
+        fits = " OR ".join(  # '%' as arguments: psycopg reads a '%' in the SQL as its own
+            "((want_device IS NULL OR want_device = ?)"
+            " AND (want_model IS NULL OR ? LIKE ? || want_model || ?))"
+            for _ in devices
+        )
+        places = [a for i, name in sorted(devices.items()) for a in (i, name.lower(), "%", "%")]
         with self._tx() as cur:
             cur.execute(
                 self._sql(
                     "SELECT job_id FROM jobs WHERE state = ? AND lease_node IS NULL"
-                    " AND cancel_requested = 0"
-                    f" AND (want_device IS NULL OR want_device IN ({marks}))"
+                    f" AND cancel_requested = 0 AND ({fits})"
                     f" ORDER BY rowid LIMIT ?{self.skip_locked}"
                 ),
-                (job_pb2.JOB_STATE_QUEUED, *devices, _clamp(limit)),
+                (job_pb2.JOB_STATE_QUEUED, *places, _clamp(limit)),
             )
             ids = [str(r[0]) for r in cur.fetchall()]
             jobs = []

@@ -133,6 +133,12 @@ CREATE TABLE nodes (
 );
 """,
     ),
+    Migration(
+        4,
+        "the GPU model a job asks for (placement.py), lower-cased",
+        sqlite="ALTER TABLE jobs ADD COLUMN want_model TEXT;",
+        postgres="ALTER TABLE jobs ADD COLUMN want_model TEXT;",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -1,0 +1,130 @@
+"""A job that names a GPU model runs only on a GPU of that model (EvalOptions.device_model):
+two fake GPUs of different models behind one service, the fake engine on both."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fe_kernels as k
+import grpc
+import pytest
+from ke_service import ServiceProcess
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval_server.jobs import placement
+from kerneleval_server.jobs.scheduler import FairQueue, QueuedJob
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    root = tmp_path_factory.mktemp("placement")
+    nvml = root / "fake_nvml"
+    nvml.write_text(
+        # (the fake's names have no spaces)
+        "device 0 name=NVIDIA-H100-80GB-HBM3 uuid=GPU-fake-0 memory_total=1000000\n"
+        "device 1 name=NVIDIA-H200 uuid=GPU-fake-1 memory_total=1000000\n"
+    )
+    service = ServiceProcess(
+        root / "state",
+        [
+            "--nvml", "fake", "--fake-nvml-path", str(nvml),
+            "--engine", "fe_fake_engine",
+            "--workers-per-device", "1",
+        ],
+        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    try:
+        service.start()
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def stub(svc: ServiceProcess) -> kernel_eval_service_pb2_grpc.KernelEvalServiceStub:
+    return kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+
+
+def _spec(model: str = "", index: int | None = None) -> kernel_pb2.JobSpec:
+    s = k.spec(json.dumps({"do": "time", "seconds": 0.2}))
+    s.options.bypass_cache = True
+    s.options.device_model = model
+    if index is not None:
+        s.options.device_index = index
+    return s
+
+
+def _finished(stub, job_id: str) -> job_pb2.Job:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 120
+    while True:
+        job = stub.GetJob(pb.GetJobRequest(job_id=job_id)).job
+        if job.state in (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+
+
+def test_jobs_that_name_a_model_run_only_on_its_gpus(stub) -> None:  # type: ignore[no-untyped-def]
+    """Six at once: the H200 jobs queue for GPU 1 while GPU 0 is free; "h100" (any case) goes
+    to GPU 0; jobs with no model use both."""
+    jobs = [("H200", stub.Submit(pb.SubmitRequest(spec=_spec("H200"))).job) for _ in range(4)]
+    jobs.append(("h100", stub.Submit(pb.SubmitRequest(spec=_spec("h100"))).job))
+    jobs.append(("", stub.Submit(pb.SubmitRequest(spec=_spec())).job))
+    for model, job in jobs:
+        done = _finished(stub, job.job_id)
+        assert done.state == job_pb2.JOB_STATE_DONE, done
+        assert done.result.verdict == job_pb2.VERDICT_OK, done.result
+        if model:
+            assert done.device_index == (1 if model == "H200" else 0), (model, done)
+
+
+@pytest.mark.parametrize(
+    ("model", "index", "says"),
+    [
+        (
+            "A100",
+            None,
+            "no GPU here is a 'A100' (devices: 0: NVIDIA-H100-80GB-HBM3, 1: NVIDIA-H200)",
+        ),
+        ("H200", 0, "GPU 0 here is not a 'H200'"),
+        ("H100%", None, "letters, digits, spaces, '.' and '-'"),
+        ("x" * 65, None, "at most 64 characters"),
+    ],
+)
+def test_a_model_no_gpu_here_has_is_refused_naming_the_field(  # type: ignore[no-untyped-def]
+    stub, model: str, index: int | None, says: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Submit(pb.SubmitRequest(spec=_spec(model, index)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.options.device_model" in e.value.details() and says in e.value.details()
+
+
+def test_the_queue_gives_a_device_only_jobs_that_fit_it() -> None:
+    q = FairQueue()
+    q.push(QueuedJob("h200", "a", None, model="h200"))
+    q.push(QueuedJob("pinned", "b", 1))
+    q.push(QueuedJob("any", "c", None))
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert q.pop_for(0, device_name=h100).job_id == "any"  # type: ignore[union-attr]
+    assert q.pop_for(0, device_name=h100) is None
+    assert q.pop_for(1, device_name=h200).job_id == "h200"  # type: ignore[union-attr]
+    assert q.pop_for(1, device_name=h200).job_id == "pinned"  # type: ignore[union-attr]
+
+
+def test_allowed_devices_are_the_index_and_the_model_both() -> None:
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA H100 NVL"}
+    s = kernel_pb2.JobSpec()
+    assert placement.allowed_devices(s, names) == [0, 1, 2]
+    s.options.device_model = " h100 "
+    assert placement.allowed_devices(s, names) == [0, 2]
+    s.options.device_index = 2
+    assert placement.allowed_devices(s, names) == [2]
+    s.options.device_index = 1
+    assert placement.allowed_devices(s, names) == []
