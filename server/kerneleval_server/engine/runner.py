@@ -603,12 +603,13 @@ class _Job:
         names: list[str], ref_seconds: float,
     ) -> None:  # fmt: skip
         """lower_precision (precision.py), on the inputs before anything ran; never fails."""
+        budget = min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
         try:
             with self._cpu_shim(), torch.no_grad():
                 c = precision.check(
                     getattr(ref, "instance", None), pristine.model_inputs(), cand_out, ref_out,
-                    names, max_bytes=self.config.limits.max_total_tensor_bytes,
-                    device=self.dev, ref_seconds=ref_seconds, sync=self._sync,
+                    names, max_bytes=budget, device=self.dev, ref_seconds=ref_seconds,
+                    sync=self._sync,
                 )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
             c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
