@@ -118,13 +118,31 @@ def test_the_queue_gives_a_device_only_jobs_that_fit_it() -> None:
     assert q.pop_for(1, device_name=h200).job_id == "pinned"  # type: ignore[union-attr]
 
 
-def test_allowed_devices_are_the_index_and_the_model_both() -> None:
+def test_a_job_may_run_where_the_index_and_the_model_both_fit() -> None:
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA H100 NVL"}
+
+    def allowed(s: kernel_pb2.JobSpec) -> list[int]:
+        return [i for i, n in names.items() if placement.may_run_on(s, i, n)]
+
     s = kernel_pb2.JobSpec()
-    assert placement.allowed_devices(s, names) == [0, 1, 2]
+    assert allowed(s) == [0, 1, 2]
     s.options.device_model = " h100 "
-    assert placement.allowed_devices(s, names) == [0, 2]
+    assert allowed(s) == [0, 2]
     s.options.device_index = 2
-    assert placement.allowed_devices(s, names) == [2]
+    assert allowed(s) == [2]
     s.options.device_index = 1
-    assert placement.allowed_devices(s, names) == []
+    assert allowed(s) == []
+
+
+def test_a_gateway_refuses_only_a_model_no_node_has() -> None:
+    """A gateway lists every node's GPUs: one index for several nodes, of different models."""
+    nodes = [(0, "NVIDIA H100 80GB HBM3"), (0, "NVIDIA H200"), (1, "NVIDIA H200")]
+    s = kernel_pb2.JobSpec()
+    s.options.device_model = "H100"
+    assert placement.refusal(s, nodes) == ""
+    s.options.device_index = 1
+    assert placement.refusal(s, nodes) == (
+        "GPU 1 here is not a 'H100' (devices: 0: NVIDIA H100 80GB HBM3, 0: NVIDIA H200, "
+        "1: NVIDIA H200)"
+    )
+    assert placement.refusal(s, []) == ""  # no node registered yet: nothing to refuse on

@@ -131,20 +131,10 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                         f"no device {spec.options.device_index} here (devices: {known})",
                     )
                 )
-        names = self.m.device_names() if spec.options.device_model and not violations else {}
-        if names and not placement.allowed_devices(spec, names):
-            which = (
-                f"GPU {spec.options.device_index} here is not"
-                if spec.options.HasField("device_index")
-                else "no GPU here is"
-            )
-            listed = ", ".join(f"{i}: {n or 'unnamed'}" for i, n in sorted(names.items()))
-            violations.append(
-                validation.FieldViolation(
-                    "spec.options.device_model",
-                    f"{which} a {spec.options.device_model!r} (devices: {listed})",
-                )
-            )
+        if spec.options.device_model and not violations:
+            why = placement.refusal(spec, self.m.device_names())
+            if why:
+                violations.append(validation.FieldViolation("spec.options.device_model", why))
         if violations:
             summary = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
             raise Refused(

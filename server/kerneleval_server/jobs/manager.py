@@ -287,7 +287,6 @@ class JobManager:
     def _target(self, spec: kernel_pb2.JobSpec) -> str:
         """What a result depends on besides the spec: the engine, the software, and the model
         and driver of the GPUs the job may run on."""
-        pinned = spec.options.device_index if spec.options.HasField("device_index") else None
         # This machine's GPUs; a gateway has none: its nodes' (ListDevices), where the job
         # may run as much as on any GPU here.
         devices = (
@@ -295,13 +294,7 @@ class JobManager:
             if self.shared is not None
             else [(d.index, d.status.name, d.status.driver_version) for d in self.devices.values()]
         )
-        model = placement.wanted_model(spec)
-        gpus = sorted(
-            {
-                f"{n}/{d}" for i, n, d in devices
-                if (pinned is None or i == pinned) and placement.model_matches(n, model)
-            }
-        )  # fmt: skip
+        gpus = sorted({f"{n}/{d}" for i, n, d in devices if placement.may_run_on(spec, i, n)})
         return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
 
     def _cache_key(self, spec: kernel_pb2.JobSpec) -> str:
@@ -433,11 +426,14 @@ class JobManager:
         dev = self.devices.get(index)
         return dev is None or dev.takes_jobs
 
-    def device_names(self) -> dict[int, str]:
-        """index -> GPU name (NVML's) of the devices jobs run on; a gateway's: its nodes'."""
+    def device_names(self) -> list[tuple[int, str]]:
+        """(index, GPU name as NVML gives it) of the devices jobs run on; a gateway's: its
+        nodes' (an index once for each node that has it)."""
         if self.shared is not None and self.shared.role == GATEWAY:
-            return {d.index: d.name for d in self.shared.node_devices() if d.index != BUILD_DEVICE}
-        return {i: self.device_name(i) for i in self.device_indices()}
+            return [
+                (d.index, d.name) for d in self.shared.node_devices() if d.index != BUILD_DEVICE
+            ]
+        return [(i, self.device_name(i)) for i in self.device_indices()]
 
     def device_name(self, index: int) -> str:
         dev = self.devices.get(index)
@@ -662,10 +658,7 @@ class JobManager:
         if queued.device_index is not None:
             arch = self.device_arch.get(queued.device_index, "")
         else:
-            archs = {
-                a for i, a in self.device_arch.items()
-                if placement.model_matches(self.device_name(i), queued.model)
-            }  # fmt: skip
+            archs = {a for i, a in self.device_arch.items() if queued.fits(i, self.device_name(i))}
             arch = archs.pop() if len(archs) == 1 else ""
         if not arch and queued.prebuild == "cuda" and not self.device_arch:
             return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
@@ -729,9 +722,7 @@ class JobManager:
             run = self.running.get(job_id)
             if run is None:
                 continue
-            if device_index in placement.allowed_devices(
-                run.job.spec, {device_index: self.device_name(device_index)}
-            ):
+            if placement.may_run_on(run.job.spec, device_index, self.device_name(device_index)):
                 self.launch_queue.remove(job_id)
                 return job_id
         return ""

@@ -9,7 +9,7 @@ admits letters, digits, spaces, '.' and '-')."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 from kerneleval.v1 import kernel_pb2
 
@@ -27,15 +27,26 @@ def wanted_model(spec: kernel_pb2.JobSpec) -> str:
     return spec.options.device_model.strip().lower()
 
 
-def model_matches(device_name: str, model: str) -> bool:
-    return not model or model.lower() in device_name.lower()
+def fits(index: int | None, model: str, device_index: int, device_name: str) -> bool:
+    """A job that names GPU `index` (None: any) and `model` ("": any) may run on this one."""
+    return index in (None, device_index) and (not model or model.lower() in device_name.lower())
 
 
-def allowed_devices(spec: kernel_pb2.JobSpec, names: Mapping[int, str]) -> list[int]:
-    """The devices among `names` (index -> GPU name) the job may run on."""
-    index, model = wanted_device(spec), wanted_model(spec)
-    return sorted(
-        i
-        for i, name in names.items()
-        if (index is None or i == index) and model_matches(name, model)
+def may_run_on(spec: kernel_pb2.JobSpec, device_index: int, device_name: str) -> bool:
+    return fits(wanted_device(spec), wanted_model(spec), device_index, device_name)
+
+
+def refusal(spec: kernel_pb2.JobSpec, devices: Sequence[tuple[int, str]]) -> str:
+    """Why no GPU of `devices` ((index, name), a gateway's from every node: indices repeat)
+    can take a job that names a model ("" when one can, or when none is known yet)."""
+    if not spec.options.device_model or not devices:
+        return ""
+    if any(may_run_on(spec, i, name) for i, name in devices):
+        return ""
+    which = (
+        f"GPU {spec.options.device_index} here is not"
+        if spec.options.HasField("device_index")
+        else "no GPU here is"
     )
+    listed = ", ".join(f"{i}: {name or 'unnamed'}" for i, name in sorted(devices))
+    return f"{which} a {spec.options.device_model!r} (devices: {listed})"

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .placement import model_matches
+from . import placement
 
 
 @dataclass
@@ -25,7 +25,7 @@ class QueuedJob:
     model: str = ""  # the GPU model it names (placement.py); "": any
 
     def fits(self, device_index: int, device_name: str) -> bool:
-        return self.device_index in (None, device_index) and model_matches(device_name, self.model)
+        return placement.fits(self.device_index, self.model, device_index, device_name)
 
 
 class FairQueue:

@@ -229,7 +229,7 @@ class SharedQueue:
         room = self._room()
         if room <= 0:
             return 0
-        devices = {i: n for i, n in self.m.device_names().items() if self.m.device_takes_jobs(i)}
+        devices = {i: n for i, n in self.m.device_names() if self.m.device_takes_jobs(i)}
         jobs = self.store.claim(self.node_id, devices, room, self.lease_s)
         for job in jobs:
             self.m.hub.forget(job.job_id)  # its events may have grown elsewhere
