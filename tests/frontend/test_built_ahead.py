@@ -5,37 +5,25 @@ else about a job (a compile error, a poisoned context, a hostile claim) ends tha
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from fe_service import fake_engine_service
 from ke_service import ServiceProcess
 from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
 
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root = tmp_path_factory.mktemp("built-ahead")
-    nvml = root / "fake_nvml"
-    nvml.write_text("device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n")
-    service = ServiceProcess(
-        root / "state",
-        [
-            "--nvml", "fake", "--fake-nvml-path", str(nvml),
-            "--engine", "fe_fake_engine",
-            "--workers-per-device", "1",
-            "--build-processes", "2",
-        ],
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    service = fake_engine_service(
+        tmp_path_factory.mktemp("built-ahead"), "--workers-per-device", "1",
+        "--build-processes", "2",
     )  # fmt: skip
     try:
         service.start()

@@ -4,43 +4,31 @@ XID from the fake NVML) and timed phases on a fake GPU with two job-taking proce
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import fe_kernels as k
 import pytest
+from fe_service import ONE_GPU, fake_engine_service
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
 
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     root = tmp_path_factory.mktemp("gpu-fakes")
-    nvml = root / "fake_nvml"
-    nvml.write_text(
-        "device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n"
-        "clocks 0 sm=1410 mem=2619 temperature=45 power_mw=301500 reasons=0x5\n"
-    )
-    service = ServiceProcess(
-        root / "state",
-        [
-            "--nvml", "fake", "--fake-nvml-path", str(nvml),
-            "--engine", "fe_fake_engine",
-            "--workers-per-device", "2",
-            "--xid-wait-s", "5",
-            "--max-restarts", "1",
-        ],
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    service = fake_engine_service(
+        root,
+        "--workers-per-device", "2",
+        "--xid-wait-s", "5",
+        "--max-restarts", "1",
+        nvml=ONE_GPU + "clocks 0 sm=1410 mem=2619 temperature=45 power_mw=301500 reasons=0x5\n",
     )  # fmt: skip
-    service.fake_nvml = nvml  # type: ignore[attr-defined]
+    service.fake_nvml = root / "fake_nvml"  # type: ignore[attr-defined]
     service.root = root  # type: ignore[attr-defined]
     try:
         service.start()

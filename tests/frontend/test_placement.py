@@ -4,41 +4,30 @@ two fake GPUs of different models behind one service, the fake engine on both.""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import fe_kernels as k
 import grpc
 import pytest
+from fe_service import fake_engine_service
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval_server.jobs import placement
 from kerneleval_server.jobs.scheduler import FairQueue, QueuedJob
 
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    root = tmp_path_factory.mktemp("placement")
-    nvml = root / "fake_nvml"
-    nvml.write_text(
+    service = fake_engine_service(
+        tmp_path_factory.mktemp("placement"),
+        "--workers-per-device",
+        "1",
         # (the fake's names have no spaces)
-        "device 0 name=NVIDIA-H100-80GB-HBM3 uuid=GPU-fake-0 memory_total=1000000\n"
-        "device 1 name=NVIDIA-H200 uuid=GPU-fake-1 memory_total=1000000\n"
+        nvml="device 0 name=NVIDIA-H100-80GB-HBM3 uuid=GPU-fake-0 memory_total=1000000\n"
+        "device 1 name=NVIDIA-H200 uuid=GPU-fake-1 memory_total=1000000\n",
     )
-    service = ServiceProcess(
-        root / "state",
-        [
-            "--nvml", "fake", "--fake-nvml-path", str(nvml),
-            "--engine", "fe_fake_engine",
-            "--workers-per-device", "1",
-        ],
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
-    )  # fmt: skip
     try:
         service.start()
         yield service

@@ -4,7 +4,6 @@ hint of a full queue, through a real service (the fake engine on a fake GPU)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,31 +12,24 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fe_service import fake_engine_service
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
-HERE = Path(__file__).resolve().parent
 CACHE = job_pb2.RESULT_ORIGIN_CACHE
 SHARED = job_pb2.RESULT_ORIGIN_SHARED_RUN
 RUN = job_pb2.RESULT_ORIGIN_RUN
 
 
 def start_service(root: Path, *extra: str) -> ServiceProcess:
-    nvml = root / "fake_nvml"
-    nvml.write_text("device 0 name=FakeGPU uuid=GPU-fake-1 memory_total=1000000\n")
-    service = ServiceProcess(
-        root / "state",
-        [
-            "--nvml", "fake", "--fake-nvml-path", str(nvml),
-            "--engine", "fe_fake_engine",
-            "--workers-per-device", "2",
-            "--result-cache-hours", "24",  # on, as by default (tests/conftest.py turns it off)
-            *extra,
-        ],
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    service = fake_engine_service(
+        root,
+        "--workers-per-device", "2",
+        "--result-cache-hours", "24",  # on, as by default (tests/conftest.py turns it off)
+        *extra,
     )  # fmt: skip
     service.start()
     return service
