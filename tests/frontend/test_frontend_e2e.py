@@ -503,6 +503,16 @@ def test_reset_gpu_with_token_runs_the_recording_command(svc: ServiceProcess, st
 
 
 def test_restart_workers_and_cleanup(svc: ServiceProcess, stub, opstub) -> None:  # type: ignore[no-untyped-def]
+    # The last test's job process answered before it exited (the outcome goes out before the
+    # cleanup): its replacement may not be up yet, and there must be one to restart.
+    deadline = time.monotonic() + 60
+    while not any(
+        w.pid
+        for d in opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+        for w in d.workers
+    ):
+        assert time.monotonic() < deadline, "no job process came up"
+        time.sleep(0.05)
     resp = opstub.RestartWorkers(ops.RestartWorkersRequest(), metadata=svc.auth())
     assert resp.restarted_count >= 1
     svc.wait_serving(60)
