@@ -57,6 +57,22 @@ def make_run(run_dir: Path, problems: Path, wrong: set[int]) -> int:
     return count
 
 
+def judged_in_own_process(svc: C.Service, eval_results: Path) -> list[int]:
+    """The problems whose jobs say they were judged in the kernel's own process (issue 13:
+    outputs over the record's limit)."""
+    if not eval_results.exists():
+        return []
+    out = []
+    with svc.client() as c:
+        for pid, entries in json.loads(eval_results.read_text()).items():
+            for e in entries:
+                job_id = e.get("metadata", {}).get("kerneleval_job_id")
+                notes = c.get_job(job_id).result.notes if job_id else []
+                if any("judged in the kernel's own process" in n for n in notes):
+                    out.append(int(pid))
+    return sorted(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap, smoke=False)
@@ -81,6 +97,7 @@ def main() -> int:
         t0 = time.perf_counter()
         done = subprocess.run(cmd, env=C.child_env(), capture_output=True, text=True)
         wall = time.perf_counter() - t0
+        judged_here = judged_in_own_process(svc, run_dir / "eval_results.json")
     finally:
         svc.stop()
     print(done.stdout[-4000:], done.stderr[-2000:], flush=True)
@@ -100,7 +117,15 @@ def main() -> int:
         for pid, entries in results.items()
         if entries and not any(e.get("correctness") for e in entries)
     )
+    flagged = {
+        pid: e["metadata"]["kerneleval_flags"]
+        for pid, entries in results.items()
+        for e in entries
+        if int(pid) not in wrong and e.get("metadata", {}).get("kerneleval_flags")
+    }
     data = {
+        "flags_on_honest": flagged,
+        "judged_in_own_process": judged_here,
         "samples": samples,
         "wrong_planted": sorted(wrong),
         "incorrect": wrong_found,
@@ -113,6 +138,9 @@ def main() -> int:
         f"{samples} kernels (level 1, one per problem) in {wall:.0f} s through the CLI, exit "
         f"{done.returncode}",
         f"planted wrong: {sorted(wrong)}; incorrect: {wrong_found}",
+        f"integrity flags on the {samples - len(wrong)} honest kernels: {len(flagged)} ({flagged})",
+        f"judged in the kernel's own process (outputs over the judge's record limit): "
+        f"{len(judged_here)} {judged_here}; every other compared job by a judge process",
     ]
     title = "kerneleval kernelbench: level 1 through the CLI (KernelBench's preset)"
     C.write_results(

@@ -95,6 +95,7 @@ case "$STAGE" in
   builds) run 580 bench_builds ;;
   build_service) run 580 bench_build_service ;;
   kernelbench_run) run 580 bench_kernelbench_run ;;
+  judge) run 400 bench_judge ;;
   rl_step)
     run 580 bench_rl_step --devices "$(nvidia-smi --query-gpu=index --format=csv,noheader \
       | paste -sd, -)"
@@ -104,7 +105,7 @@ case "$STAGE" in
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene judge cpu)" >&2
     exit 2
     ;;
 esac

@@ -206,6 +206,15 @@ class Config:
         default=8192, metadata={"help": "memory of one job process's cgroup, its /tmp included"}
     )
     job_tmp_mib: int = field(default=1024, metadata={"help": "size of a job process's /tmp"})
+    record_max_mib: int = field(
+        default=1024,
+        metadata={
+            "help": "a compared kernel's recorded outputs for its judge process, at most (the "
+            "kernel's job process holds them in its memory); larger outputs are judged in the "
+            "kernel's own process; 0 judges every job there (no judge process: for measuring "
+            "what the judge costs, never for a service whose callers may cheat)"
+        },
+    )
     job_max_pids: int = field(
         default=1024, metadata={"help": "processes and threads in one job process's cgroup"}
     )

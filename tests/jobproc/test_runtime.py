@@ -223,6 +223,7 @@ def test_the_outcome_goes_out_before_the_job_folders_are_removed(
 
     class Channel:
         job_running = finishing = False
+        record_fds: dict[str, list[int]] = {}  # noqa: RUF012 - read only here
 
         def send(self, msg: jc.JobProcessMessage) -> None:
             folders = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())

@@ -718,6 +718,52 @@ def test_results_handed_back_in_the_timed_trials(stub, svc: ServiceProcess) -> N
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# Forges its own process's comparison (and so its replay check): every trial passes there,
+# while its forward returns zeros where the reference returns x.
+FORGER = """
+import torch
+import kerneleval_server.engine.compare as cmp
+import kerneleval_server.engine.runner as runner
+
+_orig = cmp.compare_outputs
+
+
+def _forged(*a, **k):
+    c = _orig(*a, **k)
+    c.ok, c.message = True, ""
+    return c
+
+
+cmp.compare_outputs = _forged
+runner.compare.compare_outputs = _forged
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def get_inputs():
+    return [torch.randn(64)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_forged_verdict_is_judged_in_another_process(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: the kernel's process forges its comparison and comes back OK there; the judge
+    process, which imports only the reference, finds it INCORRECT. The next tenants too are
+    judged right."""
+    s = spec(FORGER, reference=hs.REFERENCE, client_tag="mallory-forger", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_INCORRECT, ran.describe()
+    assert not ran.job.result.correctness and ran.job.result.speedup == 0, ran.describe()
+    assert "judged by" in ran.logs, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
     the field; no job stored, no job process held."""

@@ -29,6 +29,8 @@ def configure_process_environment() -> None:
 
 from .build import build_job  # noqa: E402
 from .device import DeviceLimits  # noqa: E402
+from .judge import judge_job  # noqa: E402
+from .record import Recorder  # noqa: E402
 from .runner import Options, run_job  # noqa: E402
 from .types import EngineConfig, NullReporter, Outcome, Reporter  # noqa: E402
 
@@ -38,8 +40,10 @@ __all__ = [
     "NullReporter",
     "Options",
     "Outcome",
+    "Recorder",
     "Reporter",
     "build_job",
     "configure_process_environment",
+    "judge_job",
     "run_job",
 ]

@@ -32,7 +32,18 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.api import validation
 
-from . import compare, device, errors, gpumode, integrity, loader, precision, preflight, timing
+from . import (
+    compare,
+    device,
+    errors,
+    gpumode,
+    integrity,
+    loader,
+    precision,
+    preflight,
+    record,
+    timing,
+)  # fmt: skip
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
 from .backends.base import LaunchProgram
 from .backends.model import to_device
@@ -303,6 +314,13 @@ class _Job:
         self.nvtx = os.environ.get("KERNELEVAL_NVTX") == "1"
         self._output_bytes = 0  # what the kernel must write: the memory-bandwidth floor
         self.inputs_side: job_pb2.Side = job_pb2.SIDE_KERNEL  # who gives get_inputs()
+        self.recorder = config.recorder if self.compare_mode else None
+
+    @property
+    def judged_elsewhere(self) -> bool:
+        """The kernel's outputs are recorded for a judge process, which checks their
+        precision and times the reference: not done twice here."""
+        return self.recorder is not None and not self.recorder.full
 
     # -- the steps -----------------------------------------------------------------------
     def run(self) -> None:
@@ -523,7 +541,7 @@ class _Job:
 
     def _validate(self, cand: Program, ref: Program, make_args: Callable[[int], TrialArgs]) -> None:
         report = self.result.validation
-        trials = self.opts.correct_trials
+        trials = cand.count if isinstance(cand, RecordedProgram) else self.opts.correct_trials
         first_failure: compare.TrialCheck | None = None
         out_bytes = 0
         ref_seconds = 0.0  # the reference's first run: how long a float64 one may take
@@ -542,6 +560,8 @@ class _Job:
                         out_bytes or compare.nbytes_of(pristine.values), self.dev
                     )
             cand_out = self._run(cand, cand_args, "")
+            if self.recorder is not None:
+                self.recorder.record(t, cand_out)
             if ref_out is None:
                 ref_start = time.perf_counter()
                 ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
@@ -558,7 +578,10 @@ class _Job:
             check = compare.compare_outputs(
                 cand_out, ref_out, names, self.opts.atol, self.opts.rtol
             )
-            if t == 0 and check.ok and ref.kind == "model" and self.opts.check_precision:
+            if (
+                t == 0 and check.ok and ref.kind == "model" and self.opts.check_precision
+                and not self.judged_elsewhere
+            ):  # fmt: skip
                 self._check_precision(ref, pristine, cand_out, ref_out, names, ref_seconds)
             written = self._written_inputs(pristine, cand_args)
             if written and cand.kind == "launch" and check.ok:
@@ -619,7 +642,7 @@ class _Job:
 
     @staticmethod
     def _output_names(cand: Program, ref: Program, args: TrialArgs) -> list[str]:
-        if cand.kind == "launch" or ref.kind == "launch":
+        if cand.kind == "launch" or ref.kind == "launch" or getattr(cand, "launch", False):
             return [args.names[i] for i in args.output_indices()]
         return []
 
@@ -646,7 +669,7 @@ class _Job:
     def _time(
         self, cand: Program, ref: Program | None, make_args: Callable[[int], TrialArgs]
     ) -> None:
-        total = self.opts.perf_trials * (2 if ref is not None else 1)
+        total = self.opts.perf_trials * (2 if ref is not None and not self.judged_elsewhere else 1)
         cand_args = make_args(0)
         ref_args = cand_args.clone() if ref is not None else None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
@@ -662,7 +685,7 @@ class _Job:
             l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
             floor = integrity.memory_floor(stats.median_ms, self._output_bytes, bandwidth, l2)
             self._flag([floor] if floor is not None else [])
-        if ref is not None and ref_args is not None:
+        if ref is not None and ref_args is not None and not self.judged_elsewhere:
             n = self.opts.perf_trials
             rstats = self._measure(
                 lambda: ref.run(ref_args), REFERENCE_PREFIX, lambda d: self._progress(n + d, total)
@@ -796,6 +819,8 @@ class _ReplayCheck:
         cand_out, self.out = self.out, None
         if cand_out is None:
             return
+        if self.job.recorder is not None:
+            self.job.recorder.record(self.job.opts.correct_trials + 1, cand_out, replay=True)
         ref_out = self.job._run(self.ref, self.fresh.clone(), REFERENCE_PREFIX)
         names = self.job._output_names(self.cand, self.ref, self.fresh)
         check = compare.compare_outputs(
@@ -807,6 +832,29 @@ class _ReplayCheck:
 
 
 __all__ = ["LaunchProgram", "Options", "is_triton_launch", "run_job"]
+
+
+@dataclass
+class RecordedProgram:
+    """The kernel's outputs as its own process recorded them (record.py): the judge's
+    stand-in for the kernel, whose code never runs there. Each run() hands back the next
+    correctness trial's outputs on the device (`_validate` runs it once a trial, in order)."""
+
+    trials: list[record.Trial]  # the correctness trials, in order
+    device: torch.device
+    launch: bool  # the kernel is launched from its IOContract: outputs named by its args
+    module: Any = None
+    kind: str = "recorded"
+    done: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.trials)
+
+    def run(self, args: TrialArgs) -> list[Any]:
+        trial = self.trials[self.done]
+        self.done += 1
+        return [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in trial.values]
 
 
 def _inputs_of(prog: Program, args: TrialArgs) -> list[Any]:

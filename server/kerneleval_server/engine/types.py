@@ -32,6 +32,9 @@ class EngineConfig:
     # A job process's way to have the service build a load_inline call (the arguments as
     # JSON -> an ExtensionBuilt, None when the service is gone); None: load_inline builds here.
     extension_builder: Callable[[str], Any] | None = None
+    # A record.Recorder: the kernel's outputs go to the job's judge process (issue 13), which
+    # then compares and times the reference; None: this process judges (no judge follows).
+    recorder: Any = None
 
 
 @dataclass

@@ -102,6 +102,9 @@ class WorkerState:
         build_arch: str = "",
         prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
         extension: job_channel_pb2.ExtensionCall | None = None,
+        record_fd: int = -1,
+        record_max_bytes: int = 0,
+        judge: job_channel_pb2.JudgeRequest | None = None,
     ) -> bool:
         """Sends the process a job: its one job, a build job (`build_arch`: build for it), or
         a job of prebuilt kernels. FrameError (nothing sent, nothing changed) when the job does
@@ -117,6 +120,9 @@ class WorkerState:
             build_arch=build_arch,
             prebuilt=prebuilt,
             extension=extension,
+            record_max_bytes=record_max_bytes,
+            judge=judge,
+            fd_count=1 if record_fd >= 0 else 0,
         )
         msg = job_channel_pb2.FrontendMessage(assign=assign)
         if compile_cache:
@@ -131,7 +137,32 @@ class WorkerState:
         self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():
             return False
+        if record_fd >= 0:
+            return self._send_with_fd(frame, record_fd)
         self.writer.write(frame)
+        return True
+
+    def _send_with_fd(self, frame: bytes, fd: int) -> bool:
+        """The frame with `fd` on its first bytes (SCM_RIGHTS), which asyncio's writer cannot
+        send: straight on the socket, when nothing written before is still buffered (a fresh
+        process has had only its Welcome); the rest of the frame through the writer. False
+        when it cannot go now: the process is then given up, and its job runs again."""
+        assert self.writer is not None
+        transport = self.writer.transport
+        if transport.get_write_buffer_size():
+            return False
+        raw = transport.get_extra_info("socket")
+        dup = socket.socket(fileno=os.dup(raw.fileno()))
+        try:
+            sent = socket.send_fds(dup, [frame], [fd])
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+        finally:
+            dup.close()
+        if sent < len(frame):
+            self.writer.write(frame[sent:])
         return True
 
 

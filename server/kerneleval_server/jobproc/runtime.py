@@ -50,7 +50,7 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
-from kerneleval_server.framing import FrameError, encode, recv_frame
+from kerneleval_server.framing import FdFrameReader, FrameError, encode
 from kerneleval_server.jobs.compile_cache import MAX_ENTRY_BYTES, MAX_FILES
 
 from . import (
@@ -263,6 +263,7 @@ class _Channel:
         self._extensions: dict[int, tuple[threading.Event, list[Any]]] = {}
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
+        self.record_fds: dict[str, list[int]] = {}  # job id -> the descriptors its frame held
 
     def accept_next(self) -> None:
         """The job is over and the process stays: the next AssignJob is a new job."""
@@ -281,14 +282,17 @@ class _Channel:
             return self._grants.setdefault(f"{job_id}/{phase}", threading.Event())
 
     def read_loop(self) -> None:
+        reader = FdFrameReader(self._sock)
         try:
             while True:
-                frame = recv_frame(self._sock)
+                frame = reader.recv_frame()
                 if frame is None:
                     break
                 msg = job_channel_pb2.FrontendMessage.FromString(frame)
                 kind = msg.WhichOneof("kind")
                 if kind == "assign":  # the runtime takes the next once its job is over
+                    # a judged job's record rides on its AssignJob (fd_count: 0 or 1)
+                    self.record_fds[msg.assign.job_id] = reader.take_fds(msg.assign.fd_count)
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
@@ -655,18 +659,28 @@ def _run_one(
     channel.job_running = True
     prebuilt = list(assign.prebuilt)
     _reset_peak_memory()
+    record_fd = next(iter(channel.record_fds.pop(assign.job_id, [])), -1)
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
             config.extension_builder = functools.partial(channel.build_extension, assign.job_id)
-        if prebuilt:
+        if assign.HasField("judge") and record_fd >= 0:
+            outcome = engine.judge_job(
+                assign.spec, reporter, config, assign.judge.candidate, record_fd,
+                assign.record_max_bytes,
+            )  # fmt: skip
+        elif prebuilt:
             outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
         else:
+            if assign.record_max_bytes and record_fd >= 0:
+                config.recorder = engine.Recorder(record_fd, assign.record_max_bytes)
             outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
         peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         result, poisoned, peak = _engine_error(exc), False, 0
+    if record_fd >= 0:
+        os.close(record_fd)
     reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
@@ -717,6 +731,7 @@ def main(channel_fd: int) -> int:
                     pid=os.getpid(),
                     device_index=device_index,
                     device=device_info(device_index),
+                    judges=hasattr(engine, "judge_job"),
                 )
             )
         )

@@ -46,7 +46,7 @@ from kerneleval_server.jobproc import (
     NVML_OOM_ASSERT,
     POISONED_EXIT,
 )
-from kerneleval_server.jobs import placement, prebuild, result_cache, static_checks
+from kerneleval_server.jobs import judging, placement, prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
 from kerneleval_server.jobs.deadline import Deadline
@@ -73,6 +73,7 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
+SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
@@ -135,6 +136,12 @@ class Running:
     crowded: bool = False  # another job ran on its GPU meanwhile (their memory was its too)
     memory_key: str = ""  # its problem, for GPU memory admission (fleet/gpu_memory.py)
     memory_wait_said: bool = False  # its events said it waits for GPU memory
+    # Judged outside the kernel's process (judging.py): its record, and between the kernel's
+    # outcome and a judge process taking it (deadline paused), waiting; the window the
+    # kernel was timed in (the judge times the reference in one of its own).
+    record: judging.Record | None = None
+    awaiting_judge: bool = False
+    kernel_window: Window | None = None
 
 
 @dataclass
@@ -199,6 +206,7 @@ class JobManager:
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
+        self.judge_queue: deque[str] = deque()  # their kernel ran OK: wait for a judge process
         self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
@@ -471,6 +479,11 @@ class JobManager:
             if worker.device_index in held and worker.ready:
                 self._start_alone(worker, held[worker.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
+        for worker in gpu:  # a job half done (its kernel ran) first, to a fresh process
+            if self.judge_queue and worker.ready and not worker.assigned_job_id:
+                judged = self._next_judge(worker.device_index)
+                if judged:
+                    self._start_judge(judged, worker)
         for worker in sorted(gpu, key=lambda w: -w.launches):
             built = self._next_launch(worker.device_index) if self.launch_queue else ""
             if built:
@@ -573,7 +586,8 @@ class JobManager:
     def _running_on(self, device: int) -> list[Running]:
         return [
             r for r in self.running.values()
-            if r.worker.device_index == device and r.worker.worker_id and not r.awaiting_launch
+            if r.worker.device_index == device and r.worker.worker_id
+            and not r.awaiting_launch and not r.awaiting_judge
         ]  # fmt: skip
 
     def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
@@ -620,6 +634,7 @@ class JobManager:
         self.memory.ran_out(self._memory_key(run))
         self.alone.add(job.job_id)
         self.running.pop(job.job_id, None)
+        self._drop_record(run)
         self._stop_following(run, completed=True)
         event = self.hub.next_event(job.job_id)
         event.log.text = (
@@ -727,6 +742,86 @@ class JobManager:
                 return job_id
         return ""
 
+    # ---- judged jobs (judging.py) ----------------------------------------------------
+
+    def _await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """The kernel ran OK in its process: its record, sealed, waits (the deadline paused)
+        for a fresh job process on its GPU to judge it."""
+        assert run.record is not None and run.deadline is not None
+        run.record.kernel_outcome = outcome
+        run.kernel_window, run.window = run.window, None
+        run.deadline.pause()
+        run.awaiting_judge = True
+        self._seal_and_queue(run.job.job_id, 0)
+
+    def _seal_and_queue(self, job_id: str, tries: int) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.record is None or not run.awaiting_judge:
+            return
+        if run.record.seal():
+            self.judge_queue.append(job_id)
+            self.dispatch()
+            return
+        if tries * SEAL_RETRY_S > OUTCOME_EXIT_GRACE_S + 1:  # it is killed before this
+            why = "the kernel's process kept the record of its outputs mapped for writing"
+            self._finish(run.job, job_pb2.JOB_STATE_DONE, judging.tampered(why))
+            return
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                SEAL_RETRY_S, self._seal_and_queue, job_id, tries + 1
+            )
+        )
+
+    def _next_judge(self, device_index: int) -> str:
+        """The oldest judged job whose kernel ran on the device: it is judged there too."""
+        for job_id in self.judge_queue:
+            run = self.running.get(job_id)
+            if run is not None and run.job.device_index == device_index:
+                self.judge_queue.remove(job_id)
+                return job_id
+        return ""
+
+    def _start_judge(self, job_id: str, worker: WorkerState) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.record is None or run.record.kernel_outcome is None:
+            return
+        job = run.job
+        try:
+            sent = worker.assign(
+                job_id,
+                job.spec,
+                job.attempt_count,
+                record_fd=run.record.fd,
+                record_max_bytes=run.record.max_bytes,
+                judge=judging.judge_request(run.record.kernel_outcome.result),
+            )
+        except FrameError as exc:
+            self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
+            return
+        run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        job.worker_id = worker.worker_id
+        worker.job_id = job_id
+        event = self.hub.next_event(job_id)
+        event.log.text = (
+            f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
+            "never ran in (the reference runs and is timed there)"
+        )
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        assert run.deadline is not None
+        run.deadline.resume()
+        if self.windows.frozen(worker.device_index):
+            run.deadline.pause()
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
+        if not sent:
+            self._worker_lost(worker)
+
+    @staticmethod
+    def _drop_record(run: Running) -> None:
+        if run.record is not None:
+            run.record.close()
+
     def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch."""
@@ -740,6 +835,14 @@ class JobManager:
             if build_arch or prebuilt
             else self.compile_cache.files_for(job.spec, worker.device_index)
         )
+        record = None
+        if (
+            not build_arch
+            and not prebuilt
+            and self.config.record_max_mib > 0
+            and judging.wanted(job.spec, worker.hello)
+        ):
+            record = judging.Record.make(job_id, self.config.record_max_mib << 20)
         try:
             sent = worker.assign(
                 job_id,
@@ -748,8 +851,12 @@ class JobManager:
                 cached,
                 build_arch=build_arch,
                 prebuilt=prebuilt,
+                record_fd=record.fd if record is not None else -1,
+                record_max_bytes=record.max_bytes if record is not None else 0,
             )
         except FrameError as exc:
+            if record is not None:
+                record.close()
             # Validation should have refused it; never leave it RUNNING on a process that
             # never got it. The process stays ready for the next job.
             reason = f"the job cannot be sent to a job process: {exc}"
@@ -772,6 +879,7 @@ class JobManager:
         if waiting is None:
             run = self._track(job, worker, list(cached))
             run.build_arch = build_arch
+            run.record = record
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
@@ -1157,6 +1265,15 @@ class JobManager:
             )
             self.hub.publish(event)
         self._free_worker(worker, completed=True)
+        if (
+            run.record is not None
+            and run.record.kernel_outcome is None
+            and outcome.result.verdict == job_pb2.VERDICT_OK
+            and not outcome.context_poisoned
+        ):
+            self._await_judge(run, outcome)
+            self.dispatch()
+            return
         result = outcome.result
         wait = self.config.effective_xid_wait_s()
         if (
@@ -1243,12 +1360,16 @@ class JobManager:
         if self._retry_alone(run, result):
             return
         result.ClearField("timing_window")  # the service's to say, not the job's
-        if run.window is not None:
-            run.window.fill(result.timing_window)
+        # A judged job's time is its kernel's: the window it was timed in, as its process said.
+        kernel = run.record.kernel_outcome if run.record is not None else None
+        window = run.kernel_window if kernel is not None else run.window
+        timed = kernel or run.outcome
+        if window is not None:
+            window.fill(result.timing_window)
             # The job process's own report of its wait for others' queued GPU work: it can
             # only make its own window look worse.
-            result.timing_window.drain.CopyFrom(run.outcome.window_drain)
-            result.timing_window.drained = run.outcome.window_drained
+            result.timing_window.drain.CopyFrom(timed.window_drain)
+            result.timing_window.drained = timed.window_drained
         if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
             result.fault.xid = run.xid.xid
             result.fault.xid_category = run.xid.category
@@ -1366,7 +1487,7 @@ class JobManager:
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         else:
             run = self.running.get(job_id)
-            if run is not None and run.awaiting_launch:
+            if run is not None and (run.awaiting_launch or run.awaiting_judge):
                 self._finish(
                     run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
                 )
@@ -1405,7 +1526,10 @@ class JobManager:
         self.run_whole.discard(job.job_id)
         if job.job_id in self.launch_queue:
             self.launch_queue.remove(job.job_id)
+        if job.job_id in self.judge_queue:
+            self.judge_queue.remove(job.job_id)
         if run is not None:
+            self._drop_record(run)
             self._stop_following(run, completed=False)
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
@@ -1467,7 +1591,9 @@ class JobManager:
         """An ambiguous loss: run the job again while attempts remain. Past them, the job ends
         FAILED when the service lost it (front-end restarts), else DONE with the verdict."""
         if job.attempt_count < self.config.max_attempts:
-            self.running.pop(job.job_id, None)
+            lost = self.running.pop(job.job_id, None)
+            if lost is not None:
+                self._drop_record(lost)
             fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
             event = self.hub.next_event(job.job_id)
             event.fault.CopyFrom(fault)

@@ -1,0 +1,187 @@
+"""judge_job: a compared job's verdict, given in a process the kernel's code never ran in.
+
+The kernel's own process ran it (run_job with a Recorder) and recorded its outputs of every
+correctness trial and of the timed trial run on fresh inputs. Here only the reference is
+imported: it makes the same inputs from the seed, runs, and the engine's comparison, the
+lower-precision check, the replay check and the reference's timing run on what was recorded.
+The kernel's process can report its verdict, notes and time as it likes; from here only its
+time (and its own flags) is kept (docs/INTERNALS.md "The judge").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+from kerneleval.v1 import job_pb2, kernel_pb2
+
+from . import compare, integrity, loader, record
+from .backends import Program
+from .inputs import TrialArgs
+from .runner import (
+    REFERENCE_PREFIX,
+    RecordedProgram,
+    _Job,
+    _SafeReporter,
+    _Stop,
+    internal_error,
+    preserved_torch_state,
+)
+from .types import EngineConfig, Outcome, Reporter
+
+MakeArgs = Callable[[int], TrialArgs]
+
+TAMPERING = "tampering: "
+# What the kernel's process says of itself and the judge says again.
+JUDGED_FIELDS = (
+    "verdict", "correctness", "correctness_status", "validation", "validation_error",
+    "failed_side", "error", "speedup", "speedup_suspicious", "reference_runtime",
+)  # fmt: skip
+
+
+def judge_job(
+    spec: kernel_pb2.JobSpec,
+    reporter: Reporter,
+    config: EngineConfig,
+    candidate: job_pb2.EvalResult,
+    record_fd: int,
+    record_max_bytes: int,
+) -> Outcome:
+    """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
+    every verdict replaced by this process's. Never raises for what either source does."""
+    job = _Judge(spec, _SafeReporter(reporter), config)
+    job.start_from(candidate)
+    try:
+        with preserved_torch_state(), loader.forgetting_modules():
+            job.judge(candidate, record_fd, record_max_bytes)
+    except _Stop:
+        pass
+    except Exception as e:  # a bug here: still a result, with the traceback
+        internal_error(job.result, e)
+    if job.result.verdict != job_pb2.VERDICT_OK:
+        job.result.ClearField("runtime")  # a time is only given with a verdict of OK
+    job.result.notes.extend(job.notes)
+    return Outcome(result=job.result, context_poisoned=job.poisoned)
+
+
+class _Judge(_Job):
+    def start_from(self, candidate: job_pb2.EvalResult) -> None:
+        self.result.CopyFrom(candidate)
+        for name in JUDGED_FIELDS:
+            self.result.ClearField(name)  # type: ignore[arg-type]
+
+    def judge(self, candidate: job_pb2.EvalResult, fd: int, max_bytes: int) -> None:
+        self.reporter.phase(job_pb2.PHASE_COMPILING)
+        ctx = self._context()
+        ref = self._build(self.spec.reference, "reference", ctx)
+        self.notes.extend(ctx.notes)
+        self.source_files = tuple(ctx.source_files)
+        try:
+            trials = record.read(fd)
+        except record.RecordError as e:
+            self._tampered(f"the kernel's process left a malformed record of its outputs: {e}")
+        # At most the trials the options ask for: a record of thousands would hold the GPU.
+        checked = [t for t in trials if not t.replay and not t.over_limit]
+        checked = checked[: self.opts.correct_trials]
+        replay = next((t for t in trials if t.replay and not t.over_limit), None)
+        over = next((t for t in trials if t.over_limit), None)
+        launch = len(self.spec.kernel.io.args) > 0 and self.spec.kernel.type in (
+            kernel_pb2.KERNEL_TYPE_TRITON,
+            kernel_pb2.KERNEL_TYPE_CUDA,
+        )
+        cand = RecordedProgram(checked, self.dev, launch)
+        make_args = self._input_source(cand, ref)
+        self._preflight_triton(cand, ref, make_args, ctx)
+        self.reporter.phase(job_pb2.PHASE_VALIDATING)
+        if not checked:
+            self._nothing_recorded(candidate, ref, make_args, over, max_bytes)
+            return
+        self._validate(cand, ref, make_args)  # INCORRECT ends it here
+        wanted = self.opts.correct_trials
+        if len(checked) < wanted:
+            self.notes.append(
+                f"{len(checked)} of {wanted} correctness trials judged outside the kernel's "
+                f"process (its outputs are over the record's limit of {max_bytes} bytes); the "
+                "rest only in it"
+            )
+        timed = candidate.HasField("runtime") and candidate.runtime.median_ms > 0
+        if timed:
+            self._check_replay(cand, ref, make_args, replay)
+            self._time_reference(candidate, ref, make_args)
+        self.result.verdict = job_pb2.VERDICT_OK
+
+    def _tampered(self, why: str) -> NoReturn:
+        self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+        self.result.failed_side = job_pb2.SIDE_KERNEL
+        self.result.error.exception_type = "Tampering"
+        self.result.error.message = TAMPERING + why
+        raise _Stop
+
+    def _nothing_recorded(
+        self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,
+        over: record.Trial | None, max_bytes: int,
+    ) -> None:  # fmt: skip
+        """No correctness trial was recorded: fine only when the reference's outputs are over
+        the limit too; the kernel's process then judged itself, as it reports."""
+        ref_out = self._run(ref, make_args(0), REFERENCE_PREFIX)
+        need = record.needed(ref_out)
+        if over is None or need + record.MARGIN <= max_bytes:
+            self._tampered(
+                "the kernel's process recorded none of its outputs"
+                + (f" (it said they needed {over.bytes} bytes)" if over is not None else "")
+            )
+        self.result.CopyFrom(candidate)
+        self.notes.append(
+            f"judged in the kernel's own process: its outputs ({need} bytes) are over the "
+            f"judge's record limit of {max_bytes} bytes"
+        )
+
+    def _check_replay(
+        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, replay: record.Trial | None
+    ) -> None:
+        """The timed trial that ran on fresh inputs: its recorded outputs against the
+        reference on those inputs (runner._ReplayCheck writes them in the kernel's process)."""
+        if self.opts.perf_trials < 2:
+            return
+        if replay is None:
+            self._tampered("the timed trial on fresh inputs was not recorded")
+        fresh = make_args(self.opts.correct_trials + 1)
+        ref_out = self._run(ref, fresh.clone(), REFERENCE_PREFIX)
+        names = self._output_names(cand, ref, fresh)
+        out = [v.to(self.dev) if hasattr(v, "to") else v for v in replay.values]
+        check = compare.compare_outputs(out, ref_out, names, self.opts.atol, self.opts.rtol)
+        if not check.ok:
+            why = (
+                "a timed trial on new inputs written in place before it did not match the "
+                f"reference on them ({check.message}): results computed earlier were handed back"
+            )
+            self._flag([integrity.flag(integrity.REPLAYED_OUTPUTS, why)])
+            self.result.validation_error = why
+            self.result.verdict = job_pb2.VERDICT_INCORRECT
+            self.result.failed_side = job_pb2.SIDE_KERNEL
+            self.result.correctness = False
+            self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
+            raise _Stop
+
+    def _time_reference(
+        self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs
+    ) -> None:
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
+        args = make_args(0)
+        n = self.opts.perf_trials
+        stats = self._measure(
+            lambda: ref.run(args), REFERENCE_PREFIX, lambda d: self._progress(d, n)
+        )
+        self.result.reference_runtime.CopyFrom(stats)
+        kernel_ms = candidate.runtime.median_ms
+        if math.isfinite(stats.median_ms) and kernel_ms > 0:
+            self.result.speedup = stats.median_ms / kernel_ms
+            self._judge_speedup()
+        if self.dev.type == "cuda":
+            import torch
+
+            bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
+            l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
+            floor = integrity.memory_floor(kernel_ms, self._output_bytes, bandwidth, l2)
+            self._flag([floor] if floor is not None else [])

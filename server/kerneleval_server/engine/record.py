@@ -1,0 +1,206 @@
+"""The kernel's outputs, recorded by its own process for a judge process to compare (issue 13).
+
+The writer runs in the candidate's process, so the reader trusts nothing in the file: every
+length, offset, dtype and shape is checked against the file and the limits before a byte is
+read (`RecordError` says what was wrong). The format is job_channel.proto's RecordedTrial.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kerneleval.internal.v1 import job_channel_pb2
+
+MAGIC = b"KEREC001"
+ALIGN = 64
+MAX_HEADER = 1 << 20  # a trial's header: a few hundred bytes per output
+MAX_DIMS = 32
+
+# The dtypes an output may have, by the name the record uses (torch's, without "torch.").
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )  # fmt: skip
+}
+
+
+# How far under the limit a reference's outputs must be for the judge to call a kernel's
+# "over the limit" a lie (alignment and headers differ a little between the two counts).
+MARGIN = 1 << 16
+
+
+def needed(outputs: list[Any]) -> int:
+    """The bytes a record of these outputs as its first trial takes (the limit counts them)."""
+    size = 0
+    for v in outputs:
+        if isinstance(v, torch.Tensor):
+            size += _aligned(v.numel() * v.element_size())
+    return len(MAGIC) + MAX_HEADER + size
+
+
+class RecordError(Exception):
+    """The record is not what a recorder writes."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Recorder:
+    """Appends each trial's outputs to `fd` (a memfd of the front end's), up to `max_bytes`.
+    A trial that does not fit is written as over_limit, and nothing after it."""
+
+    def __init__(self, fd: int, max_bytes: int) -> None:
+        self._fd = fd
+        self._max = max_bytes
+        self._end = len(MAGIC)
+        self.full = False  # a trial did not fit: the rest is judged here
+        self.trials = 0
+        os.pwrite(fd, MAGIC, 0)
+
+    def record(self, trial: int, outputs: list[Any], replay: bool = False) -> bool:
+        """Writes one trial's outputs; False when they did not fit (or an earlier one did
+        not)."""
+        if self.full:
+            return False
+        values = [_host_value(v) for v in outputs]
+        head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
+        size = needed([t for t in values if t is not None]) - len(MAGIC) - MAX_HEADER
+        if self._end + MAX_HEADER + size > self._max:
+            self.full = True
+            head.over_limit, head.bytes = True, size
+            self._append(head, [])
+            return False
+        offset = _aligned(self._end + 4 + MAX_HEADER)  # data after the largest header
+        for v, t in zip(outputs, values, strict=True):
+            if t is None:
+                head.values.add(not_a_tensor=type(v).__name__ or "object")
+                continue
+            entry = head.values.add(dtype=str(t.dtype).removeprefix("torch."), offset=offset)
+            entry.shape.extend(t.shape)
+            entry.nbytes = t.numel() * t.element_size()
+            offset = _aligned(offset + entry.nbytes)
+        self._append(head, values)
+        self.trials += 1
+        return True
+
+    def _append(
+        self, head: job_channel_pb2.RecordedTrial, values: list[torch.Tensor | None]
+    ) -> None:
+        data = head.SerializeToString()
+        os.pwrite(self._fd, struct.pack(">I", len(data)) + data, self._end)
+        end = self._end + 4 + len(data)
+        for entry, t in zip(head.values, values, strict=False):
+            if t is not None and entry.nbytes:
+                os.pwrite(self._fd, t.reshape(-1).view(torch.uint8).numpy().data, entry.offset)
+            if t is not None:
+                end = max(end, entry.offset + entry.nbytes)
+        self._end = _aligned(end) if head.values else end
+
+
+def _host_value(v: Any) -> torch.Tensor | None:
+    """An output as a contiguous host tensor (a number becomes a 0-d one, as the comparison
+    makes it); None when it is no tensor."""
+    if not isinstance(v, torch.Tensor):
+        try:
+            v = torch.as_tensor(v)
+        except Exception:  # noqa: BLE001 - the comparison says what it was
+            return None
+    if str(v.dtype).removeprefix("torch.") not in DTYPES:
+        return None
+    return v.detach().to("cpu").contiguous()
+
+
+@dataclass
+class Trial:
+    trial: int
+    replay: bool
+    over_limit: bool
+    bytes: int
+    values: list[Any]  # host tensors, or _NotATensor stand-ins
+
+
+def _stand_in(type_name: str) -> Any:
+    """An object of a class with the kernel's output's type name: the comparison's message
+    names it, and it converts to no tensor."""
+    return type(type_name[:64] or "object", (), {})()
+
+
+def read(fd: int) -> list[Trial]:
+    """Every trial the record holds, as host tensors backed by a private copy of the file.
+    RecordError for anything a recorder would not have written."""
+    size = os.fstat(fd).st_size
+    if size < len(MAGIC):
+        raise RecordError("no record was written")
+    mem = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if mem[: len(MAGIC)] != MAGIC:
+        raise RecordError("the record does not start as a record")
+    trials: list[Trial] = []
+    pos = len(MAGIC)
+    used: list[tuple[int, int]] = []
+    while pos < size:
+        if pos + 4 > size:
+            raise RecordError("the record ends inside a header's length")
+        (n,) = struct.unpack(">I", mem[pos : pos + 4])
+        if n > MAX_HEADER or pos + 4 + n > size:
+            raise RecordError(f"a header of {n} bytes at {pos} does not fit")
+        head = job_channel_pb2.RecordedTrial()
+        try:
+            head.ParseFromString(mem[pos + 4 : pos + 4 + n])
+        except Exception as e:  # noqa: BLE001 - DecodeError and friends
+            raise RecordError(f"a header at {pos} does not decode: {e}") from None
+        end = pos + 4 + n
+        values: list[Any] = []
+        for v in head.values:
+            if v.not_a_tensor:
+                values.append(_stand_in(v.not_a_tensor))
+                continue
+            t, stop = _tensor(mem, size, v, used)
+            values.append(t)
+            end = max(end, stop)
+        trials.append(Trial(head.trial, head.replay, head.over_limit, head.bytes, values))
+        pos = _aligned(end) if head.values else end
+        if head.over_limit:
+            break
+    return trials
+
+
+def _tensor(
+    mem: mmap.mmap, size: int, v: job_channel_pb2.RecordedValue, used: list[tuple[int, int]]
+) -> tuple[torch.Tensor, int]:
+    dtype = DTYPES.get(v.dtype)
+    if dtype is None:
+        raise RecordError(f"dtype {v.dtype[:32]!r} is not an output dtype")
+    if len(v.shape) > MAX_DIMS or any(d < 0 for d in v.shape):
+        raise RecordError(f"shape {list(v.shape)[:8]} is not a tensor's")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if v.nbytes != math.prod(v.shape) * itemsize:
+        raise RecordError(f"{v.nbytes} bytes for shape {list(v.shape)} of {v.dtype}")
+    start, stop = v.offset, v.offset + v.nbytes
+    if start % ALIGN or stop > size:
+        raise RecordError(f"bytes {start}..{stop} are not in the record of {size}")
+    if any(start < b and a < stop for a, b in used):
+        raise RecordError(f"bytes {start}..{stop} overlap another output's")
+    used.append((start, stop))
+    if v.nbytes == 0:
+        return torch.empty(tuple(v.shape), dtype=dtype), stop
+    flat = torch.frombuffer(mem, dtype=torch.uint8, count=v.nbytes, offset=start)
+    return flat.view(dtype).reshape(tuple(v.shape)), stop

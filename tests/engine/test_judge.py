@@ -1,0 +1,180 @@
+"""The judge (issue 13): a compared job's kernel runs with a Recorder in one engine call, as in
+its own job process; judge_job, as in a second process, imports the reference only and gives
+the verdict from the record. What the kernel's process claims about itself does not count."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import ADD_MODEL, TORCH, V, RecordingReporter, job, source
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import kernel_pb2
+from kerneleval_server.engine import EngineConfig, Outcome, Recorder, judge_job, run_job
+from kerneleval_server.engine import compare
+from kerneleval_server.engine import record as rec
+
+LIMIT = 64 << 20
+
+ADD_NEW = """
+import torch
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+"""
+
+# The module body forges the kernel's own process's comparison: every trial "passes".
+FORGED_COMPARE = """
+import torch
+import kerneleval_server.engine.compare as cmp
+import kerneleval_server.engine.runner as runner
+_orig = cmp.compare_outputs
+def _forged(*a, **k):
+    c = _orig(*a, **k)
+    c.ok, c.message = True, ""
+    return c
+cmp.compare_outputs = _forged
+runner.compare.compare_outputs = _forged
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.zeros_like(a)
+"""
+
+
+def judged(
+    engine_dir: Path,
+    spec: kernel_pb2.JobSpec,
+    tamper: Callable[[int], None] | None = None,
+    limit: int = LIMIT,
+) -> tuple[Outcome, Outcome | None]:
+    """(the kernel's process's outcome, the judge's or None when it would not be asked)."""
+    fd = os.memfd_create("record")
+    clean = compare.compare_outputs  # the judge's process is another one: unpatched
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, limit))
+        own = run_job(spec, RecordingReporter(), cfg)
+        compare.compare_outputs = clean
+        if own.result.verdict != V.VERDICT_OK:
+            return own, None
+        if tamper is not None:
+            tamper(fd)
+        final = judge_job(
+            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, limit
+        )
+        return own, final
+    finally:
+        compare.compare_outputs = clean
+        os.close(fd)
+
+
+def test_an_honest_kernel_is_ok_with_the_judges_reference_time(engine_dir: Path) -> None:
+    own, final = judged(engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL)))
+    assert final is not None
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.correctness
+    assert r.validation.trials_passed == 5 == r.validation.trial_count
+    # The kernel's process timed only the kernel; the reference's time is the judge's.
+    assert not own.result.HasField("reference_runtime")
+    assert r.runtime == own.result.runtime
+    assert r.reference_runtime.median_ms > 0 and r.speedup > 0
+
+
+def test_a_forged_comparison_in_the_kernels_process_is_incorrect(engine_dir: Path) -> None:
+    own, final = judged(engine_dir, job(source(TORCH, FORGED_COMPARE), source(TORCH, ADD_MODEL)))
+    assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery
+    assert final is not None
+    assert final.result.verdict == V.VERDICT_INCORRECT, final.result
+    assert not final.result.correctness
+    assert not final.result.HasField("runtime")
+
+
+def test_a_forged_verdict_and_speedup_are_replaced(engine_dir: Path) -> None:
+    """What the kernel's process says of its verdict and the reference is not kept."""
+    spec = job(source(TORCH, ADD_NEW.replace("a + b", "a - b")), source(TORCH, ADD_MODEL))
+    fd = os.memfd_create("record")
+    Recorder(fd, LIMIT).record(0, [torch.zeros(4, 64)])
+    forged = V.EvalResult(verdict=V.VERDICT_OK, correctness=True, speedup=7.5)
+    forged.runtime.median_ms = 0.001
+    forged.reference_runtime.median_ms = 1.0
+    final = judge_job(spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), forged, fd, LIMIT)
+    os.close(fd)
+    assert final.result.verdict == V.VERDICT_INCORRECT
+    assert final.result.speedup == 0 and not final.result.HasField("reference_runtime")
+
+
+def _truncate(fd: int) -> None:
+    os.ftruncate(fd, 20)
+
+
+def _garbage_header(fd: int) -> None:
+    os.pwrite(fd, struct.pack(">I", 12) + b"\xff" * 12, len(rec.MAGIC))
+
+
+def _huge_shape(fd: int) -> None:
+    head = job_channel_pb2.RecordedTrial(trial=0)
+    v = head.values.add(dtype="float32", offset=1 << 40, nbytes=4 << 40)
+    v.shape.extend([1 << 20, 1 << 20])
+    data = head.SerializeToString()
+    os.ftruncate(fd, len(rec.MAGIC))
+    os.pwrite(fd, struct.pack(">I", len(data)) + data, len(rec.MAGIC))
+
+
+def _nothing(fd: int) -> None:
+    os.ftruncate(fd, len(rec.MAGIC))
+
+
+@pytest.mark.parametrize("tamper", [_truncate, _garbage_header, _huge_shape, _nothing])
+def test_a_tampered_record_is_a_runtime_error(
+    engine_dir: Path, tamper: Callable[[int], None]
+) -> None:
+    _, final = judged(engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL)), tamper)
+    assert final is not None
+    assert final.result.verdict == V.VERDICT_RUNTIME_ERROR, final.result
+    assert final.result.error.message.startswith("tampering: ")
+    assert final.result.failed_side == V.SIDE_KERNEL
+
+
+def test_outputs_over_the_limit_are_judged_in_the_kernels_process(engine_dir: Path) -> None:
+    """Both the kernel's and the reference's outputs are over the record's limit: the kernel's
+    process judged itself (as before), and the result says so."""
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL))
+    own, final = judged(engine_dir, spec, limit=rec.MAX_HEADER + 64)
+    assert own.result.HasField("reference_runtime")  # it judged and timed both itself
+    assert final is not None and final.result.verdict == V.VERDICT_OK
+    assert any("judged in the kernel's own process" in n for n in final.result.notes)
+
+
+def test_a_false_claim_of_outputs_over_the_limit_is_tampering(engine_dir: Path) -> None:
+    def over(fd: int) -> None:
+        os.ftruncate(fd, len(rec.MAGIC))
+        head = job_channel_pb2.RecordedTrial(trial=0, over_limit=True, bytes=1 << 40)
+        data = head.SerializeToString()
+        os.pwrite(fd, struct.pack(">I", len(data)) + data, len(rec.MAGIC))
+
+    _, final = judged(engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL)), over)
+    assert final is not None and final.result.verdict == V.VERDICT_RUNTIME_ERROR
+    assert "recorded none of its outputs" in final.result.error.message
+
+
+def test_replayed_outputs_in_the_timed_trials_are_caught_by_the_judge(engine_dir: Path) -> None:
+    """The timed trial on fresh inputs: the kernel hands back its first result every call
+    after the correctness trials; its own process's replay check is forged to pass."""
+    cand = FORGED_COMPARE.replace(
+        "        return torch.zeros_like(a)",
+        "        self.n = getattr(self, 'n', 0) + 1\n"
+        "        if self.n <= 5:\n"
+        "            return a + b\n"
+        "        self.keep = getattr(self, 'keep', None)\n"
+        "        if self.keep is None:\n"
+        "            self.keep = a + b\n"
+        "        return self.keep",
+    )
+    _, final = judged(
+        engine_dir, job(source(TORCH, cand), source(TORCH, ADD_MODEL), perf_trial_count=20)
+    )
+    assert final is not None and final.result.verdict == V.VERDICT_INCORRECT, final.result
+    assert any(f.rule_id == "replayed_outputs" for f in final.result.flags)
