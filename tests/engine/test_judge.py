@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import ADD_MODEL, TORCH, V, RecordingReporter, job, source
+from engine_helpers import ADD_MODEL, TORCH, RecordingReporter, V, job, source
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
-from kerneleval_server.engine import EngineConfig, Outcome, Recorder, judge_job, run_job
-from kerneleval_server.engine import compare
+from kerneleval_server.engine import EngineConfig, Outcome, Recorder, compare, judge_job, run_job
 from kerneleval_server.engine import record as rec
 
 LIMIT = 64 << 20
@@ -100,7 +99,9 @@ def test_a_forged_verdict_and_speedup_are_replaced(engine_dir: Path) -> None:
     forged = V.EvalResult(verdict=V.VERDICT_OK, correctness=True, speedup=7.5)
     forged.runtime.median_ms = 0.001
     forged.reference_runtime.median_ms = 1.0
-    final = judge_job(spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), forged, fd, LIMIT)
+    final = judge_job(
+        spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), forged, fd, LIMIT
+    )
     os.close(fd)
     assert final.result.verdict == V.VERDICT_INCORRECT
     assert final.result.speedup == 0 and not final.result.HasField("reference_runtime")
@@ -178,3 +179,17 @@ def test_replayed_outputs_in_the_timed_trials_are_caught_by_the_judge(engine_dir
     )
     assert final is not None and final.result.verdict == V.VERDICT_INCORRECT, final.result
     assert any(f.rule_id == "replayed_outputs" for f in final.result.flags)
+
+
+def test_outputs_over_the_limit_never_reach_the_host(
+    engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sized where they are: an output over the limit is not copied for the record."""
+    copied: list[int] = []
+    host_value = rec._host_value
+    monkeypatch.setattr(rec, "_host_value", lambda v: copied.append(1) or host_value(v))
+    fd = os.memfd_create("record")
+    r = Recorder(fd, rec.MAX_HEADER + 1024)
+    assert not r.record(0, [torch.zeros(1 << 16)])
+    assert r.full and copied == []
+    os.close(fd)

@@ -81,14 +81,15 @@ class Recorder:
         not)."""
         if self.full:
             return False
-        values = [_host_value(v) for v in outputs]
         head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
-        size = needed([t for t in values if t is not None]) - len(MAGIC) - MAX_HEADER
+        # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
+        size = needed(outputs) - len(MAGIC) - MAX_HEADER
         if self._end + MAX_HEADER + size > self._max:
             self.full = True
             head.over_limit, head.bytes = True, size
             self._append(head, [])
             return False
+        values = [_host_value(v) for v in outputs]
         offset = _aligned(self._end + 4 + MAX_HEADER)  # data after the largest header
         for v, t in zip(outputs, values, strict=True):
             if t is None:
