@@ -475,15 +475,15 @@ class JobManager:
         # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
         # starts there while it waits for the GPU to empty and while it runs.
         held = self._held_devices()
+        for worker in gpu:  # a job half done (its kernel ran) first, to a fresh process
+            if self.judge_queue and worker.ready and not worker.assigned_job_id:
+                judged = self._next_judge(worker.device_index, held.get(worker.device_index))
+                if judged:
+                    self._start_judge(judged, worker)
         for worker in gpu:
             if worker.device_index in held and worker.ready:
                 self._start_alone(worker, held[worker.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
-        for worker in gpu:  # a job half done (its kernel ran) first, to a fresh process
-            if self.judge_queue and worker.ready and not worker.assigned_job_id:
-                judged = self._next_judge(worker.device_index)
-                if judged:
-                    self._start_judge(judged, worker)
         for worker in sorted(gpu, key=lambda w: -w.launches):
             built = self._next_launch(worker.device_index) if self.launch_queue else ""
             if built:
@@ -772,10 +772,13 @@ class JobManager:
             )
         )
 
-    def _next_judge(self, device_index: int) -> str:
-        """The oldest judged job whose kernel ran on the device: it is judged there too."""
+    def _next_judge(self, device_index: int, held_for: str | None = None) -> str:
+        """The oldest judged job whose kernel ran on the device: it is judged there too. On
+        a GPU held for a job to run alone (`held_for`), only that job's judge."""
         for job_id in self.judge_queue:
             run = self.running.get(job_id)
+            if held_for is not None and job_id != held_for:
+                continue
             if run is not None and run.job.device_index == device_index:
                 self.judge_queue.remove(job_id)
                 return job_id
@@ -1204,11 +1207,10 @@ class JobManager:
         self.metrics.timing_window.labels(str(device)).inc(seconds)
         holder = self.workers.by_id.get(holder_id)
         run = self.running.get(holder.job_id) if holder is not None and holder.job_id else None
-        self._spawn(self._close_window(device, run, seconds))
+        # The window as it is now: a judged job's next one (its judge's) is another.
+        self._spawn(self._close_window(device, run.window if run is not None else None, seconds))
 
-    async def _close_window(
-        self, device: int, holder_run: Running | None, held_s: float = 0.0
-    ) -> None:
+    async def _close_window(self, device: int, window: Window | None, held_s: float = 0.0) -> None:
         began = time.perf_counter()
         report = await self.windows.close(self.watchdog, device)
         log.info(
@@ -1218,10 +1220,11 @@ class JobManager:
         )  # fmt: skip
         for run in self.running.values():
             if run.worker.device_index == device and run.deadline is not None:
-                run.deadline.resume()
-        if holder_run is not None and holder_run.window is not None:
-            holder_run.window.at_end = public_conditions(report.conditions)
-            holder_run.window.closed.set()
+                if not run.awaiting_judge:  # paused until its judge process starts
+                    run.deadline.resume()
+        if window is not None:
+            window.at_end = public_conditions(report.conditions)
+            window.closed.set()
 
     def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
