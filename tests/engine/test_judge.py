@@ -193,3 +193,12 @@ def test_outputs_over_the_limit_never_reach_the_host(
     assert not r.record(0, [torch.zeros(1 << 16)])
     assert r.full and copied == []
     os.close(fd)
+
+
+def test_a_full_record_needs_no_replay_trial(engine_dir: Path) -> None:
+    """Room for the first trial only: the rest, the replay trial among them, was checked in
+    the kernel's process (as its notes say), which is no tampering."""
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL), perf_trial_count=10)
+    own, final = judged(engine_dir, spec, limit=rec.MAX_HEADER * 2 + 4096)
+    assert final is not None and final.result.verdict == V.VERDICT_OK, final.result
+    assert any("of 5 correctness trials judged outside" in n for n in final.result.notes)
