@@ -385,12 +385,15 @@ def test_reject_flagged_runs_an_unflagged_candidate(stub) -> None:  # type: igno
     assert list(job.result.flags) == []
 
 
-def test_without_the_option_it_runs_and_carries_the_flag(stub) -> None:  # type: ignore[no-untyped-def]
+def test_without_the_option_it_runs_and_its_patch_is_refused_at_its_timing(stub) -> None:  # type: ignore[no-untyped-def]
     job = stub.Compare(pb.CompareRequest(spec=compare_spec(PATCHED_TIMER, False)), timeout=180).job
     assert job.state == job_pb2.JOB_STATE_DONE
-    assert job.result.verdict == job_pb2.VERDICT_OK, job.result
-    assert job.worker_id and job.result.runtime.trial_count == 3
-    assert [f.rule_id for f in job.result.flags] == ["timer_patch"]
+    # It ran (the option rejects before that), and its patch was seen at its timed trials
+    # (engine/tamper.py): no time is believed.
+    assert job.worker_id and job.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, job.result
+    assert job.result.error.message.startswith("tampering: "), job.result
+    assert not job.result.HasField("runtime")
+    assert [f.rule_id for f in job.result.flags] == ["timer_patch", "timer_tampered"]
     assert job.result.flags[0].source == job_pb2.FLAG_SOURCE_STATIC
     assert "time.perf_counter_ns" in job.result.flags[0].message
 

@@ -275,6 +275,9 @@ def main() -> None:
 
     configure_process_environment()
     from .runner import run_job
+    from .tamper import arm
+
+    arm()  # the job's code runs here from now on (tamper.py)
 
     spec = kernel_pb2.JobSpec()
     spec.ParseFromString(Path(a.spec).read_bytes())

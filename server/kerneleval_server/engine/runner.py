@@ -42,6 +42,7 @@ from . import (
     precision,
     preflight,
     record,
+    tamper,
     timing,
 )  # fmt: skip
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
@@ -716,6 +717,16 @@ class _Job:
         self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
         raise _Stop
 
+    def _timer_tampered(self, changed: list[str], who: str) -> NoReturn:
+        """The timing was rewritten while the job ran (tamper.check_timers): no time is
+        believed, and the job says why."""
+        message = tamper.message(changed)
+        self._flag([integrity.flag(tamper.TIMER_TAMPERED, message)])
+        self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+        self.result.failed_side = side_of(who)
+        self.result.error.CopyFrom(job_pb2.ErrorInfo(message=message, exception_type="Tampering"))
+        raise _Stop
+
     def _judge_speedup(self) -> None:
         self.result.speedup_suspicious = self.result.speedup > SUSPICIOUS_SPEEDUP
         if self.result.speedup_suspicious:
@@ -742,9 +753,14 @@ class _Job:
         who: str,
         progress: Callable[[int], None],
         check: timing.TrialCheck | None = None,
+        measure: Callable[..., timing.Timing] = timing.measure,
+        timers_changed: Callable[..., list[str]] = tamper.check_timers,
     ) -> job_pb2.RuntimeStats:
+        """`measure` and `timers_changed` are bound when this module is imported, before any
+        job code runs: a candidate that replaces timing.measure or tamper.check_timers changes
+        neither (tamper.py)."""
         with self._guard(who):
-            t = timing.measure(
+            t = measure(
                 run,
                 trials=self.opts.perf_trials,
                 warmup=self.opts.warmup,
@@ -753,6 +769,9 @@ class _Job:
                 progress=lambda done, _total: progress(done),
                 check=check,
             )
+            changed = timers_changed(self)
+            if changed:
+                self._timer_tampered(changed, who)
             if t.persisting_l2_bytes and who == "":
                 self._flag([integrity.persisting_l2(t.persisting_l2_bytes, t.persisting_l2_resets)])
             elif t.persisting_l2_bytes:

@@ -8,7 +8,11 @@ its data persisting (an access-policy window on its stream), and that data survi
 Before the warm-ups, before every timed trial (ahead of its flush) and after the last one, the
 timing demotes every persisting line and sets the limit back to 0 (`PersistingL2.reset`: two
 runtime calls a trial, about 4 us on an H100, not waiting for the GPU), and says how often it
-found the limit set again after the first reset (the persisting_l2 flag)."""
+found the limit set again after the first reset (the persisting_l2 flag).
+
+The clocks, events and synchronizes are the ones bound when this module was imported (before
+any job code ran): a candidate that rewrites time.perf_counter_ns or torch.cuda.Event's methods
+later changes nothing here, and what it rewrites in this module tamper.check_timers reports."""
 
 from __future__ import annotations
 
@@ -29,6 +33,20 @@ WARMUP_MS = 25.0  # at least this much warm-up work, as triton.testing.do_bench
 MAX_EXTRA_WARMUPS = 10_000
 _IDLE_CYCLES = 100_000  # without a flush, a short spin hides the host's launch latency
 LIMIT_PERSISTING_L2 = 0x06  # cudaLimitPersistingL2CacheSize (cuda_runtime_api.h, CUDA 11+)
+
+# Bound at import, before any job code runs (see the module's docstring).
+_perf_counter_ns = time.perf_counter_ns
+_cuda_synchronize = torch.cuda.synchronize
+_cuda_sleep = torch.cuda._sleep
+_empty = torch.empty
+
+
+class _Event(torch.cuda.Event):
+    """torch.cuda.Event with the methods it had at import."""
+
+    record = torch.cuda.Event.record
+    elapsed_time = torch.cuda.Event.elapsed_time
+    synchronize = torch.cuda.Event.synchronize
 
 
 @dataclass
@@ -155,14 +173,21 @@ def measure(
     if device.type != "cuda":
         for _ in range(warmup):
             fn()
-        times = []
+        # A chain of pairs, not a list: code that finds this frame (sys._getframe) can read
+        # the times taken so far but not rewrite them.
+        taken: tuple[Any, ...] = ()
         for i in range(trials):
             _around(check, i, before=True)
-            t0 = time.perf_counter_ns()
+            t0 = _perf_counter_ns()
             fn()
-            times.append((time.perf_counter_ns() - t0) / 1e6)
+            taken = ((_perf_counter_ns() - t0) / 1e6, taken)
             _around(check, i, before=False)
             tick(i + 1)
+        times = []
+        while taken:
+            times.append(taken[0])
+            taken = taken[1]
+        times.reverse()
         return Timing(stats(times, job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK, flushed=False))
     return _measure_cuda(fn, trials, warmup, flush_l2, tick, check=check)
 
@@ -176,19 +201,19 @@ class CudaOps:
     """The CUDA calls timing makes; tests replace them with a simulated device."""
 
     def event(self) -> Any:
-        return torch.cuda.Event(enable_timing=True)
+        return _Event(enable_timing=True)
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize()
+        _cuda_synchronize()
 
     def flush_buffer(self) -> Any:
-        return torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        return _empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
 
     def flush(self, buffer: Any) -> None:
         buffer.zero_()
 
     def idle(self) -> None:
-        torch.cuda._sleep(_IDLE_CYCLES)
+        _cuda_sleep(_IDLE_CYCLES)
 
 
 def _measure_cuda(
@@ -215,8 +240,9 @@ def _measure_cuda(
     # do_bench's loop: trials queued back to back, so the GPU runs at the clocks it runs at
     # under load, and the host's launch latency hides behind the flush of the next trial.
     # A synchronize every tenth of the way keeps progress true for long kernels.
-    start = [ops.event() for _ in range(trials)]
-    end = [ops.event() for _ in range(trials)]
+    # Tuples: code that finds this frame cannot swap an event for one of its own.
+    start = tuple(ops.event() for _ in range(trials))
+    end = tuple(ops.event() for _ in range(trials))
     every = max(1, trials // 10)
     for i in range(trials):
         _around(check, i, before=True)
@@ -295,9 +321,9 @@ def _measure_synchronized(
 ) -> Timing:
     """For kernels that leave work on other streams: a device-wide synchronize after every
     trial, and the trial lasts until that work ends."""
-    start = [ops.event() for _ in range(trials)]
-    end = [ops.event() for _ in range(trials)]
-    after = [ops.event() for _ in range(trials)]
+    start = tuple(ops.event() for _ in range(trials))
+    end = tuple(ops.event() for _ in range(trials))
+    after = tuple(ops.event() for _ in range(trials))
     for i in range(trials):
         _around(check, i, before=True)
         _prepare(ops, cache, l2)

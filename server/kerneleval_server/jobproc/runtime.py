@@ -674,6 +674,7 @@ def _run_one(
         else:
             if assign.record_max_bytes and record_fd >= 0:
                 config.recorder = engine.Recorder(record_fd, assign.record_max_bytes)
+            _arm_tamper_checks()  # job code is imported from here on
             outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
         peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
@@ -708,6 +709,14 @@ def _run_one(
     else:
         reusable = False
     return poisoned, reusable
+
+
+def _arm_tamper_checks() -> None:
+    """Job code runs in this process from here on (engine/tamper.py): its refusals and the
+    timing snapshot, for the rest of the process. Only the service's engine has them."""
+    tamper = sys.modules.get(f"{DEFAULT_ENGINE}.tamper")
+    if tamper is not None:
+        tamper.arm()
 
 
 def main(channel_fd: int) -> int:

@@ -85,6 +85,7 @@ RUNTIME_RULES = (
     "replayed_outputs",
     "persisting_l2",
     "lower_precision",
+    "timer_tampered",
 )
 
 
