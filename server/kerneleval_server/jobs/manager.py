@@ -746,18 +746,27 @@ class JobManager:
     # ---- judged jobs (judging.py) ----------------------------------------------------
 
     def _await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
-        """The kernel ran OK in its process: its record, sealed, waits (the deadline paused)
-        for a fresh job process on its GPU to judge it."""
+        """The kernel ran OK in its process: once that process is gone (its GPU memory given
+        back: a judge beside it ran KernelBench's problems out of memory; its record mapped
+        by nobody), the record, sealed, waits (the deadline paused) for a fresh job process on
+        its GPU to judge it."""
         assert run.record is not None and run.deadline is not None
         run.record.kernel_outcome = outcome
         run.kernel_window, run.window = run.window, None
         run.deadline.pause()
         run.awaiting_judge = True
-        self._seal_and_queue(run.job.job_id, 0)
+        # The exit (_job_worker_exited) queues it; this, should the exit never be heard of.
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                OUTCOME_EXIT_GRACE_S + KILL_FALLBACK_S, self._seal_and_queue, run.job.job_id, 0
+            )
+        )
 
     def _seal_and_queue(self, job_id: str, tries: int) -> None:
         run = self.running.get(job_id)
         if run is None or run.record is None or not run.awaiting_judge:
+            return
+        if job_id in self.judge_queue:
             return
         if run.record.seal():
             self.judge_queue.append(job_id)
@@ -1624,6 +1633,9 @@ class JobManager:
         self._enqueue(job)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
+        if run.awaiting_judge:  # the kernel's process is gone: its judge may start
+            self._seal_and_queue(run.job.job_id, 0)
+            return
         if run.outcome is not None or run.awaiting_launch:
             return  # the result (or the build) is in; the exit is the process leaving
         if run.pending == "cancel":
