@@ -85,7 +85,9 @@ class Config:
         default="all",
         metadata={
             "help": "all: the whole service on this machine; gateway: the API only, on a "
-            "shared --store; node: this machine's GPUs, taking jobs from a shared --store"
+            "shared --store; node: this machine's GPUs, taking jobs from a shared --store; "
+            "builder: build processes only (no GPU), building nodes' load_inline calls into "
+            "the shared --store"
         },
     )
     lease_seconds: float = field(
@@ -93,6 +95,14 @@ class Config:
         metadata={
             "help": "--role node: a node's hold on the jobs it took, renewed every third of it; "
             "a dead node's jobs run elsewhere once it expires"
+        },
+    )
+    builder_wait_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "--role node: how long a load_inline build asked of builders may go without "
+            "a live builder holding it (none free, or the one that took it was lost) before the "
+            "node builds it itself"
         },
     )
     advertise_address: str = field(
@@ -242,6 +252,8 @@ class Config:
         # Builds are CPU work (nvcc, ptxas) and bound distinct candidates' throughput: an H100
         # host with 16 CPUs ran 10.4 built jobs a second with 8 and 16.7 with 14.
         cpus = os.cpu_count() or 1
+        if self.role == "builder":  # builds are all it does, on a host without a GPU
+            return min(32, max(2, cpus - 2))
         return min(32, max(2, cpus - 2)) if os.path.exists("/dev/nvidiactl") else 0
 
     def device_list(self) -> list[int]:
@@ -290,13 +302,17 @@ class Config:
             out.append("--cuda-max-connections: 0 (CUDA's default) to 32")
         if self.store and not self.store.startswith(("postgresql://", "postgres://")):
             out.append(f"--store {self.store[:40]!r}: a postgresql:// URL (SQLite: --database)")
-        if self.role not in ("all", "gateway", "node"):
-            out.append(f"--role {self.role!r}: one of all, gateway, node")
+        if self.role not in ("all", "gateway", "node", "builder"):
+            out.append(f"--role {self.role!r}: one of all, gateway, node, builder")
         elif self.role != "all" and not self.store:
             out.append(
-                f"--role {self.role} needs --store postgresql://...: gateways and nodes share "
-                "one PostgreSQL job store (SQLite serves --role all only)"
+                f"--role {self.role} needs --store postgresql://...: gateways, nodes and "
+                "builders share one PostgreSQL job store (SQLite serves --role all only)"
             )
+        if self.role == "builder" and self.build_processes == 0:
+            out.append("--role builder needs build processes: --build-processes >= 1 (or -1)")
+        if self.builder_wait_s < 0:
+            out.append("--builder-wait-s must be >= 0")
         if self.lease_seconds < 0.5:
             out.append("--lease-seconds must be >= 0.5")
         if not 0 <= self.gpu_memory_share <= 1:

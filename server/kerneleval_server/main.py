@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,11 +42,14 @@ from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import Config
-from kerneleval_server.jobproc import PCH_DIR_ENV, POISONED_EXIT
+from kerneleval_server.jobproc import BUILD_DEVICE, PCH_DIR_ENV, POISONED_EXIT
+from kerneleval_server.jobs.artifact_store import SharedArtifacts
+from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
-from kerneleval_server.jobs.shared_queue import GATEWAY, SharedQueue
+from kerneleval_server.jobs.shared_queue import GATEWAY, NODE, SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
+from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
 
 if TYPE_CHECKING:
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kerneleval.main")
 
 WATCHDOG_RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+BUILDER = "builder"
 # A shared store: followers read it this often even when no NOTIFY woke them.
 SHARED_POLL_S = 5.0
 SERVICES = (
@@ -168,6 +173,9 @@ def build_configure(
         "none": watchdog_pb2.NVML_SOURCE_NONE,
     }[cfg.nvml]
     mib = 1024 * 1024
+    devices = cfg.device_list()
+    if cfg.role == BUILDER:  # build processes only: no GPU, no NVML
+        devices, nvml = [BUILD_DEVICE], watchdog_pb2.NVML_SOURCE_NONE
     return watchdog_pb2.Configure(
         worker_command=[sys.executable, "-m", ZYGOTE_MODULE],
         worker_env=env,
@@ -175,7 +183,7 @@ def build_configure(
         warm_spare=cfg.warm_spare,
         spare_count=cfg.spare_count,
         build_processes=cfg.effective_build_processes(),
-        device_indices=cfg.device_list(),
+        device_indices=devices,
         state_dir=str(state_dir),
         reset_command=cfg.reset_command,
         auto_reset=cfg.auto_reset,
@@ -237,12 +245,17 @@ class Server:
             max_timeout_s=float(self.limits.max_timeout_seconds),
         )
         self.shared: SharedQueue | None = None
-        if cfg.role != "all":
+        if cfg.role in (GATEWAY, NODE):
             self.shared = SharedQueue(
                 self.manager, cfg.store, cfg.role, cfg.lease_seconds, cfg.max_attempts
             )
             self.manager.shared = self.shared
             self.manager.hub.poll_s = SHARED_POLL_S
+        # A node's load_inline builds: the shared artifact store and the builders first.
+        self.artifacts: SharedArtifacts | None = None
+        if self.shared is not None and cfg.role == NODE:
+            self.artifacts = self._shared_artifacts(self.shared)
+        self.builder: BuilderNode | None = None  # --role builder: made once versions are known
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.manager.on_health_change = self._update_health
         # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
@@ -258,8 +271,43 @@ class Server:
         self._serving: bool | None = None
         self._http: HttpGateway | None = None
 
+    def _shared_artifacts(self, shared: SharedQueue) -> SharedArtifacts:
+        m = self.manager
+        artifacts = SharedArtifacts(
+            self.store, m.extensions, shared.node_id,
+            wait_s=self.cfg.builder_wait_s, keep_s=self.cfg.retention_hours * 3600.0,
+            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch,
+        )  # fmt: skip
+        shared.on_beat.append(artifacts.refresh)
+        shared.on_note[ARTIFACTS_CHANNEL] = artifacts.wake
+        return artifacts
+
+    async def _start_builder(self, address: str) -> BuilderNode:
+        """The builder's part: its versions, as its build processes' Python has them."""
+        env = job_env(self.cfg)
+        torch_version, cuda_version = await asyncio.to_thread(probe_versions, env)
+        workers = self.manager.workers.by_id
+
+        def idle() -> int:
+            return sum(1 for w in workers.values() if w.ready and w.device_index == BUILD_DEVICE)
+
+        builder = BuilderNode(
+            self.store, self.manager.extensions, url=self.cfg.store,
+            lease_s=self.cfg.lease_seconds, torch_version=torch_version,
+            cuda_version=cuda_version, slots=self.cfg.effective_build_processes(), idle=idle,
+            dispatch=self.manager.dispatch, address=address,
+        )  # fmt: skip
+        builder.on_beat = self._update_health
+        builder.start()
+        return builder
+
     def _update_health(self) -> None:
-        serving = self.manager.serving()
+        if self.cfg.role == BUILDER:
+            serving = (
+                self.builder is not None and self.builder.serving() and not self.manager.draining
+            )
+        else:
+            serving = self.manager.serving()
         if serving == self._serving:
             return
         self._serving = serving
@@ -362,17 +410,19 @@ class Server:
     async def run(self) -> int:
         cfg = self.cfg
         server = self._grpc_server(admin_token(cfg, self.state))
-        kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
-            KernelEvalService(self.manager, self.limits), server
-        )
         ops = OperationsService(self.manager, self.shared)
-        operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
+        names: tuple[str, ...] = (health.SERVICE_NAME,)
+        if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
+            kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
+                KernelEvalService(self.manager, self.limits), server
+            )
+            operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
+            names = (
+                kernel_eval_service_pb2.DESCRIPTOR.services_by_name["KernelEvalService"].full_name,
+                operations_service_pb2.DESCRIPTOR.services_by_name["OperationsService"].full_name,
+                *names,
+            )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = (
-            kernel_eval_service_pb2.DESCRIPTOR.services_by_name["KernelEvalService"].full_name,
-            operations_service_pb2.DESCRIPTOR.services_by_name["OperationsService"].full_name,
-            health.SERVICE_NAME,
-        )
         reflection.enable(names, server)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -385,7 +435,8 @@ class Server:
             log.error("cannot listen: %s", exc)
             self.store.close()
             return 2
-        self.manager.recover()
+        if cfg.role != BUILDER:  # a builder's store holds the nodes' jobs, not its own
+            self.manager.recover()
         await server.start()
         if self._http is not None:
             self._http.start()
@@ -411,14 +462,26 @@ class Server:
             self._update_health()  # no GPUs, no watchdog: it serves from now on
         else:
             self._supervise_task = loop.create_task(self._supervise_watchdog())
+        code = 0
+        if cfg.role == BUILDER:
+            try:
+                self.builder = await self._start_builder(
+                    cfg.advertise_address or f"{cfg.host}:{port}"
+                )
+            except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                log.error("--role builder: %s", exc)
+                code = 2
+                self.stopping.set()
         pch = loop.create_task(self._make_pch()) if self.pch_dir is not None else None
-        sweep = loop.create_task(self._sweep(ops))
+        # Finished jobs' retention: gateways and nodes sweep the store, builders need not.
+        sweep = loop.create_task(self._sweep(ops)) if cfg.role != BUILDER else None
         await self.stopping.wait()
         await self._shutdown(server)
-        sweep.cancel()
+        if sweep is not None:
+            sweep.cancel()
         if pch is not None:
             pch.cancel()
-        return 0
+        return code
 
     def _listen(self, server: grpc.aio.Server) -> int:
         cfg = self.cfg
@@ -478,6 +541,10 @@ class Server:
             )
         if self.shared is not None:
             await self.shared.stop()
+        if self.artifacts is not None:
+            await self.artifacts.stop()
+        if self.builder is not None:
+            await self.builder.stop()
         wd = self.manager.watchdog
         self.stopping.set()
         if wd is not None:

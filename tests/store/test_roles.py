@@ -272,8 +272,8 @@ def test_gateway_and_node_need_a_postgresql_store(capsys: pytest.CaptureFixture[
         assert stop.value.code == 2
         assert f"--role {role} needs --store postgresql://" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main.main(["serve", "--role", "builder"])
-    assert "--role 'builder': one of all, gateway, node" in capsys.readouterr().err
+        main.main(["serve", "--role", "compiler"])
+    assert "--role 'compiler': one of all, gateway, node, builder" in capsys.readouterr().err
 
 
 def test_a_client_reattaches_with_watch_after_its_gateway_restarts(cluster: Cluster) -> None:

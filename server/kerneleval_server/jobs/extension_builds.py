@@ -12,6 +12,13 @@ window, and as many run at once as there are build processes (--build-processes)
 The service builds only calls the builder takes (extension.refusal: plain code generation
 flags); for any other call, and where there are no build processes, the answer is
 `build_here`: load_inline runs in the job's own process, as torch would.
+
+On a shared PostgreSQL store (`--role node` with `--role builder`s, jobs/artifact_store.py) a
+`remote` stands between the local cache and the local build processes: a build not in the
+local cache is first looked for in the shared artifact store, then asked of the builders whose
+versions are this node's, and built here (or in the job, `build_here`) only when none answers
+in time. What this node builds itself goes into the shared store too. On a builder the builds
+come from the store's requests (`add_requested`) and their results go back there.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
@@ -51,6 +58,9 @@ class Build:
     waiters: list[Waiter] = field(default_factory=list)
     worker: Any = None  # the build process's WorkerState, once started
     started: float = 0.0
+    versions: str = ""  # the target without the architecture (versions_of)
+    # A builder's: asked through the shared store, built with nobody waiting here.
+    requested: bool = False
 
     @property
     def build_id(self) -> str:
@@ -66,6 +76,28 @@ def _answer(
     return out
 
 
+class Remote(Protocol):
+    """The shared artifact store's side of the builds (jobs/artifact_store.py): a node's
+    (`SharedArtifacts`) or a builder's (`BuilderNode`)."""
+
+    def can_build(self, versions: str) -> bool:
+        """A live builder builds for these versions."""
+        ...
+
+    def resolve(self, build: Build, local: bool) -> None:
+        """Find or have built `build` (not in the local cache); `local`: this front end has
+        build processes of its own to fall back on."""
+        ...
+
+    def kept(self, build: Build, data: bytes) -> None:
+        """A build here ended with what the cache keeps (`data`, a serialized ExtensionBuilt)."""
+        ...
+
+    def failed(self, build: Build, error: str) -> None:
+        """A build here ended with nothing kept (its process was lost; the builder refused)."""
+        ...
+
+
 class ExtensionBuilds:
     def __init__(self, cache: BuildCache) -> None:
         self.cache = cache
@@ -74,12 +106,28 @@ class ExtensionBuilds:
         self.by_worker: dict[str, Build] = {}  # build process id -> its build
         self.calls: dict[str, int] = {}  # job id -> calls so far
         self.built = 0
+        self.remote: Remote | None = None  # the shared artifact store (roles node, builder)
         self._compilers = ""
 
-    def _target(self, device: Any, arch: str) -> str:
+    def compilers(self) -> str:
         if not self._compilers:  # asked once: `c++ --version` and `nvcc --version`
             self._compilers = extension.toolchain_id()
-        return f"torch {device.torch_version}|cuda {device.cuda_version}|{arch}|{self._compilers}"
+        return self._compilers
+
+    def target(self, torch_version: str, cuda_version: str, arch: str) -> str:
+        """What besides the call decides what it builds to (part of call_key)."""
+        return f"torch {torch_version}|cuda {cuda_version}|{arch}|{self.compilers()}"
+
+    def versions_of(self, torch_version: str, cuda_version: str) -> str:
+        """The target without the architecture, with the recipe: what a builder must have to
+        build for this front end (any architecture: nvcc cross-compiles)."""
+        return (
+            f"torch {torch_version}|cuda {cuda_version}|{self.compilers()}"
+            f"|recipe {extension.RECIPE_VERSION}"
+        )
+
+    def _target(self, device: Any, arch: str) -> str:
+        return self.target(device.torch_version, device.cuda_version, arch)
 
     def request(
         self, waiter: Waiter, req: job_channel_pb2.ExtensionRequest, device: Any, arch: str,
@@ -100,7 +148,11 @@ class ExtensionBuilds:
         if not isinstance(call, dict):
             done.build_here = True  # torch judges the call itself
             return done
-        if not builders or extension.refusal(call):
+        versions, remote = "", False
+        if self.remote is not None:  # a node: builders may build it when it has no builds
+            versions = self.versions_of(device.torch_version, device.cuda_version)
+            remote = self.remote.can_build(versions)
+        if (not builders and not remote) or extension.refusal(call):
             done.build_here = True
             return done
         target = self._target(device, arch)
@@ -113,17 +165,61 @@ class ExtensionBuilds:
         build = self.by_key.get(key)
         if build is None:
             main = extension.main_key(call, target)
-            build = Build(key, main, str(call.get("name", "")), arguments, arch)
+            build = Build(key, main, str(call.get("name", "")), arguments, arch, versions=versions)
             self.by_key[key] = build
-            self.queue.append(build)
+            build.waiters.append(waiter)
+            if self.remote is not None:
+                self.remote.resolve(build, builders)
+            else:
+                self.queue.append(build)
+            return None
         build.waiters.append(waiter)
         return None
 
+    def add_requested(
+        self, key: str, call: dict[str, Any], arguments_json: str, arch: str, target: str
+    ) -> Build | None:
+        """A builder's build of a request it took from the shared store (`key`, computed
+        there; the caller checked it is call_key(call, target)), queued for a build process.
+        None when this builder builds that key already."""
+        if key in self.by_key:
+            return None
+        main = extension.main_key(call, target)
+        build = Build(key, main, str(call.get("name", "")), arguments_json, arch, requested=True)
+        self.by_key[key] = build
+        self.queue.append(build)
+        return build
+
+    def build_here(self, build: Build) -> None:
+        """The shared store and the builders did not answer: queued for this front end's
+        own build processes."""
+        self.queue.append(build)
+
+    def delivered(
+        self, build: Build, data: bytes
+    ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]] | None:
+        """What the shared store holds for `build` (a serialized ExtensionBuilt), kept in the
+        local cache too: the answer for each waiting job. None when it cannot be read."""
+        try:
+            kept = job_channel_pb2.ExtensionBuilt.FromString(data)
+        except DecodeError:
+            return None
+        self.by_key.pop(build.key, None)
+        self.cache.put(build.key, data)
+        return [(w, _answer(w, kept)) for w in build.waiters]
+
+    def ended(
+        self, build: Build, answer: job_channel_pb2.ExtensionBuilt
+    ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
+        """`build` ends with `answer` for its waiters (not kept: a failure, or build_here)."""
+        self.by_key.pop(build.key, None)
+        return [(w, _answer(w, answer)) for w in build.waiters]
+
     def next_build(self) -> Build | None:
-        """The oldest queued build still wanted by a job."""
+        """The oldest queued build still wanted by a job (or by a node, on a builder)."""
         while self.queue:
             build = self.queue.popleft()
-            if build.waiters:
+            if build.waiters or build.requested:
                 return build
             self.by_key.pop(build.key, None)
         return None
@@ -164,9 +260,15 @@ class ExtensionBuilds:
             library=built.library, error=built.error, log=built.log, fast=built.fast
         )
         kept.build_time.CopyFrom(built.build_time)
-        if built.library or (built.error and not built.error.startswith("not built by")):
-            self.cache.put(build.key, kept.SerializeToString())
+        keep = built.library or (built.error and not built.error.startswith("not built by"))
+        if keep:
+            data = kept.SerializeToString()
+            self.cache.put(build.key, data)
             self.built += 1
+            if self.remote is not None:
+                self.remote.kept(build, data)
+        elif self.remote is not None:
+            self.remote.failed(build, built.error or "the build process answered nothing")
         if built.library and built.main_object:
             entry = job_channel_pb2.ExtensionBuilt(library=built.main_object)
             self.cache.put(build.main_key, entry.SerializeToString())
@@ -182,6 +284,8 @@ class ExtensionBuilds:
         failed = job_channel_pb2.ExtensionBuilt(
             error=f"Error building extension '{build.name}': the build process {why}"
         )
+        if self.remote is not None:
+            self.remote.failed(build, failed.error)
         return [(w, _answer(w, failed)) for w in build.waiters]
 
     def forget_job(self, job_id: str) -> None:

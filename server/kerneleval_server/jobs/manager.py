@@ -514,7 +514,7 @@ class JobManager:
             sent = False
             log.error("extension build %s cannot be sent: %s", build.build_id, exc)
         self.extensions.started(build, worker)
-        self._publish_log(
+        self.publish_log(
             build.waiters, f"kerneleval: building {build.name!r} in {worker.worker_id}"
         )
         if not sent:
@@ -542,11 +542,11 @@ class JobManager:
         waiter = Waiter(run.job.job_id, worker, req.request_id)
         answer = self.extensions.request(waiter, req, device, arch, builders)
         if answer is None:
-            self._publish_log([waiter], "kerneleval: load_inline queued for a build process")
+            self.publish_log([waiter], "kerneleval: load_inline queued for a build process")
             self.dispatch()
             return
         if answer.cache_hit:
-            self._publish_log([waiter], "kerneleval: load_inline from the build cache")
+            self.publish_log([waiter], "kerneleval: load_inline from the build cache")
         worker.send(job_channel_pb2.FrontendMessage(extension=answer))
 
     def _on_extension_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
@@ -556,13 +556,13 @@ class JobManager:
             worker.exit_watch = None
         self._watch_exit(worker)
         self._free_worker(worker, completed=True)
-        self._answer_extensions(self.extensions.finished(worker, built.extension))
+        self.answer_extensions(self.extensions.finished(worker, built.extension))
         self.dispatch()
 
     def _extension_build_lost(self, worker: WorkerState, why: str) -> None:
-        self._answer_extensions(self.extensions.lost(worker, why))
+        self.answer_extensions(self.extensions.lost(worker, why))
 
-    def _answer_extensions(
+    def answer_extensions(
         self, answers: list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]
     ) -> None:
         for waiter, answer in answers:
@@ -571,13 +571,13 @@ class JobManager:
                 continue  # it ended meanwhile
             took = answer.build_time.ToNanoseconds() / 1e9
             what = answer.error.splitlines()[0] if answer.error else f"built in {took:.1f} s"
-            self._publish_log([waiter], f"kerneleval: load_inline: {what}")
+            self.publish_log([waiter], f"kerneleval: load_inline: {what}")
             try:
                 waiter.worker.send(job_channel_pb2.FrontendMessage(extension=answer))
             except FrameError as exc:
                 log.error("extension for job %s not sent: %s", waiter.job_id, exc)
 
-    def _publish_log(self, waiters: list[Waiter], text: str) -> None:
+    def publish_log(self, waiters: list[Waiter], text: str) -> None:
         for waiter in waiters:
             if waiter.job_id in self.running:
                 event = self.hub.next_event(waiter.job_id)
@@ -982,7 +982,7 @@ class JobManager:
             if kind == "build":
                 self._on_extension_built(worker, msg.build)
             elif kind == "log":
-                self._publish_log(build.waiters, msg.log.text)
+                self.publish_log(build.waiters, msg.log.text)
             return
         if kind == "build":
             self._on_built(worker, msg.build)

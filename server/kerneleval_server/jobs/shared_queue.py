@@ -20,6 +20,10 @@ One place for what front ends sharing a store do beyond `--role all`:
   (`kerneleval_cancel`, and at each heartbeat) and cancels as `--role all` does.
 - **Nodes.** Each node registers its gRPC address and its devices (ListDevices' answer) with
   the heartbeat; gateways list them (ListDevices) and name the node of a device.
+- **More on the same loops.** A node's shared artifact store (jobs/artifact_store.py) hears
+  its channel through this LISTEN connection (`on_note`) and refreshes its list of builders
+  with the heartbeat (`on_beat`); a builder runs the same two loops (`listen_forever`,
+  `beat_forever`) for its own channel and leases.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kerneleval.v1 import job_pb2
@@ -49,6 +53,50 @@ log = logging.getLogger("kerneleval.shared")
 GATEWAY, NODE = "gateway", "node"
 LISTEN_RETRY_S = 1.0
 IDLE_CLAIM_S = 1.0  # a node looks at the queue this often even when nobody NOTIFYs
+
+
+async def listen_forever(
+    url: str,
+    handlers: Mapping[str, Callable[[str], None]],
+    on_up: Callable[[], None],
+    listening: asyncio.Event | None = None,
+) -> None:
+    """LISTENs on `handlers`' channels over one connection of its own and hands each
+    notification's payload to its channel's handler; `on_up` runs each time the connection
+    is (again) up, for what was NOTIFYed while none listened. Reconnects for ever."""
+    import psycopg
+
+    while True:
+        try:
+            conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+            async with conn:
+                for channel in handlers:
+                    await conn.execute(f"LISTEN {channel}")
+                if listening is not None:
+                    listening.set()
+                on_up()
+                async for note in conn.notifies():
+                    handler = handlers.get(note.channel)
+                    if handler is not None:
+                        handler(note.payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - listen again; the callers poll meanwhile
+            log.warning("LISTEN connection to the store lost: %s", exc)
+        if listening is not None:
+            listening.clear()
+        await asyncio.sleep(LISTEN_RETRY_S)
+
+
+async def beat_forever(period: float, beat: Callable[[], None]) -> None:
+    """`beat()` every `period` seconds; a beat that fails (the store is away) is logged and
+    tried again at the next."""
+    while True:
+        try:
+            beat()
+        except Exception as exc:  # noqa: BLE001 - the store is away: try again next beat
+            log.warning("heartbeat: %s", exc)
+        await asyncio.sleep(period)
 
 
 class SharedQueue:
@@ -77,6 +125,10 @@ class SharedQueue:
         self._cancels = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.listening = asyncio.Event()  # the LISTEN connection is up
+        # More channels to LISTEN on (channel -> handler of a payload), more work for each
+        # heartbeat: the shared artifact store's (jobs/artifact_store.py).
+        self.on_note: dict[str, Callable[[str], None]] = {}
+        self.on_beat: list[Callable[[], None]] = []
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -110,42 +162,23 @@ class SharedQueue:
     # ---- notifications --------------------------------------------------------------------
 
     async def _listen(self) -> None:
-        import psycopg
+        def up() -> None:
+            # What was NOTIFYed while no connection listened: followers read again.
+            self.m.hub.wake_all()
+            self._claim.set()
 
-        while True:
-            try:
-                conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
-                async with conn:
-                    for channel in (EVENTS_CHANNEL, QUEUED_CHANNEL, CANCEL_CHANNEL):
-                        await conn.execute(f"LISTEN {channel}")
-                    self.listening.set()
-                    # What was NOTIFYed while no connection listened: followers read again.
-                    self.m.hub.wake_all()
-                    self._claim.set()
-                    async for note in conn.notifies():
-                        if note.channel == EVENTS_CHANNEL:
-                            self.m.hub.wake(note.payload)
-                        elif note.channel == QUEUED_CHANNEL:
-                            self._claim.set()
-                        elif note.channel == CANCEL_CHANNEL:
-                            self._cancels.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - listen again; followers poll meanwhile
-                log.warning("LISTEN connection to the store lost: %s", exc)
-            self.listening.clear()
-            await asyncio.sleep(LISTEN_RETRY_S)
+        handlers: dict[str, Callable[[str], None]] = {
+            EVENTS_CHANNEL: self.m.hub.wake,
+            QUEUED_CHANNEL: lambda _: self._claim.set(),
+            CANCEL_CHANNEL: lambda _: self._cancels.set(),
+            **self.on_note,
+        }
+        await listen_forever(self.url, handlers, up, self.listening)
 
     # ---- heartbeat: leases, expired leases, nodes -----------------------------------------
 
     async def _heartbeat(self) -> None:
-        period = max(0.2, self.lease_s / 3)
-        while True:
-            try:
-                self.beat()
-            except Exception as exc:  # noqa: BLE001 - the store is away: try again next beat
-                log.warning("heartbeat: %s", exc)
-            await asyncio.sleep(period)
+        await beat_forever(max(0.2, self.lease_s / 3), self.beat)
 
     def beat(self) -> None:
         if self.role == NODE:
@@ -160,6 +193,8 @@ class SharedQueue:
             (node_id, address, ops_pb2.ListDevicesResponse.FromString(blob))
             for node_id, address, blob in self.store.nodes()
         ]
+        for more in self.on_beat:
+            more()
 
     def _expired(self, job: job_pb2.Job, last: int) -> tuple[job_pb2.Job, list[job_pb2.JobEvent]]:
         """reap's decision for a job whose node's lease expired."""

@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -25,6 +26,10 @@ _UNFINISHED = (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING)
 EVENTS_CHANNEL = "kerneleval_events"
 QUEUED_CHANNEL = "kerneleval_queued"
 CANCEL_CHANNEL = "kerneleval_cancel"
+# The shared artifact store (jobs/artifact_store.py): a build request for builders (payload:
+# its versions), an artifact written or a build request ended (payload: its key).
+BUILDS_CHANNEL = "kerneleval_builds"
+ARTIFACTS_CHANNEL = "kerneleval_artifacts"
 
 # reap's and request_cancel's callback: (job, its last event's sequence) -> (the job as it
 # must be written, the events that say so).
@@ -82,6 +87,54 @@ class JobStore(Protocol):
     def register_node(self, node_id: str, address: str, devices: bytes, ttl_s: float) -> None: ...
     def forget_node(self, node_id: str) -> None: ...
     def nodes(self) -> builtins.list[tuple[str, str, bytes]]: ...
+    def artifact(self, key: str) -> tuple[bytes, str] | None: ...
+    def put_artifact(self, key: str, data: bytes, versions: str, built_by: str) -> None: ...
+    def forget_artifacts_before(self, cutoff_unix: float) -> int: ...
+    def request_build(
+        self, key: str, versions: str, arch: str, arguments: str, requested_by: str
+    ) -> None: ...
+    def build_request(self, key: str) -> BuildRequest | None: ...
+    def drop_build_request(self, key: str) -> None: ...
+    def claim_builds(
+        self, builder_id: str, versions: str, limit: int, lease_s: float
+    ) -> builtins.list[tuple[str, str, str]]: ...
+    def renew_builds(self, builder_id: str, lease_s: float) -> set[str]: ...
+    def release_builds(self, builder_id: str, keys: Sequence[str]) -> None: ...
+    def end_build(self, key: str, builder_id: str, state: str, error: str) -> None: ...
+    def waiting_builds(self) -> builtins.list[tuple[str, int]]: ...
+    def register_builder(
+        self, builder_id: str, address: str, versions: str, slots: int, ttl_s: float
+    ) -> None: ...
+    def forget_builder(self, builder_id: str) -> None: ...
+    def builders(self) -> builtins.list[Builder]: ...
+
+
+# A build request's end states (build_requests.state; "" while it waits or builds).
+BUILD_FAILED = "failed"  # the build failed (its build process died, ran too long): answered
+BUILD_REFUSED = "refused"  # the builder would not build it (versions, refusal): built elsewhere
+MAX_BUILD_ATTEMPTS = 3  # builders that took a request and were lost, before none takes it
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    state: str
+    error: str
+    lease_builder: str
+    lease_expires: float
+    attempts: int
+
+    def held(self, now: float) -> bool:
+        """A live builder holds it (its lease not expired)."""
+        return bool(self.lease_builder) and self.lease_expires >= now
+
+
+@dataclass(frozen=True)
+class Builder:
+    builder_id: str
+    address: str
+    versions: str
+    slots: int
+    built: int
 
 
 class SqlStore:
@@ -495,6 +548,199 @@ class SqlStore:
             cur.execute(self._sql("DELETE FROM nodes WHERE expires < ?"), (time.time(),))
         rows = self._query("SELECT node_id, address, devices FROM nodes ORDER BY node_id")
         return [(str(r[0]), str(r[1]), bytes(r[2] or b"")) for r in rows]
+
+    # ---- the shared artifact store, build requests, builders (jobs/artifact_store.py) -----
+
+    def artifact(self, key: str) -> tuple[bytes, str] | None:
+        """A built artifact by its content key: (its bytes, who built it). Its use is noted
+        (at most once a minute), which keeps it from forget_artifacts_before."""
+        rows = self._query(
+            self._sql("SELECT data, built_by, used FROM artifacts WHERE key = ?"), (key,)
+        )
+        if not rows:
+            return None
+        now = time.time()
+        if float(rows[0][2]) < now - 60:
+            with self._tx() as cur:
+                cur.execute(self._sql("UPDATE artifacts SET used = ? WHERE key = ?"), (now, key))
+        return bytes(rows[0][0]), str(rows[0][1])
+
+    def put_artifact(self, key: str, data: bytes, versions: str, built_by: str) -> None:
+        """Keeps what `key` builds to (the first writer's: a key builds to one thing); its build
+        request is done. NOTIFYs the nodes waiting for it."""
+        now = time.time()
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "INSERT INTO artifacts (key, data, versions, built_by, created, used)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING"
+                ),
+                (key, data, versions, built_by, now, now),
+            )
+            cur.execute(self._sql("DELETE FROM build_requests WHERE key = ?"), (key,))
+            cur.execute(
+                self._sql("UPDATE builders SET built = built + 1 WHERE builder_id = ?"),
+                (built_by,),
+            )
+            self._notify(cur, ARTIFACTS_CHANNEL, key)
+
+    def forget_artifacts_before(self, cutoff_unix: float) -> int:
+        """Drops artifacts nobody used since `cutoff_unix`; returns how many."""
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM artifacts WHERE used < ?"), (cutoff_unix,))
+            return int(cur.rowcount or 0)
+
+    def request_build(
+        self, key: str, versions: str, arch: str, arguments: str, requested_by: str
+    ) -> None:
+        """Asks builders with exactly `versions` for the build of `key` (once: a request for a
+        key already asked joins it). NOTIFYs the builders."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "INSERT INTO build_requests (key, versions, arch, arguments, requested_by,"
+                    " created) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING"
+                ),
+                (key, versions, arch, arguments, requested_by, time.time()),
+            )
+            self._notify(cur, BUILDS_CHANNEL, versions)
+
+    def build_request(self, key: str) -> BuildRequest | None:
+        rows = self._query(
+            self._sql(
+                "SELECT state, error, lease_builder, lease_expires, attempts"
+                " FROM build_requests WHERE key = ?"
+            ),
+            (key,),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return BuildRequest(str(r[0]), str(r[1]), str(r[2] or ""), float(r[3] or 0), int(r[4]))
+
+    def drop_build_request(self, key: str) -> None:
+        """The requester builds it itself, or needs it no more: the request goes unless a live
+        builder holds it (that build still ends in the store for the next one who asks)."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "DELETE FROM build_requests WHERE key = ? AND (state <> ''"
+                    " OR lease_builder IS NULL OR lease_expires < ?)"
+                ),
+                (key, time.time()),
+            )
+
+    def claim_builds(
+        self, builder_id: str, versions: str, limit: int, lease_s: float
+    ) -> builtins.list[tuple[str, str, str]]:
+        """Leases up to `limit` waiting build requests of exactly `versions` that nobody holds
+        (or whose builder's lease expired), oldest first: (key, arch, arguments)."""
+        if limit <= 0:
+            return []
+        now = time.time()
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "SELECT key, arch, arguments FROM build_requests WHERE versions = ?"
+                    " AND state = '' AND attempts < ?"
+                    " AND (lease_builder IS NULL OR lease_expires < ?)"
+                    f" ORDER BY created LIMIT ?{self.skip_locked}"
+                ),
+                (versions, MAX_BUILD_ATTEMPTS, now, _clamp(limit)),
+            )
+            rows = [(str(r[0]), str(r[1]), str(r[2])) for r in cur.fetchall()]
+            for key, _, _ in rows:
+                cur.execute(
+                    self._sql(
+                        "UPDATE build_requests SET lease_builder = ?, lease_expires = ?,"
+                        " attempts = attempts + 1 WHERE key = ?"
+                    ),
+                    (builder_id, now + lease_s, key),
+                )
+        return rows
+
+    def renew_builds(self, builder_id: str, lease_s: float) -> set[str]:
+        """Extends the builder's leases; returns the requests it still holds."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "UPDATE build_requests SET lease_expires = ?"
+                    " WHERE lease_builder = ? AND state = ''"
+                ),
+                (time.time() + lease_s, builder_id),
+            )
+            cur.execute(
+                self._sql("SELECT key FROM build_requests WHERE lease_builder = ? AND state = ''"),
+                (builder_id,),
+            )
+            return {str(r[0]) for r in cur.fetchall()}
+
+    def release_builds(self, builder_id: str, keys: Sequence[str]) -> None:
+        """Gives back requests the builder took and will not build (it stops)."""
+        with self._tx() as cur:
+            for key in keys:
+                cur.execute(
+                    self._sql(
+                        "UPDATE build_requests SET lease_builder = NULL, lease_expires = NULL,"
+                        " attempts = attempts - 1 WHERE key = ? AND lease_builder = ?"
+                    ),
+                    (key, builder_id),
+                )
+            if keys:
+                self._notify(cur, BUILDS_CHANNEL, "")
+
+    def end_build(self, key: str, builder_id: str, state: str, error: str) -> None:
+        """A build the builder holds ends without an artifact: BUILD_FAILED (its requester
+        answers its jobs with `error`) or BUILD_REFUSED (its requester builds it)."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "UPDATE build_requests SET state = ?, error = ?, lease_builder = NULL,"
+                    " lease_expires = NULL WHERE key = ? AND lease_builder = ?"
+                ),
+                (state, error, key, builder_id),
+            )
+            self._notify(cur, ARTIFACTS_CHANNEL, key)
+
+    def waiting_builds(self) -> builtins.list[tuple[str, int]]:
+        """Build requests nobody holds, by versions: (versions, how many)."""
+        rows = self._query(
+            self._sql(
+                "SELECT versions, COUNT(*) FROM build_requests WHERE state = ''"
+                " AND (lease_builder IS NULL OR lease_expires < ?) GROUP BY versions"
+            ),
+            (time.time(),),
+        )
+        return [(str(r[0]), int(r[1])) for r in rows]
+
+    def register_builder(
+        self, builder_id: str, address: str, versions: str, slots: int, ttl_s: float
+    ) -> None:
+        """A builder says it lives (until now + ttl_s), with the versions it builds with and
+        how many builds it runs at once."""
+        with self._tx() as cur:
+            cur.execute(
+                self._sql(
+                    "INSERT INTO builders (builder_id, address, versions, slots, expires)"
+                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (builder_id) DO UPDATE SET"
+                    " address = excluded.address, versions = excluded.versions,"
+                    " slots = excluded.slots, expires = excluded.expires"
+                ),
+                (builder_id, address, versions, slots, time.time() + ttl_s),
+            )
+
+    def forget_builder(self, builder_id: str) -> None:
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM builders WHERE builder_id = ?"), (builder_id,))
+
+    def builders(self) -> builtins.list[Builder]:
+        """Live builders."""
+        with self._tx() as cur:
+            cur.execute(self._sql("DELETE FROM builders WHERE expires < ?"), (time.time(),))
+        rows = self._query(
+            "SELECT builder_id, address, versions, slots, built FROM builders ORDER BY builder_id"
+        )
+        return [Builder(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4])) for r in rows]
 
     def schema_version(self) -> int:
         rows = self._query("SELECT MAX(version) FROM kerneleval_schema")

@@ -139,6 +139,77 @@ CREATE TABLE nodes (
         sqlite="ALTER TABLE jobs ADD COLUMN want_model TEXT;",
         postgres="ALTER TABLE jobs ADD COLUMN want_model TEXT;",
     ),
+    Migration(
+        5,
+        "the shared artifact store: built load_inline extensions by content key, build requests"
+        " that builders lease (--role builder), the builders",
+        sqlite="""
+CREATE TABLE artifacts (
+  key TEXT PRIMARY KEY,
+  data BLOB NOT NULL,
+  versions TEXT NOT NULL,
+  built_by TEXT NOT NULL,
+  created REAL NOT NULL,
+  used REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX artifacts_used ON artifacts(used);
+CREATE TABLE build_requests (
+  key TEXT PRIMARY KEY,
+  versions TEXT NOT NULL,
+  arch TEXT NOT NULL,
+  arguments TEXT NOT NULL,
+  requested_by TEXT NOT NULL,
+  created REAL NOT NULL,
+  lease_builder TEXT,
+  lease_expires REAL,
+  attempts INTEGER NOT NULL DEFAULT 0,
+  state TEXT NOT NULL DEFAULT '',
+  error TEXT NOT NULL DEFAULT ''
+) WITHOUT ROWID;
+CREATE INDEX build_requests_versions ON build_requests(versions, created);
+CREATE TABLE builders (
+  builder_id TEXT PRIMARY KEY,
+  address TEXT NOT NULL DEFAULT '',
+  versions TEXT NOT NULL,
+  slots INTEGER NOT NULL,
+  built INTEGER NOT NULL DEFAULT 0,
+  expires REAL NOT NULL
+) WITHOUT ROWID;
+""",
+        postgres="""
+CREATE TABLE artifacts (
+  key TEXT PRIMARY KEY,
+  data BYTEA NOT NULL,
+  versions TEXT NOT NULL,
+  built_by TEXT NOT NULL,
+  created DOUBLE PRECISION NOT NULL,
+  used DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX artifacts_used ON artifacts(used);
+CREATE TABLE build_requests (
+  key TEXT PRIMARY KEY,
+  versions TEXT NOT NULL,
+  arch TEXT NOT NULL,
+  arguments TEXT NOT NULL,
+  requested_by TEXT NOT NULL,
+  created DOUBLE PRECISION NOT NULL,
+  lease_builder TEXT,
+  lease_expires DOUBLE PRECISION,
+  attempts INTEGER NOT NULL DEFAULT 0,
+  state TEXT NOT NULL DEFAULT '',
+  error TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX build_requests_versions ON build_requests(versions, created);
+CREATE TABLE builders (
+  builder_id TEXT PRIMARY KEY,
+  address TEXT NOT NULL DEFAULT '',
+  versions TEXT NOT NULL,
+  slots INTEGER NOT NULL,
+  built INTEGER NOT NULL DEFAULT 0,
+  expires DOUBLE PRECISION NOT NULL
+);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -1,0 +1,96 @@
+"""The shared artifact store's part of the job store (schema step 5), on both engines: artifacts
+by content key, build requests leased by builders, the builders' list."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kerneleval_server.jobs.store import JobStore, open_store
+from kerneleval_server.jobs.store.base import BUILD_FAILED, MAX_BUILD_ATTEMPTS
+from pg_server import PostgresServer
+
+V1, V2 = "torch 2.11|cuda 13.0|g++|nvcc|recipe 3", "torch 2.12|cuda 13.0|g++|nvcc|recipe 3"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    if request.param == "sqlite":
+        s: JobStore = open_store(tmp_path / "jobs.db")
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres")
+        s = open_store(server.new_database())
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_artifacts_are_kept_once_by_key_and_dropped_when_unused(store: JobStore) -> None:
+    assert store.artifact("k1") is None
+    store.request_build("k1", V1, "sm_90", "{}", "node-a")
+    store.put_artifact("k1", b"\x00first", V1, "builder-1")
+    store.put_artifact("k1", b"second", V1, "node-b")  # a key builds to one thing: the first
+    assert store.artifact("k1") == (b"\x00first", "builder-1")
+    assert store.build_request("k1") is None  # done with it
+    assert store.forget_artifacts_before(time.time() - 60) == 0
+    assert store.forget_artifacts_before(time.time() + 60) == 1
+    assert store.artifact("k1") is None
+
+
+def test_build_requests_are_leased_by_versions_renewed_and_ended(store: JobStore) -> None:
+    store.request_build("k1", V1, "sm_90", '{"name": "a"}', "node-a")
+    store.request_build("k1", V1, "sm_90", '{"name": "a"}', "node-b")  # joins: one request
+    store.request_build("k2", V2, "sm_80", '{"name": "b"}', "node-c")
+    assert sorted(store.waiting_builds()) == [(V1, 1), (V2, 1)]
+    assert store.claim_builds("b1", V1, 5, 30.0) == [("k1", "sm_90", '{"name": "a"}')]
+    assert store.claim_builds("b2", V1, 5, 30.0) == []  # held; V2's is not for V1
+    held = store.build_request("k1")
+    assert held is not None and held.held(time.time()) and held.attempts == 1
+    assert store.renew_builds("b1", 30.0) == {"k1"} and store.renew_builds("b2", 30.0) == set()
+    assert store.waiting_builds() == [(V2, 1)]
+    store.drop_build_request("k1")  # a live builder holds it: kept
+    assert store.build_request("k1") is not None
+    store.end_build("k1", "b2", BUILD_FAILED, "not its to end")
+    assert store.build_request("k1").state == ""  # type: ignore[union-attr]
+    store.end_build("k1", "b1", BUILD_FAILED, "the build process exited")
+    ended = store.build_request("k1")
+    assert ended is not None and ended.state == BUILD_FAILED and not ended.lease_builder
+    assert ended.error == "the build process exited"
+    assert store.claim_builds("b2", V1, 5, 30.0) == []  # ended: nobody takes it again
+    store.drop_build_request("k1")
+    assert store.build_request("k1") is None
+
+
+def test_an_expired_lease_is_taken_again_a_few_times_at_most(store: JobStore) -> None:
+    store.request_build("k", V1, "", "{}", "node-a")
+    for attempt in range(1, MAX_BUILD_ATTEMPTS + 1):
+        assert [r[0] for r in store.claim_builds(f"b{attempt}", V1, 1, -1.0)] == ["k"]
+        request = store.build_request("k")
+        assert request is not None and request.attempts == attempt
+        assert not request.held(time.time())  # expired at once (the builder "died")
+    assert store.claim_builds("b9", V1, 1, 30.0) == []
+    store.drop_build_request("k")  # its requester builds it: expired, so it goes
+    assert store.build_request("k") is None
+    # A builder that stops gives back what it took and had not started, attempt uncounted.
+    store.request_build("k3", V1, "", "{}", "node-a")
+    assert store.claim_builds("b1", V1, 1, 30.0)
+    store.release_builds("b1", ["k3"])
+    again = store.build_request("k3")
+    assert again is not None and not again.lease_builder and again.attempts == 0
+
+
+def test_builders_register_and_expire(store: JobStore) -> None:
+    store.register_builder("b1", "10.0.0.1:50051", V1, 6, 30.0)
+    store.register_builder("b2", "10.0.0.2:50051", V2, 2, -1.0)  # already expired
+    store.register_builder("b1", "10.0.0.1:50052", V1, 8, 30.0)  # again: updated
+    (b,) = store.builders()
+    assert (b.builder_id, b.address, b.versions, b.slots, b.built) == (
+        "b1", "10.0.0.1:50052", V1, 8, 0,
+    )  # fmt: skip
+    store.put_artifact("k", b"lib", V1, "b1")
+    assert store.builders()[0].built == 1
+    store.forget_builder("b1")
+    assert store.builders() == []

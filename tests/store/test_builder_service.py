@@ -1,0 +1,162 @@
+"""`--role builder` as a service, on a real PostgreSQL server: a builder (build processes only,
+no GPU) and a node (the real engine on the CPU device, a build process of its own) share one
+store; a job's load_inline call is built by the builder and the node only loads it; with the
+builder killed mid-build, the node builds the next call itself. The CPU build of torch builds
+C++ extensions only: the call is the light pybind11 one of tests/frontend/test_extension_builds.py
+(seconds to build). Also: what --role builder needs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from ke_service import ServiceProcess, real_watchdog_available
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from pg_server import PostgresServer
+
+REFERENCE = """
+import torch
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+def get_inputs():
+    return [torch.randn(256)]
+def get_init_inputs():
+    return []
+"""
+
+LIGHT = """
+import torch
+from torch.utils.cpp_extension import load_inline
+cpp = '''
+#include <pybind11/pybind11.h>
+// SALT
+float one() { return 1.0f; }
+'''
+ext = load_inline(name="NAME", cpp_sources=[cpp], functions=["one"], no_implicit_headers=True,
+                  with_pytorch_error_handling=False, extra_cflags=['-O2'])
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 + ext.one()
+"""
+
+
+def spec() -> kernel_pb2.JobSpec:
+    s = kernel_pb2.JobSpec(client_tag="builders")
+    s.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH_CUDA
+    s.kernel.source_code = LIGHT.replace("SALT", uuid.uuid4().hex).replace(
+        "NAME", f"light_{uuid.uuid4().hex[:8]}"
+    )
+    s.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
+    s.reference.source_code = REFERENCE
+    s.options.timeout.seconds = 300
+    s.options.perf_trial_count = 0
+    return s
+
+
+@pytest.fixture
+def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProcess]]]:
+    started: list[ServiceProcess] = []
+    try:
+        yield postgres.new_database(), started
+    finally:
+        for service in started:
+            service.stop(timeout=20)
+
+
+def common_args(url: str) -> list[str]:
+    return ["--store", url, "--build-processes", "1", "--build-pch", "false",
+            "--lease-seconds", "3", "--admin-token", "ket_builder-test-token",
+            "--result-cache-hours", "0"]  # fmt: skip
+
+
+@pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog")
+def test_the_builder_builds_and_the_node_loads(
+    tmp_path: Path, services: tuple[str, list[ServiceProcess]]
+) -> None:
+    url, started = services
+    builder = ServiceProcess(tmp_path / "builder", ["--role", "builder", *common_args(url)])
+    started.append(builder)
+    builder.start()  # SERVING: registered in the store, its build process up
+    with psycopg.connect(url) as conn:
+        ((builder_id, versions, slots),) = conn.execute(  # fmt: skip
+            "SELECT builder_id, versions, slots FROM builders"
+        ).fetchall()
+    assert "-builder-" in builder_id and versions.startswith("torch ") and slots == 1
+    node = ServiceProcess(
+        tmp_path / "node",
+        ["--role", "node", "--nvml", "none", "--builder-wait-s", "1", *common_args(url)],
+    )
+    started.append(node)
+    node.start()
+    with node.channel() as ch:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+        events = [r.event for r in stub.Run(pb.RunRequest(spec=spec()), timeout=300)]
+        job = stub.GetJob(pb.GetJobRequest(job_id=events[0].job_id), timeout=30).job
+    logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
+    assert job.result.verdict == job_pb2.VERDICT_OK, (job.result, logs)
+    assert "kerneleval: load_inline asked of the builders (1 live)" in logs, logs
+    assert f"kerneleval: load_inline from the shared artifact store (built by {builder_id})" in (
+        logs
+    ), logs
+    # The node built nothing: its build process never got it (the line a local build logs).
+    assert not any(t.startswith("kerneleval: building ") for t in logs), logs
+    assert "for the shared store" in builder.log_path.read_text()
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT data, built_by, versions FROM artifacts").fetchall()
+        assert conn.execute("SELECT COUNT(*) FROM build_requests").fetchone() == (0,)
+    assert [(r[1], r[2]) for r in rows] == [(builder_id, versions)]
+    built = job_channel_pb2.ExtensionBuilt.FromString(bytes(rows[0][0]))
+    assert built.library.startswith(b"\x7fELF") and not built.error
+
+    # The builder is killed (SIGKILL) while it builds another call: once its lease expires and
+    # no builder holds the request for --builder-wait-s, the node builds it itself.
+    with node.channel() as ch:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+        job_id = stub.Submit(pb.SubmitRequest(spec=spec()), timeout=30).job.job_id
+        deadline = time.monotonic() + 60
+        with psycopg.connect(url, autocommit=True) as conn:
+            while not conn.execute(
+                "SELECT 1 FROM build_requests WHERE lease_builder = %s", (builder_id,)
+            ).fetchall():
+                assert time.monotonic() < deadline, "the builder never took the build"
+                time.sleep(0.02)
+        builder.kill()
+        events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=job_id), timeout=120)]
+    logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
+    assert events[-1].finished.result.verdict == job_pb2.VERDICT_OK, logs
+    assert any("no builder held it for 1 s" in t for t in logs), logs
+    assert any(t.startswith("kerneleval: building ") for t in logs), logs  # here, this time
+    with psycopg.connect(url) as conn:
+        owners = conn.execute("SELECT built_by FROM artifacts ORDER BY created").fetchall()
+        assert conn.execute("SELECT COUNT(*) FROM build_requests").fetchone() == (0,)
+    assert len(owners) == 2 and owners[0][0] == builder_id and "-builder-" not in owners[1][0]
+
+
+def test_role_builder_needs_a_postgresql_store_and_build_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kerneleval_server import config, main
+
+    with pytest.raises(SystemExit) as stop:
+        main.main(["serve", "--role", "builder", "--state-dir", "/nonexistent"])
+    assert stop.value.code == 2
+    assert "--role builder needs --store postgresql://" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.main(["serve", "--role", "builder", "--store", "postgresql://x@/db",
+                   "--build-processes", "0"])  # fmt: skip
+    assert "--role builder needs build processes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.main(["serve", "--role", "compiler"])
+    assert "one of all, gateway, node, builder" in capsys.readouterr().err
+    # Auto build processes on a builder, GPU or not; its watchdog runs nothing else.
+    cfg = config.Config(role="builder", store="postgresql://x@/db")
+    assert cfg.problems() == [] and cfg.effective_build_processes() >= 2
+    configure = main.build_configure(cfg, Path("/nonexistent"))
+    assert list(configure.device_indices) == [-3] and configure.build_processes >= 2
