@@ -202,3 +202,5 @@ def test_a_full_record_needs_no_replay_trial(engine_dir: Path) -> None:
     own, final = judged(engine_dir, spec, limit=rec.MAX_HEADER * 2 + 4096)
     assert final is not None and final.result.verdict == V.VERDICT_OK, final.result
     assert any("of 5 correctness trials judged outside" in n for n in final.result.notes)
+    # The reference is timed here all the same (its process's time is not believed).
+    assert final.result.reference_runtime.median_ms > 0 and final.result.speedup > 0

@@ -106,8 +106,9 @@ class _Judge(_Job):
                 "rest only in it"
             )
         timed = candidate.HasField("runtime") and candidate.runtime.median_ms > 0
-        if timed and over is None:  # with a full record it was checked in the kernel's process
-            self._check_replay(cand, ref, make_args, replay)
+        if timed:
+            if over is None:  # with a full record it was checked in the kernel's process
+                self._check_replay(cand, ref, make_args, replay)
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
 

@@ -478,7 +478,10 @@ class JobManager:
         held = self._held_devices()
         for worker in gpu:  # a job half done (its kernel ran) first, to a fresh process
             if self.judge_queue and worker.ready and not worker.assigned_job_id:
-                judged = self._next_judge(worker.device_index, held.get(worker.device_index))
+                alone = held.get(worker.device_index)
+                if alone is not None and self._busy_on(worker.device_index, worker):
+                    continue  # a job re-run alone is judged alone too, once the GPU is empty
+                judged = self._next_judge(worker.device_index, alone)
                 if judged:
                     self._start_judge(judged, worker)
         for worker in gpu:
