@@ -670,9 +670,12 @@ class _Job:
     def _time(
         self, cand: Program, ref: Program | None, make_args: Callable[[int], TrialArgs]
     ) -> None:
-        total = self.opts.perf_trials * (2 if ref is not None and not self.judged_elsewhere else 1)
+        # The reference is timed here unless a judge times it (a 17 GB KernelBench input
+        # cloned for nothing ran one out of memory on the H100).
+        timed_ref = ref is not None and not self.judged_elsewhere
+        total = self.opts.perf_trials * (2 if timed_ref else 1)
         cand_args = make_args(0)
-        ref_args = cand_args.clone() if ref is not None else None
+        ref_args = cand_args.clone() if timed_ref else None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
         replay = _ReplayCheck(self, cand, ref, cand_args, make_args) if ref is not None else None
         run = replay.run if replay is not None else (lambda: cand.run(cand_args))
@@ -686,7 +689,7 @@ class _Job:
             l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
             floor = integrity.memory_floor(stats.median_ms, self._output_bytes, bandwidth, l2)
             self._flag([floor] if floor is not None else [])
-        if ref is not None and ref_args is not None and not self.judged_elsewhere:
+        if ref is not None and ref_args is not None:
             n = self.opts.perf_trials
             rstats = self._measure(
                 lambda: ref.run(ref_args), REFERENCE_PREFIX, lambda d: self._progress(n + d, total)
