@@ -20,6 +20,8 @@
 #                                               # every GPU of the machine (~5 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
+#   OUT=/some/dir bench/run_gpu.sh judge        # compared jobs with and without the judge
+#                                               # process (~3 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under

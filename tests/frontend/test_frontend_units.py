@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -451,3 +453,47 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     assert [e.WhichOneof("kind") for e in after] == ["queued", "phase"]
     assert after[1].phase.phase == job_pb2.PHASE_VALIDATING and after[1].sequence == 2
     store.close()
+
+
+def test_judges_wait_for_the_kernels_exit_and_a_gpu_held_alone_judges_its_job_only(
+    tmp_path: Path,
+) -> None:
+    """Issue 13's judge, in the front end: a judged job is queued for its judge only once its
+    kernel's process has exited (its record then sealed), and a GPU held for a job re-run
+    alone judges that job only (others waited for ever behind it on the H100)."""
+    import fcntl
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.metrics import Metrics
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
+    m.dispatch = lambda: None  # type: ignore[method-assign]  # no job processes here
+
+    def judged(job_id: str, worker_id: str) -> Running:
+        w = WorkerState(worker_id, 100, 0, False, 0)
+        r = Running(job=job_pb2.Job(job_id=job_id, device_index=0), worker=w, timeout_s=60)
+        r.record = judging.Record.make(job_id, 1 << 20)
+        r.record.kernel_outcome = job_channel_pb2.JobOutcome(job_id=job_id)
+        r.awaiting_judge = True
+        m.running[job_id] = r
+        return r
+
+    first, held = judged("first", "d0-w0"), judged("held", "d0-w1")
+    assert m.judge_queue == deque()  # their kernels' processes have not exited yet
+    for r in (first, held):
+        m._job_worker_exited(r, watchdog_pb2.WorkerExited(exit_code=0))
+    assert list(m.judge_queue) == ["first", "held"]
+    assert fcntl.fcntl(first.record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE  # type: ignore[union-attr]
+    with pytest.raises(PermissionError):
+        os.write(first.record.fd, b"x")  # type: ignore[union-attr]
+    assert m._next_judge(0, held_for="held") == "held"
+    assert m._next_judge(0, held_for="held") == ""  # "first" waits for the held job's end
+    assert m._next_judge(1) == ""  # judged on the GPU its kernel ran on
+    assert m._next_judge(0) == "first"
+    for r in (first, held):
+        assert r.record is not None
+        r.record.close()
