@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, integrity, loader, record
+from . import compare, loader, record
 from .backends import Program
 from .inputs import TrialArgs
 from .runner import (
@@ -157,13 +157,7 @@ class _Judge(_Job):
                 "a timed trial on new inputs written in place before it did not match the "
                 f"reference on them ({check.message}): results computed earlier were handed back"
             )
-            self._flag([integrity.flag(integrity.REPLAYED_OUTPUTS, why)])
-            self.result.validation_error = why
-            self.result.verdict = job_pb2.VERDICT_INCORRECT
-            self.result.failed_side = job_pb2.SIDE_KERNEL
-            self.result.correctness = False
-            self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
-            raise _Stop
+            self._replayed_incorrect(why)
 
     def _time_reference(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs
@@ -179,10 +173,4 @@ class _Judge(_Job):
         if math.isfinite(stats.median_ms) and kernel_ms > 0:
             self.result.speedup = stats.median_ms / kernel_ms
             self._judge_speedup()
-        if self.dev.type == "cuda":
-            import torch
-
-            bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
-            l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
-            floor = integrity.memory_floor(kernel_ms, self._output_bytes, bandwidth, l2)
-            self._flag([floor] if floor is not None else [])
+        self._memory_floor(kernel_ms)

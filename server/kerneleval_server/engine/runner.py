@@ -684,11 +684,7 @@ class _Job:
         if replay is not None and replay.failed is not None:
             self._replayed(replay)
         self.result.runtime.CopyFrom(stats)
-        if self.dev.type == "cuda":
-            bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
-            l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
-            floor = integrity.memory_floor(stats.median_ms, self._output_bytes, bandwidth, l2)
-            self._flag([floor] if floor is not None else [])
+        self._memory_floor(stats.median_ms)
         if ref is not None and ref_args is not None:
             n = self.opts.perf_trials
             rstats = self._measure(
@@ -712,6 +708,19 @@ class _Job:
             f"its outputs did not match the reference on them ({failed.message}): results "
             "computed earlier were handed back"
         )
+        self._replayed_incorrect(why)
+
+    def _memory_floor(self, kernel_ms: float) -> None:
+        """faster_than_memory: the kernel's median under what its outputs take to write at
+        the GPU's peak bandwidth (here, or in the judge with the kernel's reported median)."""
+        if self.dev.type == "cuda":
+            bandwidth = integrity.peak_bandwidth(self.dev.index or 0)
+            l2 = int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 0))
+            floor = integrity.memory_floor(kernel_ms, self._output_bytes, bandwidth, l2)
+            self._flag([floor] if floor is not None else [])
+
+    def _replayed_incorrect(self, why: str) -> NoReturn:
+        """Ends the job INCORRECT with the replayed_outputs flag (here, or in the judge)."""
         self._flag([integrity.flag(integrity.REPLAYED_OUTPUTS, why)])
         self.result.validation_error = why
         self.result.verdict = job_pb2.VERDICT_INCORRECT

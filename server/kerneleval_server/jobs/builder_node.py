@@ -38,7 +38,7 @@ from typing import Any
 from kerneleval_server.builder import extension
 
 from .extension_builds import Build, ExtensionBuilds
-from .shared_queue import IDLE_CLAIM_S, beat_forever, listen_forever
+from .shared_queue import beat_forever, claim_forever, listen_forever
 from .store import JobStore
 from .store.base import BUILD_FAILED, BUILD_REFUSED, BUILDS_CHANNEL
 
@@ -159,14 +159,7 @@ class BuilderNode:
             self._claim.set()
 
     async def _claim_loop(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._claim.wait(), IDLE_CLAIM_S)
-            self._claim.clear()
-            try:
-                self.claim()
-            except Exception as exc:  # noqa: BLE001 - the store is away: try again
-                log.warning("claim builds: %s", exc)
+        await claim_forever(self._claim, self.claim, "claim builds")
 
     def claim(self) -> int:
         room = self.idle() - len(self.builds.queue)

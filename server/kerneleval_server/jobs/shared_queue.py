@@ -99,6 +99,18 @@ async def beat_forever(period: float, beat: Callable[[], None]) -> None:
         await asyncio.sleep(period)
 
 
+async def claim_forever(wake: asyncio.Event, claim: Callable[[], object], what: str) -> None:
+    """Claims when woken, and every IDLE_CLAIM_S anyway; a store that is away is tried again."""
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), IDLE_CLAIM_S)
+        wake.clear()
+        try:
+            claim()
+        except Exception as exc:  # noqa: BLE001 - the store is away: try again
+            log.warning("%s: %s", what, exc)
+
+
 class SharedQueue:
     def __init__(
         self,
@@ -251,14 +263,7 @@ class SharedQueue:
         return idle + len(devices) - len(self.m.queue)
 
     async def _claim_loop(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._claim.wait(), IDLE_CLAIM_S)
-            self._claim.clear()
-            try:
-                self.claim()
-            except Exception as exc:  # noqa: BLE001 - the store is away: try again
-                log.warning("claim: %s", exc)
+        await claim_forever(self._claim, self.claim, "claim")
 
     def claim(self) -> int:
         room = self._room()
