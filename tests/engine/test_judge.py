@@ -204,3 +204,25 @@ def test_a_full_record_needs_no_replay_trial(engine_dir: Path) -> None:
     assert any("of 5 correctness trials judged outside" in n for n in final.result.notes)
     # The reference is timed here all the same (its process's time is not believed).
     assert final.result.reference_runtime.median_ms > 0 and final.result.speedup > 0
+
+
+def test_a_false_claim_that_a_later_trial_is_over_the_limit_is_tampering(
+    engine_dir: Path,
+) -> None:
+    """Right on trial 1, then "no room" for the rest, where there was room: the judge would see
+    only what the kernel chose to show."""
+
+    def cut_after_first(fd: int) -> None:
+        first = rec.read(fd)[1]  # where the second trial's header starts
+        os.ftruncate(fd, first.at)
+        head = job_channel_pb2.RecordedTrial(trial=1, over_limit=True, bytes=1 << 40)
+        data = head.SerializeToString()
+        os.pwrite(fd, struct.pack(">I", len(data)) + data, first.at)
+
+    _, final = judged(
+        engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL)), cut_after_first
+    )
+    assert final is not None and final.result.verdict == V.VERDICT_RUNTIME_ERROR, final.result
+    assert "over the record's limit, where the reference's outputs fit" in (
+        final.result.error.message
+    )

@@ -98,6 +98,8 @@ class _Judge(_Job):
             self._nothing_recorded(candidate, ref, make_args, over, max_bytes)
             return
         self._validate(cand, ref, make_args)  # INCORRECT ends it here
+        if over is not None:
+            self._check_over_claim(over, len(checked), ref, make_args, max_bytes)
         wanted = self.opts.correct_trials
         if len(checked) < wanted:
             self.notes.append(
@@ -118,6 +120,20 @@ class _Judge(_Job):
         self.result.error.exception_type = "Tampering"
         self.result.error.message = TAMPERING + why
         raise _Stop
+
+    def _check_over_claim(
+        self, over: record.Trial, index: int, ref: Program, make_args: MakeArgs, max_bytes: int
+    ) -> None:
+        """A later trial said to be over the limit: the reference's outputs on its inputs must
+        not have fitted where the record stopped, else the kernel chose what to show here."""
+        args = make_args(self.opts.correct_trials + 1 if over.replay else index)
+        ref_out = self._run(ref, args, REFERENCE_PREFIX)
+        if record.fits_after(over.at, ref_out, max_bytes):
+            which = "the timed trial on fresh inputs" if over.replay else f"trial {index + 1}"
+            self._tampered(
+                f"the kernel's process called {which} over the record's limit, where the "
+                "reference's outputs fit"
+            )
 
     def _nothing_recorded(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,

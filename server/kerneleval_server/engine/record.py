@@ -137,6 +137,13 @@ class Trial:
     over_limit: bool
     bytes: int
     values: list[Any]  # host tensors, or _NotATensor stand-ins
+    at: int = 0  # where its header starts: what the record held before it
+
+
+def fits_after(at: int, outputs: list[Any], max_bytes: int) -> bool:
+    """Whether a record that held `at` bytes had room for these outputs (Recorder.record's
+    test, with MARGIN to spare): a kernel's "over the limit" is then a lie."""
+    return at + needed(outputs) - len(MAGIC) + MARGIN <= max_bytes
 
 
 def _stand_in(type_name: str) -> Any:
@@ -177,7 +184,7 @@ def read(fd: int) -> list[Trial]:
             t, stop = _tensor(mem, size, v, used)
             values.append(t)
             end = max(end, stop)
-        trials.append(Trial(head.trial, head.replay, head.over_limit, head.bytes, values))
+        trials.append(Trial(head.trial, head.replay, head.over_limit, head.bytes, values, pos))
         pos = _aligned(end) if head.values else end
         if head.over_limit:
             break
