@@ -764,6 +764,41 @@ def test_a_forged_verdict_is_judged_in_another_process(stub, svc: ServiceProcess
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# Writes its own job's outcome on fd 3 (OK, correct, speedup 50, a 1 us kernel) from its module
+# body, before anything ran, and leaves.
+OUTCOME_FORGER = """
+import os
+import sys
+
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import job_pb2
+from kerneleval_server.framing import encode
+
+f, job_id = sys._getframe(), ""
+while f is not None and not job_id:
+    job_id = getattr(f.f_locals.get("assign"), "job_id", "")
+    f = f.f_back
+r = job_pb2.EvalResult(verdict=job_pb2.VERDICT_OK, compiled=True, correctness=True, speedup=50.0)
+r.runtime.median_ms = 0.001
+r.runtime.trial_count = 5
+out = job_channel_pb2.JobOutcome(job_id=job_id, result=r)
+os.write(3, encode(job_channel_pb2.JobProcessMessage(outcome=out).SerializeToString()))
+os._exit(0)
+"""
+
+
+def test_a_forged_outcome_is_judged_in_another_process(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: a compared job's process writes its own OK outcome (speedup 50) and exits
+    before its kernel ran: the judge finds no recorded outputs, and the job ends a tampering
+    RUNTIME_ERROR, not OK. The next tenants are judged right."""
+    s = spec(OUTCOME_FORGER, reference=hs.REFERENCE, client_tag="mallory-outcome", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert ran.job.result.error.message.startswith("tampering: "), ran.describe()
+    assert ran.job.result.speedup == 0 and not ran.job.result.HasField("runtime"), ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
     the field; no job stored, no job process held."""
