@@ -545,7 +545,10 @@ class JobManager:
         waiter = Waiter(run.job.job_id, worker, req.request_id)
         answer = self.extensions.request(waiter, req, device, arch, builders)
         if answer is None:
-            self.publish_log([waiter], "kerneleval: load_inline queued for a build process")
+            text = "kerneleval: load_inline queued for a build process"
+            if self.extensions.remote is not None:
+                text += " (the shared store and the builders first)"
+            self.publish_log([waiter], text)
             self.dispatch()
             return
         if answer.cache_hit:
