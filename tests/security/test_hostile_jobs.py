@@ -799,6 +799,77 @@ def test_a_forged_outcome_is_judged_in_another_process(stub, svc: ServiceProcess
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# A kernel whose module body marks its process, and a reference that hangs where that mark is
+# missing: only in the judge's process (which never imports the kernel).
+MARKS_ITS_PROCESS = """
+import builtins
+import torch
+
+builtins._ke_kernel_ran_here = True
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x + 0.0
+"""
+HANGS_IN_THE_JUDGE = """
+import builtins
+import time
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        if not getattr(builtins, "_ke_kernel_ran_here", False):
+            time.sleep(60)
+        return x + 0.0
+
+
+def get_inputs():
+    return [torch.randn(64)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_hanging_judge_times_out_and_a_cancel_ends_it(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """The judge's stage keeps the job's deadline and its cancel: a reference that hangs only
+    in the judge's process ends VERDICT_TIMEOUT at the job's timeout, and a cancel while the
+    judge runs ends the job CANCELLED at once; neither is lost, and the next tenants are
+    judged right."""
+    s = spec(MARKS_ITS_PROCESS, reference=HANGS_IN_THE_JUDGE, client_tag="judge-hang", timeout_s=6)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_TIMEOUT, ran.describe()
+    assert "judged by" in ran.logs and ran.seconds < 30, ran.describe()
+    s.options.timeout.seconds = JOB_TIMEOUT_S
+    job = stub.Submit(pb.SubmitRequest(spec=s), timeout=30).job
+    deadline = time.monotonic() + 60
+    while not any("judged by" in r.event.log.text for r in _events(stub, job.job_id)):
+        assert time.monotonic() < deadline, svc.log_tail(40)
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id), timeout=30)
+    job = stub.GetJob(pb.GetJobRequest(job_id=job.job_id), timeout=30).job
+    assert job.state == job_pb2.JOB_STATE_CANCELLED, job
+    assert time.monotonic() - t0 < 15
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def _events(stub, job_id: str) -> list[pb.WatchResponse]:  # type: ignore[no-untyped-def]
+    """The job's events so far (Watch of a job still running streams on: read with a short
+    deadline and keep what came)."""
+    out: list[pb.WatchResponse] = []
+    try:
+        for r in stub.Watch(pb.WatchRequest(job_id=job_id), timeout=0.5):
+            out.append(r)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+    return out
+
+
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
     the field; no job stored, no job process held."""
