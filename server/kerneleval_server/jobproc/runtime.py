@@ -665,6 +665,9 @@ def _run_one(
         if not prebuilt and hasattr(config, "extension_builder"):
             config.extension_builder = functools.partial(channel.build_extension, assign.job_id)
         if assign.HasField("judge") and record_fd >= 0:
+            # The reference is client code too, and its time must cost what the kernel's
+            # does: the judge runs armed as well.
+            _arm_tamper_checks()
             outcome = engine.judge_job(
                 assign.spec, reporter, config, assign.judge.candidate, record_fd,
                 assign.record_max_bytes,
