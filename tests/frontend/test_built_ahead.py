@@ -193,8 +193,10 @@ def test_a_build_that_hangs_times_out_and_one_that_faults_crashes(stub) -> None:
 
 
 def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: ignore[no-untyped-def]
+    # The slow launch holds the one launch process long enough for the second job to be built
+    # and cancelled while it waits, also on a loaded machine (3 s did not, once, in CI).
     slow = stub.Submit(
-        pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 3})), timeout=30
+        pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 8})), timeout=30
     ).job
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # launched first (two builds finish in either order)
