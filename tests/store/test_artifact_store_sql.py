@@ -4,28 +4,11 @@ by content key, build requests leased by builders, the builders' list."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-from kerneleval_server.jobs.store import JobStore, open_store
+from kerneleval_server.jobs.store import JobStore
 from kerneleval_server.jobs.store.base import BUILD_FAILED, MAX_BUILD_ATTEMPTS
-from pg_server import PostgresServer
 
 V1, V2 = "torch 2.11|cuda 13.0|g++|nvcc|recipe 3", "torch 2.12|cuda 13.0|g++|nvcc|recipe 3"
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
-    if request.param == "sqlite":
-        s: JobStore = open_store(tmp_path / "jobs.db")
-    else:
-        server: PostgresServer = request.getfixturevalue("postgres")
-        s = open_store(server.new_database())
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_artifacts_are_kept_once_by_key_and_dropped_when_unused(store: JobStore) -> None:

@@ -197,20 +197,30 @@ def test_versions_that_differ_are_refused(
     run(scenario)
 
 
+async def builder_dies_holding_the_build(
+    store: PostgresStore, tmp_path: Path, wait_s: float
+) -> tuple[Node, BuilderNode, float]:
+    """A node (`--builder-wait-s` wait_s) asks for job-a's build; the one builder takes it and
+    dies (SIGKILL: nothing given back). The node, the dead builder, when the node asked."""
+    dying = builder(store, tmp_path, "dying", lease_s=0.6, builds_now=False)
+    dying.start()
+    await until(lambda: dying.registered)
+    node = Node(store, tmp_path, "node-1", wait_s=wait_s)
+    node.artifacts.refresh()
+    began = time.monotonic()
+    assert node.ask("job-a") is None
+    await until(lambda: dying.held)
+    for task in dying._tasks:
+        task.cancel()
+    return node, dying, began
+
+
 def test_a_builder_lost_mid_build_has_its_request_taken_again(
     store: PostgresStore, tmp_path: Path
 ) -> None:
     async def scenario() -> None:
-        dying = builder(store, tmp_path, "dying", lease_s=0.6, builds_now=False)
-        dying.start()
-        await until(lambda: dying.registered)
-        node = Node(store, tmp_path, "node-1", wait_s=3.0)
-        node.artifacts.refresh()
-        assert node.ask("job-a") is None
+        node, dying, _ = await builder_dies_holding_the_build(store, tmp_path, wait_s=3.0)
         key = extension.call_key(CALL, node.builds._target(DEVICE, ARCH))
-        await until(lambda: dying.held)  # it took the build ...
-        for task in dying._tasks:  # ... and dies (SIGKILL: nothing given back)
-            task.cancel()
         held = store.build_request(key)
         assert held is not None and held.lease_builder == dying.builder_id
         # Another builder starts; once the dead one's lease expires it takes the request.
@@ -230,16 +240,7 @@ def test_with_no_builder_left_the_node_builds_it_itself(
     store: PostgresStore, tmp_path: Path
 ) -> None:
     async def scenario() -> None:
-        dying = builder(store, tmp_path, "dying", lease_s=0.6, builds_now=False)
-        dying.start()
-        await until(lambda: dying.registered)
-        node = Node(store, tmp_path, "node-1", wait_s=0.5)
-        node.artifacts.refresh()
-        began = time.monotonic()
-        assert node.ask("job-a") is None
-        await until(lambda: dying.held)
-        for task in dying._tasks:
-            task.cancel()
+        node, _, began = await builder_dies_holding_the_build(store, tmp_path, wait_s=0.5)
         # The lease expires (0.6 s) and nobody holds it for --builder-wait-s (0.5 s): the
         # node's own build processes get it.
         build = await until(lambda: node.builds.next_build(), timeout=10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -20,19 +19,6 @@ from kerneleval_server.jobs.store import (
     open_store,
 )
 from pg_server import PostgresServer
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
-    if request.param == "sqlite":
-        s: JobStore = open_store(tmp_path / "jobs.db")
-    else:
-        server: PostgresServer = request.getfixturevalue("postgres")
-        s = open_store(server.new_database())
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def make_job(job_id: str, *, state: int = job_pb2.JOB_STATE_QUEUED, tag: str = "") -> job_pb2.Job:
