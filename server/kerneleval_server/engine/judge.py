@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
@@ -123,17 +123,19 @@ class _Judge(_Job):
 
     def _check_over_claim(
         self, over: record.Trial, index: int, ref: Program, make_args: MakeArgs, max_bytes: int
-    ) -> None:
-        """A later trial said to be over the limit: the reference's outputs on its inputs must
-        not have fitted where the record stopped, else the kernel chose what to show here."""
+    ) -> list[Any]:
+        """A trial said to be over the limit: the reference's outputs on its inputs (returned)
+        must not have fitted where the record stopped, else the kernel chose what to show."""
         args = make_args(self.opts.correct_trials + 1 if over.replay else index)
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
         if record.fits_after(over.at, ref_out, max_bytes):
             which = "the timed trial on fresh inputs" if over.replay else f"trial {index + 1}"
+            first = index == 0 and not over.replay
             self._tampered(
-                f"the kernel's process called {which} over the record's limit, where the "
-                "reference's outputs fit"
+                f"the kernel's process {'recorded none of its outputs: it ' if first else ''}"
+                f"called {which} over the record's limit, where the reference's outputs fit"
             )
+        return ref_out
 
     def _nothing_recorded(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,
@@ -141,16 +143,13 @@ class _Judge(_Job):
     ) -> None:  # fmt: skip
         """No correctness trial was recorded: fine only when the reference's outputs are over
         the limit too; the kernel's process then judged itself, as it reports."""
-        ref_out = self._run(ref, make_args(0), REFERENCE_PREFIX)
-        need = record.needed(ref_out)
-        if over is None or need + record.MARGIN <= max_bytes:
-            self._tampered(
-                "the kernel's process recorded none of its outputs"
-                + (f" (it said they needed {over.bytes} bytes)" if over is not None else "")
-            )
+        if over is None or over.replay:  # the correctness trials come first
+            self._tampered("the kernel's process recorded none of its outputs")
+        ref_out = self._check_over_claim(over, 0, ref, make_args, max_bytes)
         self.result.CopyFrom(candidate)
         self.notes.append(
-            f"judged in the kernel's own process: its outputs ({need} bytes) are over the "
+            f"judged in the kernel's own process: its outputs "
+            f"({record.trial_bytes(ref_out) - record.MAX_HEADER} bytes) are over the "
             f"judge's record limit of {max_bytes} bytes"
         )
 

@@ -47,13 +47,14 @@ DTYPES: dict[str, torch.dtype] = {
 MARGIN = 1 << 16
 
 
-def needed(outputs: list[Any]) -> int:
-    """The bytes a record of these outputs as its first trial takes (the limit counts them)."""
+def trial_bytes(outputs: list[Any]) -> int:
+    """What a trial of these outputs adds to a record, room for its header included (the
+    limit counts it): sized where the tensors are."""
     size = 0
     for v in outputs:
         if isinstance(v, torch.Tensor):
             size += _aligned(v.numel() * v.element_size())
-    return len(MAGIC) + MAX_HEADER + size
+    return MAX_HEADER + size
 
 
 class RecordError(Exception):
@@ -73,7 +74,6 @@ class Recorder:
         self._max = max_bytes
         self._end = len(MAGIC)
         self.full = False  # a trial did not fit: the rest is judged here
-        self.trials = 0
         os.pwrite(fd, MAGIC, 0)
 
     def record(self, trial: int, outputs: list[Any], replay: bool = False) -> bool:
@@ -83,10 +83,10 @@ class Recorder:
             return False
         head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
         # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
-        size = needed(outputs) - len(MAGIC) - MAX_HEADER
-        if self._end + MAX_HEADER + size > self._max:
+        need = trial_bytes(outputs)
+        if self._end + need > self._max:
             self.full = True
-            head.over_limit, head.bytes = True, size
+            head.over_limit, head.bytes = True, need - MAX_HEADER
             self._append(head, [])
             return False
         values = [_host_value(v) for v in outputs]
@@ -100,7 +100,6 @@ class Recorder:
             entry.nbytes = t.numel() * t.element_size()
             offset = _aligned(offset + entry.nbytes)
         self._append(head, values)
-        self.trials += 1
         return True
 
     def _append(
@@ -110,10 +109,11 @@ class Recorder:
         os.pwrite(self._fd, struct.pack(">I", len(data)) + data, self._end)
         end = self._end + 4 + len(data)
         for entry, t in zip(head.values, values, strict=False):
-            if t is not None and entry.nbytes:
+            if t is None:
+                continue
+            if entry.nbytes:
                 os.pwrite(self._fd, t.reshape(-1).view(torch.uint8).numpy().data, entry.offset)
-            if t is not None:
-                end = max(end, entry.offset + entry.nbytes)
+            end = max(end, entry.offset + entry.nbytes)
         self._end = _aligned(end) if head.values else end
 
 
@@ -143,7 +143,7 @@ class Trial:
 def fits_after(at: int, outputs: list[Any], max_bytes: int) -> bool:
     """Whether a record that held `at` bytes had room for these outputs (Recorder.record's
     test, with MARGIN to spare): a kernel's "over the limit" is then a lie."""
-    return at + needed(outputs) - len(MAGIC) + MARGIN <= max_bytes
+    return at + trial_bytes(outputs) + MARGIN <= max_bytes
 
 
 def _stand_in(type_name: str) -> Any:
