@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, loader, record
+from . import compare, loader, record, tamper
 from .backends import Program
 from .inputs import TrialArgs
 from .runner import (
@@ -32,7 +32,6 @@ from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
 
-TAMPERING = "tampering: "
 # What the kernel's process says of itself and the judge says again.
 JUDGED_FIELDS = (
     "verdict", "correctness", "correctness_status", "validation", "validation_error",
@@ -80,7 +79,8 @@ class _Judge(_Job):
         try:
             trials = record.read(fd)
         except record.RecordError as e:
-            self._tampered(f"the kernel's process left a malformed record of its outputs: {e}")
+            why = f"the kernel's process left a malformed record of its outputs: {e}"
+            self._tampered(tamper.PREFIX + why)
         # At most the trials the options ask for: a record of thousands would hold the GPU.
         checked = [t for t in trials if not t.replay and not t.over_limit]
         checked = checked[: self.opts.correct_trials]
@@ -114,13 +114,6 @@ class _Judge(_Job):
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
 
-    def _tampered(self, why: str) -> NoReturn:
-        self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-        self.result.failed_side = job_pb2.SIDE_KERNEL
-        self.result.error.exception_type = "Tampering"
-        self.result.error.message = TAMPERING + why
-        raise _Stop
-
     def _check_over_claim(
         self, over: record.Trial, index: int, ref: Program, make_args: MakeArgs, max_bytes: int
     ) -> list[Any]:
@@ -132,7 +125,8 @@ class _Judge(_Job):
             which = "the timed trial on fresh inputs" if over.replay else f"trial {index + 1}"
             first = index == 0 and not over.replay
             self._tampered(
-                f"the kernel's process {'recorded none of its outputs: it ' if first else ''}"
+                f"{tamper.PREFIX}the kernel's process "
+                f"{'recorded none of its outputs: it ' if first else ''}"
                 f"called {which} over the record's limit, where the reference's outputs fit"
             )
         return ref_out
@@ -144,7 +138,7 @@ class _Judge(_Job):
         """No correctness trial was recorded: fine only when the reference's outputs are over
         the limit too; the kernel's process then judged itself, as it reports."""
         if over is None or over.replay:  # the correctness trials come first
-            self._tampered("the kernel's process recorded none of its outputs")
+            self._tampered(tamper.PREFIX + "the kernel's process recorded none of its outputs")
         ref_out = self._check_over_claim(over, 0, ref, make_args, max_bytes)
         self.result.CopyFrom(candidate)
         self.notes.append(
@@ -161,7 +155,7 @@ class _Judge(_Job):
         if self.opts.perf_trials < 2:
             return
         if replay is None:
-            self._tampered("the timed trial on fresh inputs was not recorded")
+            self._tampered(tamper.PREFIX + "the timed trial on fresh inputs was not recorded")
         fresh = make_args(self.opts.correct_trials + 1)
         ref_out = self._run(ref, fresh.clone(), REFERENCE_PREFIX)
         names = self._output_names(cand, ref, fresh)

@@ -734,6 +734,11 @@ class _Job:
         believed, and the job says why."""
         message = tamper.message(changed)
         self._flag([integrity.flag(tamper.TIMER_TAMPERED, message)])
+        self._tampered(message, who)
+
+    def _tampered(self, message: str, who: str = "") -> NoReturn:
+        """Ends the job VERDICT_RUNTIME_ERROR for tampering (`message` says what), blamed on
+        the source `who` names (the kernel by default)."""
         self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
         self.result.failed_side = side_of(who)
         self.result.error.CopyFrom(job_pb2.ErrorInfo(message=message, exception_type="Tampering"))
