@@ -155,9 +155,7 @@ class WorkerState:
         dup = socket.socket(fileno=os.dup(raw.fileno()))
         try:
             sent = socket.send_fds(dup, [frame], [fd])
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
+        except OSError:  # BlockingIOError: the socket's buffer is full
             return False
         finally:
             dup.close()
