@@ -870,6 +870,38 @@ def _events(stub, job_id: str) -> list[pb.WatchResponse]:  # type: ignore[no-unt
     return out
 
 
+# Patches the engine's timing from its module body (the clock, the measurement), so that its
+# own process would report it fast; its forward is the reference's.
+TIMER_PATCHER = """
+import time
+import torch
+import kerneleval_server.engine.timing as timing
+
+_real = time.perf_counter_ns
+time.perf_counter_ns = lambda: _real() // 10
+_measure = timing.measure
+timing.measure = lambda *a, **k: _measure(*a, **k)
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return x + 0.0
+"""
+
+
+def test_a_patched_timer_ends_in_tampering(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: the module body patches the clock and timing.measure; the job process, armed
+    before the job's code was imported, sees it after the timed trials: a tampering
+    RUNTIME_ERROR with the timer_tampered flag, no time. The next tenants are judged right."""
+    s = spec(TIMER_PATCHER, reference=hs.REFERENCE, client_tag="mallory-timer", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert ran.job.result.error.message.startswith("tampering: "), ran.describe()
+    assert "timer_tampered" in [f.rule_id for f in ran.job.result.flags], ran.describe()
+    assert not ran.job.result.HasField("runtime"), ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
     the field; no job stored, no job process held."""
