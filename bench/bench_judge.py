@@ -5,8 +5,9 @@ default: a compared job's kernel records its outputs, a second job process impor
 reference and gives the verdict) and `--record-max-mib 0` (the kernel's process judges
 itself, as before). Per service:
   - Compare latency, paced so that a warm process waits (p50, p99), of a small torch
-    `ModelNew` and of a Triton `ModelNew`, both `a + b` against eager `a + b`, timed
-    (perf_trial_count 20);
+    `ModelNew` (timed, perf_trial_count 20, and untimed) and of a Triton `ModelNew`, each
+    `a + b` against eager `a + b`; how much of it the judge took, and how many calls a
+    standing judge took;
   - RunBatch of distinct small torch `ModelNew`s (a constant in each source), all at once:
     compared jobs a second;
   - a forger: its module body makes its own process's comparison pass while its forward
@@ -66,9 +67,23 @@ def torch_spec(source: str, perf: int) -> kernel_pb2.JobSpec:
     return spec
 
 
+def judge_share(c: Any, job_id: str) -> tuple[float, bool] | None:
+    """From the job's events: seconds from its judge's start ("judged by" log) to its end,
+    and whether a standing judge (one that judged this reference before) took it."""
+    start = end = 0.0
+    standing = False
+    for ev in c.watch(job_id):
+        if ev.HasField("log") and "judged by" in ev.log.text:
+            start, standing = C.ts(ev.time), "earlier job(s)" in ev.log.text
+        elif ev.HasField("finished"):
+            end = C.ts(ev.time)
+    return (end - start, standing) if start and end else None
+
+
 def latencies(svc: C.Service, spec: kernel_pb2.JobSpec, count: int, pace: float) -> dict[str, Any]:
     walls: list[float] = []
-    ok = 0
+    judged: list[float] = []
+    ok = standing = 0
     with svc.client() as c:
         for i in range(count + 2):
             time.sleep(pace)  # a warm job process waits for the call (two with the judge)
@@ -77,7 +92,12 @@ def latencies(svc: C.Service, spec: kernel_pb2.JobSpec, count: int, pace: float)
             if i >= 2:
                 walls.append(time.perf_counter() - t)
                 ok += job.result.verdict == job_pb2.VERDICT_OK
-    return {"ok": ok, **C.summary(walls)}
+                share = judge_share(c, job.job_id)
+                if share is not None:
+                    judged.append(share[0])
+                    standing += share[1]
+    judge = C.summary(judged)["median"] if judged else 0.0
+    return {"ok": ok, **C.summary(walls), "judge_median": judge, "standing": standing}
 
 
 def batch_rate(svc: C.Service, count: int) -> dict[str, Any]:
@@ -116,6 +136,7 @@ def main() -> int:
     info = C.machine_info()
     kinds = {
         "torch ModelNew": torch_spec(TORCH_NEW.replace("VARIANT", "1.0"), 20),
+        "torch ModelNew, untimed": torch_spec(TORCH_NEW.replace("VARIANT", "1.0"), 0),
         "Triton ModelNew": K.triton_add_spec(N),
     }
     kinds["Triton ModelNew"].options.CopyFrom(K.options(correct=2, perf=20, warmup=3))
@@ -145,6 +166,7 @@ def main() -> int:
         a, b = on[name], off[name]
         rows.append(
             [name, f"{a['ok']}/{a['n']}", a["median"] * 1e3, a["p99"] * 1e3,
+             a["judge_median"] * 1e3, f"{a['standing']}/{a['n']}",
              f"{b['ok']}/{b['n']}", b["median"] * 1e3, b["p99"] * 1e3,
              (a["median"] - b["median"]) * 1e3]
         )  # fmt: skip
@@ -155,8 +177,11 @@ def main() -> int:
     ]  # fmt: skip
     notes = [
         f"Compare of a + b over {N} float32 elements against eager a + b, 2 correctness "
-        f"trials, 20 timed; {requests} paced calls ({pace} s apart), one at a time, "
-        f"--workers-per-device {wpd}.",
+        f"trials, 20 timed (none: untimed); {requests} paced calls ({pace} s apart), one at a "
+        f"time, --workers-per-device {wpd}.",
+        "Of which judging: from the judge's start (its log event) to the result, from the "
+        "job's events; standing judge: calls judged by a process that judged this reference "
+        "before (jobs/judging.py).",
         "judge: the default (a second job process imports only the reference and judges the "
         "recorded outputs); no judge: --record-max-mib 0 (the kernel's process judges itself).",
         "The forger's own process compares as it likes; the verdict column is the service's.",
@@ -166,8 +191,8 @@ def main() -> int:
     C.write_results(
         args.out, "bench_judge", "Compared jobs judged outside the kernel's process", info, data,
         [("Compare latency (ms)",
-          ["kernel", "judge OK", "judge p50", "judge p99", "no judge OK", "no judge p50",
-           "no judge p99", "p50 cost"], rows),
+          ["kernel", "judge OK", "judge p50", "judge p99", "of which judging, p50",
+           "standing judge", "no judge OK", "no judge p50", "no judge p99", "p50 cost"], rows),
          ("RunBatch of distinct torch ModelNews, and the forger",
           ["service", "jobs", "seconds", "jobs/s", "verdicts", "forger's verdict"],
           batch_rows)],

@@ -1,4 +1,4 @@
-"""A launch process's hygiene between jobs (jobproc.runtime._clean_after_launch), on a GPU.
+"""A launch process's hygiene between jobs (jobproc.runtime._clean_for_next_job), on a GPU.
 
 A launch process runs job after job: device memory one job used must hold nothing of it when
 the next job allocates (with the same seed, a job's inputs and outputs are the next job's
@@ -28,7 +28,7 @@ held = torch.ones(1 << 20, device="cuda")  # the process's own, allocated across
 bufs = [torch.full((n,), PATTERN, dtype=torch.int32, device="cuda") for n in sizes]
 torch.cuda.synchronize()
 del bufs
-ok = runtime._clean_after_launch() if clean else (torch.cuda.empty_cache() or True)
+ok = runtime._clean_for_next_job() if clean else (torch.cuda.empty_cache() or True)
 found = 0
 for n in sizes:
     y = torch.empty((n,), dtype=torch.int32, device="cuda")

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import os
 import signal
-from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2
@@ -324,7 +324,6 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
 
 def test_interceptor_counts_codes_and_turns_bugs_into_internal() -> None:
     import types
-    from typing import Any
 
     import grpc
     from kerneleval_server.metrics import Metrics, MetricsInterceptor
@@ -455,45 +454,202 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     store.close()
 
 
-def test_judges_wait_for_the_kernels_exit_and_a_gpu_held_alone_judges_its_job_only(
-    tmp_path: Path,
-) -> None:
-    """Issue 13's judge, in the front end: a judged job is queued for its judge only once its
-    kernel's process has exited (its record then sealed), and a GPU held for a job re-run
-    alone judges that job only (others waited for ever behind it on the H100)."""
-    import fcntl
-
-    from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs import judging
-    from kerneleval_server.jobs.manager import JobManager, Running
+def _judging_manager(tmp_path: Path) -> Any:
+    """A JobManager with no job processes (dispatch off), for the judge's front-end steps."""
+    from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
-    m.dispatch = lambda: None  # type: ignore[method-assign]  # no job processes here
+    m.dispatch = lambda: None  # type: ignore[method-assign]
+    return m
 
-    def judged(job_id: str, worker_id: str) -> Running:
-        w = WorkerState(worker_id, 100, 0, False, 0)
-        r = Running(job=job_pb2.Job(job_id=job_id, device_index=0), worker=w, timeout_s=60)
-        r.record = judging.Record.make(job_id, 1 << 20)
-        r.record.kernel_outcome = job_channel_pb2.JobOutcome(job_id=job_id)
-        r.awaiting_judge = True
-        m.running[job_id] = r
-        return r
 
-    first, held = judged("first", "d0-w0"), judged("held", "d0-w1")
-    assert m.judge_queue == deque()  # their kernels' processes have not exited yet
-    for r in (first, held):
-        m._job_worker_exited(r, watchdog_pb2.WorkerExited(exit_code=0))
-    assert list(m.judge_queue) == ["first", "held"]
-    assert fcntl.fcntl(first.record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE  # type: ignore[union-attr]
-    with pytest.raises(PermissionError):
-        os.write(first.record.fd, b"x")  # type: ignore[union-attr]
-    assert m._next_judge(0, held_for="held") == "held"
-    assert m._next_judge(0, held_for="held") == ""  # "first" waits for the held job's end
-    assert m._next_judge(1) == ""  # judged on the GPU its kernel ran on
-    assert m._next_judge(0) == "first"
-    for r in (first, held):
-        assert r.record is not None
-        r.record.close()
+class _Channel:
+    """A job process's channel as the front end writes it: the kinds of what it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def write(self, frame: bytes) -> None:
+        from kerneleval.internal.v1 import job_channel_pb2
+
+        msg = job_channel_pb2.FrontendMessage.FromString(frame[4:])
+        self.sent.append(msg.WhichOneof("kind") or "")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _process(worker_id: str, device: int = 0, *, judge_key: str = "") -> Any:
+    """A warm job process: fresh, or a standing judge of `judge_key` between jobs."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+
+    w = WorkerState(worker_id, 100, device, False, 0, writer=_Channel())  # type: ignore[arg-type]
+    w.hello = job_channel_pb2.Hello(worker_id=worker_id, judges=True)
+    if judge_key:
+        w.assigned_job_id, w.reusable, w.judge_key = "earlier", True, judge_key
+    return w
+
+
+def _judged(m: Any, job_id: str, kernel: Any, reference: str = "ref") -> Any:
+    """A compared job whose kernel's process (`kernel`, gone from now on) just answered OK."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import kernel_pb2
+    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs.deadline import Deadline
+    from kerneleval_server.jobs.manager import Running
+
+    spec = kernel_pb2.JobSpec()
+    spec.reference.source_code = reference
+    job = job_pb2.Job(job_id=job_id, device_index=kernel.device_index, spec=spec)
+    r = Running(job=job, worker=kernel, timeout_s=60)
+    r.record = judging.Record.make(job_id, 1 << 20, spec)
+    r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
+    m.running[job_id] = r
+    m.workers.by_id[kernel.worker_id] = kernel
+    kernel.gone = True
+    m._await_judge(r, job_channel_pb2.JobOutcome(job_id=job_id))
+    return r
+
+
+def test_a_judged_record_is_sealed_at_the_kernels_outcome_or_once_its_process_is_gone(
+    tmp_path: Path,
+) -> None:
+    """Issue 13's judge, in the front end: a judged job waits for its judge as soon as its
+    kernel answers OK, its record sealed (no write can change it); a kernel's process that
+    still maps the record writable delays that until it has exited."""
+    import fcntl
+    import mmap
+
+    m = _judging_manager(tmp_path)
+
+    async def main() -> None:
+        first = _judged(m, "first", _process("d0-w0"))
+        assert list(m.judge_queue) == ["first"]
+        assert fcntl.fcntl(first.record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
+        with pytest.raises(PermissionError):
+            os.write(first.record.fd, b"x")
+
+        # A kernel's process holding the record mapped for writing (a hostile one could).
+        from kerneleval_server.jobs import judging
+
+        record = judging.Record.make("mapped", 1 << 20, job_pb2.Job().spec)
+        os.ftruncate(record.fd, 4096)
+        mapping = mmap.mmap(record.fd, 4096, flags=mmap.MAP_SHARED)
+        m_make = judging.Record.make
+        judging.Record.make = lambda *a: record  # type: ignore[method-assign,assignment]
+        try:
+            held = _judged(m, "mapped", _process("d0-w1"))
+        finally:
+            judging.Record.make = m_make  # type: ignore[method-assign]
+        assert list(m.judge_queue) == ["first"]  # not sealed: it may still change
+        mapping.close()  # the process exits: its mappings go with it
+        m._kernel_exited(held)
+        assert list(m.judge_queue) == ["first", "mapped"]
+        assert fcntl.fcntl(record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
+        for r in (first, held):
+            r.record.close()
+
+    asyncio.run(main())
+
+
+def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path: Path) -> None:
+    """A judged job goes to a standing judge of its own reference before a fresh process,
+    never to one of another reference, on the GPU its kernel ran on; a GPU held for a job
+    re-run alone judges that job only (others waited for ever behind it on the H100)."""
+    from kerneleval_server.jobs import judging
+
+    m = _judging_manager(tmp_path)
+    started: list[tuple[str, str]] = []
+    m._start_judge = lambda job_id, w: started.append((job_id, w.worker_id))  # type: ignore[method-assign]
+
+    async def main() -> None:
+        a = _judged(m, "a", _process("d0-k0"), reference="ref A")
+        b = _judged(m, "b", _process("d0-k1"), reference="ref B")
+        on1 = _judged(m, "on1", _process("d1-k0", device=1), reference="ref A")
+        key_a = a.record.reference_key
+        assert key_a != b.record.reference_key
+        assert key_a == judging.reference_key(on1.job.spec)  # the same reference, byte for byte
+        other = _process("d0-j0", judge_key=b.record.reference_key + "x")
+        mine = _process("d0-j1", judge_key=key_a)
+        fresh = _process("d0-w0")
+        m._start_judges([fresh], [other, mine], {})
+        assert started == [("a", "d0-j1"), ("b", "d0-w0")]  # "on1" waits for a GPU-1 process
+        assert list(m.judge_queue) == ["on1"]
+
+        started.clear()
+        held = _judged(m, "held", _process("d0-k2"))
+        m._start_judges([_process("d0-w1"), _process("d0-w2")], [], {0: "held"})
+        assert started == [("held", "d0-w1")]
+        for r in (a, b, on1, held):
+            r.record.close()
+
+    asyncio.run(main())
+
+
+def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
+    tmp_path: Path,
+) -> None:
+    """The judge may start and check while the kernel's process exits, but its timing
+    window (PHASE_PROFILING) is asked for only once that process has exited: nothing of the
+    kernel may still run on the GPU while the reference is timed."""
+    from kerneleval.internal.v1 import job_channel_pb2
+
+    m = _judging_manager(tmp_path)
+    asked: list[str] = []
+    m.gate.request = lambda device, worker_id, exclusive: asked.append(worker_id)  # type: ignore[method-assign]
+
+    async def main() -> None:
+        kernel = _process("d0-k0")
+        run = _judged(m, "j", kernel)
+        judge = _process("d0-w0")
+        run.worker, run.awaiting_judge, judge.job_id = judge, False, "j"
+        m.workers.by_id[judge.worker_id] = judge
+        for phase in (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
+            update = job_channel_pb2.PhaseUpdate(job_id="j", phase=phase)  # type: ignore[arg-type]
+            m.on_worker_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
+            if phase == job_pb2.PHASE_VALIDATING:
+                assert asked == ["d0-w0"]  # its check goes through memory admission at once
+                m.gate.release(0, "d0-w0")
+        assert asked == ["d0-w0"] and run.timing_waits_kernel
+        exited = watchdog_pb2.WorkerExited(exit_code=0)
+        exited.worker.worker_id = kernel.worker_id
+        m._on_worker_exited(exited, drain=False)
+        assert asked == ["d0-w0", "d0-w0"] and not run.timing_waits_kernel
+        run.record.close()
+
+    asyncio.run(main())
+
+
+def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
+    """Standing judges live outside their GPU's process slots, so they are capped: a judge
+    beyond STANDING_JUDGES_PER_DEVICE on its GPU leaves at once (its channel closed), and one
+    idle for STANDING_JUDGE_IDLE_S leaves then, unless it judged again meanwhile."""
+    from kerneleval_server.jobs.manager import STANDING_JUDGES_PER_DEVICE
+
+    m = _judging_manager(tmp_path)
+
+    async def main() -> None:
+        judges = [_process(f"d0-j{i}") for i in range(STANDING_JUDGES_PER_DEVICE + 1)]
+        judges.append(_process("d1-j0", device=1))
+        for w in judges:
+            m.workers.by_id[w.worker_id] = w
+            w.assigned_job_id, w.reusable = "earlier", True
+            m._stand(w, "k")
+        extra = judges[STANDING_JUDGES_PER_DEVICE]
+        assert extra.gone and extra.writer.closed and not extra.ready
+        for w in judges[:STANDING_JUDGES_PER_DEVICE] + judges[-1:]:  # the cap is per GPU
+            assert w.ready and w.judge_key == "k", w.worker_id
+        busy, idle = judges[0], judges[1]
+        m._retire_if_idle(busy, busy.idle_since - 1)  # it judged again since that timer
+        assert busy.ready
+        m._retire_if_idle(idle, idle.idle_since)
+        assert idle.gone and idle.writer.closed
+
+    asyncio.run(main())

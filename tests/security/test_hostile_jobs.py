@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -900,6 +901,57 @@ def test_a_patched_timer_ends_in_tampering(stub, svc: ServiceProcess) -> None:  
     assert "timer_tampered" in [f.rule_id for f in ran.job.result.flags], ran.describe()
     assert not ran.job.result.HasField("runtime"), ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
+
+
+# A reference whose module body makes the judge's comparison pass whatever it is given: in
+# the judge's process, which stays for the next job with this same reference (a standing
+# judge), the patch stays too.
+REFERENCE_FORGING_ITS_JUDGE = (
+    """
+import kerneleval_server.engine.compare as cmp
+
+_orig = cmp.compare_outputs
+
+
+def _forged(*a, **k):
+    c = _orig(*a, **k)
+    c.ok, c.message = True, ""
+    return c
+
+
+cmp.compare_outputs = _forged
+"""
+    + hs.REFERENCE
+)
+
+
+def _judge_of(ran: Ran) -> str:
+    found = re.search(r"judged by (\S+?),", ran.logs)
+    assert found, ran.describe()
+    return found.group(1)
+
+
+def test_a_standing_judge_takes_only_jobs_of_its_own_reference(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """A judge that judged cleanly stays for the next job with the same reference, byte for
+    byte. A reference that forges its judge's comparison from its module body keeps that
+    forgery for its own jobs only (the same code would forge a fresh judge just the same):
+    the next jobs, with another reference, are judged by other processes, and right."""
+    wrong = hs.victim_source(wrong=True)
+    first = run_job(
+        stub, spec(wrong, reference=REFERENCE_FORGING_ITS_JUDGE, client_tag="mallory-judge-1"), svc
+    )
+    second = run_job(
+        stub, spec(wrong, reference=REFERENCE_FORGING_ITS_JUDGE, client_tag="mallory-judge-2"), svc
+    )
+    for ran in (first, second):  # what its own reference says
+        assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert _judge_of(second) == _judge_of(first), second.describe()  # it stood
+    assert "which judged 1 earlier job(s) of this reference only" in second.logs
+    # Another reference, and a kernel that passes in its own process: judged elsewhere.
+    forger = run_job(stub, spec(FORGER, reference=hs.REFERENCE, client_tag="mallory-judge-3"), svc)
+    assert forger.verdict == job_pb2.VERDICT_INCORRECT, forger.describe()
+    assert _judge_of(forger) != _judge_of(first), forger.describe()
+    next_tenants_are_judged_right(stub, svc, second)
 
 
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]

@@ -114,6 +114,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
                 spare=w.spare,
                 job_id=w.job_id,
                 completed_job_count=w.completed,
+                standing_judge=bool(w.judge_key),
             )
             info.start_time.FromMilliseconds(w.start_time_ms)
         if not out:

@@ -54,6 +54,10 @@ class WorkerState:
     # another (JobOutcome.reusable). `reusable` holds between such an outcome and the next job.
     launches: int = 0
     reusable: bool = False
+    # A standing judge: it judged a job and said it may judge another, only of a job with
+    # the same reference (jobs/judging.py `reference_key`). It takes no other job.
+    judge_key: str = ""
+    idle_since: float = 0.0  # loop time it last became reusable
     completed: int = 0
     # Its job was let use the GPU (a check or timing): it holds GPU memory until it exits (a
     # launch process: until it cleaned up). A job still compiling holds next to none.

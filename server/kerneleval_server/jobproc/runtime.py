@@ -6,10 +6,13 @@ sandboxed the process (docs/INTERNALS.md, "Job processes"):
     Hello (device info, pid) -> AssignJob -> phases / progress / logs -> JobOutcome -> exit
     a build process:            AssignJob(build_only) -> BuildOutcome -> exit
     a launch process:           AssignJob(prebuilt) -> ... -> JobOutcome(reusable) -> AssignJob ...
+    a judge:                    AssignJob(judge) -> ... -> JobOutcome(reusable) -> AssignJob ...
 
 A job whose code runs on the host (a Model, a Triton module's top level, an extension) is the
 process's only one. A job whose every kernel came prebuilt from a build process runs none of
 its code here, so the process may take another such job once it has cleaned up (`reusable`).
+A judge ran only a job's reference: it may judge another job once it has cleaned up, and the
+front end gives it only jobs with that same reference (jobs/judging.py, a standing judge).
 It never waits for a Welcome (one is ignored), reads the next AssignJob only once the job before
 is over and the process clean, waits for a grant after sending PHASE_VALIDATING or
 PHASE_PROFILING, and returns POISONED_EXIT when the
@@ -583,13 +586,13 @@ def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
     return "kernel" in roles and (not spec.HasField("reference") or "reference" in roles)
 
 
-def _clean_after_launch() -> bool:
-    """Hygiene before a launch process takes another job: nothing of the job left in Python,
-    the GPU idle, every byte of device memory the job freed zeroed (a later kernel that reads
-    out of its bounds must not find this job's inputs or outputs: with the same seed they are
-    the next job's answers) and given back to the driver. Memory still allocated belongs to
-    the process (cuBLAS's workspace, the engine's own buffers) and is left as it is. False
-    when any of it fails: the process then exits."""
+def _clean_for_next_job() -> bool:
+    """Hygiene before a launch process or a judge takes another job: nothing of the job left
+    in Python, the GPU idle, every byte of device memory the job freed zeroed (a later kernel
+    that reads out of its bounds must not find this job's inputs or outputs: with the same
+    seed they are the next job's answers) and given back to the driver. Memory still
+    allocated belongs to the process (cuBLAS's workspace, the engine's own buffers) and is
+    left as it is. False when any of it fails: the process then exits."""
     gc.collect()
     torch = _cuda_in_use()
     if torch is None:
@@ -653,18 +656,20 @@ def _run_one(
     engine: ModuleType, channel: _Channel, assign: job_channel_pb2.AssignJob, last: bool
 ) -> tuple[bool, bool]:
     """Runs the job and sends its outcome. Returns (the CUDA context is poisoned, the process
-    may take another job: it ran prebuilt kernels only and cleaned up). `last`: it may not."""
+    may take another job: it ran prebuilt kernels only, or judged, and cleaned up). `last`: it
+    may not."""
     reporter = _Reporter(channel, assign.job_id)
     job_dir, cache_dir, seeded = _job_dirs(assign)
     channel.job_running = True
     prebuilt = list(assign.prebuilt)
     _reset_peak_memory()
     record_fd = next(iter(channel.record_fds.pop(assign.job_id, [])), -1)
+    judging = assign.HasField("judge") and record_fd >= 0
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
             config.extension_builder = functools.partial(channel.build_extension, assign.job_id)
-        if assign.HasField("judge") and record_fd >= 0:
+        if judging:
             # The reference is client code too, and its time must cost what the kernel's
             # does: the judge runs armed as well.
             _arm_tamper_checks()
@@ -685,7 +690,12 @@ def _run_one(
         result, poisoned, peak = _engine_error(exc), False, 0
     if record_fd >= 0:
         os.close(record_fd)
-    reusable = not last and not poisoned and _launch_only(assign) and not result.HasField("error")
+    reusable = (
+        not last
+        and not poisoned
+        and (judging or _launch_only(assign))
+        and not result.HasField("error")  # a reference that failed or tampered: not again
+    )
     channel.finishing = True
     added = compile_cache_added(cache_dir, seeded) if result.compiled and not poisoned else []
     outcome_msg = job_channel_pb2.JobOutcome(
@@ -707,7 +717,7 @@ def _run_one(
     if not poisoned:
         shutil.rmtree(job_dir, ignore_errors=True)
     shutil.rmtree(cache_dir, ignore_errors=True)
-    if reusable and _clean_after_launch():
+    if reusable and _clean_for_next_job():
         channel.accept_next()
     else:
         reusable = False
@@ -726,7 +736,7 @@ def main(channel_fd: int) -> int:
     """The job process: Hello, then one job and its outcome; a build job's BuildOutcome; or,
     while it only launches prebuilt kernels, one job after another. The exit code to use."""
     # Everything made so far (modules, the warm-up's objects) is the process's own: a full
-    # collection after each job (_clean_after_launch) then scans only what the job made.
+    # collection after each job (_clean_for_next_job) then scans only what the job made.
     gc.freeze()
     # A job's sources are imported once, from its private /tmp: writing their bytecode next
     # to them is work for nobody (everything else here is read-only).

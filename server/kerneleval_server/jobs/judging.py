@@ -6,12 +6,17 @@ outputs there (engine/record.py). When it answers OK, the record is sealed (no m
 no resizing: the kernel's code cannot change it after the fact) and handed to a second, fresh
 job process on the same GPU, the judge, which imports only the reference and answers the
 job's final result. The front end never reads the record: it only makes, seals and passes it.
+
+A judge process that judged cleanly stays for the next job with the same reference (a
+standing judge, keyed by `reference_key`): only the reference's own code ever ran in it, and
+the next reference to run there is that same code.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -33,18 +38,28 @@ def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> boo
     return not (o.sanitize or o.device_metrics or o.launch_blocking or o.device_side_assertions)
 
 
+def reference_key(spec: kernel_pb2.JobSpec) -> str:
+    """What a standing judge may judge next: jobs whose reference is this one, byte for byte
+    (its source, type, entry points and I/O). A reference can leave state in its process, but
+    only for the same code, which could do the same in a process of its own."""
+    data = spec.reference.SerializeToString(deterministic=True)
+    return hashlib.sha256(data).hexdigest()
+
+
 @dataclass
 class Record:
-    """One job's record: the memfd, its limit, and the kernel's process's outcome once in."""
+    """One job's record: the memfd, its limit, who may judge it (`reference_key`), and the
+    kernel's process's outcome once in."""
 
     fd: int
     max_bytes: int
+    reference_key: str
     kernel_outcome: job_channel_pb2.JobOutcome | None = None
 
     @classmethod
-    def make(cls, job_id: str, max_bytes: int) -> Record:
+    def make(cls, job_id: str, max_bytes: int, spec: kernel_pb2.JobSpec) -> Record:
         fd = os.memfd_create(f"kerneleval-record-{job_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        return cls(fd, max_bytes)
+        return cls(fd, max_bytes, reference_key(spec))
 
     def seal(self) -> bool:
         """No writes, no resizing from now on. False while a process still maps it writable

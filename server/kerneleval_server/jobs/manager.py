@@ -74,6 +74,8 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
+STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
+STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
 RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
@@ -143,6 +145,10 @@ class Running:
     record: judging.Record | None = None
     awaiting_judge: bool = False
     kernel_window: Window | None = None
+    # The kernel's process from its outcome until it has exited: its judge may start and
+    # check meanwhile, but times the reference only once nothing of the kernel is left.
+    kernel_worker: WorkerState | None = None
+    timing_waits_kernel: bool = False
 
 
 @dataclass
@@ -453,6 +459,8 @@ class JobManager:
             return
         self._admit_waiting()
         ready = [w for w in self.workers.by_id.values() if w.ready]
+        standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
+        ready = [w for w in ready if not w.judge_key]
         for worker in ready:  # load_inline builds first: their jobs hold a GPU's process
             if worker.device_index == BUILD_DEVICE and self.extensions.queue:
                 self._start_extension_build(worker)
@@ -476,14 +484,8 @@ class JobManager:
         # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
         # starts there while it waits for the GPU to empty and while it runs.
         held = self._held_devices()
-        for worker in gpu:  # a job half done (its kernel ran) first, to a fresh process
-            if self.judge_queue and worker.ready and not worker.assigned_job_id:
-                alone = held.get(worker.device_index)
-                if alone is not None and self._busy_on(worker.device_index, worker):
-                    continue  # a job re-run alone is judged alone too, once the GPU is empty
-                judged = self._next_judge(worker.device_index, alone)
-                if judged:
-                    self._start_judge(judged, worker)
+        if self.judge_queue:  # a job half done (its kernel ran) first
+            self._start_judges(gpu, standing, held)
         for worker in gpu:
             if worker.device_index in held and worker.ready:
                 self._start_alone(worker, held[worker.device_index])
@@ -752,21 +754,34 @@ class JobManager:
     # ---- judged jobs (judging.py) ----------------------------------------------------
 
     def _await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
-        """The kernel ran OK in its process: once that process is gone (its GPU memory given
-        back: a judge beside it ran KernelBench's problems out of memory; its record mapped
-        by nobody), the record, sealed, waits (the deadline paused) for a fresh job process on
-        its GPU to judge it."""
+        """The kernel ran OK in its process: its record, sealed (at once, unless that process
+        still maps it writable: then once it has exited), waits (the deadline paused) for a
+        judge on its GPU, a standing judge of its reference or a fresh job process. The
+        judge's GPU use goes through memory admission like any job's (the kernel's process
+        holds its memory until it has exited: a judge beside it ran KernelBench's problems
+        out of memory), and it times the reference only once the kernel's process is gone."""
         assert run.record is not None and run.deadline is not None
         run.record.kernel_outcome = outcome
         run.kernel_window, run.window = run.window, None
+        run.kernel_worker = run.worker
         run.deadline.pause()
         run.awaiting_judge = True
-        # The exit (_job_worker_exited) queues it; this, should the exit never be heard of.
+        # Should the kernel's exit never be heard of (it is killed before this).
         run.timers.append(
             asyncio.get_running_loop().call_later(
-                OUTCOME_EXIT_GRACE_S + KILL_FALLBACK_S, self._seal_and_queue, run.job.job_id, 0
+                OUTCOME_EXIT_GRACE_S + KILL_FALLBACK_S, self._kernel_exited, run
             )
         )
+        self._seal_and_queue(run.job.job_id, 0)
+
+    def _kernel_exited(self, run: Running) -> None:
+        """The judged job's kernel's process is gone: its record can be sealed if it could
+        not be before, and a judge waiting to time may."""
+        run.kernel_worker = None
+        self._seal_and_queue(run.job.job_id, 0)
+        if run.timing_waits_kernel and self.running.get(run.job.job_id) is run:
+            run.timing_waits_kernel = False
+            self._ask_gpu(run)
 
     def _seal_and_queue(self, job_id: str, tries: int) -> None:
         run = self.running.get(job_id)
@@ -788,17 +803,65 @@ class JobManager:
             )
         )
 
-    def _next_judge(self, device_index: int, held_for: str | None = None) -> str:
-        """The oldest judged job whose kernel ran on the device: it is judged there too. On
-        a GPU held for a job to run alone (`held_for`), only that job's judge."""
-        for job_id in self.judge_queue:
+    def _start_judges(
+        self, fresh: list[WorkerState], standing: list[WorkerState], held: dict[int, str]
+    ) -> None:
+        """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
+        a standing judge of its reference there, else to a fresh job process. On a GPU held
+        for a job to run alone, only that job's judge, once the GPU is empty."""
+        for job_id in list(self.judge_queue):
             run = self.running.get(job_id)
-            if held_for is not None and job_id != held_for:
-                continue
-            if run is not None and run.job.device_index == device_index:
+            if run is None or run.record is None:
                 self.judge_queue.remove(job_id)
-                return job_id
-        return ""
+                continue
+            device = run.job.device_index
+            alone = held.get(device)
+            if alone is not None and (alone != job_id or self._busy_on(device)):
+                continue
+            key = run.record.reference_key
+            here = [w for w in standing + fresh if w.ready and w.device_index == device]
+            worker = next((w for w in here if w.judge_key == key), None) or next(
+                (w for w in here if not w.assigned_job_id), None
+            )
+            if worker is not None:
+                self.judge_queue.remove(job_id)
+                self._start_judge(job_id, worker)
+
+    def _retire(self, worker: WorkerState, why: str) -> None:
+        """An idle reusable job process leaves: its channel closed, it exits 0."""
+        log.info("job process retired: %s", why, extra={"worker_id": worker.worker_id})
+        worker.gone = True
+        worker.reusable = False
+        self._watch_exit(worker)
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, "", finished=True))
+        if worker.writer is not None:
+            worker.writer.close()
+
+    def _stand(self, worker: WorkerState, key: str) -> None:
+        """The judge judged cleanly: it stays, for jobs with the same reference only, outside
+        its GPU's job process slots (a spare takes its slot, as when a process leaves), up to
+        STANDING_JUDGES_PER_DEVICE of them and STANDING_JUDGE_IDLE_S idle."""
+        others = [
+            w for w in self.workers.by_id.values()
+            if w.judge_key and w is not worker and w.device_index == worker.device_index
+            and not w.gone
+        ]  # fmt: skip
+        if len(others) >= STANDING_JUDGES_PER_DEVICE:
+            self._retire(worker, f"{len(others)} judges stand on its GPU already")
+            return
+        if not worker.judge_key and self.watchdog is not None:
+            self._spawn(self.watchdog.set_job(worker.worker_id, "", finished=True))
+        worker.judge_key = key
+        worker.idle_since = since = asyncio.get_running_loop().time()
+        asyncio.get_running_loop().call_later(
+            STANDING_JUDGE_IDLE_S, self._retire_if_idle, worker, since
+        )
+
+    def _retire_if_idle(self, worker: WorkerState, since: float) -> None:
+        if worker.ready and worker.judge_key and worker.idle_since == since:
+            self._retire(worker, f"a standing judge idle for {STANDING_JUDGE_IDLE_S:.0f} s")
+            self.dispatch()
 
     def _start_judge(self, job_id: str, worker: WorkerState) -> None:
         run = self.running.get(job_id)
@@ -821,9 +884,14 @@ class JobManager:
         job.worker_id = worker.worker_id
         worker.job_id = job_id
         event = self.hub.next_event(job_id)
+        standing = (
+            f", which judged {worker.completed} earlier job(s) of this reference only"
+            if worker.judge_key
+            else ""
+        )
         event.log.text = (
             f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
-            "never ran in (the reference runs and is timed there)"
+            f"never ran in{standing} (the reference runs and is timed there)"
         )
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
@@ -861,7 +929,7 @@ class JobManager:
             and self.config.record_max_mib > 0
             and judging.wanted(job.spec, worker.hello)
         ):
-            record = judging.Record.make(job_id, self.config.record_max_mib << 20)
+            record = judging.Record.make(job_id, self.config.record_max_mib << 20, job.spec)
         try:
             sent = worker.assign(
                 job_id,
@@ -1005,6 +1073,16 @@ class JobManager:
                 self.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
+            if (
+                msg.phase.phase == job_pb2.PHASE_PROFILING
+                and run.kernel_worker is not None
+                and run.kernel_worker is not worker
+            ):
+                # A judge, before its kernel's process has exited: nothing of the kernel may
+                # still run on the GPU while the reference is timed (_kernel_exited asks).
+                run.timing_waits_kernel = True
+                self.hub.publish(event)
+                return
             if self._admit(run):
                 # The job process waits for the grant (a check's comes at once): it goes out
                 # before the event is stored. No other event of the job comes in between.
@@ -1014,8 +1092,7 @@ class JobManager:
                     self.hub.publish(event)
             else:
                 self.hub.publish(event)
-                self.memory_waiting[worker.worker_id] = run
-                self._say_memory_wait(run)
+                self._wait_for_memory(run)
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase
@@ -1029,6 +1106,18 @@ class JobManager:
             self._on_drain_status(worker, run, msg.drain.busy)
         elif kind == "extension":
             self._on_extension_request(worker, run, msg.extension)
+
+    def _ask_gpu(self, run: Running) -> None:
+        """A gated phase asked for later: the GPU gate once the job's memory is admitted."""
+        if self._admit(run):
+            self._use_gpu(run)
+        else:
+            self._wait_for_memory(run)
+
+    def _wait_for_memory(self, run: Running) -> None:
+        """Until its memory is admitted, with the others (_admit_waiting)."""
+        self.memory_waiting[run.worker.worker_id] = run
+        self._say_memory_wait(run)
 
     def _admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
         """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
@@ -1264,11 +1353,20 @@ class JobManager:
             and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
         ):
             self.memory.learn(self._memory_key(run), outcome.peak_memory_bytes)
-        if outcome.reusable and not outcome.context_poisoned and run.job.job_id in self._launched:
-            worker.launches += 1
+        judge = run.record is not None and run.record.kernel_outcome is not None
+        if (
+            outcome.reusable
+            and not outcome.context_poisoned
+            and (run.job.job_id in self._launched or judge)
+        ):
             worker.reusable = True
             worker.used_gpu = False  # it cleans up before it reads the next job
             self.memory.release(worker.device_index, worker.worker_id)
+            if judge:
+                assert run.record is not None
+                self._stand(worker, run.record.reference_key)
+            else:
+                worker.launches += 1
         else:
             worker.gone = True
             self._watch_exit(worker)
@@ -1639,8 +1737,7 @@ class JobManager:
         self._enqueue(job)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
-        if run.awaiting_judge:  # the kernel's process is gone: its judge may start
-            self._seal_and_queue(run.job.job_id, 0)
+        if run.awaiting_judge:  # the kernel's process is gone (_kernel_exited said so)
             return
         if run.outcome is not None or run.awaiting_launch:
             return  # the result (or the build) is in; the exit is the process leaving
@@ -1764,6 +1861,7 @@ class JobManager:
             info.job_id = state.job_id
             info.completed_job_count = state.completed
             info.spare = state.spare
+            info.standing_judge = bool(state.judge_key)
         return info
 
     def _on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
@@ -1817,6 +1915,8 @@ class JobManager:
                 why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
                 self._extension_build_lost(worker, why)
             for run in list(self.running.values()):
+                if run.kernel_worker is worker:
+                    self._kernel_exited(run)
                 if run.worker is worker:
                     self._job_worker_exited(run, exited)
             if worker.writer is not None:

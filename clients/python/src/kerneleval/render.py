@@ -605,7 +605,10 @@ def devices_table(
             else "-"
         )
         spare = sum(1 for w in d.workers if w.spare)
-        workers = f"{len(d.workers) - spare}+{spare} spare" if spare else str(len(d.workers))
+        judges = sum(1 for w in d.workers if w.standing_judge)
+        workers = str(len(d.workers) - spare - judges)
+        workers += f"+{spare} spare" if spare else ""
+        workers += f"+{judges} judging" if judges else ""
         xids = ", ".join(f"{x.xid}({x.action or x.category})" for x in d.recent_xids[-5:]) or "-"
         health = health_name(d.health)
         if d.health_reason:
