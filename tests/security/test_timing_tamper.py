@@ -1,7 +1,8 @@
 """Issue 13: times a candidate cannot forge from inside its own process (engine/tamper.py).
 
 Each case is a ModelNew run through the engine in a fresh Python process that does what a job
-process does: imports the engine, binds `tamper.check_timers`, `tamper.arm()`, then `run_job`.
+process does: imports the engine, binds `tamper.check_timers`, `tamper.prepare()` (the snapshot,
+as the process starts), `tamper.arm()`, then `run_job`.
 The hostile ones rewrite the timing from the candidate's module body or forward (the clocks,
 timing.measure, a function's __code__, gc's view of the heap, a tracer, the timing's locals)
 and must end refused with a "tampering" message, reported by check_timers, or timed as if
@@ -220,7 +221,7 @@ def child(case: str, out: str) -> None:
 
     torch.set_num_threads(1)
     check = tamper.check_timers  # bound before job code runs, as the runner binds it
-    tamper.install_audit_hook()
+    tamper.prepare()  # the runtime's call as the process starts, before it says it is ready
     tamper.arm()  # the runtime's call, right before the job's code is imported
     cand, ref = CASES[case]
     torch_type = kernel_pb2.KERNEL_TYPE_TORCH

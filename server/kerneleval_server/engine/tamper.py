@@ -5,7 +5,8 @@ A job process that imports a candidate's Python runs it beside the engine, and t
 module body can rewrite anything Python can reach: `time.perf_counter_ns`, `timing.measure`,
 `torch.cuda.Event.elapsed_time`, a function's `__code__`. Two defences, both armed once per
 process by `arm()` right before any job code is imported (the runtime does it; it stays armed
-until the process exits):
+until the process exits; `prepare()`, at the process's start, takes the snapshot beforehand so
+that arming costs nothing on the job's path):
 
 1. An audit hook (`install_audit_hook`, PEP 578: it cannot be removed once added) that, once
    armed, raises RuntimeError("tampering: ...") for these events:
@@ -24,11 +25,11 @@ until the process exits):
    linear/softmax model, torch.compile): none of them raises any of these. ctypes.dlopen,
    ctypes.cdata (from_address), ctypes.addressof and ctypes.string_at are left alone: torch's
    inductor and NVML check use them, and so does timing.py (libcudart).
-2. A snapshot, taken by `arm()`, of every name the timing relies on (time's and builtins'
-   functions, the engine's timing, runner, integrity and tamper modules and their classes, the
-   numpy and torch.cuda functions timing calls, job_pb2) and of those functions' code and
-   defaults. `check_timers()` answers what differs now; the engine calls it right after the
-   candidate's timed trials, and any difference means the time is not to be believed.
+2. A snapshot, taken by `prepare()` (or `arm()`), of every name the timing relies on (time's
+   and builtins' functions, the engine's timing, runner, integrity and tamper modules and their
+   classes, the numpy and torch.cuda functions timing calls, job_pb2) and of those functions'
+   code and defaults. `check_timers()` answers what differs now; the engine calls it right after
+   the candidate's timed trials, and any difference means the time is not to be believed.
 
 Not stopped (one process cannot stop it): code the candidate compiles (load_inline, a Triton or
 CUDA kernel's host code, ctypes.memmove/ctypes.cast on addresses from id()) can rewrite any
@@ -48,7 +49,8 @@ TIMER_TAMPERED = "timer_tampered"  # the IntegrityFlag rule of a job whose timin
 PREFIX = "tampering: "
 
 # Modules whose every name is watched: the engine's own (nothing in them changes after import
-# but timing._cudart, set on first use).
+# but timing._cudart, set on first use, and tamper._context, set by prepare() after its snapshot
+# and read only by the arm() that turns the hook on: a later rebinding reaches nothing).
 _ENGINE_MODULES = (
     "kerneleval_server.engine",
     "kerneleval_server.engine.timing",
@@ -56,7 +58,12 @@ _ENGINE_MODULES = (
     "kerneleval_server.engine.integrity",
     "kerneleval_server.engine.tamper",
 )
-_CHANGING = frozenset({("kerneleval_server.engine.timing", "_cudart")})
+_CHANGING = frozenset(
+    {
+        ("kerneleval_server.engine.timing", "_cudart"),
+        ("kerneleval_server.engine.tamper", "_context"),
+    }
+)
 # Modules of which only the callables (and submodules) are watched, or only some names.
 _LIBRARY_NAMES: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("time", None),
@@ -76,6 +83,7 @@ _Snapshot = tuple[tuple[_Entry, ...], tuple[_Func, ...], tuple[_Kind, ...]]
 _MISSING = object()
 
 _arm: Callable[[tuple[Any, ...]], None] | None = None
+_context: tuple[Any, ...] = ()  # what the hook guards once armed (prepare)
 
 
 def install_audit_hook() -> None:
@@ -154,21 +162,31 @@ def _make_hook(state: list[tuple[Any, ...]]) -> Callable[[str, tuple[Any, ...]],
     return hook
 
 
-def arm() -> None:
-    """Turns the hook's refusals on and freezes the snapshot `check_timers` compares with: once
-    a process, with no way back (a switch the engine could turn off, the candidate could too).
-    Call it right before the first job code is imported, after everything the engine loads."""
+def prepare() -> None:
+    """Takes the snapshot `check_timers` compares with and what the hook will guard, with the
+    hook still dormant: a job process does it as it starts, before it says it is ready, so that
+    `arm()` on a job's path only turns the refusals on. Idempotent; only the engine's code may
+    run between this and `arm()` (nothing it runs may rebind a watched name)."""
+    global _context
     install_audit_hook()
-    assert _arm is not None
-    if check_timers.__defaults__ and check_timers.__defaults__[1]:
-        return  # armed already
+    if _context:
+        return
     snap = _snapshot()
     functions = frozenset(id(f[1]) for f in snap[1])
     classes = frozenset(id(k[1]) for k in snap[2] if k[3] is not None)
     modules = frozenset(id(m) for m in _watched_modules())
     # Set while not yet armed; once armed, the hook refuses a new __defaults__ here.
     check_timers.__defaults__ = (None, snap)
-    _arm((_engine_roots(), functions, classes, modules))
+    _context = (_engine_roots(), functions, classes, modules)
+
+
+def arm() -> None:
+    """Turns the hook's refusals on (taking the snapshot first where `prepare()` did not): once
+    a process, with no way back (a switch the engine could turn off, the candidate could too).
+    Call it right before the first job code is imported, after everything the engine loads."""
+    prepare()
+    assert _arm is not None
+    _arm(_context)  # a no-op once armed: the hook's state is set once
 
 
 def check_timers(job: object = None, snapshot: _Snapshot | tuple[()] = (), /) -> list[str]:

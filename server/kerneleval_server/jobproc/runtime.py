@@ -724,11 +724,14 @@ def _run_one(
     return poisoned, reusable
 
 
-def _arm_tamper_checks() -> None:
+def _arm_tamper_checks(prepare_only: bool = False) -> None:
     """Job code runs in this process from here on (engine/tamper.py): its refusals and the
-    timing snapshot, for the rest of the process. Only the service's engine has them."""
+    timing snapshot, for the rest of the process. Only the service's engine has them.
+    `prepare_only`: the snapshot only, taken as the process starts (not on a job's path)."""
     tamper = sys.modules.get(f"{DEFAULT_ENGINE}.tamper")
-    if tamper is not None:
+    if tamper is not None and prepare_only:
+        tamper.prepare()
+    elif tamper is not None:
         tamper.arm()
 
 
@@ -742,6 +745,7 @@ def main(channel_fd: int) -> int:
     # to them is work for nobody (everything else here is read-only).
     sys.dont_write_bytecode = True
     engine = importlib.import_module(os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
+    _arm_tamper_checks(prepare_only=True)  # before Hello: ready means ready to arm at once
     sock = socket.socket(fileno=channel_fd)
     channel = _Channel(sock)
     device_index = int(os.environ.get("KERNELEVAL_DEVICE_INDEX", "-1"))
