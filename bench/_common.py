@@ -375,3 +375,221 @@ def add_common_args(ap: Any, *, smoke: bool = True) -> None:
         ap.add_argument(
             "--cpu-smoke", action="store_true", help="no GPU: small, CPU + Triton interpreter"
         )
+
+
+# ---- PostgreSQL for the shared-store benchmarks (issue 18) -----------------------------------
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    """/usr/lib/postgresql/<N>/bin/initdb -> (N,): the newest major version sorts last."""
+    parts = Path(path).parts
+    try:
+        return tuple(int(x) for x in parts[-3].split("."))
+    except (IndexError, ValueError):
+        return (0,)
+
+
+def pgserver_bin() -> Path | None:
+    """The PostgreSQL binaries inside the `pgserver` wheel (pgserver/pginstall/bin), found
+    without importing pgserver (its Python dependencies need not be installed)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("pgserver")
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        bindir = Path(location) / "pginstall" / "bin"
+        if (bindir / "initdb").exists():
+            return bindir
+    return None
+
+
+def postgres_bin(which: str = "auto") -> tuple[Path, str] | None:
+    """(bin folder, where from) of PostgreSQL server binaries: `system` (Debian's
+    /usr/lib/postgresql/<N>/bin, else initdb on PATH), `pgserver` (the wheel's), or `auto`
+    (system, else pgserver); None where there are none. Any other value is a bin folder."""
+    if which not in ("auto", "system", "pgserver"):
+        path = Path(which)
+        return (path, "given") if (path / "initdb").exists() else None
+    if which in ("auto", "system"):
+        import glob
+
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version_key)
+        if found:
+            return Path(found[-1]).parent, "system"
+        initdb = shutil.which("initdb")
+        if initdb:
+            return Path(initdb).resolve().parent, "system"
+    if which in ("auto", "pgserver"):
+        bindir = pgserver_bin()
+        if bindir is not None:
+            return bindir, "pgserver"
+    return None
+
+
+def _unprivileged_user() -> str:
+    """A user to run PostgreSQL as when this runs as root (initdb and postgres refuse root):
+    `postgres`, made if missing (useradd), else the job user `kerneleval-job`, else nobody."""
+    import pwd
+
+    for attempt in range(2):
+        try:
+            pwd.getpwnam("postgres")
+            return "postgres"
+        except KeyError:
+            if attempt == 0 and shutil.which("useradd"):
+                subprocess.run(
+                    ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                     "postgres"],
+                    capture_output=True, timeout=60,
+                )  # fmt: skip
+    for name in ("kerneleval-job", "nobody"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    raise SystemExit("running as root and no unprivileged user to run PostgreSQL as")
+
+
+class Postgres:
+    """A throw-away PostgreSQL server: a temporary folder, unix socket only (no TCP), trust
+    authentication, no fsync; the binaries of `postgres_bin(which)`. As root, initdb, pg_ctl
+    and the server run as an unprivileged user (`_unprivileged_user`) that owns the folder.
+    The wheel's binaries find their libraries through LD_LIBRARY_PATH (its pginstall/lib and
+    the wheel's bundled pgserver.libs)."""
+
+    def __init__(self, which: str = "auto") -> None:
+        found = postgres_bin(which)
+        if found is None:
+            raise SystemExit(
+                f"no PostgreSQL server binaries ({which}): Debian's postgresql (`make` installs "
+                "it) or the pgserver wheel (bench/run_gpu.sh installs .whl/pgserver-*.whl)"
+            )
+        self.bindir, self.source = found
+        root = Path(tempfile.mkdtemp(prefix="kerneleval-pg-"))
+        if len(str(root)) > 80:  # a unix socket's path has room for about 107 bytes
+            shutil.rmtree(root, ignore_errors=True)
+            root = Path(tempfile.mkdtemp(prefix="kerneleval-pg-", dir="/tmp"))
+        self.root = root
+        self.port = 5432 + (os.getpid() % 1000) + 1
+        self.user = ""
+        self.run_as: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            import pwd
+
+            self.user = _unprivileged_user()
+            pw = pwd.getpwnam(self.user)
+            os.chown(self.root, pw.pw_uid, pw.pw_gid)
+            self.run_as = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+        os.chmod(self.root, 0o700)
+        self.env = self._env()
+        self.started = False
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        env.update({"LC_ALL": "C", "LANG": "C", "HOME": str(self.root)})
+        libs = [self.bindir.parent / "lib", self.bindir.parents[2] / "pgserver.libs"]
+        extra = [str(p) for p in libs if p.is_dir()]
+        if self.source != "system" and extra:
+            old = env.get("LD_LIBRARY_PATH", "")
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(extra + ([old] if old else []))
+        return env
+
+    def _run(self, *args: str, timeout: float = 120) -> None:
+        try:
+            subprocess.run(
+                list(args), check=True, capture_output=True, text=True, timeout=timeout,
+                env=self.env, cwd=self.root, **self.run_as,
+            )  # fmt: skip
+        except OSError as e:  # not executable by the user it runs as
+            raise SystemExit(f"{args[0]}: {e} (as {self.user or 'this user'})") from e
+        except subprocess.CalledProcessError as e:
+            log = self.root / "log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise SystemExit(
+                f"{Path(args[0]).name} failed ({e.returncode}; {self.source} binaries in "
+                f"{self.bindir}, as {self.user or 'this user'}):\n{e.stdout[-2000:]}\n"
+                f"{e.stderr[-2000:]}\n{tail}"
+            ) from e
+
+    def _own_copy(self) -> None:
+        """The wheel's binaries copied into the server's folder, owned by the user that runs
+        them (for an installation that user cannot read, e.g. made under umask 077)."""
+        top = self.root / "pg"
+        shutil.copytree(self.bindir.parent, top / "pgserver" / "pginstall",
+                        ignore=shutil.ignore_patterns("include"))  # fmt: skip
+        libs = self.bindir.parents[2] / "pgserver.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, top / "pgserver.libs")
+        for path in [top, *top.rglob("*")]:
+            os.chown(path, self.run_as["user"], self.run_as["group"], follow_symlinks=False)
+            if not path.is_symlink():
+                path.chmod(0o755 if path.is_dir() or path.parent.name == "bin" else 0o644)
+        self.bindir = top / "pgserver" / "pginstall" / "bin"
+        self.env = self._env()
+
+    def _initdb(self, data: Path) -> None:
+        for exe in self.bindir.iterdir():
+            if exe.is_file() and not os.access(exe, os.X_OK):
+                exe.chmod(0o755)  # a wheel unpacked without its modes
+        self._run(str(self.bindir / "initdb"), "-D", str(data), "-A", "trust", "-U",
+                  "kerneleval", "--no-sync", "-E", "UTF8", "--locale=C")  # fmt: skip
+
+    def start(self) -> Postgres:
+        data = self.root / "data"
+        try:
+            self._initdb(data)
+        except SystemExit as failed:
+            if not self.run_as or self.source == "system":
+                raise
+            print(f"initdb as {self.user} failed; again with a copy of the binaries it "
+                  f"owns: {str(failed)[-300:]}", flush=True)  # fmt: skip
+            shutil.rmtree(data, ignore_errors=True)
+            self._own_copy()
+            self._initdb(data)
+        options = (f"-k {self.root} -p {self.port} -c listen_addresses='' -c fsync=off "
+                   "-c max_connections=300")  # fmt: skip
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(data), "-l", str(self.root / "log"),
+                  "-o", options, "-w", "-t", "60", "start")  # fmt: skip
+        self.started = True
+        import atexit
+
+        atexit.register(self.stop)
+        return self
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://kerneleval@/{database}?host={self.root}&port={self.port}"
+
+    def new_database(self) -> str:
+        """A fresh, empty database; its URL."""
+        import uuid
+
+        import psycopg
+
+        name = "t_" + uuid.uuid4().hex[:12]
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def version(self) -> str:
+        try:
+            out = subprocess.run([str(self.bindir / "postgres"), "--version"], env=self.env,
+                                 capture_output=True, text=True, timeout=30)  # fmt: skip
+            return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    def stop(self) -> None:
+        if not self.started:
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
+        self.started = False
+        try:
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.root / "data"), "-m",
+                      "immediate", "-w", "stop", timeout=60)  # fmt: skip
+        except (SystemExit, subprocess.SubprocessError):
+            pass
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)

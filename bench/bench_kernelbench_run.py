@@ -40,18 +40,27 @@ class ModelNew(_KernelevalBase):
 """
 
 
+def model_new(source: str, wrong: bool) -> str:
+    """A KernelBench problem's own Model as its ModelNew (correct), or one that adds 1 to the
+    Model's output (a planted wrong kernel)."""
+    if wrong:
+        return re.sub(r"\bModel\b", "_KernelevalBase", source) + WRONG
+    return re.sub(r"\bModel\b", "ModelNew", source)
+
+
+def problem_id(path: Path) -> int | None:
+    """42 for level1/42_Max_Pooling_2D.py; None for a file that is not a problem."""
+    m = re.match(r"^(\d+)_", path.name)
+    return int(m.group(1)) if m else None
+
+
 def make_run(run_dir: Path, problems: Path, wrong: set[int]) -> int:
     count = 0
     for path in sorted(problems.glob("*.py")):
-        m = re.match(r"^(\d+)_", path.name)
-        if not m:
+        pid = problem_id(path)
+        if pid is None:
             continue
-        pid = int(m.group(1))
-        source = path.read_text()
-        if pid in wrong:
-            kernel = re.sub(r"\bModel\b", "_KernelevalBase", source) + WRONG
-        else:
-            kernel = re.sub(r"\bModel\b", "ModelNew", source)
+        kernel = model_new(path.read_text(), pid in wrong)
         (run_dir / f"level_1_problem_{pid}_sample_0_kernel.py").write_text(kernel)
         count += 1
     return count

@@ -1,7 +1,7 @@
 """Scale-out on one PostgreSQL store (issue 18), CPU only: nodes, store latency, node loss.
 
-A real PostgreSQL server (Debian's binaries, as tests/pg_server.py starts it: a temporary
-folder, unix socket, no fsync) and real `kerneleval_server serve` processes with the fake
+A real PostgreSQL server (Debian's binaries, else the pgserver wheel's: _common.Postgres, a
+temporary folder, unix socket, no fsync) and real `kerneleval_server serve` processes with the fake
 engine of tests/frontend (`{"do": "time", "seconds": s}`: the job sleeps s seconds "compiling"
 and s seconds in the device's timing window), so that the nodes, not the CPU, are the limit:
   1. jobs per second through one gateway (`--role gateway`) with 1, 2 and 4 nodes
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -180,13 +181,9 @@ def pickup(events: Sequence[job_pb2.JobEvent], killed_at: float) -> dict[str, fl
 # ---- PostgreSQL and the service processes ------------------------------------------------
 
 
-def start_postgres() -> Any:
-    sys.path.insert(0, str(C.REPO / "tests"))
-    from pg_server import PostgresServer, pg_bin
-
-    if pg_bin() is None:
-        raise SystemExit("no PostgreSQL server binaries: `make` installs Debian's postgresql")
-    return PostgresServer().start()
+def start_postgres(which: str = "auto") -> C.Postgres:
+    """PostgreSQL from Debian's binaries (`make` installs them), else the pgserver wheel's."""
+    return C.Postgres(which).start()
 
 
 STARTED: list[Proc] = []
@@ -202,17 +199,26 @@ atexit.register(_stop_started)
 
 
 class Proc:
-    """One `kerneleval_server serve` (the fake engine on PYTHONPATH), in its own folder."""
+    """One `kerneleval_server serve` (the fake engine on PYTHONPATH), in its own folder (its
+    state folder `state` there unless given: a node restarted on the same state folder)."""
 
-    def __init__(self, root: Path, flags: Sequence[str]) -> None:
+    def __init__(
+        self, root: Path, flags: Sequence[str], *, nvml: str = "none", state: Path | None = None
+    ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.port_file = root / "port"
         self.log = root / "service.log"
+        self.state = state or root / "state"
+        # Never reset a lent GPU: the reset command only records that it was called.
+        reset = root / "record_reset.sh"
+        reset.write_text(f'#!/bin/sh\necho "reset $*" >> {root / "resets.log"}\n')
+        reset.chmod(0o755)
         self.cmd = [
             sys.executable, "-m", "kerneleval_server", "serve",
-            "--port", "0", "--port-file", str(self.port_file), "--state-dir", str(root / "state"),
-            "--watchdog", str(C.WATCHDOG), "--nvml", "none", "--admin-token", TOKEN,
+            "--port", "0", "--port-file", str(self.port_file), "--state-dir", str(self.state),
+            "--watchdog", str(C.WATCHDOG), "--nvml", nvml, "--admin-token", TOKEN,
+            "--reset-command", f"{reset} {{index}}",
             "--log-file", str(self.log), "--result-cache-hours", "0", "--shutdown-grace-s", "1",
             *flags,
         ]  # fmt: skip
@@ -278,6 +284,35 @@ class Proc:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+
+    def kill_tree(self) -> list[int]:
+        """SIGKILL the process and every process below it (its watchdog, zygotes and job
+        processes, which start sessions of their own: a machine lost, not a front end that
+        crashed and left its watchdog to clean up). All are stopped first (SIGSTOP, looking
+        again until no new one appears), so none of them reacts to another's death; the pids
+        killed."""
+        assert self.proc is not None
+        stopped: set[int] = set()
+        for _ in range(10):
+            stats: dict[int, tuple[int, float, float]] = {}
+            for d in Path("/proc").iterdir():
+                if d.name.isdigit():
+                    try:
+                        stats[int(d.name)] = parse_stat((d / "stat").read_text())
+                    except (OSError, IndexError, ValueError):
+                        continue
+            tree = descendants(stats, {self.pid} | stopped)
+            if tree <= stopped:
+                break
+            for pid in tree - stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped |= tree
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        return sorted(stopped)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -2,7 +2,7 @@
 # Runs stages of the GPU benchmarks in order, each script under its own time limit, writing
 # every result (JSON, markdown, a log per script) into $OUT; a failing script does not stop
 # the rest. Stages: bench (= overhead recovery fidelity), kernelbench, soak, throughput,
-# prebuilt, cpu.
+# prebuilt, scale_out, cpu.
 #
 #   OUT=/some/dir bench/run_gpu.sh overhead recovery
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
@@ -22,6 +22,10 @@
 #                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh judge        # compared jobs with and without the judge
 #                                               # process (~3 min)
+#   OUT=/some/dir bench/run_gpu.sh scale_out    # issue 18: a gateway and a node per GPU on one
+#                                               # PostgreSQL (Debian's or the pgserver
+#                                               # wheel's), KernelBench level 1 through the
+#                                               # gateway, one node killed mid-run (~3 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
@@ -102,12 +106,16 @@ case "$STAGE" in
     run 580 bench_rl_step --devices "$(nvidia-smi --query-gpu=index --format=csv,noheader \
       | paste -sd, -)"
     ;;
+  scale_out)  # needs two GPUs or more: a node on each
+    run 560 gpu_scale_out --kernelbench "$KERNELBENCH" --devices "$(nvidia-smi \
+      --query-gpu=index --format=csv,noheader | paste -sd, -)"
+    ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene judge cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene judge scale_out cpu)" >&2
     exit 2
     ;;
 esac
