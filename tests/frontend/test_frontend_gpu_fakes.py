@@ -26,6 +26,9 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
         "--workers-per-device", "2",
         "--xid-wait-s", "5",
         "--max-restarts", "1",
+        # One start per job for losses: a re-run alone is not one (it ran out of memory beside
+        # others), so it still runs (the GPU run's case: a job whose node died, then crowded).
+        "--max-attempts", "1",
         nvml=ONE_GPU + "clocks 0 sm=1410 mem=2619 temperature=45 power_mw=301500 reasons=0x5\n",
     )  # fmt: skip
     service.fake_nvml = root / "fake_nvml"  # type: ignore[attr-defined]
@@ -80,7 +83,8 @@ def test_illegal_address_carries_the_xid_and_does_not_hold_up_the_next_job(
 
 def test_out_of_memory_beside_another_job_runs_again_alone(svc: ServiceProcess) -> None:
     """A job that runs out of GPU memory while another job held some of the GPU is run again,
-    once, with the GPU to itself: no other job starts on it meanwhile. Alone, it is not."""
+    once, with the GPU to itself: no other job starts on it meanwhile, and its attempts for
+    losses (--max-attempts 1 here) do not stop it. Alone, it is not."""
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
     svc.wait_serving()
     neighbour = stub.Submit(pb.SubmitRequest(spec=command_spec({"do": "time", "seconds": 1.5}))).job

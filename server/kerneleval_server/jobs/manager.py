@@ -632,13 +632,13 @@ class JobManager:
 
     def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
         """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
-        that was not its own: it runs again, once, with the GPU to itself."""
+        that was not its own: it runs again, once, with the GPU to itself. Once even past
+        --max-attempts, which bounds losses (a dead node, a lost process): the crowding was the
+        service's doing, and a job whose node died must not lose its run alone for that."""
         text = f"{result.error.message}\n{result.compilation_error}"
         oom = result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or any(m in text for m in OOM_TEXTS)
         job = run.job
         if not oom or not run.crowded or job.job_id in self.alone:
-            return False
-        if job.attempt_count >= self.config.max_attempts:
             return False
         self.memory.ran_out(self._memory_key(run))
         self.alone.add(job.job_id)
