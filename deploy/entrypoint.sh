@@ -1,9 +1,10 @@
 #!/bin/sh
 # The image's entry point: runs `kerneleval-server "$@"` (default: serve).
 #
-# One step first, only for a node (root) in a container on cgroup v2 with its own cgroup
-# namespace: the watchdog makes its job cgroups beside its own cgroup and enables the memory and
-# pids controllers in the parent's cgroup.subtree_control, which cgroup v2 refuses (EBUSY) while
+# One step first, only for a node or a builder (root: they sandbox job and build processes)
+# in a container on cgroup v2 with its own cgroup namespace: the watchdog makes its job cgroups
+# beside its own cgroup and enables the memory and pids controllers in the parent's
+# cgroup.subtree_control, which cgroup v2 refuses (EBUSY) while
 # processes sit in that parent (here the container's root cgroup). So move this process into a
 # child cgroup, "service", first, with every other process of the container (tini, PID 1), as
 # docker's dind image does. Where that cannot be done (not

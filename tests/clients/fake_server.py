@@ -492,6 +492,27 @@ class FakeOpsService(operations_service_pb2_grpc.OperationsServiceServicer):
         occupancy.timing_wanted.FromMilliseconds(10_000)
         return resp
 
+    def ListBuilders(self, request, context):  # noqa: N802
+        self._auth(context)
+        self.s.check_failure("ListBuilders", context)
+        mine = "torch 2.13.0|cuda 13.0|g++ 13|nvcc 13.0|recipe 3"
+        resp = operations_service_pb2.ListBuildersResponse(versions=[mine])
+        now = time.time()
+        live = resp.builders.add(
+            builder_id="cpu-1-builder-0a1b2c3d", address="10.0.0.5:50051", build_slots=6,
+            versions=mine, versions_match=True, built_count=41, leased_request_count=3,
+            waiting_request_count=2,
+        )  # fmt: skip
+        live.last_heartbeat_time.FromNanoseconds(int((now - 2) * 1e9))
+        live.expire_time.FromNanoseconds(int((now + 8) * 1e9))
+        lost = resp.builders.add(
+            builder_id="cpu-2-builder-4e5f6a7b", address="10.0.0.6:50051", build_slots=6,
+            versions="torch 2.12.0|cuda 12.8|g++ 13|nvcc 12.8|recipe 3", expired=True,
+        )  # fmt: skip
+        lost.last_heartbeat_time.FromNanoseconds(int((now - 300) * 1e9))
+        lost.expire_time.FromNanoseconds(int((now - 290) * 1e9))
+        return resp
+
 
 class FakeServer:
     """A real grpc.server on 127.0.0.1 (a fixed port survives restart())."""

@@ -193,6 +193,23 @@ def test_operations_commands(fake, capsys, monkeypatch):
     code, out, _ = run(fake, capsys, "stats", "--json")
     assert json.loads(out)["faultCount"] == "1"
     assert json.loads(out)["sandboxState"] == "SANDBOX_STATE_COMPLETE"
+    code, out, _ = run(fake, capsys, "builders")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == [
+        "BUILDER", "ADDRESS", "STATE", "SLOTS", "BUILDING", "WAITING", "BUILT", "LAST", "BEAT",
+        "VERSIONS",
+    ]  # fmt: skip
+    live, lost = lines[2].split(), lines[3].split()
+    assert live[:7] == ["cpu-1-builder-0a1b2c3d", "10.0.0.5:50051", "live", "6", "3", "2", "41"]
+    assert live[7].startswith("2.") and live[8:] == ["ago", "yes"]  # 2 s since its last beat
+    assert lost[:3] == ["cpu-2-builder-4e5f6a7b", "10.0.0.6:50051", "EXPIRED"]
+    assert lost[7].startswith("5m0") and lost[8:] == ["ago", "differ"]
+    assert "this server's versions: torch 2.13.0|cuda 13.0|" in out
+    assert "  cpu-2-builder-4e5f6a7b builds with: torch 2.12.0|cuda 12.8|" in out
+    code, out, _ = run(fake, capsys, "builders", "--json")
+    listed = json.loads(out)
+    assert [b["expired"] for b in listed["builders"]] == [False, True]
+    assert listed["builders"][0]["leasedRequestCount"] == 3
     code, out, _ = run(fake, capsys, "reset-gpu", "0", "--yes", "--grace", "1")
     assert code == 0 and "check_health" in out and "healthy again" in out
     assert fake.state.reset_calls[-1] == 0

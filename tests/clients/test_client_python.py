@@ -235,6 +235,9 @@ def test_operations_calls(client: Client, fake: FakeServer):
     assert client.restart_workers(0) == 2
     assert client.cleanup(older_than=3600).deleted_job_count == 3600
     assert client.get_stats().fault_count == 1
+    builders = client.list_builders()
+    assert [b.expired for b in builders.builders] == [False, True]
+    assert builders.builders[0].versions in builders.versions
     assert client.health() == "SERVING"
 
 
@@ -264,6 +267,7 @@ def test_async_client(fake: FakeServer):
             assert len(listed) == 3
             assert (await c.list_devices())[0].name == "NVIDIA H200"
             assert (await c.get_stats()).xid_count == 1
+            assert (await c.list_builders()).builders[0].leased_request_count == 3
             ops = [e async for e in c.watch_events(1)]
             assert len(ops) == 1
 

@@ -83,7 +83,9 @@ def find(resources: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any
 
 
 def test_the_overlays_are_there() -> None:
-    assert {p.name for p in OVERLAYS} >= {"example-postgres", "gpu-reset", "prometheus-operator"}
+    assert {p.name for p in OVERLAYS} >= {
+        "example-postgres", "gpu-reset", "prometheus-operator", "builder-autoscaling",
+    }  # fmt: skip
 
 
 def test_valid_against_the_kubernetes_schemas(rendered: tuple[Path, list]) -> None:
@@ -151,7 +153,10 @@ def test_containers_start_the_service_as_configured(rendered: tuple[Path, list])
         cfg = service_config(c)
         roles[cfg.role] = res
         assert cfg.host == "0.0.0.0" and cfg.metrics_host == "0.0.0.0"
-        assert cfg.store and cfg.admin_token  # from the Secret, never generated per pod
+        assert cfg.store  # from the Secret
+        # The admin token from the Secret, never generated per pod; a builder serves no
+        # OperationsService and is not given it.
+        assert bool(cfg.admin_token) == (cfg.role != "builder")
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -166,6 +171,23 @@ def test_containers_start_the_service_as_configured(rendered: tuple[Path, list])
             assert pod["securityContext"]["runAsNonRoot"] is True
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        elif cfg.role == "builder":
+            assert res["kind"] == "Deployment"
+            assert cfg.advertise_address == f"10.0.0.7:{cfg.port}"  # ListBuilders' address
+            # Its build processes' sandboxes, as a node's job processes': DEPLOY.md.
+            assert c["securityContext"]["privileged"] is True and cfg.job_user == "kerneleval-job"
+            for kind in ("requests", "limits"):
+                assert not any("nvidia.com" in r for r in c["resources"].get(kind, {}))
+            assert "nvidia.com/gpu.present" not in pod.get("nodeSelector", {})
+            assert not any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", []))
+            # Build processes said (auto counts the machine's CPUs), fewer than its CPUs, and
+            # each one's cgroup inside the pod's memory limit (else the pod's OOM killer, not
+            # the build's cgroup, ends a build that runs away).
+            cpus = float(c["resources"]["requests"]["cpu"])
+            assert 0 < cfg.build_processes < cpus
+            limit = quantity_bytes(c["resources"]["limits"]["memory"])
+            assert limit > cfg.build_processes * cfg.job_memory_mib * 2**20
+            assert "startupProbe" in c and "livenessProbe" in c and "readinessProbe" in c
         else:
             assert cfg.role == "node" and res["kind"] == "DaemonSet"
             assert cfg.advertise_address == f"10.0.0.7:{cfg.port}"
@@ -175,7 +197,39 @@ def test_containers_start_the_service_as_configured(rendered: tuple[Path, list])
             assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
             assert cfg.build_processes >= 0  # auto would count the machine's CPUs
             assert cfg.auto_reset is False
-    assert set(roles) == {"gateway", "node"}
+    assert set(roles) == {"gateway", "node", "builder"}
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity with a binary suffix ("56Gi"), in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)", text).groups()  # type: ignore[union-attr]
+    return int(number) * 1024 ** (("Ki", "Mi", "Gi", "Ti").index(unit) + 1)
+
+
+def test_builders_are_reached_by_no_service(rendered: tuple[Path, list]) -> None:
+    """Builders take their work from the store; a Service that selected them would send
+    clients to pods that serve health only."""
+    _, resources = rendered
+    builder = find(resources, "Deployment", "kerneleval-builder")
+    labels = builder["spec"]["template"]["metadata"]["labels"]
+    assert builder["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for svc in (r for r in resources if r["kind"] == "Service"):
+        assert not svc["spec"].get("selector", {}).items() <= labels.items(), svc["metadata"]
+
+
+def test_the_builders_autoscaler_owns_their_replicas() -> None:
+    resources = render(KUBE / "overlays" / "builder-autoscaling")
+    hpa = find(resources, "HorizontalPodAutoscaler", "kerneleval-builder")
+    target = hpa["spec"]["scaleTargetRef"]
+    builder = find(resources, target["kind"], target["name"])
+    assert target["apiVersion"] == builder["apiVersion"] == "apps/v1"
+    assert "replicas" not in builder["spec"]  # the autoscaler's, not `kubectl apply`'s
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # Utilization is of the CPU request: a request there is what it scales on.
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert builder["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"]
+    assert "replicas" in find(render(BASE), "Deployment", "kerneleval-builder")["spec"]
 
 
 def test_gpu_reset_is_off_but_in_its_overlay(rendered: tuple[Path, list]) -> None:
@@ -227,9 +281,12 @@ def test_example_postgres_matches_the_store_url() -> None:
 def test_podmonitor_scrapes_the_metrics_port() -> None:
     resources = render(KUBE / "overlays" / "prometheus-operator")
     monitor = find(resources, "PodMonitor", "kerneleval")
+    (components,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert components["key"] == "app.kubernetes.io/component" and components["operator"] == "In"
     for res, _, c in kerneleval_containers(resources):
         labels = res["spec"]["template"]["metadata"]["labels"]
         assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert labels["app.kubernetes.io/component"] in components["values"]
         assert any(p["name"] == "metrics" for p in c["ports"])
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
 

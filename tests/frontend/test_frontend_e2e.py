@@ -427,6 +427,7 @@ def test_operations_need_the_token(svc: ServiceProcess, opstub) -> None:  # type
         lambda md: opstub.Cleanup(ops.CleanupRequest(), metadata=md),
         lambda md: opstub.RestartWorkers(ops.RestartWorkersRequest(), metadata=md),
         lambda md: next(iter(opstub.WatchEvents(ops.WatchEventsRequest(), metadata=md))),
+        lambda md: opstub.ListBuilders(ops.ListBuildersRequest(), metadata=md),
     ):
         for md in (None, [("authorization", "Bearer wrong")], [("authorization", svc.admin_token)]):
             with pytest.raises(grpc.RpcError) as info:
@@ -461,6 +462,21 @@ def test_list_devices_and_stats(svc: ServiceProcess, stub, opstub) -> None:  # t
     assert stats.sandbox_state == (
         ops.SANDBOX_STATE_INCOMPLETE if missing else ops.SANDBOX_STATE_COMPLETE
     ), stats
+
+
+def test_list_builders_on_sqlite_is_empty(svc: ServiceProcess, opstub) -> None:  # type: ignore[no-untyped-def]
+    """The embedded store has no builders (they need a shared PostgreSQL store): an empty list,
+    and this service's own versions, those of its job processes."""
+    deadline = time.monotonic() + 30
+    while True:
+        resp = opstub.ListBuilders(ops.ListBuildersRequest(), metadata=svc.auth())
+        if resp.versions:
+            break
+        assert time.monotonic() < deadline, "no job process reported its versions"
+        time.sleep(0.1)
+    assert list(resp.builders) == []
+    (versions,) = resp.versions
+    assert versions.startswith("torch ") and "|recipe " in versions
 
 
 def test_xid_shows_in_watch_events_and_list_devices(svc: ServiceProcess, opstub) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,11 @@ from __future__ import annotations
 import time
 
 from kerneleval_server.jobs.store import JobStore
-from kerneleval_server.jobs.store.base import BUILD_FAILED, MAX_BUILD_ATTEMPTS
+from kerneleval_server.jobs.store.base import (
+    BUILD_FAILED,
+    LOST_BUILDER_KEPT_S,
+    MAX_BUILD_ATTEMPTS,
+)
 
 V1, V2 = "torch 2.11|cuda 13.0|g++|nvcc|recipe 3", "torch 2.12|cuda 13.0|g++|nvcc|recipe 3"
 
@@ -77,3 +81,32 @@ def test_builders_register_and_expire(store: JobStore) -> None:
     assert store.builders()[0].built == 1
     store.forget_builder("b1")
     assert store.builders() == []
+
+
+def test_list_builders_counts_their_requests_and_keeps_the_lost_a_while(store: JobStore) -> None:
+    assert store.list_builders() == []  # no builder (the SQLite store of --role all: always)
+    before = time.time()
+    store.register_builder("b1", "10.0.0.1:50051", V1, 6, 30.0)
+    store.register_builder("b2", "10.0.0.2:50051", V1, 2, 30.0)
+    store.register_builder("lost", "10.0.0.3:50051", V2, 4, -5.0)  # ran out 5 s ago
+    store.register_builder("long-gone", "", V2, 4, -LOST_BUILDER_KEPT_S - 60)
+    for key, versions in (("k1", V1), ("k2", V1), ("k3", V1), ("k4", V2)):
+        store.request_build(key, versions, "sm_90", "{}", "node-a")
+    assert len(store.claim_builds("b1", V1, 2, 30.0)) == 2  # b1 holds two, one V1 left free
+    listed = {s.builder.builder_id: s for s in store.list_builders()}
+    assert sorted(listed) == ["b1", "b2", "lost"]  # the long-gone one is dropped
+    b1, b2, lost = listed["b1"], listed["b2"], listed["lost"]
+    assert (b1.leased, b1.waiting, b2.leased, b2.waiting) == (2, 1, 0, 1)
+    assert (lost.leased, lost.waiting) == (0, 1)  # V2's request: nobody of V2 holds it
+    assert before <= b1.builder.heartbeat <= time.time() < b1.builder.expires
+    assert lost.builder.expires < time.time() and lost.builder.slots == 4
+    assert (b1.builder.address, b1.builder.versions, b1.builder.slots) == ("10.0.0.1:50051", V1, 6)
+    # What nodes ask builders of: the live ones only.
+    assert [b.builder_id for b in store.builders()] == ["b1", "b2"]
+    # An ended request is nobody's to take; a lease that ran out makes its request free again.
+    store.end_build("k1", "b1", BUILD_FAILED, "the build process exited")
+    store.renew_builds("b1", -1.0)  # b1's other lease runs out (as when b1 is lost)
+    listed = {s.builder.builder_id: s for s in store.list_builders()}
+    assert (listed["b1"].leased, listed["b1"].waiting) == (0, 2)  # k2 and k3, k1 ended
+    store.forget_builder("b2")  # stopped normally: gone at once
+    assert [s.builder.builder_id for s in store.list_builders()] == ["b1", "lost"]

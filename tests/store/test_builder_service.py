@@ -12,12 +12,20 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psycopg
 import pytest
 from ke_service import ServiceProcess, real_watchdog_available
 from kerneleval.internal.v1 import job_channel_pb2
-from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import (
+    job_pb2,
+    kernel_eval_service_pb2_grpc,
+    kernel_pb2,
+    operations_service_pb2_grpc,
+)
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval.v1 import operations_service_pb2 as ops
+from kerneleval_server.jobs.store import open_store
 from pg_server import PostgresServer
 
 REFERENCE = """
@@ -60,6 +68,9 @@ def spec() -> kernel_pb2.JobSpec:
     return s
 
 
+TOKEN = "ket_builder-test-token"
+
+
 @pytest.fixture
 def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProcess]]]:
     started: list[ServiceProcess] = []
@@ -72,7 +83,7 @@ def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProces
 
 def common_args(url: str) -> list[str]:
     return ["--store", url, "--build-processes", "1", "--build-pch", "false",
-            "--lease-seconds", "3", "--admin-token", "ket_builder-test-token",
+            "--lease-seconds", "3", "--admin-token", TOKEN,
             "--result-cache-hours", "0"]  # fmt: skip
 
 
@@ -137,6 +148,73 @@ def test_the_builder_builds_and_the_node_loads(
         owners = conn.execute("SELECT built_by FROM artifacts ORDER BY created").fetchall()
         assert conn.execute("SELECT COUNT(*) FROM build_requests").fetchone() == (0,)
     assert len(owners) == 2 and owners[0][0] == builder_id and "-builder-" not in owners[1][0]
+
+
+@pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog")
+def test_list_builders_through_a_gateway(
+    tmp_path: Path, services: tuple[str, list[ServiceProcess]]
+) -> None:
+    """A real builder in the store, seen through a gateway's ListBuilders (admin only): its
+    address, slots, versions (the gateway's own, probed from the same Python: they match) and
+    requests; killed, it is listed as expired."""
+    url, started = services
+    builder = ServiceProcess(tmp_path / "builder", ["--role", "builder", *common_args(url)])
+    gateway = ServiceProcess(tmp_path / "gateway", ["--role", "gateway", *common_args(url)])
+    started += [builder, gateway]
+    builder.start()
+    gateway.start()
+    # Another builder of other versions, as one of another image would register; it holds a
+    # request of its versions.
+    other = "torch 0.0.1|cuda 99.0|g++ 1|nvcc 1|recipe 0"
+    store = open_store(url, shared=True)
+    try:
+        store.register_builder("odd-builder-1", "10.9.9.9:50051", other, 4, 60.0)
+        store.request_build("k-other", other, "sm_90", "{}", "node-x")
+        assert store.claim_builds("odd-builder-1", other, 1, 60.0)
+    finally:
+        store.close()
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    with gateway.channel() as ch:
+        stub = operations_service_pb2_grpc.OperationsServiceStub(ch)
+        for md in (None, [("authorization", "Bearer wrong")]):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListBuilders(ops.ListBuildersRequest(), metadata=md, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        resp = stub.ListBuilders(ops.ListBuildersRequest(), metadata=auth, timeout=120)
+        listed = {b.builder_id: b for b in resp.builders}
+        odd = listed.pop("odd-builder-1")
+        (real,) = listed.values()
+        assert "-builder-" in real.builder_id and real.address == builder.address
+        assert real.build_slots == 1 and real.versions.startswith("torch ")
+        assert real.versions_match and list(resp.versions) == [real.versions]
+        assert not real.expired and real.leased_request_count == 0
+        beat = real.last_heartbeat_time.ToNanoseconds() / 1e9
+        assert time.time() - 5 < beat <= time.time()
+        assert beat < real.expire_time.ToNanoseconds() / 1e9
+        assert (odd.address, odd.build_slots, odd.versions) == ("10.9.9.9:50051", 4, other)
+        assert not odd.versions_match and not odd.expired  # no job here could use it
+        assert (odd.leased_request_count, odd.waiting_request_count) == (1, 0)
+
+        # SIGKILL: nothing given back, nothing forgotten; once its registration runs out
+        # (--lease-seconds 3) it is listed as expired, and a request of its versions waits.
+        builder.kill()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO build_requests (key, versions, arch, arguments, requested_by,"
+                " created) VALUES ('k-waits', %s, 'sm_90', '{}', 'node-x', 0)",
+                (real.versions,),
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            resp = stub.ListBuilders(ops.ListBuildersRequest(), metadata=auth, timeout=30)
+            (lost,) = [b for b in resp.builders if b.builder_id == real.builder_id]
+            if lost.expired:
+                break
+            assert time.monotonic() < deadline, "the killed builder never expired"
+            time.sleep(0.2)
+        assert lost.expire_time.ToNanoseconds() / 1e9 < time.time()
+        assert lost.waiting_request_count == 1 and lost.leased_request_count == 0
+        assert lost.last_heartbeat_time.ToNanoseconds() >= real.last_heartbeat_time.ToNanoseconds()
 
 
 def test_role_builder_needs_a_postgresql_store_and_build_processes(

@@ -150,6 +150,8 @@ class KernelEvalClient {
   // OperationsService (admin token).
   async listDevices() { return (await promisify(this.ops, 'ListDevices', {}, this._options(true))).devices; }
   getStats() { return promisify(this.ops, 'GetStats', {}, this._options(true)); }
+  // The builders of a shared store ({builders, versions}: versions are the server's own).
+  listBuilders() { return promisify(this.ops, 'ListBuilders', {}, this._options(true)); }
   resetGpu(deviceIndex, graceSeconds = 30) {
     return promisify(this.ops, 'ResetGpu', { device_index: deviceIndex, grace_period: { seconds: graceSeconds } }, this._options(true));
   }

@@ -80,6 +80,8 @@ test('kerneleval from Node', { skip }, async (t) => {
   await t.test('operations need the admin token', { skip: !process.env.KERNELEVAL_ADMIN_TOKEN }, async () => {
     const devices = await client.listDevices();
     assert.ok(devices.length >= 1);
+    const builders = await client.listBuilders(); // SQLite, --role all: none
+    assert.deepEqual(builders.builders, []);
     const anonymous = new KernelEvalClient(ADDRESS, { adminToken: 'wrong' });
     await assert.rejects(anonymous.listDevices(), (err) => err.code === grpc.status.UNAUTHENTICATED);
     anonymous.close();

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -12,6 +15,7 @@ from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
 from kerneleval.v1 import operations_service_pb2 as pb
 
 from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.jobs.builder_node import probe_versions
 from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.shared_queue import GATEWAY, SharedQueue
 
@@ -50,6 +54,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         # A gateway (--role gateway) owns no device: it lists its nodes' and names the node
         # that owns a device for ResetGpu and RestartWorkers.
         self.gateway = shared if shared is not None and shared.role == GATEWAY else None
+        self._gateway_versions: list[str] | None = None  # probed at the first ListBuilders
+        self._probing = asyncio.Lock()
 
     async def _forward(self, method: str, request: Any, device: int | None, context: Any) -> Any:
         """A gateway owns no device: the call goes to the node that does (`request.node`, or
@@ -221,6 +227,58 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         else:
             older = self.m.config.retention_hours * 3600.0
         return pb.CleanupResponse(deleted_job_count=self.cleanup(older))
+
+    async def own_versions(self) -> list[str]:
+        """This front end's versions in the builders' form (ExtensionBuilds.versions_of): a
+        node's, or an all-in-one service's, are those its job processes reported, the ones its
+        load_inline calls ask the builders for. A gateway has no job processes: its own Python's
+        (probed once, as a builder probes its own) and its compilers'."""
+        ext = self.m.extensions
+        await asyncio.to_thread(ext.compilers)  # `c++ --version`, `nvcc --version`: once
+        if self.gateway is None:
+            found = {
+                ext.versions_of(w.hello.device.torch_version, w.hello.device.cuda_version)
+                for w in self.m.workers.by_id.values()
+                if w.hello is not None and w.device_index != BUILD_DEVICE
+            }
+            return sorted(found)
+        async with self._probing:
+            if self._gateway_versions is None:
+                try:
+                    torch_version, cuda_version = await asyncio.to_thread(
+                        probe_versions, dict(os.environ)
+                    )
+                    self._gateway_versions = [ext.versions_of(torch_version, cuda_version)]
+                except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                    log.warning("ListBuilders: this gateway's versions are not known: %s", exc)
+                    self._gateway_versions = []
+            return self._gateway_versions
+
+    async def ListBuilders(
+        self, request: pb.ListBuildersRequest, context: Any
+    ) -> pb.ListBuildersResponse:
+        # SQLite (--role all) has the table and never a builder: an empty list.
+        rows = self.m.store.list_builders()
+        own = await self.own_versions()
+        now = time.time()
+        resp = pb.ListBuildersResponse(versions=own)
+        for row in rows:
+            b = row.builder
+            info = resp.builders.add(
+                builder_id=b.builder_id,
+                address=b.address,
+                build_slots=b.slots,
+                versions=b.versions,
+                versions_match=b.versions in own,
+                expired=b.expires < now,
+                built_count=b.built,
+                leased_request_count=row.leased,
+                waiting_request_count=row.waiting,
+            )
+            if b.heartbeat:
+                info.last_heartbeat_time.FromNanoseconds(int(b.heartbeat * 1e9))
+            info.expire_time.FromNanoseconds(int(b.expires * 1e9))
+        return resp
 
     async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
         by_state, by_verdict = self.m.store.counts()

@@ -745,6 +745,24 @@ def cmd_devices(a: argparse.Namespace, c: Client, out: _Output) -> int:
     return EXIT_OK
 
 
+def cmd_builders(a: argparse.Namespace, c: Client, out: _Output) -> int:
+    resp = c.list_builders()
+    if out.json:
+        _dump(as_dict(resp))
+        return EXIT_OK
+    mine = ", ".join(resp.versions) or "not known yet (no job process has reported them)"
+    if not resp.builders:
+        print("no builders (they register in a shared PostgreSQL store: --role builder)")
+    else:
+        print(render.builders_table(resp.builders, now=time.time(), width=out.width,
+                                    style=out.style))  # fmt: skip
+    print(render.printable(f"this server's versions: {mine}"))
+    for b in resp.builders:  # a builder no job of this server can use: what it has instead
+        if not b.versions_match:
+            print(render.printable(f"  {b.builder_id} builds with: {b.versions}"))
+    return EXIT_OK
+
+
 def cmd_events(a: argparse.Namespace, c: Client, out: _Output) -> int:
     for ev in c.watch_events(a.replay):
         if out.json or out.jsonl:
@@ -1214,6 +1232,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("stats", "counters and latencies (admin token)")
     s.set_defaults(func=cmd_stats)
+
+    s = command("builders", "the load_inline builders of a shared store (admin token)")
+    s.set_defaults(func=cmd_builders)
 
     s = command("mcp", "serve the tools for LLM agents over MCP (needs kerneleval-client[mcp])")
     s.add_argument("--http-port", type=int, default=0, help="streamable HTTP here; else stdio")

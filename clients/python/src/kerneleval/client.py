@@ -10,12 +10,12 @@ Streams that follow a job (`run`, `watch`) re-attach after a dropped connection 
 typed `kerneleval.errors.KernelEvalError`.
 
 Retries: the channel retries the idempotent calls (GetJob, ListJobs, CancelJob, ListDevices,
-GetStats) on UNAVAILABLE, up to 5 attempts with exponential back-off (a gRPC service config);
-`submit` retries by itself on UNAVAILABLE and RESOURCE_EXHAUSTED (a full queue), waiting what
-the server's google.rpc.RetryInfo asks or else backing off exponentially with jitter, within
-`retry_timeout` seconds (default 30), and sends an idempotency key so that a retried Submit
-never makes a second job. `retry_timeout=0` turns both off. Evaluate, Compare, Run and RunBatch
-make jobs without a key and are never retried.
+GetStats, ListBuilders) on UNAVAILABLE, up to 5 attempts with exponential back-off (a gRPC
+service config); `submit` retries by itself on UNAVAILABLE and RESOURCE_EXHAUSTED (a full
+queue), waiting what the server's google.rpc.RetryInfo asks or else backing off exponentially
+with jitter, within `retry_timeout` seconds (default 30), and sends an idempotency key so that
+a retried Submit never makes a second job. `retry_timeout=0` turns both off. Evaluate, Compare,
+Run and RunBatch make jobs without a key and are never retried.
 
 The logic (requests, retry schedules, re-attach book-keeping) lives in `_Base` and the helpers
 beside it; `Client` and `AsyncClient` only do the I/O, so that the two stay alike
@@ -71,7 +71,7 @@ DEFAULT_RETRY_TIMEOUT = 30.0
 # call would find done. Submit is retried by the client, with an idempotency key.
 _IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
     "kerneleval.v1.KernelEvalService": ("GetJob", "ListJobs", "CancelJob"),
-    "kerneleval.v1.OperationsService": ("ListDevices", "GetStats"),
+    "kerneleval.v1.OperationsService": ("ListDevices", "GetStats", "ListBuilders"),
 }
 # gRPC caps maxAttempts at 5; the back-off before attempt n+1 is about
 # min(initialBackoff * backoffMultiplier^(n-1), maxBackoff), jittered: 0.05 + 0.1 + 0.2 + 0.4 s,
@@ -708,6 +708,11 @@ class Client(_Base):
     def get_stats(self) -> operations_service_pb2.GetStatsResponse:
         return self._ops_call(self._ops.GetStats, operations_service_pb2.GetStatsRequest())
 
+    def list_builders(self) -> operations_service_pb2.ListBuildersResponse:
+        """The builders (`--role builder`) in the shared store, live and recently lost, and
+        the server's own versions (`versions`) that each builder's are compared with."""
+        return self._ops_call(self._ops.ListBuilders, operations_service_pb2.ListBuildersRequest())
+
     # --- grpc.health.v1 -------------------------------------------------------------------
 
     def health(self, service: str = "") -> str:
@@ -1014,6 +1019,14 @@ class AsyncClient(_Base):
         return await self._call(
             self._ops.GetStats,
             operations_service_pb2.GetStatsRequest(),
+            metadata=self._admin_metadata(),
+        )
+
+    async def list_builders(self) -> operations_service_pb2.ListBuildersResponse:
+        """As `Client.list_builders`."""
+        return await self._call(
+            self._ops.ListBuilders,
+            operations_service_pb2.ListBuildersRequest(),
             metadata=self._admin_metadata(),
         )
 

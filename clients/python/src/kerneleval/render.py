@@ -76,7 +76,7 @@ def ellipsis() -> str:
 
 
 _SGR = {"green": "32", "red": "31", "yellow": "33", "bold": "1", "dim": "2"}
-_GOOD = {"OK", "DONE", "HEALTHY", "SERVING", "yes", "pass"}
+_GOOD = {"OK", "DONE", "HEALTHY", "SERVING", "yes", "pass", "live"}
 _NEUTRAL = {"QUEUED", "RUNNING", "CANCELLED", "UNSPECIFIED", "-", "NOT_CHECKED"}
 # Not evaluated, which is not a failure of the kernel: a warning's colour, never a failure's.
 _WARNING = {"CANNOT_RUN_HERE"}
@@ -639,6 +639,46 @@ def devices_table(
         headers.insert(0, Column("NODE", "text"))
         for row, d in zip(rows, devices, strict=True):
             row.insert(0, d.node or "-")
+    return table(headers, rows, width=width, style=style)
+
+
+def builders_table(
+    builders: Sequence[operations_service_pb2.BuilderInfo],
+    *,
+    now: float,
+    width: int | None = None,
+    style: Style = PLAIN,
+) -> str:
+    """ListBuilders' builders: STATE live or EXPIRED (lost), BUILDING the requests each holds,
+    WAITING those of its versions nobody holds, VERSIONS whether they are the server's."""
+    rows = []
+    for b in builders:
+        beat = b.last_heartbeat_time
+        ago = now - (beat.seconds + beat.nanos / 1e9)
+        rows.append(
+            [
+                b.builder_id,
+                b.address or "-",
+                "EXPIRED" if b.expired else "live",
+                str(b.build_slots),
+                str(b.leased_request_count),
+                str(b.waiting_request_count),
+                str(b.built_count),
+                f"{fmt_duration(ago)} ago" if beat.seconds else "-",
+                "yes" if b.versions_match else "differ",
+            ]
+        )
+    headers: list[str | Column] = [
+        Column("BUILDER", "id"),
+        Column("ADDRESS", "text"),
+        Column("STATE", outcome=True),
+        "SLOTS",
+        "BUILDING",
+        "WAITING",
+        "BUILT",
+        "LAST BEAT",
+        Column("VERSIONS", outcome=True),
+    ]
     return table(headers, rows, width=width, style=style)
 
 

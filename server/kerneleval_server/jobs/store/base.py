@@ -107,12 +107,16 @@ class JobStore(Protocol):
     ) -> None: ...
     def forget_builder(self, builder_id: str) -> None: ...
     def builders(self) -> builtins.list[Builder]: ...
+    def list_builders(self) -> builtins.list[BuilderStatus]: ...
 
 
 # A build request's end states (build_requests.state; "" while it waits or builds).
 BUILD_FAILED = "failed"  # the build failed (its build process died, ran too long): answered
 BUILD_REFUSED = "refused"  # the builder would not build it (versions, refusal): built elsewhere
 MAX_BUILD_ATTEMPTS = 3  # builders that took a request and were lost, before none takes it
+# A builder whose registration ran out (it was lost: SIGKILL, its machine) stays in `builders`
+# this long, so that ListBuilders can show it as expired; then any front end's read drops it.
+LOST_BUILDER_KEPT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,17 @@ class Builder:
     versions: str
     slots: int
     built: int
+    heartbeat: float = 0.0  # when it last registered (0: before schema step 6)
+    expires: float = 0.0
+
+
+@dataclass(frozen=True)
+class BuilderStatus:
+    """A builder as ListBuilders shows it: its registration and the build requests about it."""
+
+    builder: Builder
+    leased: int  # requests it holds now (building, or queued for its build processes)
+    waiting: int  # requests of its versions nobody holds: any builder of them may take them
 
 
 class SqlStore:
@@ -718,15 +733,17 @@ class SqlStore:
     ) -> None:
         """A builder says it lives (until now + ttl_s), with the versions it builds with and
         how many builds it runs at once."""
+        now = time.time()
         with self._tx() as cur:
             cur.execute(
                 self._sql(
-                    "INSERT INTO builders (builder_id, address, versions, slots, expires)"
-                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (builder_id) DO UPDATE SET"
-                    " address = excluded.address, versions = excluded.versions,"
-                    " slots = excluded.slots, expires = excluded.expires"
+                    "INSERT INTO builders (builder_id, address, versions, slots, expires,"
+                    " heartbeat) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (builder_id) DO UPDATE"
+                    " SET address = excluded.address, versions = excluded.versions,"
+                    " slots = excluded.slots, expires = excluded.expires,"
+                    " heartbeat = excluded.heartbeat"
                 ),
-                (builder_id, address, versions, slots, time.time() + ttl_s),
+                (builder_id, address, versions, slots, now + ttl_s, now),
             )
 
     def forget_builder(self, builder_id: str) -> None:
@@ -735,12 +752,53 @@ class SqlStore:
 
     def builders(self) -> builtins.list[Builder]:
         """Live builders."""
+        now = time.time()
+        return [b for b in self._builders(now) if b.expires >= now]
+
+    def _builders(self, now: float) -> builtins.list[Builder]:
+        """Live builders and those lost within LOST_BUILDER_KEPT_S (older ones are dropped)."""
         with self._tx() as cur:
-            cur.execute(self._sql("DELETE FROM builders WHERE expires < ?"), (time.time(),))
+            cur.execute(
+                self._sql("DELETE FROM builders WHERE expires < ?"), (now - LOST_BUILDER_KEPT_S,)
+            )
         rows = self._query(
-            "SELECT builder_id, address, versions, slots, built FROM builders ORDER BY builder_id"
+            "SELECT builder_id, address, versions, slots, built, heartbeat, expires"
+            " FROM builders ORDER BY builder_id"
         )
-        return [Builder(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4])) for r in rows]
+        return [
+            Builder(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), float(r[5]), float(r[6]))
+            for r in rows
+        ]
+
+    def list_builders(self) -> builtins.list[BuilderStatus]:
+        """Every builder registered (live, or lost within LOST_BUILDER_KEPT_S) with the build
+        requests it holds and those of its versions nobody holds: two grouped counts of the
+        requests in flight, which are few (a request goes when its build ends)."""
+        now = time.time()
+        builders = self._builders(now)
+        if not builders:
+            return []
+        held = self._query(
+            self._sql(
+                "SELECT lease_builder, COUNT(*) FROM build_requests WHERE state = ''"
+                " AND lease_expires >= ? GROUP BY lease_builder"
+            ),
+            (now,),
+        )
+        free = self._query(
+            self._sql(
+                "SELECT versions, COUNT(*) FROM build_requests WHERE state = ''"
+                " AND attempts < ? AND (lease_builder IS NULL OR lease_expires < ?)"
+                " GROUP BY versions"
+            ),
+            (MAX_BUILD_ATTEMPTS, now),
+        )
+        leased = {str(r[0]): int(r[1]) for r in held}
+        waiting = {str(r[0]): int(r[1]) for r in free}
+        return [
+            BuilderStatus(b, leased.get(b.builder_id, 0), waiting.get(b.versions, 0))
+            for b in builders
+        ]
 
     def schema_version(self) -> int:
         rows = self._query("SELECT MAX(version) FROM kerneleval_schema")

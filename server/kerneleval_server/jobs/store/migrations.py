@@ -210,6 +210,13 @@ CREATE TABLE builders (
 );
 """,
     ),
+    Migration(
+        6,
+        "when each builder last beat (ListBuilders)",
+        # 0 for a row written before: every live builder rewrites its row at its next beat.
+        sqlite="ALTER TABLE builders ADD COLUMN heartbeat REAL NOT NULL DEFAULT 0;",
+        postgres="ALTER TABLE builders ADD COLUMN heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0;",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version
