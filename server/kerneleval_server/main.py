@@ -276,7 +276,7 @@ class Server:
         artifacts = SharedArtifacts(
             self.store, m.extensions, shared.node_id,
             wait_s=self.cfg.builder_wait_s, keep_s=self.cfg.retention_hours * 3600.0,
-            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch,
+            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch, host=m,
         )  # fmt: skip
         shared.on_beat.append(artifacts.refresh)
         shared.on_note[ARTIFACTS_CHANNEL] = artifacts.wake

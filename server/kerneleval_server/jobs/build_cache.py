@@ -98,3 +98,7 @@ class BuildCache:
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    def __contains__(self, key: str) -> bool:
+        """An entry is kept for the key (not read: nothing counted)."""
+        return self.max_bytes > 0 and key in self._sizes

@@ -1,23 +1,29 @@
-"""`--role builder`: a CPU-only front end that builds what nodes ask of the shared store.
+"""`--role builder`: a CPU-only front end that builds what nodes ask of the shared store: their
+jobs' `load_inline` calls, and the Triton and raw CUDA kernels of their jobs built ahead.
 
 A builder has no GPU, no job processes and no API but health: its watchdog runs only build
 processes (the build pseudo-device, the same sandbox as on a node), and this module feeds
 them from the store's build requests (jobs/artifact_store.py says what a node asks and how it
-waits):
+waits; jobs/ahead_builds.py what a job's build request holds and what is kept of it):
 - it registers in `builders` with the heartbeat (every third of `--lease-seconds`): its id,
   address, how many builds it runs at once and its **versions** (torch and CUDA as the build
-  processes' Python has them, probed at start; the compilers; the builder's recipe);
+  processes' Python has them, probed at start; triton; the compilers; the recipes);
 - it takes requests of exactly its versions with leases (`store.claim_builds`: `SELECT ...
   FOR UPDATE SKIP LOCKED`), as many as it has idle build processes, when NOTIFYed on
   `kerneleval_builds` and every second; the heartbeat renews the leases, so the requests of a
   builder that dies (SIGKILL, a lost machine) go to another builder, or back to the node that
   asked, once they expire;
 - for each it computes the key again from the arguments and its own target and refuses a
-  request whose key differs (or a call the service does not build), so it never writes under a
-  key what that key does not build to; its own build cache answers first;
+  request whose key differs (or a call the service does not build, or sources that are not
+  kernels launched from their IOContract), so it never writes under a key what that key does
+  not build to; its own build cache answers first;
 - each build goes to a build process as a node's own would (ExtensionBuilds, JobManager's
-  dispatch); the library, or the compile error, goes into `artifacts` (NOTIFYing the nodes),
-  and a build that fails (its process lost, past its time) ends the request as failed;
+  dispatch): a load_inline call (`AssignJob.extension`), or a job's sources for the node's
+  architecture (`AssignJob.build_arch`: `engine.build_job`, Triton compiled for that GPU with
+  no GPU here); the library or the compile error, the kernels' artifacts or `run_whole`, go
+  into `artifacts` (NOTIFYing the nodes); a build that ended a job (its compile error) ends
+  the request as failed with that outcome, and one that fails (its process lost, past its
+  time) as failed;
 - it logs, at each heartbeat, requests that wait for versions other than its own.
 """
 
@@ -35,8 +41,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import kernel_pb2
+
 from kerneleval_server.builder import extension
 
+from . import ahead_builds
 from .extension_builds import Build, ExtensionBuilds
 from .shared_queue import beat_forever, claim_forever, listen_forever
 from .store import JobStore
@@ -90,7 +100,9 @@ class BuilderNode:
         self.address = address
         self.builder_id = f"{socket.gethostname()}-builder-{uuid.uuid4().hex[:8]}"
         self.held: dict[str, Build] = {}  # requests taken, by key, until their end is written
+        # Requests ended: load_inline calls and jobs built ahead alike; ahead_counts: the latter.
         self.counts = {"built": 0, "failed": 0, "refused": 0, "cached": 0}
+        self.ahead_counts = {"built": 0, "failed": 0, "refused": 0, "cached": 0}
         self.registered = False
         self.warm = False  # a build process has been free (come up) since the start
         self.on_beat: Callable[[], None] = lambda: None  # health (main)
@@ -175,6 +187,11 @@ class BuilderNode:
             call = json.loads(arguments)
         except ValueError:
             call = None
+        if ahead_builds.is_request(call):
+            assert isinstance(call, dict)
+            spec, why = ahead_builds.parse_request(call)
+            self._take_ahead(key, arch, spec, why)
+            return
         why = extension.refusal(call) if isinstance(call, dict) else "not a load_inline call"
         if why or not isinstance(call, dict):
             self._refuse(key, f"builder {self.builder_id} does not build it: {why}")
@@ -197,6 +214,30 @@ class BuilderNode:
             self.held[key] = build
             log.info("building %s (%r, %s) for the shared store", key[:16], build.name, arch)
 
+    def _take_ahead(self, key: str, arch: str, spec: kernel_pb2.JobSpec | None, why: str) -> None:
+        """A node's job built ahead: its sources, built for the node's architecture."""
+        if spec is not None:
+            why = ahead_builds.refusal(spec, arch)
+            if not why and ahead_builds.key(spec, arch, self.versions) != key:
+                why = (
+                    f"the key is not what the sources build to with its versions "
+                    f"({self.versions}, {arch})"
+                )
+        if spec is None or why:
+            self.ahead_counts["refused"] += 1
+            self._refuse(key, f"builder {self.builder_id} does not build it: {why}")
+            return
+        cached = self.builds.cache.get(key)
+        if cached is not None:  # built here before (the store dropped it since)
+            self.counts["cached"] += 1
+            self.ahead_counts["cached"] += 1
+            self.store.put_artifact(key, cached, self.versions, self.builder_id)
+            return
+        build = self.builds.add_requested_ahead(key, spec, arch)
+        if build is not None:
+            self.held[key] = build
+            log.info("building %s (%s, %s) for the shared store", key[:16], build.name, arch)
+
     def _refuse(self, key: str, why: str) -> None:
         self.counts["refused"] += 1
         log.warning("build request %s refused: %s", key[:16], why)
@@ -214,7 +255,29 @@ class BuilderNode:
         if self.held.pop(build.key, None) is None:
             return
         self.counts["built"] += 1
+        self.ahead_counts["built"] += build.spec is not None
         self._write(self.store.put_artifact, build.key, data, self.versions, self.builder_id)
+
+    def failed_ahead(self, build: Build, built: job_channel_pb2.BuildOutcome) -> None:
+        """The build ended the node's job (a compile error): the request ends as failed with
+        the outcome, which the node gives its jobs; nothing is kept."""
+        if self.held.pop(build.key, None) is None:
+            return
+        self.counts["failed"] += 1
+        self.ahead_counts["failed"] += 1
+        error = ahead_builds.failure(self.builder_id, built)
+        self._write(self.store.end_build, build.key, self.builder_id, BUILD_FAILED, error)
+
+    def offer_ahead(self, jobs: list[tuple[str, str]]) -> None:
+        """A builder has no jobs of its own."""
+
+    def builds_here(self, job_id: str) -> bool:
+        return True
+
+    def kept_ahead(
+        self, job_id: str, spec: kernel_pb2.JobSpec, arch: str, built: job_channel_pb2.BuildOutcome
+    ) -> None:
+        """A builder has no jobs of its own."""
 
     def failed(self, build: Build, error: str) -> None:
         if self.held.pop(build.key, None) is None:

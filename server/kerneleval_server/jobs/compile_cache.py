@@ -113,6 +113,13 @@ class CompileCache:
         self.hits += 1
         return files
 
+    def holds(self, spec: kernel_pb2.JobSpec, device_index: int | str) -> bool:
+        """Whether files_for would find an entry (in memory or on disk), counting nothing."""
+        if self.max_bytes <= 0:
+            return False
+        key = cache_key(spec, device_index)
+        return key in self._entries or (self.disk is not None and key in self.disk)
+
     def _from_disk(self, key: str) -> list[job_channel_pb2.CacheFile] | None:
         data = self.disk.get(key) if self.disk is not None else None
         if data is None:

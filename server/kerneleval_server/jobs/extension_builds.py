@@ -18,7 +18,10 @@ On a shared PostgreSQL store (`--role node` with `--role builder`s, jobs/artifac
 local cache is first looked for in the shared artifact store, then asked of the builders whose
 versions are this node's, and built here (or in the job, `build_here`) only when none answers
 in time. What this node builds itself goes into the shared store too. On a builder the builds
-come from the store's requests (`add_requested`) and their results go back there.
+come from the store's requests (`add_requested`) and their results go back there; a builder
+also builds the kernels of nodes' jobs built ahead (`add_requested_ahead`, jobs/ahead_builds.py:
+a Build with the job's sources in `spec`, which its build process compiles with
+`engine.build_job` as a node's build process would).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import kernel_pb2
 
 from kerneleval_server.builder import extension
 
+from . import ahead_builds, prebuild
 from .build_cache import BuildCache
 
 MAX_CALLS_PER_JOB = 16
@@ -61,6 +67,9 @@ class Build:
     versions: str = ""  # the target without the architecture (versions_of)
     # A builder's: asked through the shared store, built with nobody waiting here.
     requested: bool = False
+    # A builder's build of a node's job built ahead (jobs/ahead_builds.py): the job's sources,
+    # which its build process compiles for `arch` (no load_inline call).
+    spec: kernel_pb2.JobSpec | None = None
 
     @property
     def build_id(self) -> str:
@@ -97,6 +106,25 @@ class Remote(Protocol):
         """A build here ended with nothing kept (its process was lost; the builder refused)."""
         ...
 
+    def failed_ahead(self, build: Build, built: job_channel_pb2.BuildOutcome) -> None:
+        """A build of a job built ahead (a builder's) ended the job: `built` has its result."""
+        ...
+
+    def offer_ahead(self, jobs: list[tuple[str, str]]) -> None:
+        """The queued jobs a node builds ahead, (job id, architecture): a node looks for each
+        in the shared store and asks the builders first."""
+        ...
+
+    def builds_here(self, job_id: str) -> bool:
+        """The node's own build processes may build this queued job now."""
+        ...
+
+    def kept_ahead(
+        self, job_id: str, spec: kernel_pb2.JobSpec, arch: str, built: job_channel_pb2.BuildOutcome
+    ) -> None:
+        """A job's build ended with `built` (artifacts or run_whole) on this node."""
+        ...
+
 
 class ExtensionBuilds:
     def __init__(self, cache: BuildCache) -> None:
@@ -108,6 +136,7 @@ class ExtensionBuilds:
         self.built = 0
         self.remote: Remote | None = None  # the shared artifact store (roles node, builder)
         self._compilers = ""
+        self._triton = ""
 
     def compilers(self) -> str:
         if not self._compilers:  # asked once: `c++ --version` and `nvcc --version`
@@ -118,12 +147,22 @@ class ExtensionBuilds:
         """What besides the call decides what it builds to (part of call_key)."""
         return f"torch {torch_version}|cuda {cuda_version}|{arch}|{self.compilers()}"
 
+    def triton(self) -> str:
+        """Triton's version as installed for this Python (the build processes'): read once."""
+        if not self._triton:
+            try:
+                self._triton = f"triton {metadata.version('triton')}"
+            except metadata.PackageNotFoundError:
+                self._triton = "triton none"
+        return self._triton
+
     def versions_of(self, torch_version: str, cuda_version: str) -> str:
-        """The target without the architecture, with the recipe: what a builder must have to
-        build for this front end (any architecture: nvcc cross-compiles)."""
+        """The target without the architecture, with triton and the recipes: what a builder
+        must have to build for this front end (any architecture: nvcc and Triton compile for
+        one they do not run on), load_inline calls and jobs built ahead alike."""
         return (
-            f"torch {torch_version}|cuda {cuda_version}|{self.compilers()}"
-            f"|recipe {extension.RECIPE_VERSION}"
+            f"torch {torch_version}|cuda {cuda_version}|{self.triton()}|{self.compilers()}"
+            f"|recipe {extension.RECIPE_VERSION}|ahead {ahead_builds.RECIPE_VERSION}"
         )
 
     def _target(self, device: Any, arch: str) -> str:
@@ -190,6 +229,30 @@ class ExtensionBuilds:
         self.queue.append(build)
         return build
 
+    def add_requested_ahead(self, key: str, spec: kernel_pb2.JobSpec, arch: str) -> Build | None:
+        """A builder's build of a node's job built ahead (`key`, computed there; the caller
+        checked it is ahead_builds.key of these sources, this architecture and its versions),
+        queued for a build process. None when this builder builds that key already."""
+        if key in self.by_key:
+            return None
+        name = f"{prebuild.kind(spec) or 'job'} kernels built ahead"
+        build = Build(key, "", name, "", arch, requested=True, spec=spec)
+        self.by_key[key] = build
+        self.queue.append(build)
+        return build
+
+    def assignment(
+        self, build: Build
+    ) -> tuple[kernel_pb2.JobSpec, job_channel_pb2.ExtensionCall | None]:
+        """What a build process is given for `build` (AssignJob's spec and extension): the
+        load_inline call (with a reusable main.o), or the job's sources built ahead."""
+        if build.spec is not None:
+            return build.spec, None
+        call = job_channel_pb2.ExtensionCall(
+            arguments_json=build.arguments_json, main_object=self.main_object(build)
+        )
+        return kernel_pb2.JobSpec(), call
+
     def build_here(self, build: Build) -> None:
         """The shared store and the builders did not answer: queued for this front end's
         own build processes."""
@@ -247,6 +310,32 @@ class ExtensionBuilds:
     def building(self, worker: Any) -> Build | None:
         return self.by_worker.get(worker.worker_id)
 
+    def finished_build(
+        self, worker: Any, outcome: job_channel_pb2.BuildOutcome
+    ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
+        """A build process answered (BuildOutcome): a load_inline call's (`finished`), or, on a
+        builder, a job's build: kept in the cache and the shared store (artifacts, run_whole),
+        or its result sent back to the node that asked. Nobody waits here for the latter."""
+        build = self.by_worker.get(worker.worker_id)
+        if build is None or build.spec is None:
+            return self.finished(worker, outcome.extension)
+        del self.by_worker[worker.worker_id]
+        self.by_key.pop(build.key, None)
+        data = ahead_builds.kept(build.spec, build.arch, outcome)
+        if data is not None:
+            self.cache.put(build.key, data)
+            self.built += 1
+            if self.remote is not None:
+                self.remote.kept(build, data)
+        elif self.remote is not None:
+            if outcome.HasField("result"):
+                self.remote.failed_ahead(build, outcome)
+            else:
+                self.remote.failed(
+                    build, f"the build process answered no cubin per source for {build.arch}"
+                )
+        return []
+
     def finished(
         self, worker: Any, built: job_channel_pb2.ExtensionBuilt
     ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
@@ -284,6 +373,8 @@ class ExtensionBuilds:
         failed = job_channel_pb2.ExtensionBuilt(
             error=f"Error building extension '{build.name}': the build process {why}"
         )
+        if build.spec is not None:  # a job's build (a builder's): its node builds it itself
+            failed.error = f"the build process of the {build.name} {why}"
         if self.remote is not None:
             self.remote.failed(build, failed.error)
         return [(w, _answer(w, failed)) for w in build.waiters]

@@ -465,9 +465,13 @@ class JobManager:
             if worker.device_index == BUILD_DEVICE and self.extensions.queue:
                 self._start_extension_build(worker)
         ready = [w for w in ready if w.ready]
+        remote = self.extensions.remote
+        if remote is not None:  # built ahead: the shared artifact store and builders first
+            ahead = self.queue.waiting(self._built_ahead)
+            remote.offer_ahead([(q.job_id, self._build_arch(q)) for q in ahead])
         for worker in ready:
             while worker.device_index == BUILD_DEVICE and len(self.queue):
-                queued = self.queue.pop_for(None, self._built_ahead)
+                queued = self.queue.pop_for(None, self._builds_here)
                 if queued is None:
                     break
                 arch = self._build_arch(queued)
@@ -509,12 +513,9 @@ class JobManager:
         build = self.extensions.next_build()
         if build is None:
             return
-        call = job_channel_pb2.ExtensionCall(
-            arguments_json=build.arguments_json, main_object=self.extensions.main_object(build)
-        )
+        spec, call = self.extensions.assignment(build)  # a call, or (a builder's) a job's kernels
         try:
-            sent = worker.assign(build.build_id, kernel_pb2.JobSpec(), 1, build_arch=build.arch,
-                                 extension=call)  # fmt: skip
+            sent = worker.assign(build.build_id, spec, 1, build_arch=build.arch, extension=call)
         except FrameError as exc:
             sent = False
             log.error("extension build %s cannot be sent: %s", build.build_id, exc)
@@ -564,7 +565,7 @@ class JobManager:
             worker.exit_watch = None
         self._watch_exit(worker)
         self._free_worker(worker, completed=True)
-        self.answer_extensions(self.extensions.finished(worker, built.extension))
+        self.answer_extensions(self.extensions.finished_build(worker, built))
         self.dispatch()
 
     def _extension_build_lost(self, worker: WorkerState, why: str) -> None:
@@ -709,6 +710,39 @@ class JobManager:
         run = self._track(job, WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True))
         self._await_launch(run, artifacts)
         return True
+
+    def _builds_here(self, queued: QueuedJob) -> bool:
+        """Built ahead by a build process of this front end: not while the shared artifact
+        store and the builders are asked for it (jobs/artifact_store.py)."""
+        remote = self.extensions.remote
+        return self._built_ahead(queued) and (remote is None or remote.builds_here(queued.job_id))
+
+    def built_elsewhere(
+        self, job_id: str, arch: str, built_by: str, built: job_channel_pb2.BuildOutcome
+    ) -> None:
+        """A queued job's build answer from the shared artifact store or a builder
+        (jobs/artifact_store.py): the job starts as a build job `built_by` ran for `arch`, and
+        goes on as after a build here (_on_built: a launch, its result, or run whole)."""
+        if not self.queue.remove(job_id):
+            return  # it ended, or started, meanwhile
+        job = self.store.get(job_id)
+        if job is None or job.state in TERMINAL:
+            return
+        job.state = job_pb2.JOB_STATE_RUNNING
+        job.attempt_count += 1
+        job.worker_id = built_by
+        _stamp(job.start_time)
+        event = self.hub.next_event(job_id)
+        event.started.worker_id = built_by
+        event.started.device_index = job.device_index
+        event.started.attempt = job.attempt_count
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        worker = WorkerState(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
+        run = self._track(job, worker)
+        run.build_arch = arch
+        built.job_id = job_id
+        self._on_built(worker, built)
 
     def _track(
         self,
@@ -1436,6 +1470,8 @@ class JobManager:
                 result.ClearField("timing_window")
             self._finish(job, job_pb2.JOB_STATE_DONE, result)
             return
+        if self.extensions.remote is not None:  # for the other nodes (jobs/artifact_store.py)
+            self.extensions.remote.kept_ahead(job.job_id, job.spec, run.build_arch, built)
         event = self.hub.next_event(job.job_id)
         if built.run_whole:
             event.log.text = (

@@ -43,6 +43,10 @@ class FairQueue:
     def job_ids(self) -> list[str]:
         return list(self._index)
 
+    def waiting(self, accept: Callable[[QueuedJob], bool]) -> list[QueuedJob]:
+        """The queued jobs `accept` takes, oldest first (none is taken out)."""
+        return [job for job in self._index.values() if accept(job)]
+
     def push(self, job: QueuedJob) -> int:
         """Queues a job; returns how many jobs were ahead of it."""
         ahead = len(self._index)
