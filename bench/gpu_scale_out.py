@@ -565,7 +565,8 @@ def scenario(
                "device": rec["job"].device_index if rec else -9,
                "node": label_of.get(rec["node_id"], rec["node_id"] or "none") if rec else "none",
                "killed": job_id in killed_jobs,
-               "lease_lost": lease_lost(events)}  # fmt: skip
+               "lease_lost": lease_lost(events),
+               "ran_alone": any("to itself" in e.log.text for e in events)}  # fmt: skip
         if rec is not None and row["verdict"] != row["expected"]:
             r = rec["job"].result
             row["why"] = (r.error.message or r.compilation_error or r.validation_error
@@ -645,10 +646,10 @@ def checks(
           f"{len(killed)} running on {victim} when it died; {len(retried_ok)} finished in "
           f"a later attempt on {sorted({j['node'] for j in killed})}")  # fmt: skip
     moved = [j["index"] for j in jobs if j["lease_lost"] and not j["killed"]]
-    alone = sum(1 for j in jobs if j["attempts"] >= 2 and not j["lease_lost"])
+    alone = sum(1 for j in jobs if j["ran_alone"])
     check("no other job was taken from its node (lease expired)", not moved,
           f"others: {moved[:10]}; re-run alone on their node after running out of GPU memory "
-          f"(another attempt, not a move): {alone}")  # fmt: skip
+          f"(the same attempt, not a move): {alone}")  # fmt: skip
     per_node = Counter(j["node"] for j in jobs)
     first = [label_for(d) for d in run.devices]
     check("jobs ran on every node", all(per_node.get(n, 0) > 0 for n in first),

@@ -120,7 +120,9 @@ class Config:
         },
     )
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
-    max_attempts: int = field(default=2, metadata={"help": "starts of one job at most"})
+    max_attempts: int = field(
+        default=2, metadata={"help": "attempts of one job at most (a re-run after a loss is one)"}
+    )
     compile_cache_mib: int = field(
         default=256, metadata={"help": "compiled kernels kept for jobs with the same code; 0 = off"}
     )

@@ -26,8 +26,8 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
         "--workers-per-device", "2",
         "--xid-wait-s", "5",
         "--max-restarts", "1",
-        # One start per job for losses: a re-run alone is not one (it ran out of memory beside
-        # others), so it still runs (the GPU run's case: a job whose node died, then crowded).
+        # One attempt per job: a re-run alone (it ran out of memory beside others) is part of
+        # it, so it still runs (the GPU run's case: a job whose node died, then crowded).
         "--max-attempts", "1",
         nvml=ONE_GPU + "clocks 0 sm=1410 mem=2619 temperature=45 power_mw=301500 reasons=0x5\n",
     )  # fmt: skip
@@ -94,13 +94,14 @@ def test_out_of_memory_beside_another_job_runs_again_alone(svc: ServiceProcess) 
     later = stub.Submit(pb.SubmitRequest(spec=command_spec({"do": "time", "seconds": 0.2}))).job
     events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=oom.job_id), timeout=60)]
     done = stub.GetJob(pb.GetJobRequest(job_id=oom.job_id)).job
-    assert done.attempt_count == 2, done
+    assert done.attempt_count == 1, done  # the run alone is the same attempt
     assert done.result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or "nvmlInit" in (
         done.result.error.message
     )
     assert any("runs again with GPU 0 to itself" in e.log.text for e in events)
     started = [e for e in events if e.WhichOneof("kind") == "started"]
     assert len(started) == 2
+    assert [e.started.attempt for e in started] == [1, 1]
     # The second run had the GPU alone: every other job used the GPU (from its check's grant to
     # the end of its timing) before it started, or after it ended.
     rerun = (started[1].time.ToNanoseconds() / 1e9, done.end_time.ToNanoseconds() / 1e9)

@@ -633,9 +633,10 @@ class JobManager:
 
     def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
         """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
-        that was not its own: it runs again, once, with the GPU to itself. Once even past
-        --max-attempts, which bounds losses (a dead node, a lost process): the crowding was the
-        service's doing, and a job whose node died must not lose its run alone for that."""
+        that was not its own: it runs again, once, with the GPU to itself, in the same attempt.
+        Attempts (--max-attempts) count losses (a dead node, a lost process); the crowding was
+        the service's doing, and must neither be stopped by a loss before it nor use up the
+        retry of a loss after it (both seen on two H100s with a node killed)."""
         text = f"{result.error.message}\n{result.compilation_error}"
         oom = result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or any(m in text for m in OOM_TEXTS)
         job = run.job
@@ -649,10 +650,11 @@ class JobManager:
         event = self.hub.next_event(job.job_id)
         event.log.text = (
             "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
-            f"with GPU {job.device_index} to itself (attempt {job.attempt_count + 1})"
+            f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})"
         )
         self.hub.publish(event)
         log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
+        job.attempt_count -= 1  # the run alone is the same attempt
         self._requeue(job)
         self.dispatch()
         return True
