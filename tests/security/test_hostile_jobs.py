@@ -719,10 +719,8 @@ def test_results_handed_back_in_the_timed_trials(stub, svc: ServiceProcess) -> N
     next_tenants_are_judged_right(stub, svc, ran)
 
 
-# Forges its own process's comparison (and so its replay check): every trial passes there,
-# while its forward returns zeros where the reference returns x.
-FORGER = """
-import torch
+# Every comparison in the process that imports it passes, whatever it is given.
+FORGED_COMPARE = """
 import kerneleval_server.engine.compare as cmp
 import kerneleval_server.engine.runner as runner
 
@@ -737,6 +735,13 @@ def _forged(*a, **k):
 
 cmp.compare_outputs = _forged
 runner.compare.compare_outputs = _forged
+"""
+# Forges its own process's comparison (and so its replay check): every trial passes there,
+# while its forward returns zeros where the reference returns x.
+FORGER = (
+    FORGED_COMPARE
+    + """
+import torch
 
 
 class ModelNew(torch.nn.Module):
@@ -751,6 +756,7 @@ def get_inputs():
 def get_init_inputs():
     return []
 """
+)
 
 
 def test_a_forged_verdict_is_judged_in_another_process(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
@@ -906,23 +912,7 @@ def test_a_patched_timer_ends_in_tampering(stub, svc: ServiceProcess) -> None:  
 # A reference whose module body makes the judge's comparison pass whatever it is given: in
 # the judge's process, which stays for the next job with this same reference (a standing
 # judge), the patch stays too.
-REFERENCE_FORGING_ITS_JUDGE = (
-    """
-import kerneleval_server.engine.compare as cmp
-
-_orig = cmp.compare_outputs
-
-
-def _forged(*a, **k):
-    c = _orig(*a, **k)
-    c.ok, c.message = True, ""
-    return c
-
-
-cmp.compare_outputs = _forged
-"""
-    + hs.REFERENCE
-)
+REFERENCE_FORGING_ITS_JUDGE = FORGED_COMPARE + hs.REFERENCE
 
 
 def _judge_of(ran: Ran) -> str:
