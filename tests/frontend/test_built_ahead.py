@@ -194,11 +194,12 @@ def test_a_build_that_hangs_times_out_and_one_that_faults_crashes(stub) -> None:
 
 def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: ignore[no-untyped-def]
     # The slow launch holds the one launch process long enough for the second job to be built
-    # and cancelled while it waits, also on a loaded machine (3 s did not, once, in CI).
+    # and cancelled while it waits, also on a loaded machine (3 s and 8 s did not, once each,
+    # in CI: the second job's build took longer and it launched once the slow one ended).
     slow = stub.Submit(
-        pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 8})), timeout=30
+        pb.SubmitRequest(spec=io_spec({"do": "build", "launch_seconds": 20})), timeout=30
     ).job
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # launched first (two builds finish in either order)
         job = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
         if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("d0-"):
@@ -210,6 +211,8 @@ def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: i
         if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("build-w"):
             break
         time.sleep(0.05)
+    slow_now = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
+    assert slow_now.state == job_pb2.JOB_STATE_RUNNING, "the slow launch ended first"
     started = time.monotonic()
     cancelled = stub.CancelJob(pb.CancelJobRequest(job_id=waiting.job_id), timeout=30).job
     assert cancelled.state == job_pb2.JOB_STATE_CANCELLED, cancelled
