@@ -514,7 +514,7 @@ def _judged(m: Any, job_id: str, kernel: Any, reference: str = "ref") -> Any:
     m.running[job_id] = r
     m.workers.by_id[kernel.worker_id] = kernel
     kernel.gone = True
-    m._await_judge(r, job_channel_pb2.JobOutcome(job_id=job_id))
+    m.judges.await_judge(r, job_channel_pb2.JobOutcome(job_id=job_id))
     return r
 
 
@@ -531,7 +531,7 @@ def test_a_judged_record_is_sealed_at_the_kernels_outcome_or_once_its_process_is
 
     async def main() -> None:
         first = _judged(m, "first", _process("d0-w0"))
-        assert list(m.judge_queue) == ["first"]
+        assert list(m.judges.queue) == ["first"]
         assert fcntl.fcntl(first.record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
         with pytest.raises(PermissionError):
             os.write(first.record.fd, b"x")
@@ -548,10 +548,10 @@ def test_a_judged_record_is_sealed_at_the_kernels_outcome_or_once_its_process_is
             held = _judged(m, "mapped", _process("d0-w1"))
         finally:
             judging.Record.make = m_make  # type: ignore[method-assign]
-        assert list(m.judge_queue) == ["first"]  # not sealed: it may still change
+        assert list(m.judges.queue) == ["first"]  # not sealed: it may still change
         mapping.close()  # the process exits: its mappings go with it
-        m._kernel_exited(held)
-        assert list(m.judge_queue) == ["first", "mapped"]
+        m.judges.kernel_exited(held)
+        assert list(m.judges.queue) == ["first", "mapped"]
         assert fcntl.fcntl(record.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
         for r in (first, held):
             r.record.close()
@@ -567,7 +567,7 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
 
     m = _judging_manager(tmp_path)
     started: list[tuple[str, str]] = []
-    m._start_judge = lambda job_id, w: started.append((job_id, w.worker_id))  # type: ignore[method-assign]
+    m.judges._start = lambda job_id, w: started.append((job_id, w.worker_id))  # type: ignore[method-assign]
 
     async def main() -> None:
         a = _judged(m, "a", _process("d0-k0"), reference="ref A")
@@ -579,13 +579,13 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
         other = _process("d0-j0", judge_key=b.record.reference_key + "x")
         mine = _process("d0-j1", judge_key=key_a)
         fresh = _process("d0-w0")
-        m._start_judges([fresh], [other, mine], {})
+        m.judges.start([fresh], [other, mine], {})
         assert started == [("a", "d0-j1"), ("b", "d0-w0")]  # "on1" waits for a GPU-1 process
-        assert list(m.judge_queue) == ["on1"]
+        assert list(m.judges.queue) == ["on1"]
 
         started.clear()
         held = _judged(m, "held", _process("d0-k2"))
-        m._start_judges([_process("d0-w1"), _process("d0-w2")], [], {0: "held"})
+        m.judges.start([_process("d0-w1"), _process("d0-w2")], [], {0: "held"})
         assert started == [("held", "d0-w1")]
         for r in (a, b, on1, held):
             r.record.close()
@@ -631,7 +631,7 @@ def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
     """Standing judges live outside their GPU's process slots, so they are capped: a judge
     beyond STANDING_JUDGES_PER_DEVICE on its GPU leaves at once (its channel closed), and one
     idle for STANDING_JUDGE_IDLE_S leaves then, unless it judged again meanwhile."""
-    from kerneleval_server.jobs.manager import STANDING_JUDGES_PER_DEVICE
+    from kerneleval_server.jobs.judging import STANDING_JUDGES_PER_DEVICE
 
     m = _judging_manager(tmp_path)
 
@@ -641,15 +641,15 @@ def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
         for w in judges:
             m.workers.by_id[w.worker_id] = w
             w.assigned_job_id, w.reusable = "earlier", True
-            m._stand(w, "k")
+            m.judges.stand(w, "k")
         extra = judges[STANDING_JUDGES_PER_DEVICE]
         assert extra.gone and extra.writer.closed and not extra.ready
         for w in judges[:STANDING_JUDGES_PER_DEVICE] + judges[-1:]:  # the cap is per GPU
             assert w.ready and w.judge_key == "k", w.worker_id
         busy, idle = judges[0], judges[1]
-        m._retire_if_idle(busy, busy.idle_since - 1)  # it judged again since that timer
+        m.judges._retire_if_idle(busy, busy.idle_since - 1)  # it judged again since that timer
         assert busy.ready
-        m._retire_if_idle(idle, idle.idle_since)
+        m.judges._retire_if_idle(idle, idle.idle_since)
         assert idle.gone and idle.writer.closed
 
     asyncio.run(main())

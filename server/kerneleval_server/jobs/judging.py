@@ -14,16 +14,30 @@ the next reference to run there is that same code.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import hashlib
+import logging
 import os
+from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
+from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.framing import FrameError
+
+if TYPE_CHECKING:
+    from kerneleval_server.jobs.manager import JobManager, Running
+
+log = logging.getLogger("kerneleval.jobs")
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
+STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
+STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
 
 
 def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> bool:
@@ -89,3 +103,172 @@ def tampered(why: str) -> job_pb2.EvalResult:
     result.error.exception_type = "Tampering"
     result.error.message = "tampering: " + why
     return result
+
+
+class Judges:
+    """The front end's side of the judge: judged jobs waiting for one (`queue`, in the order
+    their kernels ran), the hand-over from a kernel's outcome to its judge, and the standing
+    judges. `m` is the job manager (jobs/manager.py): its running jobs, dispatch, GPU windows,
+    job processes and job ends."""
+
+    def __init__(self, m: JobManager, exit_grace_s: float, kill_fallback_s: float) -> None:
+        self.m = m
+        self.queue: deque[str] = deque()  # their kernel ran OK: each waits for a judge
+        self.exit_grace_s = exit_grace_s  # a job process's exit after its outcome, at most
+        self.kill_fallback_s = kill_fallback_s  # a kill the watchdog never confirms
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: it waits for no judge."""
+        if job_id in self.queue:
+            self.queue.remove(job_id)
+
+    def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """The kernel ran OK in its process: its record, sealed (at once, unless that process
+        still maps it writable: then once it has exited), waits (the deadline paused) for a
+        judge on its GPU, a standing judge of its reference or a fresh job process. The
+        judge's GPU use goes through memory admission like any job's (the kernel's process
+        holds its memory until it has exited: a judge beside it ran KernelBench's problems
+        out of memory), and it times the reference only once the kernel's process is gone."""
+        assert run.record is not None and run.deadline is not None
+        run.record.kernel_outcome = outcome
+        run.kernel_window, run.window = run.window, None
+        run.kernel_worker = run.worker
+        run.deadline.pause()
+        run.awaiting_judge = True
+        # Should the kernel's exit never be heard of (it is killed before this).
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                self.exit_grace_s + self.kill_fallback_s, self.kernel_exited, run
+            )
+        )
+        self._seal_and_queue(run.job.job_id, 0)
+
+    def kernel_exited(self, run: Running) -> None:
+        """The judged job's kernel's process is gone: its record can be sealed if it could
+        not be before, and a judge waiting to time may."""
+        run.kernel_worker = None
+        self._seal_and_queue(run.job.job_id, 0)
+        if run.timing_waits_kernel and self.m.running.get(run.job.job_id) is run:
+            run.timing_waits_kernel = False
+            self.m._ask_gpu(run)
+
+    def _seal_and_queue(self, job_id: str, tries: int) -> None:
+        run = self.m.running.get(job_id)
+        if run is None or run.record is None or not run.awaiting_judge:
+            return
+        if job_id in self.queue:
+            return
+        if run.record.seal():
+            self.queue.append(job_id)
+            self.m.dispatch()
+            return
+        if tries * SEAL_RETRY_S > self.exit_grace_s + 1:  # it is killed before this
+            why = "the kernel's process kept the record of its outputs mapped for writing"
+            self.m._finish(run.job, job_pb2.JOB_STATE_DONE, tampered(why))
+            return
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                SEAL_RETRY_S, self._seal_and_queue, job_id, tries + 1
+            )
+        )
+
+    def start(
+        self, fresh: list[WorkerState], standing: list[WorkerState], held: dict[int, str]
+    ) -> None:
+        """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
+        a standing judge of its reference there, else to a fresh job process. On a GPU held
+        for a job to run alone, only that job's judge, once the GPU is empty."""
+        for job_id in list(self.queue):
+            run = self.m.running.get(job_id)
+            if run is None or run.record is None:
+                self.queue.remove(job_id)
+                continue
+            device = run.job.device_index
+            alone = held.get(device)
+            if alone is not None and (alone != job_id or self.m._busy_on(device)):
+                continue
+            key = run.record.reference_key
+            here = [w for w in standing + fresh if w.ready and w.device_index == device]
+            worker = next((w for w in here if w.judge_key == key), None) or next(
+                (w for w in here if not w.assigned_job_id), None
+            )
+            if worker is not None:
+                self.queue.remove(job_id)
+                self._start(job_id, worker)
+
+    def retire(self, worker: WorkerState, why: str) -> None:
+        """An idle reusable job process leaves: its channel closed, it exits 0."""
+        log.info("job process retired: %s", why, extra={"worker_id": worker.worker_id})
+        worker.gone = True
+        worker.reusable = False
+        self.m._watch_exit(worker)
+        if self.m.watchdog is not None:
+            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
+        if worker.writer is not None:
+            worker.writer.close()
+
+    def stand(self, worker: WorkerState, key: str) -> None:
+        """The judge judged cleanly: it stays, for jobs with the same reference only, outside
+        its GPU's job process slots (a spare takes its slot, as when a process leaves), up to
+        STANDING_JUDGES_PER_DEVICE of them and STANDING_JUDGE_IDLE_S idle."""
+        others = [
+            w for w in self.m.workers.by_id.values()
+            if w.judge_key and w is not worker and w.device_index == worker.device_index
+            and not w.gone
+        ]  # fmt: skip
+        if len(others) >= STANDING_JUDGES_PER_DEVICE:
+            self.retire(worker, f"{len(others)} judges stand on its GPU already")
+            return
+        if not worker.judge_key and self.m.watchdog is not None:
+            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
+        worker.judge_key = key
+        worker.idle_since = since = asyncio.get_running_loop().time()
+        asyncio.get_running_loop().call_later(
+            STANDING_JUDGE_IDLE_S, self._retire_if_idle, worker, since
+        )
+
+    def _retire_if_idle(self, worker: WorkerState, since: float) -> None:
+        if worker.ready and worker.judge_key and worker.idle_since == since:
+            self.retire(worker, f"a standing judge idle for {STANDING_JUDGE_IDLE_S:.0f} s")
+            self.m.dispatch()
+
+    def _start(self, job_id: str, worker: WorkerState) -> None:
+        run = self.m.running.get(job_id)
+        if run is None or run.record is None or run.record.kernel_outcome is None:
+            return
+        job = run.job
+        try:
+            sent = worker.assign(
+                job_id,
+                job.spec,
+                job.attempt_count,
+                record_fd=run.record.fd,
+                record_max_bytes=run.record.max_bytes,
+                judge=judge_request(run.record.kernel_outcome.result),
+            )
+        except FrameError as exc:
+            self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
+            return
+        run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        job.worker_id = worker.worker_id
+        worker.job_id = job_id
+        event = self.m.hub.next_event(job_id)
+        standing = (
+            f", which judged {worker.completed} earlier job(s) of this reference only"
+            if worker.judge_key
+            else ""
+        )
+        event.log.text = (
+            f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
+            f"never ran in{standing} (the reference runs and is timed there)"
+        )
+        self.m.store.update(job, event)
+        self.m.hub.publish(event, persisted=True)
+        assert run.deadline is not None
+        run.deadline.resume()
+        if self.m.windows.frozen(worker.device_index):
+            run.deadline.pause()
+        if self.m.watchdog is not None:
+            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
+        if not sent:
+            self.m._worker_lost(worker)

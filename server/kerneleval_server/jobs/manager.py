@@ -73,9 +73,6 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
-SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
-STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
-STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
 RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
@@ -213,7 +210,8 @@ class JobManager:
         self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
-        self.judge_queue: deque[str] = deque()  # their kernel ran OK: wait for a judge process
+        # Compared jobs whose kernel ran OK, waiting for their judges; the standing judges.
+        self.judges = judging.Judges(self, OUTCOME_EXIT_GRACE_S, KILL_FALLBACK_S)
         self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
@@ -488,8 +486,8 @@ class JobManager:
         # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
         # starts there while it waits for the GPU to empty and while it runs.
         held = self._held_devices()
-        if self.judge_queue:  # a job half done (its kernel ran) first
-            self._start_judges(gpu, standing, held)
+        if self.judges.queue:  # a job half done (its kernel ran) first
+            self.judges.start(gpu, standing, held)
         for worker in gpu:
             if worker.device_index in held and worker.ready:
                 self._start_alone(worker, held[worker.device_index])
@@ -787,159 +785,6 @@ class JobManager:
                 return job_id
         return ""
 
-    # ---- judged jobs (judging.py) ----------------------------------------------------
-
-    def _await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
-        """The kernel ran OK in its process: its record, sealed (at once, unless that process
-        still maps it writable: then once it has exited), waits (the deadline paused) for a
-        judge on its GPU, a standing judge of its reference or a fresh job process. The
-        judge's GPU use goes through memory admission like any job's (the kernel's process
-        holds its memory until it has exited: a judge beside it ran KernelBench's problems
-        out of memory), and it times the reference only once the kernel's process is gone."""
-        assert run.record is not None and run.deadline is not None
-        run.record.kernel_outcome = outcome
-        run.kernel_window, run.window = run.window, None
-        run.kernel_worker = run.worker
-        run.deadline.pause()
-        run.awaiting_judge = True
-        # Should the kernel's exit never be heard of (it is killed before this).
-        run.timers.append(
-            asyncio.get_running_loop().call_later(
-                OUTCOME_EXIT_GRACE_S + KILL_FALLBACK_S, self._kernel_exited, run
-            )
-        )
-        self._seal_and_queue(run.job.job_id, 0)
-
-    def _kernel_exited(self, run: Running) -> None:
-        """The judged job's kernel's process is gone: its record can be sealed if it could
-        not be before, and a judge waiting to time may."""
-        run.kernel_worker = None
-        self._seal_and_queue(run.job.job_id, 0)
-        if run.timing_waits_kernel and self.running.get(run.job.job_id) is run:
-            run.timing_waits_kernel = False
-            self._ask_gpu(run)
-
-    def _seal_and_queue(self, job_id: str, tries: int) -> None:
-        run = self.running.get(job_id)
-        if run is None or run.record is None or not run.awaiting_judge:
-            return
-        if job_id in self.judge_queue:
-            return
-        if run.record.seal():
-            self.judge_queue.append(job_id)
-            self.dispatch()
-            return
-        if tries * SEAL_RETRY_S > OUTCOME_EXIT_GRACE_S + 1:  # it is killed before this
-            why = "the kernel's process kept the record of its outputs mapped for writing"
-            self._finish(run.job, job_pb2.JOB_STATE_DONE, judging.tampered(why))
-            return
-        run.timers.append(
-            asyncio.get_running_loop().call_later(
-                SEAL_RETRY_S, self._seal_and_queue, job_id, tries + 1
-            )
-        )
-
-    def _start_judges(
-        self, fresh: list[WorkerState], standing: list[WorkerState], held: dict[int, str]
-    ) -> None:
-        """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
-        a standing judge of its reference there, else to a fresh job process. On a GPU held
-        for a job to run alone, only that job's judge, once the GPU is empty."""
-        for job_id in list(self.judge_queue):
-            run = self.running.get(job_id)
-            if run is None or run.record is None:
-                self.judge_queue.remove(job_id)
-                continue
-            device = run.job.device_index
-            alone = held.get(device)
-            if alone is not None and (alone != job_id or self._busy_on(device)):
-                continue
-            key = run.record.reference_key
-            here = [w for w in standing + fresh if w.ready and w.device_index == device]
-            worker = next((w for w in here if w.judge_key == key), None) or next(
-                (w for w in here if not w.assigned_job_id), None
-            )
-            if worker is not None:
-                self.judge_queue.remove(job_id)
-                self._start_judge(job_id, worker)
-
-    def _retire(self, worker: WorkerState, why: str) -> None:
-        """An idle reusable job process leaves: its channel closed, it exits 0."""
-        log.info("job process retired: %s", why, extra={"worker_id": worker.worker_id})
-        worker.gone = True
-        worker.reusable = False
-        self._watch_exit(worker)
-        if self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, "", finished=True))
-        if worker.writer is not None:
-            worker.writer.close()
-
-    def _stand(self, worker: WorkerState, key: str) -> None:
-        """The judge judged cleanly: it stays, for jobs with the same reference only, outside
-        its GPU's job process slots (a spare takes its slot, as when a process leaves), up to
-        STANDING_JUDGES_PER_DEVICE of them and STANDING_JUDGE_IDLE_S idle."""
-        others = [
-            w for w in self.workers.by_id.values()
-            if w.judge_key and w is not worker and w.device_index == worker.device_index
-            and not w.gone
-        ]  # fmt: skip
-        if len(others) >= STANDING_JUDGES_PER_DEVICE:
-            self._retire(worker, f"{len(others)} judges stand on its GPU already")
-            return
-        if not worker.judge_key and self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, "", finished=True))
-        worker.judge_key = key
-        worker.idle_since = since = asyncio.get_running_loop().time()
-        asyncio.get_running_loop().call_later(
-            STANDING_JUDGE_IDLE_S, self._retire_if_idle, worker, since
-        )
-
-    def _retire_if_idle(self, worker: WorkerState, since: float) -> None:
-        if worker.ready and worker.judge_key and worker.idle_since == since:
-            self._retire(worker, f"a standing judge idle for {STANDING_JUDGE_IDLE_S:.0f} s")
-            self.dispatch()
-
-    def _start_judge(self, job_id: str, worker: WorkerState) -> None:
-        run = self.running.get(job_id)
-        if run is None or run.record is None or run.record.kernel_outcome is None:
-            return
-        job = run.job
-        try:
-            sent = worker.assign(
-                job_id,
-                job.spec,
-                job.attempt_count,
-                record_fd=run.record.fd,
-                record_max_bytes=run.record.max_bytes,
-                judge=judging.judge_request(run.record.kernel_outcome.result),
-            )
-        except FrameError as exc:
-            self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
-            return
-        run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
-        job.worker_id = worker.worker_id
-        worker.job_id = job_id
-        event = self.hub.next_event(job_id)
-        standing = (
-            f", which judged {worker.completed} earlier job(s) of this reference only"
-            if worker.judge_key
-            else ""
-        )
-        event.log.text = (
-            f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
-            f"never ran in{standing} (the reference runs and is timed there)"
-        )
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
-        assert run.deadline is not None
-        run.deadline.resume()
-        if self.windows.frozen(worker.device_index):
-            run.deadline.pause()
-        if self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
-        if not sent:
-            self._worker_lost(worker)
-
     @staticmethod
     def _drop_record(run: Running) -> None:
         if run.record is not None:
@@ -1115,7 +960,7 @@ class JobManager:
                 and run.kernel_worker is not worker
             ):
                 # A judge, before its kernel's process has exited: nothing of the kernel may
-                # still run on the GPU while the reference is timed (_kernel_exited asks).
+                # still run on the GPU while the reference is timed (judges.kernel_exited asks).
                 run.timing_waits_kernel = True
                 self.hub.publish(event)
                 return
@@ -1400,7 +1245,7 @@ class JobManager:
             self.memory.release(worker.device_index, worker.worker_id)
             if judge:
                 assert run.record is not None
-                self._stand(worker, run.record.reference_key)
+                self.judges.stand(worker, run.record.reference_key)
             else:
                 worker.launches += 1
         else:
@@ -1424,7 +1269,7 @@ class JobManager:
             and outcome.result.verdict == job_pb2.VERDICT_OK
             and not outcome.context_poisoned
         ):
-            self._await_judge(run, outcome)
+            self.judges.await_judge(run, outcome)
             self.dispatch()
             return
         result = outcome.result
@@ -1681,8 +1526,7 @@ class JobManager:
         self.run_whole.discard(job.job_id)
         if job.job_id in self.launch_queue:
             self.launch_queue.remove(job.job_id)
-        if job.job_id in self.judge_queue:
-            self.judge_queue.remove(job.job_id)
+        self.judges.forget(job.job_id)
         if run is not None:
             self._drop_record(run)
             self._stop_following(run, completed=False)
@@ -1775,7 +1619,7 @@ class JobManager:
         self._enqueue(job)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
-        if run.awaiting_judge:  # the kernel's process is gone (_kernel_exited said so)
+        if run.awaiting_judge:  # the kernel's process is gone (judges.kernel_exited said so)
             return
         if run.outcome is not None or run.awaiting_launch:
             return  # the result (or the build) is in; the exit is the process leaving
@@ -1954,7 +1798,7 @@ class JobManager:
                 self._extension_build_lost(worker, why)
             for run in list(self.running.values()):
                 if run.kernel_worker is worker:
-                    self._kernel_exited(run)
+                    self.judges.kernel_exited(run)
                 if run.worker is worker:
                     self._job_worker_exited(run, exited)
             if worker.writer is not None:
