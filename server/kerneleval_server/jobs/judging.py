@@ -150,7 +150,7 @@ class Judges:
         self._seal_and_queue(run.job.job_id, 0)
         if run.timing_waits_kernel and self.m.running.get(run.job.job_id) is run:
             run.timing_waits_kernel = False
-            self.m._ask_gpu(run)
+            self.m.gpu_use.ask(run)
 
     def _seal_and_queue(self, job_id: str, tries: int) -> None:
         run = self.m.running.get(job_id)

@@ -29,14 +29,13 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
 from kerneleval_server.fleet import faults
-from kerneleval_server.fleet.gpu_memory import GpuMemory, problem_key
+from kerneleval_server.fleet.gpu_memory import GpuMemory
 from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
 from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
 from kerneleval_server.fleet.timing_windows import (
     WATCHDOG_REPLY_S,
     TimingWindows,
     Window,
-    public_conditions,
 )
 from kerneleval_server.fleet.watchdog import AttachedFd
 from kerneleval_server.framing import FrameError
@@ -52,6 +51,7 @@ from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_
 from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
+from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.shared_queue import GATEWAY
 from kerneleval_server.jobs.store import TERMINAL, JobStore
@@ -75,7 +75,6 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 OUTCOME_EXIT_GRACE_S = 5.0
 RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
-STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
 # engine/integrity.py's rules (the front end does not import the engine: torch).
 RUNTIME_RULES = (
     "output_aliases_input",
@@ -167,10 +166,6 @@ def _stamp(ts: Any) -> None:
     ts.FromNanoseconds(time.time_ns())
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
     t = spec.options.timeout
     seconds = t.seconds + t.nanos / 1e9
@@ -194,7 +189,9 @@ class JobManager:
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
         self.queue = FairQueue()
-        self.gate = GpuGate(self._grant, on_window=self._window_ended)
+        # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
+        self.gpu_use = GpuUse(self)
+        self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
         self.workers = WorkerTable()
         self.channels = JobChannels(self)
@@ -216,10 +213,9 @@ class JobManager:
         self.run_whole: set[str] = set()  # the build process said: not buildable ahead
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
         self.alone: set[str] = set()
-        # What a problem's jobs need of a GPU's memory, and who holds it; jobs whose check
-        # waits for it, by worker, in the order they asked.
+        # What a problem's jobs need of a GPU's memory, and who holds it (gpu_use.waiting: the
+        # jobs whose check waits for it).
         self.memory = GpuMemory(config.gpu_memory_share)
-        self.memory_waiting: dict[str, Running] = {}
         self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
         self.watchdog: WatchdogLike | None = None
         self.draining = False
@@ -455,7 +451,7 @@ class JobManager:
     def dispatch(self) -> None:
         if self.draining:
             return
-        self._admit_waiting()
+        self.gpu_use.admit_waiting()
         ready = [w for w in self.workers.by_id.values() if w.ready]
         standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
         ready = [w for w in ready if not w.judge_key]
@@ -640,7 +636,7 @@ class JobManager:
         job = run.job
         if not oom or not run.crowded or job.job_id in self.alone:
             return False
-        self.memory.ran_out(self._memory_key(run))
+        self.memory.ran_out(GpuUse.memory_key(run))
         self.alone.add(job.job_id)
         self.running.pop(job.job_id, None)
         self._drop_record(run)
@@ -964,16 +960,16 @@ class JobManager:
                 run.timing_waits_kernel = True
                 self.hub.publish(event)
                 return
-            if self._admit(run):
+            if self.gpu_use.admit(run):
                 # The job process waits for the grant (a check's comes at once): it goes out
                 # before the event is stored. No other event of the job comes in between.
                 try:
-                    self._use_gpu(run)
+                    self.gpu_use.use(run)
                 finally:
                     self.hub.publish(event)
             else:
                 self.hub.publish(event)
-                self._wait_for_memory(run)
+                self.gpu_use.wait_for_memory(run)
         elif kind == "progress":
             p = msg.progress
             event.progress.phase = p.phase
@@ -984,233 +980,9 @@ class JobManager:
             event.log.text = msg.log.text
             self.hub.publish(event)
         elif kind == "drain":
-            self._on_drain_status(worker, run, msg.drain.busy)
+            self.gpu_use.on_drain_status(worker, run, msg.drain.busy)
         elif kind == "extension":
             self._on_extension_request(worker, run, msg.extension)
-
-    def _ask_gpu(self, run: Running) -> None:
-        """A gated phase asked for later: the GPU gate once the job's memory is admitted."""
-        if self._admit(run):
-            self._use_gpu(run)
-        else:
-            self._wait_for_memory(run)
-
-    def _wait_for_memory(self, run: Running) -> None:
-        """Until its memory is admitted, with the others (_admit_waiting)."""
-        self.memory_waiting[run.worker.worker_id] = run
-        self._say_memory_wait(run)
-
-    def _admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
-        """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
-        was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
-        held for a job re-run alone, but that job. `held_devices`: _held_devices(), when the
-        caller has it."""
-        device, worker_id = run.worker.device_index, run.worker.worker_id
-        if not self.memory.admits_on(device) or self.memory.holds(device, worker_id):
-            return True
-        if held_devices is None:
-            held_devices = self._held_devices()
-        held = held_devices.get(device)
-        if held is not None and held != run.job.job_id:
-            return False
-        alone = run.job.job_id in self.alone
-        return self.memory.admit(device, worker_id, self._memory_key(run), alone)
-
-    @staticmethod
-    def _memory_key(run: Running) -> str:
-        if not run.memory_key:
-            run.memory_key = problem_key(run.job.spec)
-        return run.memory_key
-
-    def _use_gpu(self, run: Running) -> None:
-        """Admitted to its GPU's memory: the job asks the GPU gate for its phase."""
-        worker = run.worker
-        worker.used_gpu = True
-        self.gate.request(worker.device_index, worker.worker_id, self._exclusive(run, run.phase))
-
-    def _admit_waiting(self) -> None:
-        """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
-        not fit holds back the later ones of its GPU (a large job is not passed over for
-        ever)."""
-        if not self.memory_waiting:
-            return
-        blocked: set[int] = set()
-        held_devices = self._held_devices()
-        for worker_id, run in list(self.memory_waiting.items()):
-            device = run.worker.device_index
-            if self.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
-                del self.memory_waiting[worker_id]
-                continue
-            if device in blocked:
-                continue
-            if not self._admit(run, held_devices):
-                blocked.add(device)
-                continue
-            del self.memory_waiting[worker_id]
-            self._use_gpu(run)
-
-    def _say_memory_wait(self, run: Running) -> None:
-        if run.memory_wait_said:
-            return
-        run.memory_wait_said = True
-        device = run.worker.device_index
-        need = self.memory.footprint(self._memory_key(run))
-        held, budget, holders = self.memory.usage(device)
-        if need is not None and run.job.job_id not in self.alone:
-            why = (
-                f"waits for {_size(need)} of GPU {device}'s memory (what this problem's jobs "
-                f"held), {_size(held)} of {_size(budget)} being held by {holders} checking "
-                "job(s)"
-            )
-        else:
-            why = (
-                f"waits for GPU {device} to itself: this problem's jobs ran out of memory "
-                f"beside others ({holders} job(s) hold memory there now)"
-            )
-        event = self.hub.next_event(run.job.job_id)
-        event.log.text = f"kerneleval: {why}"
-        self.hub.publish(event)
-
-    def _exclusive(self, run: Running, phase: int) -> bool:
-        """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
-        timed job launched wholly prebuilt: a few milliseconds of GPU work, which would
-        otherwise hold back the next window while it shares the GPU; in the job's own window
-        the GPU goes from window to window (issue 14's timing-bound share) and the kernel is
-        checked and timed under the same conditions. Other checks share the GPU."""
-        if phase == job_pb2.PHASE_PROFILING:
-            return True
-        options = run.job.spec.options
-        times = not (options.HasField("perf_trial_count") and options.perf_trial_count == 0)
-        return times and run.job.job_id in self._launched
-
-    def _grant(self, worker_id: str, exclusive: bool) -> None:
-        """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
-        once; a timing window once the device's other job processes are frozen (a job whose
-        check opened the window keeps it for its timing)."""
-        worker = self.workers.by_id.get(worker_id)
-        if worker is None or not worker.job_id:
-            return
-        run = self.running.get(worker.job_id)
-        phase = run.phase if run is not None else job_pb2.PHASE_PROFILING
-        if not exclusive:
-            self._send_grant(worker, job_pb2.PHASE_VALIDATING)
-        elif run is not None and run.window is not None:
-            self._send_grant(worker, phase)  # its window is open: its check ran in it
-        else:
-            self._spawn(self._open_window(worker, phase))
-
-    async def _open_window(self, worker: WorkerState, phase: int) -> None:
-        device = worker.device_index
-        began = time.perf_counter()
-        report = await self.windows.open(self.watchdog, device, worker.worker_id)
-        log.info(
-            "timing window opened",
-            extra={"worker_id": worker.worker_id, "device_index": device,
-                   "open_ms": round((time.perf_counter() - began) * 1e3, 2)},
-        )  # fmt: skip
-        run = self.running.get(worker.job_id) if worker.job_id else None
-        if run is None or self.gate.holders(device)[0] != worker.worker_id:
-            return  # it ended while the others froze; its release closes the window
-        if self.windows.frozen(device):
-            for other in self.running.values():
-                if other.worker.device_index == device and other is not run and other.deadline:
-                    other.deadline.pause()
-        run.window = Window(others_frozen=report.ok, at_start=public_conditions(report.conditions))
-        if not report.ok and self.windows.freeze_others:
-            log.warning(
-                "timing window of job %s on device %d: others not frozen: %s",
-                run.job.job_id,
-                device,
-                report.message,
-                extra={"job_id": run.job.job_id},
-            )
-        self._send_grant(worker, phase)
-
-    def _on_drain_status(self, worker: WorkerState, run: Running, busy: bool) -> None:
-        """The window's holder finds the GPU still busy with the others frozen: work they
-        queued outside their phases runs into its window. Until it says the wait is over, the
-        watchdog is asked (every STOP_GPU_USERS_S: NVML samples come late) to kill the frozen
-        processes that NVML sees using the GPU."""
-        if run.window is None or self.gate.holders(worker.device_index)[0] != worker.worker_id:
-            return  # only a window's holder waits for the GPU to drain
-        run.window.draining = busy
-        if not busy:
-            return
-        frozen = self.windows.frozen(worker.device_index)
-        event = self.hub.next_event(run.job.job_id)
-        event.log.text = (
-            "kerneleval: the timing window waits for GPU work that other jobs queued before "
-            "they were frozen" + ("; those still using the GPU are stopped" if frozen else "")
-        )
-        self.hub.publish(event)
-        if frozen:
-            self._spawn(self._stop_gpu_users(worker.device_index, run))
-
-    async def _stop_gpu_users(self, device: int, run: Running) -> None:
-        assert run.window is not None
-        while (
-            run.window.draining
-            and not run.window.closed.is_set()
-            and self.running.get(run.job.job_id) is run
-            and self.watchdog is not None
-        ):
-            try:
-                report = await self.watchdog.stop_gpu_users(device)
-            except Exception as exc:  # noqa: BLE001 - the window goes on; its result says so
-                log.warning("stopping GPU users on device %d failed: %r", device, exc)
-                return
-            if not report.known:
-                return  # NVML cannot tell: nothing to wait for
-            if report.killed_worker_ids:
-                log.warning(
-                    "device %d: %s kept the GPU busy while frozen for job %s's timing window: "
-                    "killed (%s)",
-                    device,
-                    ", ".join(report.killed_worker_ids),
-                    run.job.job_id,
-                    report.message,
-                    extra={"job_id": run.job.job_id},
-                )
-            await asyncio.sleep(STOP_GPU_USERS_S)
-
-    def _send_grant(self, worker: WorkerState, phase: int) -> None:
-        run = self.running.get(worker.job_id)
-        if run is not None and run.deadline is not None and run.grant_asked_at:
-            # Waiting for other jobs' GPU use is not this job's time: push its deadline.
-            waited = asyncio.get_running_loop().time() - run.grant_asked_at
-            if run.window is not None:  # a check in the window waited for it, not its timing
-                run.window.waited_s += waited
-            if waited > 0.001:
-                run.deadline.push(waited)
-            run.grant_asked_at = 0.0
-        worker.send(
-            job_channel_pb2.FrontendMessage(
-                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)  # type: ignore[arg-type]
-            )
-        )
-
-    def _window_ended(self, device: int, holder_id: str, seconds: float) -> None:
-        self.metrics.timing_window.labels(str(device)).inc(seconds)
-        holder = self.workers.by_id.get(holder_id)
-        run = self.running.get(holder.job_id) if holder is not None and holder.job_id else None
-        # The window as it is now: a judged job's next one (its judge's) is another.
-        self._spawn(self._close_window(device, run.window if run is not None else None, seconds))
-
-    async def _close_window(self, device: int, window: Window | None, held_s: float = 0.0) -> None:
-        began = time.perf_counter()
-        report = await self.windows.close(self.watchdog, device)
-        log.info(
-            "timing window closed",
-            extra={"device_index": device, "held_ms": round(held_s * 1e3, 2),
-                   "close_ms": round((time.perf_counter() - began) * 1e3, 2)},
-        )  # fmt: skip
-        for run in self.running.values():
-            if run.worker.device_index == device and run.deadline is not None:
-                if not run.awaiting_judge:  # paused until its judge process starts
-                    run.deadline.resume()
-        if window is not None:
-            window.at_end = public_conditions(report.conditions)
-            window.closed.set()
 
     def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
@@ -1233,7 +1005,7 @@ class JobManager:
             and not outcome.context_poisoned
             and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
         ):
-            self.memory.learn(self._memory_key(run), outcome.peak_memory_bytes)
+            self.memory.learn(GpuUse.memory_key(run), outcome.peak_memory_bytes)
         judge = run.record is not None and run.record.kernel_outcome is not None
         if (
             outcome.reusable
@@ -1792,7 +1564,7 @@ class JobManager:
             worker.gone = True
             self.gate.release(worker.device_index, worker.worker_id)
             self.memory.release(worker.device_index, worker.worker_id)
-            self.memory_waiting.pop(worker.worker_id, None)
+            self.gpu_use.waiting.pop(worker.worker_id, None)
             if self.extensions.building(worker) is not None:
                 why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
                 self._extension_build_lost(worker, why)

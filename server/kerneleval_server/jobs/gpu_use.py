@@ -1,0 +1,266 @@
+"""A running job's use of its GPU: memory admission, the GPU gate's grants, timing windows.
+
+A job process asks before each gated phase (a check, its timing: `JobManager` hands the
+request here). Its check is admitted to the GPU's memory by what its problem was seen to need
+(fleet/gpu_memory.py; on a GPU held for a job re-run alone, only that job), else it waits in
+`waiting` with the others of its GPU, in order. Then the GPU gate (jobs/scheduler.py) grants
+the phase: a check at once beside others, a timing window (`exclusive`) once the GPU's other
+job processes are frozen (fleet/timing_windows.py), with the GPU work they had queued drained
+first. Waiting for other jobs' GPU use is not a job's time: its deadline is pushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import job_pb2
+
+from kerneleval_server.fleet.gpu_memory import problem_key
+from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.timing_windows import Window, public_conditions
+
+if TYPE_CHECKING:
+    from kerneleval_server.jobs.manager import JobManager, Running
+
+log = logging.getLogger("kerneleval.jobs")
+STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class GpuUse:
+    """The job manager's (`m`) side of its jobs' GPU use."""
+
+    def __init__(self, m: JobManager) -> None:
+        self.m = m
+        self.waiting: dict[str, Running] = {}  # checks waiting for memory, by worker, in order
+
+    def ask(self, run: Running) -> None:
+        """A gated phase asked for later: the GPU gate once the job's memory is admitted."""
+        if self.admit(run):
+            self.use(run)
+        else:
+            self.wait_for_memory(run)
+
+    def wait_for_memory(self, run: Running) -> None:
+        """Until its memory is admitted, with the others (admit_waiting)."""
+        self.waiting[run.worker.worker_id] = run
+        self._say_memory_wait(run)
+
+    def admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
+        """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
+        was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
+        held for a job re-run alone, but that job. `held_devices`: m._held_devices(), when the
+        caller has it."""
+        device, worker_id = run.worker.device_index, run.worker.worker_id
+        if not self.m.memory.admits_on(device) or self.m.memory.holds(device, worker_id):
+            return True
+        if held_devices is None:
+            held_devices = self.m._held_devices()
+        held = held_devices.get(device)
+        if held is not None and held != run.job.job_id:
+            return False
+        alone = run.job.job_id in self.m.alone
+        return self.m.memory.admit(device, worker_id, self.memory_key(run), alone)
+
+    @staticmethod
+    def memory_key(run: Running) -> str:
+        if not run.memory_key:
+            run.memory_key = problem_key(run.job.spec)
+        return run.memory_key
+
+    def use(self, run: Running) -> None:
+        """Admitted to its GPU's memory: the job asks the GPU gate for its phase."""
+        worker = run.worker
+        worker.used_gpu = True
+        self.m.gate.request(worker.device_index, worker.worker_id, self._exclusive(run, run.phase))
+
+    def admit_waiting(self) -> None:
+        """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
+        not fit holds back the later ones of its GPU (a large job is not passed over for
+        ever)."""
+        if not self.waiting:
+            return
+        blocked: set[int] = set()
+        held_devices = self.m._held_devices()
+        for worker_id, run in list(self.waiting.items()):
+            device = run.worker.device_index
+            if self.m.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
+                del self.waiting[worker_id]
+                continue
+            if device in blocked:
+                continue
+            if not self.admit(run, held_devices):
+                blocked.add(device)
+                continue
+            del self.waiting[worker_id]
+            self.use(run)
+
+    def _say_memory_wait(self, run: Running) -> None:
+        if run.memory_wait_said:
+            return
+        run.memory_wait_said = True
+        device = run.worker.device_index
+        need = self.m.memory.footprint(self.memory_key(run))
+        held, budget, holders = self.m.memory.usage(device)
+        if need is not None and run.job.job_id not in self.m.alone:
+            why = (
+                f"waits for {_size(need)} of GPU {device}'s memory (what this problem's jobs "
+                f"held), {_size(held)} of {_size(budget)} being held by {holders} checking "
+                "job(s)"
+            )
+        else:
+            why = (
+                f"waits for GPU {device} to itself: this problem's jobs ran out of memory "
+                f"beside others ({holders} job(s) hold memory there now)"
+            )
+        event = self.m.hub.next_event(run.job.job_id)
+        event.log.text = f"kerneleval: {why}"
+        self.m.hub.publish(event)
+
+    def _exclusive(self, run: Running, phase: int) -> bool:
+        """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
+        timed job launched wholly prebuilt: a few milliseconds of GPU work, which would
+        otherwise hold back the next window while it shares the GPU; in the job's own window
+        the GPU goes from window to window (issue 14's timing-bound share) and the kernel is
+        checked and timed under the same conditions. Other checks share the GPU."""
+        if phase == job_pb2.PHASE_PROFILING:
+            return True
+        options = run.job.spec.options
+        times = not (options.HasField("perf_trial_count") and options.perf_trial_count == 0)
+        return times and run.job.job_id in self.m._launched
+
+    def grant(self, worker_id: str, exclusive: bool) -> None:
+        """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
+        once; a timing window once the device's other job processes are frozen (a job whose
+        check opened the window keeps it for its timing)."""
+        worker = self.m.workers.by_id.get(worker_id)
+        if worker is None or not worker.job_id:
+            return
+        run = self.m.running.get(worker.job_id)
+        phase = run.phase if run is not None else job_pb2.PHASE_PROFILING
+        if not exclusive:
+            self._send_grant(worker, job_pb2.PHASE_VALIDATING)
+        elif run is not None and run.window is not None:
+            self._send_grant(worker, phase)  # its window is open: its check ran in it
+        else:
+            self.m._spawn(self._open_window(worker, phase))
+
+    async def _open_window(self, worker: WorkerState, phase: int) -> None:
+        device = worker.device_index
+        began = time.perf_counter()
+        report = await self.m.windows.open(self.m.watchdog, device, worker.worker_id)
+        log.info(
+            "timing window opened",
+            extra={"worker_id": worker.worker_id, "device_index": device,
+                   "open_ms": round((time.perf_counter() - began) * 1e3, 2)},
+        )  # fmt: skip
+        run = self.m.running.get(worker.job_id) if worker.job_id else None
+        if run is None or self.m.gate.holders(device)[0] != worker.worker_id:
+            return  # it ended while the others froze; its release closes the window
+        if self.m.windows.frozen(device):
+            for other in self.m.running.values():
+                if other.worker.device_index == device and other is not run and other.deadline:
+                    other.deadline.pause()
+        run.window = Window(others_frozen=report.ok, at_start=public_conditions(report.conditions))
+        if not report.ok and self.m.windows.freeze_others:
+            log.warning(
+                "timing window of job %s on device %d: others not frozen: %s",
+                run.job.job_id,
+                device,
+                report.message,
+                extra={"job_id": run.job.job_id},
+            )
+        self._send_grant(worker, phase)
+
+    def on_drain_status(self, worker: WorkerState, run: Running, busy: bool) -> None:
+        """The window's holder finds the GPU still busy with the others frozen: work they
+        queued outside their phases runs into its window. Until it says the wait is over, the
+        watchdog is asked (every STOP_GPU_USERS_S: NVML samples come late) to kill the frozen
+        processes that NVML sees using the GPU."""
+        if run.window is None or self.m.gate.holders(worker.device_index)[0] != worker.worker_id:
+            return  # only a window's holder waits for the GPU to drain
+        run.window.draining = busy
+        if not busy:
+            return
+        frozen = self.m.windows.frozen(worker.device_index)
+        event = self.m.hub.next_event(run.job.job_id)
+        event.log.text = (
+            "kerneleval: the timing window waits for GPU work that other jobs queued before "
+            "they were frozen" + ("; those still using the GPU are stopped" if frozen else "")
+        )
+        self.m.hub.publish(event)
+        if frozen:
+            self.m._spawn(self._stop_gpu_users(worker.device_index, run))
+
+    async def _stop_gpu_users(self, device: int, run: Running) -> None:
+        assert run.window is not None
+        while (
+            run.window.draining
+            and not run.window.closed.is_set()
+            and self.m.running.get(run.job.job_id) is run
+            and self.m.watchdog is not None
+        ):
+            try:
+                report = await self.m.watchdog.stop_gpu_users(device)
+            except Exception as exc:  # noqa: BLE001 - the window goes on; its result says so
+                log.warning("stopping GPU users on device %d failed: %r", device, exc)
+                return
+            if not report.known:
+                return  # NVML cannot tell: nothing to wait for
+            if report.killed_worker_ids:
+                log.warning(
+                    "device %d: %s kept the GPU busy while frozen for job %s's timing window: "
+                    "killed (%s)",
+                    device,
+                    ", ".join(report.killed_worker_ids),
+                    run.job.job_id,
+                    report.message,
+                    extra={"job_id": run.job.job_id},
+                )
+            await asyncio.sleep(STOP_GPU_USERS_S)
+
+    def _send_grant(self, worker: WorkerState, phase: int) -> None:
+        run = self.m.running.get(worker.job_id)
+        if run is not None and run.deadline is not None and run.grant_asked_at:
+            # Waiting for other jobs' GPU use is not this job's time: push its deadline.
+            waited = asyncio.get_running_loop().time() - run.grant_asked_at
+            if run.window is not None:  # a check in the window waited for it, not its timing
+                run.window.waited_s += waited
+            if waited > 0.001:
+                run.deadline.push(waited)
+            run.grant_asked_at = 0.0
+        worker.send(
+            job_channel_pb2.FrontendMessage(
+                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)  # type: ignore[arg-type]
+            )
+        )
+
+    def window_ended(self, device: int, holder_id: str, seconds: float) -> None:
+        self.m.metrics.timing_window.labels(str(device)).inc(seconds)
+        holder = self.m.workers.by_id.get(holder_id)
+        run = self.m.running.get(holder.job_id) if holder is not None and holder.job_id else None
+        # The window as it is now: a judged job's next one (its judge's) is another.
+        self.m._spawn(self._close_window(device, run.window if run is not None else None, seconds))
+
+    async def _close_window(self, device: int, window: Window | None, held_s: float = 0.0) -> None:
+        began = time.perf_counter()
+        report = await self.m.windows.close(self.m.watchdog, device)
+        log.info(
+            "timing window closed",
+            extra={"device_index": device, "held_ms": round(held_s * 1e3, 2),
+                   "close_ms": round((time.perf_counter() - began) * 1e3, 2)},
+        )  # fmt: skip
+        for run in self.m.running.values():
+            if run.worker.device_index == device and run.deadline is not None:
+                if not run.awaiting_judge:  # paused until its judge process starts
+                    run.deadline.resume()
+        if window is not None:
+            window.at_end = public_conditions(report.conditions)
+            window.closed.set()
