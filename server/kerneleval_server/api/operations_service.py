@@ -236,12 +236,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         ext = self.m.extensions
         await asyncio.to_thread(ext.compilers)  # `c++ --version`, `nvcc --version`: once
         if self.gateway is None:
-            found = {
-                ext.versions_of(w.hello.device.torch_version, w.hello.device.cuda_version)
-                for w in self.m.workers.by_id.values()
-                if w.hello is not None and w.device_index != BUILD_DEVICE
-            }
-            return sorted(found)
+            return sorted(ext.versions_of_job_processes(self.m.workers.by_id.values()))
         async with self._probing:
             if self._gateway_versions is None:
                 try:

@@ -53,8 +53,6 @@ from typing import Any
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from kerneleval_server.jobproc import BUILD_DEVICE
-
 from . import ahead_builds
 from .compile_cache import built_key
 from .extension_builds import BUILD_TIMEOUT_S, Build, ExtensionBuilds, Waiter
@@ -271,11 +269,7 @@ class SharedArtifacts:
     def _job_versions(self, host: ahead_builds.Host) -> str:
         """This node's versions (versions_of), as its GPUs' job processes said them in their
         Hello: those of the Python its build processes run too. "" until one has."""
-        found = {
-            self.builds.versions_of(w.hello.device.torch_version, w.hello.device.cuda_version)
-            for w in list(host.workers.by_id.values())
-            if w.hello is not None and w.device_index != BUILD_DEVICE
-        }
+        found = self.builds.versions_of_job_processes(list(host.workers.by_id.values()))
         if len(found) == 1:
             self._ahead_versions = found.pop()
         return self._ahead_versions

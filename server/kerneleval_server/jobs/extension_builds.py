@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
 from kerneleval_server.builder import extension
+from kerneleval_server.jobproc import BUILD_DEVICE
 
 from . import ahead_builds, prebuild
 from .build_cache import BuildCache
@@ -164,6 +166,15 @@ class ExtensionBuilds:
             f"torch {torch_version}|cuda {cuda_version}|{self.triton()}|{self.compilers()}"
             f"|recipe {extension.RECIPE_VERSION}|ahead {ahead_builds.RECIPE_VERSION}"
         )
+
+    def versions_of_job_processes(self, workers: Iterable[Any]) -> set[str]:
+        """The versions (versions_of) of the GPUs' job processes, as their Hello said them:
+        those of the Python this front end's build processes run too."""
+        return {
+            self.versions_of(w.hello.device.torch_version, w.hello.device.cuda_version)
+            for w in workers
+            if w.hello is not None and w.device_index != BUILD_DEVICE
+        }
 
     def _target(self, device: Any, arch: str) -> str:
         return self.target(device.torch_version, device.cuda_version, arch)

@@ -724,21 +724,27 @@ class JobManager:
         job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
-        job.state = job_pb2.JOB_STATE_RUNNING
-        job.attempt_count += 1
-        job.worker_id = built_by
-        _stamp(job.start_time)
-        event = self.hub.next_event(job_id)
-        event.started.worker_id = built_by
-        event.started.device_index = job.device_index
-        event.started.attempt = job.attempt_count
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
+        self._mark_started(job, built_by, new_attempt=True)
         worker = WorkerState(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
         run = self._track(job, worker)
         run.build_arch = arch
         built.job_id = job_id
         self._on_built(worker, built)
+
+    def _mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None:
+        """The job RUNNING on `worker_id` (a new attempt: counted, its start stamped): its
+        `started` event, stored and published."""
+        job.state = job_pb2.JOB_STATE_RUNNING
+        if new_attempt:
+            job.attempt_count += 1
+            _stamp(job.start_time)
+        job.worker_id = worker_id
+        event = self.hub.next_event(job.job_id)
+        event.started.worker_id = worker_id
+        event.started.device_index = job.device_index
+        event.started.attempt = job.attempt_count
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
 
     def _track(
         self,
@@ -827,19 +833,10 @@ class JobManager:
             log.error(reason, extra={"job_id": job_id})
             self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
             return
-        job.state = job_pb2.JOB_STATE_RUNNING
-        if waiting is None:  # a build and its launch are one attempt
-            job.attempt_count += 1
-            _stamp(job.start_time)
         if not build_arch:
             job.device_index = worker.device_index
-        job.worker_id = worker.worker_id
-        event = self.hub.next_event(job_id)
-        event.started.worker_id = worker.worker_id
-        event.started.device_index = job.device_index
-        event.started.attempt = job.attempt_count
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
+        # A build and its launch are one attempt.
+        self._mark_started(job, worker.worker_id, new_attempt=waiting is None)
         if waiting is None:
             run = self._track(job, worker, list(cached))
             run.build_arch = build_arch
