@@ -541,6 +541,10 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
             shared.drop_build_request(key)
     finally:
         shared.close()
+    # The next tenant after the forgeries: built by the same builder, launched, right.
+    after, after_events = run(node, fake_spec({"do": "build"}))
+    assert after.result.verdict == job_pb2.VERDICT_OK, after.result
+    assert started_on(after_events)[0] == builder_id, started_on(after_events)
 
     # A compile error: the builder's build ends the job; the same job built on the node itself
     # (after the builder has gone: nothing of a failed build is kept) ends the same way.
@@ -549,7 +553,7 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
     assert bad.result.verdict == job_pb2.VERDICT_COMPILE_ERROR, bad.result
     assert started_on(bad_events) == [builder_id]
     assert len(finished_events(bad_events)) == 1
-    assert [a[1] for a in artifacts(url)] == [builder_id]
+    assert [a[1] for a in artifacts(url)] == [builder_id] * 2  # nothing of the failed build
     builder.stop(timeout=20)  # SIGTERM: it leaves `builders`
     assert builder_ids(url) == []
     here, here_events = run(node, bad_spec)
