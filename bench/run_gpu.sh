@@ -20,6 +20,8 @@
 #                                               # every GPU of the machine (~5 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
+#   OUT=/some/dir bench/run_gpu.sh hardening    # the tamper defences on a job's warm path,
+#                                               # armed vs never armed (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh judge        # compared jobs with and without the judge
 #                                               # process (~3 min)
 #   OUT=/some/dir bench/run_gpu.sh scale_out    # issue 18: a gateway and a node per GPU on one
@@ -111,11 +113,12 @@ case "$STAGE" in
       --query-gpu=index --format=csv,noheader | paste -sd, -)"
     ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
+  hardening) run 300 bench_hardening ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene judge scale_out cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out cpu)" >&2
     exit 2
     ;;
 esac

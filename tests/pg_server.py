@@ -1,7 +1,8 @@
 """A real PostgreSQL server for tests: bench/_common.py's `Postgres` (one way to start one, for
-the benchmarks and the tests) on Debian's binaries, which `make` installs, in a temporary
-folder: unix socket only, trust authentication, no fsync; as root it runs as the `postgres`
-user (PostgreSQL refuses root). Skipped where there are no binaries."""
+the benchmarks and the tests) on Debian's binaries, which `make` installs, else the pgserver
+wheel's (a GPU machine has no Debian packages), in a temporary folder: unix socket only, trust
+authentication, no fsync; as root it runs as the `postgres` user (PostgreSQL refuses root).
+Skipped where there are no binaries."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from _common import Postgres, postgres_bin  # noqa: E402
 
 class PostgresServer(Postgres):
     def __init__(self) -> None:
-        if postgres_bin("system") is None:
+        if postgres_bin("auto") is None:
             pytest.skip("no PostgreSQL server binaries (make installs Debian's postgresql)")
-        super().__init__("system")
+        super().__init__("auto")
 
     def start(self) -> PostgresServer:
         super().start()
