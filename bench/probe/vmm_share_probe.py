@@ -14,9 +14,9 @@ another process. This probe answers, on the GPU machine, what such a design need
 
     python3 bench/probe/vmm_share_probe.py [--mib 1024] [--out DIR]
 
-Prints one JSON object (and writes <out>/vmm_share_probe.json). Needs `unshare` (util-linux)
-and root or unprivileged user namespaces for the namespaces; without them it runs the children
-in the parent's namespaces and says so.
+Prints one JSON object (and writes <out>/vmm_share_probe_<isolation>.json). Needs `unshare`
+(util-linux) and root or unprivileged user namespaces for the namespaces; without them it runs
+the children in the parent's namespaces and says so.
 """
 
 from __future__ import annotations
@@ -144,20 +144,21 @@ def importer(fd: int, size: int) -> dict[str, object]:
             "copy_gb_s": size / copy_s / 1e9}  # fmt: skip
 
 
+ISOLATION = ["--pid", "--ipc", "--mount", "--fork", "--mount-proc"]
+
+
 def isolated(cmd: list[str]) -> tuple[list[str], str]:
-    """`cmd` in a PID and IPC namespace of its own where this host allows it."""
+    """`cmd` in PID, IPC and mount namespaces of its own (its own /proc, as a job process
+    has) where this host allows it and --isolation says so."""
+    if os.environ.get("VMM_PROBE_ISOLATION") == "none":
+        return cmd, "the parent's namespaces (--isolation none)"
     unshare = shutil.which("unshare")
     if unshare is None:
         return cmd, "no unshare: the parent's namespaces"
-    probe = subprocess.run([unshare, "--pid", "--ipc", "--fork", "true"], capture_output=True)
-    if probe.returncode == 0:
-        return [unshare, "--pid", "--ipc", "--fork", *cmd], "own PID and IPC namespaces"
-    probe = subprocess.run([unshare, "--user", "--map-root-user", "--pid", "--ipc", "--fork",
-                            "true"], capture_output=True)  # fmt: skip
-    if probe.returncode == 0:
-        return [unshare, "--user", "--map-root-user", "--pid", "--ipc", "--fork", *cmd], (
-            "own user, PID and IPC namespaces"
-        )
+    for extra in ([], ["--user", "--map-root-user"]):
+        probe = subprocess.run([unshare, *extra, *ISOLATION, "true"], capture_output=True)
+        if probe.returncode == 0:
+            return [unshare, *extra, *ISOLATION, *cmd], "own " + " ".join(extra + ISOLATION)
     return cmd, f"unshare refused ({probe.stderr.decode()[-200:]}): the parent's namespaces"
 
 
@@ -203,7 +204,10 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--size", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--isolation", choices=("ns", "none"), default="ns")
     args = ap.parse_args()
+    if args.isolation == "none":  # the children inherit it
+        os.environ["VMM_PROBE_ISOLATION"] = "none"
     try:
         if args.role == "exporter":
             result = exporter(args.fd, args.mib << 20)
@@ -216,7 +220,8 @@ def main() -> int:
     print(json.dumps(result))
     if args.role == "parent" and args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "vmm_share_probe.json").write_text(json.dumps(result, indent=2) + "\n")
+        path = Path(args.out) / f"vmm_share_probe_{args.isolation}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if "error" not in result else 1
 
 

@@ -1,9 +1,10 @@
 """On a GPU: what a `--role builder` built is what the node's GPU runs (issue 18).
 
 A builder (no GPU of its own: `--nvml none`, `CUDA_VISIBLE_DEVICES` empty) and a node owning
-GPU 0, both real `kerneleval serve` processes on a real PostgreSQL (Debian's, else the
-pgserver wheel's, which travels to a GPU machine). The node waits for builders up to 60 s and
-has no build process of its own to lose the race with. Each job below is built by the builder
+GPU 0 (or $KERNELEVAL_TEST_GPU), both real `kerneleval serve` processes on a real PostgreSQL
+(Debian's, else the pgserver wheel's, which travels to a GPU machine). The node waits for
+builders up to 60 s and has one build process of its own (with none it would run such jobs
+whole), which the builder's answer leaves idle. Each job below is built by the builder
 (its first `started` names the builder) and launched on the GPU by the node's launch process:
 - a Triton kernel from its IOContract against a raw CUDA reference, and a raw CUDA kernel
   against the same reference: OK, with a kernel time;
@@ -37,6 +38,7 @@ pytestmark = [
     pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog"),
 ]
 N = 1 << 20
+GPU = int(os.environ.get("KERNELEVAL_TEST_GPU", "0"))  # the node's GPU (nvidia-smi's index)
 
 
 def _common(url: str) -> list[str]:
@@ -52,20 +54,11 @@ def pair(postgres: PostgresServer, tmp_path: Path) -> Iterator[tuple[str, Servic
         ["--role", "builder", "--nvml", "none", "--build-processes", "2", *_common(url)],
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
-    node = ServiceProcess(
-        tmp_path / "node",
-        [
-            "--role",
-            "node",
-            "--devices",
-            "0",
-            "--builder-wait-s",
-            "60",
-            "--build-processes",
-            "0",
-            *_common(url),
-        ],  # fmt: skip
-    )
+    # One build process of its own: a node builds ahead only with some (else it runs such jobs
+    # whole); the builders' 60 s leave it nothing to build here.
+    node_args = ["--role", "node", "--devices", str(GPU), "--builder-wait-s", "60"]
+    node_args += ["--build-processes", "1", *_common(url)]
+    node = ServiceProcess(tmp_path / "node", node_args)
     try:
         builder.start()
         node.start(timeout=180)
@@ -108,7 +101,7 @@ def test_what_a_builder_built_runs_on_the_nodes_gpu(pair: tuple[str, ServiceProc
         assert job.result.verdict == verdict, (name, job.result)
         # Built by the builder, then launched by one of the node's GPU processes.
         assert len(started) == 2 and started[0] == builder_id, (name, started)
-        assert started[1].startswith("d0-w"), (name, started)
+        assert started[1].startswith(f"d{GPU}-w"), (name, started)
         if verdict == job_pb2.VERDICT_OK:
             assert job.result.compiled and job.result.runtime.median_ms > 0, (name, job)
     with psycopg.connect(url) as conn:
