@@ -311,9 +311,11 @@ def test_reasons_the_code_emits_are_known() -> None:
     assert literals - reasons == set()
     assert {f"killed:{k}" for k in metrics_mod.KILL_REASONS} <= reasons
 
-    manager = REPO / "server" / "kerneleval_server" / "jobs" / "manager.py"
+    server = REPO / "server" / "kerneleval_server"
+    # The job manager's kills, and the watchdog events' (a job process without its channel).
+    killers = [server / "jobs" / "manager.py", server / "fleet" / "watchdog_events.py"]
     kills = []
-    for node in ast.walk(ast.parse(manager.read_text())):
+    for node in (n for p in killers for n in ast.walk(ast.parse(p.read_text()))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if node.func.attr in ("kill_worker", "_kill") and len(node.args) == 2:
                 kills.append(node.args[1])

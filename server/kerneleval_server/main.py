@@ -324,13 +324,12 @@ class Server:
         from kerneleval_server.fleet.watchdog import Watchdog
 
         binary = self.cfg.watchdog_binary()
+        events = self.manager.watchdog_events
         failures = 0
         while not self.stopping.is_set():
             configure = build_configure(self.cfg, self.watchdog_dir, self.pch_dir)
             try:
-                wd = await Watchdog.start(
-                    binary, configure, self.manager.on_watchdog_event, self.manager.on_job_channel
-                )
+                wd = await Watchdog.start(binary, configure, events.on_event, events.on_job_channel)
             except Exception as exc:  # noqa: BLE001 - keep trying; health says NOT_SERVING
                 log.error("cannot start the watchdog %s: %s", binary, exc)
                 wd = None
@@ -338,7 +337,7 @@ class Server:
                 self.manager.watchdog = wd
                 try:
                     status = await wd.status()
-                    self.manager.on_watchdog_event(watchdog_pb2.WatchdogEvent(status=status))
+                    events.on_event(watchdog_pb2.WatchdogEvent(status=status))
                 except Exception as exc:  # noqa: BLE001 - readings come with events too
                     log.warning("watchdog status: %s", exc)
                 started = time.monotonic()
@@ -347,7 +346,7 @@ class Server:
                 if self.stopping.is_set():
                     return
                 log.error("the watchdog exited with %s; restarting it", code)
-                self.manager.watchdog_lost()
+                events.watchdog_lost()
                 if time.monotonic() - started > 60:
                     failures = 0
             delay = WATCHDOG_RESTART_BACKOFF_S[min(failures, len(WATCHDOG_RESTART_BACKOFF_S) - 1)]

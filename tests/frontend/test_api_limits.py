@@ -419,7 +419,7 @@ def test_unknown_devices_are_not_found(tmp_path: Path) -> None:
         assert err.code() == grpc.StatusCode.UNAVAILABLE  # no watchdog here: not INTERNAL
         watchdog = _FakeWatchdog()
         h.manager.watchdog = watchdog  # type: ignore[assignment]
-        h.manager.device_indices = lambda: [-1, 0]  # type: ignore[method-assign]
+        h.manager.fleet.device_indices = lambda: [-1, 0]  # type: ignore[method-assign]
         for device in (99, -2, -7, 2**31 - 1):
             err = await error_of(
                 h.ops.RestartWorkers(

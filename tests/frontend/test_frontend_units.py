@@ -620,7 +620,7 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
         assert asked == ["d0-w0"] and run.timing_waits_kernel
         exited = watchdog_pb2.WorkerExited(exit_code=0)
         exited.worker.worker_id = kernel.worker_id
-        m._on_worker_exited(exited, drain=False)
+        m.watchdog_events.on_worker_exited(exited, drain=False)
         assert asked == ["d0-w0", "d0-w0"] and not run.timing_waits_kernel
         run.record.close()
 

@@ -181,8 +181,8 @@ async def start_process(m: JobManager, worker_id: str, hello: bool = True) -> Fa
     ev.worker_started.worker.device_index = -1
     ev.worker_started.channel_attached = True
     attached = AttachedFd(front.detach())
-    m.on_job_channel(ev, attached)
-    m.on_watchdog_event(ev)
+    m.watchdog_events.on_job_channel(ev, attached)
+    m.watchdog_events.on_event(ev)
     assert attached.taken
     reader, writer = await asyncio.open_unix_connection(sock=proc)
     fake = FakeJobProcess(reader, writer)
@@ -236,9 +236,9 @@ def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         assert m.store.get(second.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
         proc.writer.close()
-        m.on_watchdog_event(exited("c-w1"))
+        m.watchdog_events.on_event(exited("c-w1"))
         await until(lambda: "c-w1" not in m.workers.by_id)
-        assert m.counters["restarts"] == 0 and wd.kills == []
+        assert m.fleet.counters["restarts"] == 0 and wd.kills == []
         # The next process takes the queued job.
         nxt = await start_process(m, "c-w2", hello=False)
         await nxt.send(hello=job_channel_pb2.Hello(worker_id="c-w2"))
@@ -261,7 +261,7 @@ def test_exit_reported_before_the_outcome_is_read(tmp_path: Path) -> None:
         )
         proc.writer.close()
         # The watchdog's WorkerExited is handled before the job channel is read.
-        m.on_watchdog_event(exited("c-w1"))
+        m.watchdog_events.on_event(exited("c-w1"))
         await m.wait_finished(job.job_id, 5)
         done = m.store.get(job.job_id)
         assert done is not None and done.state == job_pb2.JOB_STATE_DONE
@@ -318,7 +318,7 @@ def test_protocol_violation_kills_the_process_and_ends_the_job(
         await until(lambda: wd.kills == [("c-w1", "protocol")])
         # The front end closed its end.
         assert await asyncio.wait_for(proc.reader.read(), 5) == b""
-        m.on_watchdog_event(exited("c-w1", code=-1, reason="killed:protocol"))
+        m.watchdog_events.on_event(exited("c-w1", code=-1, reason="killed:protocol"))
         assert m.store.get(job.job_id).result.verdict == job_pb2.VERDICT_RUNTIME_ERROR  # type: ignore[union-attr]
 
     run_async(scenario)
@@ -396,7 +396,7 @@ def test_channel_is_closed_when_nobody_takes_it(tmp_path: Path) -> None:
         ev = watchdog_pb2.WatchdogEvent()
         ev.worker_started.worker.worker_id = "c-w1"
         ev.worker_started.channel_attached = True
-        m.on_watchdog_event(ev)
+        m.watchdog_events.on_event(ev)
         await asyncio.sleep(0.01)
         assert m.workers.by_id["c-w1"].gone
         assert m.watchdog is not None

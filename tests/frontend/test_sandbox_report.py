@@ -61,13 +61,14 @@ def test_manager_logs_each_feature_once_and_serves_it(tmp_path: Path, caplog) ->
     store = SqliteStore(tmp_path / "db.sqlite")
     ops_log = OpsLog()
     m = JobManager(config_mod.Config(), store, EventHub(store), ops_log, Metrics(), 600.0)
+    events = m.watchdog_events  # the watchdog's events and its sandbox report
     caplog.set_level(logging.INFO, logger="kerneleval")
-    m.on_watchdog_event(_warning("seccomp", "no seccomp filter for this architecture"))
-    m.on_watchdog_event(_warning("kmsg", "cannot read /dev/kmsg"))
+    events.on_event(_warning("seccomp", "no seccomp filter for this architecture"))
+    events.on_event(_warning("kmsg", "cannot read /dev/kmsg"))
     # A restarted watchdog says the same again: not logged twice.
-    m.on_watchdog_event(_warning("seccomp", "no seccomp filter for this architecture"))
-    m.on_watchdog_event(_started("cpu-w0"))
-    m.on_watchdog_event(_started("cpu-w1"))
+    events.on_event(_warning("seccomp", "no seccomp filter for this architecture"))
+    events.on_event(_started("cpu-w0"))
+    events.on_event(_started("cpu-w1"))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         "sandbox incomplete (seccomp): no seccomp filter for this architecture",
@@ -78,22 +79,23 @@ def test_manager_logs_each_feature_once_and_serves_it(tmp_path: Path, caplog) ->
         "seccomp: no seccomp filter for this architecture",
         "kmsg: cannot read /dev/kmsg",
     ]
-    assert m.sandbox.state() == ops.SANDBOX_STATE_INCOMPLETE
-    assert [w.feature for w in m.sandbox.to_proto()] == ["seccomp", "kmsg"]
+    assert events.sandbox.state() == ops.SANDBOX_STATE_INCOMPLETE
+    assert [w.feature for w in events.sandbox.to_proto()] == ["seccomp", "kmsg"]
     store.close()
 
 
 def test_manager_says_complete_only_once_a_job_process_started(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     store = SqliteStore(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
+    events = m.watchdog_events  # the watchdog's events and its sandbox report
     caplog.set_level(logging.INFO, logger="kerneleval")
-    assert m.sandbox.state() == ops.SANDBOX_STATE_UNSPECIFIED
-    m.on_watchdog_event(_started("cpu-w0"))
-    assert m.sandbox.state() == ops.SANDBOX_STATE_COMPLETE
+    assert events.sandbox.state() == ops.SANDBOX_STATE_UNSPECIFIED
+    events.on_event(_started("cpu-w0"))
+    assert events.sandbox.state() == ops.SANDBOX_STATE_COMPLETE
     assert any(
         r.levelno == logging.INFO and r.getMessage().startswith("sandbox complete")
         for r in caplog.records
     )
-    m.watchdog_lost()
-    assert m.sandbox.state() == ops.SANDBOX_STATE_UNSPECIFIED  # the next one sets up anew
+    events.watchdog_lost()
+    assert events.sandbox.state() == ops.SANDBOX_STATE_UNSPECIFIED  # the next one sets up anew
     store.close()

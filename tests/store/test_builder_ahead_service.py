@@ -366,7 +366,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
             status = watchdog_pb2.DeviceStatus(
                 device_index=index, health=watchdog_pb2.HEALTH_HEALTHY
             )
-            m.on_watchdog_event(
+            m.watchdog_events.on_event(
                 watchdog_pb2.WatchdogEvent(device=watchdog_pb2.DeviceUpdate(device=status))
             )
         gpu = WorkerState("d0-w0", 100, 0, False, 0, writer=_Writer())  # type: ignore[arg-type]

@@ -122,7 +122,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         validation.check_string(
             "idempotency_key", idempotency_key, self.limits.max_idempotency_key_bytes, violations
         )
-        known = self.m.device_indices()
+        known = self.m.fleet.device_indices()
         if spec.options.HasField("device_index") and known and spec.options.device_index >= 0:
             if spec.options.device_index not in known:
                 violations.append(
@@ -132,7 +132,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                     )
                 )
         if spec.options.device_model and not violations:
-            why = placement.refusal(spec, self.m.device_names())
+            why = placement.refusal(spec, self.m.fleet.device_names())
             if why:
                 violations.append(validation.FieldViolation("spec.options.device_model", why))
         if violations:

@@ -85,7 +85,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
 
     def devices(self) -> list[pb.Device]:
         out: dict[int, pb.Device] = {}
-        for index, dev in sorted(self.m.devices.items()):
+        for index, dev in sorted(self.m.fleet.devices.items()):
             s = dev.status
             out[index] = pb.Device(
                 index=index,
@@ -143,7 +143,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
         if self.gateway is not None:
             return await self._forward("ResetGpu", request, request.device_index, context)
-        known = self.m.device_indices()
+        known = self.m.fleet.device_indices()
         if request.device_index < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -189,7 +189,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         if self.gateway is not None:
             on = request.device_index if request.HasField("device_index") else None
             return await self._forward("RestartWorkers", request, on, context)
-        known = self.m.device_indices()
+        known = self.m.fleet.device_indices()
         if request.HasField("device_index") and device not in known:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -283,12 +283,12 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             queue_depth=len(self.m.queue),
             queue_latency=percentiles(self.m.queue_latency),
             run_latency=percentiles(self.m.run_latency),
-            fault_count=self.m.counters["faults"],
-            worker_restart_count=self.m.counters["restarts"],
-            gpu_reset_count=self.m.counters["resets"],
-            xid_count=self.m.counters["xids"],
-            sandbox_warnings=self.m.sandbox.to_proto(),
-            sandbox_state=self.m.sandbox.state(),
+            fault_count=self.m.fleet.counters["faults"],
+            worker_restart_count=self.m.fleet.counters["restarts"],
+            gpu_reset_count=self.m.fleet.counters["resets"],
+            xid_count=self.m.fleet.counters["xids"],
+            sandbox_warnings=self.m.watchdog_events.sandbox.to_proto(),
+            sandbox_state=self.m.watchdog_events.sandbox.state(),
         )
         for index, (seconds, count, wanted) in self.m.gate.occupancy().items():
             occupancy = resp.device_occupancy.add(device_index=index, timing_window_count=count)

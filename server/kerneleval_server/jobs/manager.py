@@ -6,9 +6,11 @@ itself (exit code 0, or POISONED_EXIT when its CUDA context was poisoned) and is
 A job of IOContract kernels only (prebuild.py) is first built by a build process, then
 launched by a launch process, which takes the next such job when its outcome says it may.
 
-Every state change is written to the store before anyone hears of it. The manager also turns
-the watchdog's events (workers, XIDs, device readings, resets) into worker state, job verdicts
-and operations events. It all runs on the event loop; nothing here blocks.
+Every state change is written to the store before anyone hears of it. The fleet is not kept
+here: the devices, their health and XIDs (fleet/devices.py, `fleet`) and the watchdog's
+events (fleet/watchdog_events.py, `watchdog_events`) call back for what an event means for
+jobs: a job process's exit (`job_process_exited`) and an XID (`attribute_xid`) become job
+verdicts. It all runs on the event loop; nothing here blocks.
 """
 
 from __future__ import annotations
@@ -24,27 +26,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
-from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
 from kerneleval_server.fleet import faults
+from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.fleet.gpu_memory import GpuMemory
 from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
-from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
 from kerneleval_server.fleet.timing_windows import (
     WATCHDOG_REPLY_S,
     TimingWindows,
     Window,
 )
-from kerneleval_server.fleet.watchdog import AttachedFd
+from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
-from kerneleval_server.jobproc import (
-    BUILD_DEVICE,
-    GATED_PHASES,
-    NVML_OOM_ASSERT,
-    POISONED_EXIT,
-)
+from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, NVML_OOM_ASSERT
 from kerneleval_server.jobs import judging, placement, prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
@@ -53,7 +49,6 @@ from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
-from kerneleval_server.jobs.shared_queue import GATEWAY
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.metrics import Metrics
 
@@ -68,12 +63,10 @@ OOM_TEXTS = ("CUDA out of memory", NVML_OOM_ASSERT)
 DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
-DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
 # A job process exits at once after its outcome or when its channel closes; one still alive
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
-RECENT_XIDS = 32
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 # engine/integrity.py's rules (the front end does not import the engine: torch).
 RUNTIME_RULES = (
@@ -147,21 +140,6 @@ class Running:
     timing_waits_kernel: bool = False
 
 
-@dataclass
-class DeviceState:
-    index: int
-    status: watchdog_pb2.DeviceStatus
-    xids: deque[ops_pb2.XidRecord] = field(default_factory=lambda: deque(maxlen=RECENT_XIDS))
-    # (monotonic time, the worker was running a job) of worker failures: crashes, odd exits.
-
-    @property
-    def takes_jobs(self) -> bool:
-        return self.status.health in (
-            watchdog_pb2.HEALTH_UNSPECIFIED,
-            watchdog_pb2.HEALTH_HEALTHY,
-        )
-
-
 def _stamp(ts: Any) -> None:
     ts.FromNanoseconds(time.time_ns())
 
@@ -195,16 +173,14 @@ class JobManager:
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
         self.workers = WorkerTable()
         self.channels = JobChannels(self)
-        # Devices whose job processes have come up warm (a Hello) since the watchdog started.
-        self.warm_devices: set[int] = set()
-        # Sandbox features the host refused, and other warnings of the watchdog (also in the
-        # ops log, the metrics and the service log, at WARNING); GetStats serves them.
-        self.sandbox = SandboxReport()
+        # The devices (their health, XIDs, counters), and the watchdog's events that feed them
+        # and the job process table; each calls back here for what an event means for jobs.
+        self.fleet = Devices(self)
+        self.watchdog_events = WatchdogEvents(self)
         # What was built, on disk across restarts: extensions, and the compile cache's entries.
         built = BuildCache(config.state_path() / "builds", config.build_cache_mib << 20)
         self.compile_cache = CompileCache(config.compile_cache_mib << 20, built)
         self.extensions = ExtensionBuilds(built)
-        self.devices: dict[int, DeviceState] = {}
         self.running: dict[str, Running] = {}
         self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
         # Compared jobs whose kernel ran OK, waiting for their judges; the standing judges.
@@ -221,7 +197,6 @@ class JobManager:
         self.draining = False
         self.on_health_change: Callable[[], None] = lambda: None
         self.started_at = time.time()
-        self.counters = {"faults": 0, "restarts": 0, "resets": 0, "xids": 0}
         self.queue_latency: deque[float] = deque(maxlen=2000)
         self.run_latency: deque[float] = deque(maxlen=2000)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -301,7 +276,10 @@ class JobManager:
         devices = (
             [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
             if self.shared is not None
-            else [(d.index, d.status.name, d.status.driver_version) for d in self.devices.values()]
+            else [
+                (d.index, d.status.name, d.status.driver_version)
+                for d in self.fleet.devices.values()
+            ]
         )
         gpus = sorted({f"{n}/{d}" for i, n, d in devices if placement.may_run_on(spec, i, n)})
         return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
@@ -431,23 +409,6 @@ class JobManager:
 
     # ---- dispatch ---------------------------------------------------------------------
 
-    def device_takes_jobs(self, index: int) -> bool:
-        dev = self.devices.get(index)
-        return dev is None or dev.takes_jobs
-
-    def device_names(self) -> list[tuple[int, str]]:
-        """(index, GPU name as NVML gives it) of the devices jobs run on; a gateway's: its
-        nodes' (an index once for each node that has it)."""
-        if self.shared is not None and self.shared.role == GATEWAY:
-            return [
-                (d.index, d.name) for d in self.shared.node_devices() if d.index != BUILD_DEVICE
-            ]
-        return [(i, self.device_name(i)) for i in self.device_indices()]
-
-    def device_name(self, index: int) -> str:
-        dev = self.devices.get(index)
-        return dev.status.name if dev is not None else ""
-
     def dispatch(self) -> None:
         if self.draining:
             return
@@ -475,7 +436,7 @@ class JobManager:
         gpu = [
             w
             for w in ready
-            if w.device_index != BUILD_DEVICE and self.device_takes_jobs(w.device_index)
+            if w.device_index != BUILD_DEVICE and self.fleet.device_takes_jobs(w.device_index)
         ]
         # Built jobs to launch processes warm from the last one first; other jobs to fresh
         # processes first (a launch process that takes one runs its code, and then exits).
@@ -497,7 +458,7 @@ class JobManager:
                 queued = self.queue.pop_for(
                     worker.device_index,
                     lambda q: not self._built_ahead(q) and q.job_id not in self.alone,
-                    self.device_name(worker.device_index),
+                    self.fleet.device_name(worker.device_index),
                 )
                 if queued is not None:
                     self._start(queued.job_id, worker)
@@ -538,7 +499,7 @@ class JobManager:
         assert worker.hello is not None
         device = worker.hello.device
         arch = prebuild.arch_of(device.compute_capability)
-        builders = BUILD_DEVICE in self.devices and self.device_takes_jobs(BUILD_DEVICE)
+        builders = BUILD_DEVICE in self.fleet.devices and self.fleet.device_takes_jobs(BUILD_DEVICE)
         waiter = Waiter(run.job.job_id, worker, req.request_id)
         answer = self.extensions.request(waiter, req, device, arch, builders)
         if answer is None:
@@ -668,9 +629,9 @@ class JobManager:
     def _built_ahead(self, queued: QueuedJob) -> bool:
         """The job goes to a build process first: its kernels can be, there is a build
         process pool and a GPU to build for (Triton runs in its interpreter without one)."""
-        if not queued.prebuild or not self.device_takes_jobs(BUILD_DEVICE):
+        if not queued.prebuild or not self.fleet.device_takes_jobs(BUILD_DEVICE):
             return False
-        if BUILD_DEVICE not in self.devices:
+        if BUILD_DEVICE not in self.fleet.devices:
             return False  # no build processes configured
         return queued.prebuild == "cuda" or bool(self._build_arch(queued))
 
@@ -679,7 +640,8 @@ class JobManager:
         if queued.device_index is not None:
             arch = self.device_arch.get(queued.device_index, "")
         else:
-            archs = {a for i, a in self.device_arch.items() if queued.fits(i, self.device_name(i))}
+            name = self.fleet.device_name
+            archs = {a for i, a in self.device_arch.items() if queued.fits(i, name(i))}
             arch = archs.pop() if len(archs) == 1 else ""
         if not arch and queued.prebuild == "cuda" and not self.device_arch:
             return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
@@ -778,11 +740,12 @@ class JobManager:
 
     def _next_launch(self, device_index: int) -> str:
         """The oldest built job that may run on the device."""
+        name = self.fleet.device_name(device_index)
         for job_id in self.launch_queue:
             run = self.running.get(job_id)
             if run is None:
                 continue
-            if placement.may_run_on(run.job.spec, device_index, self.device_name(device_index)):
+            if placement.may_run_on(run.job.spec, device_index, name):
                 self.launch_queue.remove(job_id)
                 return job_id
         return ""
@@ -880,7 +843,7 @@ class JobManager:
         arch = prebuild.arch_of(worker.hello.device.compute_capability)
         if arch:
             self.device_arch[worker.device_index] = arch
-        self.warm_devices.add(worker.device_index)
+        self.fleet.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
         if self.shared is not None:
@@ -1157,7 +1120,7 @@ class JobManager:
     def on_worker_disconnected(self, worker: WorkerState) -> None:
         worker.gone = True
         if worker.pending_exit is not None:
-            self._on_worker_exited(worker.pending_exit)
+            self.watchdog_events.on_worker_exited(worker.pending_exit)
             return
         # Without its channel a job process is of no use: it exits at once (the runtime's
         # reader does), or it is killed (a candidate that closed the channel and stayed).
@@ -1344,7 +1307,7 @@ class JobManager:
             job_pb2.VERDICT_CRASHED,
             job_pb2.VERDICT_TIMEOUT,
         ):
-            self.counters["faults"] += 1
+            self.fleet.counters["faults"] += 1
         log.info(
             "job finished",
             extra={"job_id": job.job_id, "verdict": verdict, "event": state_name},
@@ -1423,191 +1386,30 @@ class JobManager:
         self.hub.publish(event)
         self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
-    # ---- watchdog events --------------------------------------------------------------
+    # ---- what the fleet's events mean for jobs (fleet/watchdog_events.py) -------------
 
-    def on_job_channel(self, ev: watchdog_pb2.WatchdogEvent, attached: AttachedFd) -> None:
-        """The descriptor of a job process's channel, just before its WorkerStarted."""
-        if ev.WhichOneof("kind") != "worker_started":
-            return
-        worker = self.workers.announce(ev.worker_started.worker)
-        if not worker.has_channel and not worker.gone:
-            self.channels.attach(worker, attached.take())
+    def job_process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None:
+        """A job process exited (out of the table already): what it held goes back (its GPU
+        grant and memory), an extension build it ran is lost, its job ends or retries."""
+        self.gate.release(worker.device_index, worker.worker_id)
+        self.memory.release(worker.device_index, worker.worker_id)
+        self.gpu_use.waiting.pop(worker.worker_id, None)
+        if self.extensions.building(worker) is not None:
+            why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
+            self._extension_build_lost(worker, why)
+        for run in list(self.running.values()):
+            if run.kernel_worker is worker:
+                self.judges.kernel_exited(run)
+            if run.worker is worker:
+                self._job_worker_exited(run, exited)
 
-    def on_watchdog_event(self, ev: watchdog_pb2.WatchdogEvent) -> None:
-        kind = ev.WhichOneof("kind")
-        if kind == "worker_started":
-            w = ev.worker_started.worker
-            worker = self.workers.announce(w)
-            if ev.worker_started.channel_attached and not worker.has_channel:
-                log.error(
-                    "job process %s came without its channel; it is stopped",
-                    w.worker_id,
-                    extra={"worker_id": w.worker_id},
-                )
-                worker.gone = True
-                if self.watchdog is not None:
-                    self._spawn(self.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
-            self.ops.emit(
-                w.device_index,
-                worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
-            )
-            if self.sandbox.started_job_process():
-                self._log_sandbox()
-        elif kind == "worker_promoted":
-            promoted = self.workers.by_id.get(ev.worker_promoted.worker_id)
-            if promoted is not None:
-                promoted.spare = False
-                self.dispatch()
-        elif kind == "worker_exited":
-            self._on_worker_exited(ev.worker_exited)
-        elif kind == "xid":
-            self._on_xid(ev.xid)
-        elif kind == "device":
-            self._on_device(ev.device.device)
-        elif kind == "status":
-            for status in ev.status.devices:
-                self._on_device(status)
-            for w in ev.status.workers:
-                self.workers.announce(w)
-        elif kind == "reset_step":
-            step = ev.reset_step
-            rs = ops_pb2.ResetStep(step=step.step, ok=step.ok, message=step.message)
-            _stamp(rs.time)
-            self.ops.emit(step.device_index, reset_step=rs)
-        elif kind == "reset_finished":
-            rf = ev.reset_finished
-            self.counters["resets"] += 1
-            self.metrics.gpu_resets.labels(str(rf.device_index), str(rf.success).lower()).inc()
-        elif kind == "warning":
-            self._on_warning(ev.warning.feature or "watchdog", ev.warning.message)
-
-    def _on_warning(self, feature: str, message: str) -> None:
-        self.metrics.sandbox_warnings.labels(feature).set(1)
-        if not self.sandbox.warn(feature, message):
-            return  # said already (a restarted watchdog says it again)
-        self.ops.emit(-1, warning=f"{feature}: {message}")
-        if is_sandbox_feature(feature):
-            log.warning("sandbox incomplete (%s): %s", feature, message)
-        else:
-            log.warning("watchdog warning: %s: %s", feature, message)
-
-    def _log_sandbox(self) -> None:
-        """Once a job process has started: the sandbox it got, in one line."""
-        missing = self.sandbox.missing()
-        if missing:
-            log.warning(
-                "sandbox incomplete: job processes run without %s (kerneleval doctor, GetStats)",
-                ", ".join(missing),
-            )
-        else:
-            log.info("sandbox complete: the host gave every feature of the job sandbox")
-
-    def _worker_info(self, w: watchdog_pb2.Worker) -> ops_pb2.WorkerInfo:
-        info = ops_pb2.WorkerInfo(
-            worker_id=w.worker_id, pid=w.pid, device_index=w.device_index, spare=w.spare
-        )
-        info.start_time.FromMilliseconds(w.start_time_ms)
-        state = self.workers.by_id.get(w.worker_id)
-        if state is not None:
-            info.job_id = state.job_id
-            info.completed_job_count = state.completed
-            info.spare = state.spare
-            info.standing_judge = bool(state.judge_key)
-        return info
-
-    def _on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
-        w = exited.worker
-        worker = self.workers.by_id.get(w.worker_id)
-        if worker is not None and drain and worker.writer is not None:
-            # Read what it sent before it exited (its outcome) first; then this exit.
-            if worker.pending_exit is None:
-                worker.pending_exit = exited
-                worker.pending_exit_timer = asyncio.get_running_loop().call_later(
-                    DRAIN_FALLBACK_S, self._drain_fallback, worker
-                )
-            return
-        if worker is not None and worker.pending_exit_timer is not None:
-            worker.pending_exit_timer.cancel()
-        info = self._worker_info(w)
-        worker = self.workers.remove(w.worker_id)
-        if worker is not None and worker.exit_watch is not None:
-            worker.exit_watch.cancel()
-        retired = (
-            worker is not None
-            and worker.outcome_seen
-            and exited.signal <= 0
-            and exited.exit_code in (0, POISONED_EXIT)
-        )
-        if not retired:  # a job process leaving after its one job is no restart
-            self.counters["restarts"] += 1
-            self.metrics.worker_restarted(w.device_index, exited.reason)
-        ex = ops_pb2.WorkerExitedEvent(
-            worker=info,
-            signal=max(exited.signal, 0),
-            reason=exited.reason,
-            restarting=exited.restarting,
-        )
-        if exited.signal <= 0:
-            ex.exit_code = exited.exit_code
-        self.ops.emit(w.device_index, worker_exited=ex)
-        log.info(
-            "worker exited: %s (code %d, signal %d)",
-            exited.reason,
-            exited.exit_code,
-            exited.signal,
-            extra={"worker_id": w.worker_id},
-        )
-        if worker is not None:
-            worker.gone = True
-            self.gate.release(worker.device_index, worker.worker_id)
-            self.memory.release(worker.device_index, worker.worker_id)
-            self.gpu_use.waiting.pop(worker.worker_id, None)
-            if self.extensions.building(worker) is not None:
-                why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
-                self._extension_build_lost(worker, why)
-            for run in list(self.running.values()):
-                if run.kernel_worker is worker:
-                    self.judges.kernel_exited(run)
-                if run.worker is worker:
-                    self._job_worker_exited(run, exited)
-            if worker.writer is not None:
-                worker.writer.close()
-        self.on_health_change()
-        self.dispatch()
-
-    def _drain_fallback(self, worker: WorkerState) -> None:
-        exited = worker.pending_exit
-        if exited is not None and self.workers.by_id.get(worker.worker_id) is worker:
-            log.warning(
-                "job process %s exited but its channel stays open",
-                worker.worker_id,
-                extra={"worker_id": worker.worker_id},
-            )
-            self._on_worker_exited(exited, drain=False)
-
-    def _on_xid(self, x: watchdog_pb2.XidObserved) -> None:
-        self.counters["xids"] += 1
-        self.metrics.xids.labels(str(x.device_index), str(x.xid)).inc()
-        record = ops_pb2.XidRecord(
-            xid=x.xid,
-            category=x.category,
-            action=x.action,
-            pid=x.pid,
-            worker_id=x.worker_ids[0] if x.worker_ids else "",
-            job_id=x.job_ids[0] if x.job_ids else "",
-            message=x.message,
-        )
-        if x.time_ms:
-            record.time.FromMilliseconds(x.time_ms)
-        else:
-            _stamp(record.time)
-        self._device(x.device_index).xids.append(record)
-        self.ops.emit(x.device_index, xid=record)
+    def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None:
+        """An XID (recorded by fleet/devices.py): the jobs it belongs to carry it; one whose
+        outcome waited for it ends now."""
         for run, sure in self._xid_suspects(x):
             run.xid = faults.XidSeen(x.xid, x.category, x.message, named=sure)
             if run.outcome is not None:
                 self._finish_outcome(run.job.job_id)
-        log.warning("XID %d on device %d: %s", x.xid, x.device_index, x.message)
 
     def _xid_suspects(self, x: watchdog_pb2.XidObserved) -> list[tuple[Running, bool]]:
         """The jobs an XID belongs to, and whether that is sure.
@@ -1630,59 +1432,11 @@ class JobManager:
         ]
         return [(r, False) for r in named or on_device]
 
-    def _device(self, index: int) -> DeviceState:
-        dev = self.devices.get(index)
-        if dev is None:
-            dev = self.devices[index] = DeviceState(
-                index, watchdog_pb2.DeviceStatus(device_index=index)
-            )
-        return dev
-
-    def _on_device(self, status: watchdog_pb2.DeviceStatus) -> None:
-        dev = self.devices.get(status.device_index)
-        old = dev.status.health if dev is not None else None
-        if dev is None:
-            dev = self.devices[status.device_index] = DeviceState(status.device_index, status)
-        else:
-            dev.status = status
-        if status.device_index >= 0:
-            self.memory.set_total(status.device_index, status.memory_total_bytes)
-        if old is not None and old != status.health:
-            self.ops.emit(
-                status.device_index,
-                health_changed=ops_pb2.DeviceHealthChangedEvent(
-                    health=status.health,  # type: ignore[arg-type]
-                    reason=status.health_reason,
-                ),
-            )
-        self.on_health_change()
-        self.dispatch()
-
-    def watchdog_lost(self) -> None:
-        """The watchdog died: its workers are gone with it (parent-death signal)."""
-        self.warm_devices.clear()
-        self.sandbox.watchdog_lost()
-        for worker in list(self.workers.by_id.values()):
-            exited = watchdog_pb2.WorkerExited(
-                exit_code=-1, signal=9, reason="stopped", restarting=True
-            )
-            exited.worker.worker_id = worker.worker_id
-            exited.worker.pid = worker.pid
-            exited.worker.device_index = worker.device_index
-            self._on_worker_exited(exited, drain=False)
-
     # ---- helpers ----------------------------------------------------------------------
 
     def serving(self) -> bool:
-        """A device that takes jobs has had a warm job process since the watchdog started.
-
-        Job processes come and go with every job; between one's exit and the next one's
-        Hello, jobs queue: that is no reason to flip the health check."""
-        if self.draining:
-            return False
-        if self.shared is not None and self.shared.role == GATEWAY:
-            return True  # no devices of its own: it serves while its store does
-        return any(self.device_takes_jobs(d) for d in self.warm_devices)
+        """The health check: not draining, and a device serves (fleet/devices.py)."""
+        return not self.draining and self.fleet.serving()
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         async def run() -> None:
@@ -1694,11 +1448,3 @@ class JobManager:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def device_indices(self) -> list[int]:
-        """The devices jobs run on (not the build processes' pseudo-device); a gateway's:
-        those its nodes registered."""
-        if self.shared is not None and self.shared.role == GATEWAY:
-            return self.shared.device_indices()
-        known = set(self.devices) | {w.device_index for w in self.workers.by_id.values()}
-        return sorted(known - {BUILD_DEVICE})

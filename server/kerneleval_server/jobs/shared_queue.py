@@ -251,13 +251,14 @@ class SharedQueue:
         """Jobs the node can start soon: its idle job processes and one more per device."""
         if self.m.draining:
             return 0
+        fleet = self.m.fleet
         idle = sum(
             1
             for w in self.m.workers.by_id.values()
             if w.ready and w.device_index != BUILD_DEVICE
-            and self.m.device_takes_jobs(w.device_index)
+            and fleet.device_takes_jobs(w.device_index)
         )  # fmt: skip
-        devices = [d for d in self.m.device_indices() if self.m.device_takes_jobs(d)]
+        devices = [d for d in fleet.device_indices() if fleet.device_takes_jobs(d)]
         if not devices:
             return 0
         return idle + len(devices) - len(self.m.queue)
@@ -269,7 +270,8 @@ class SharedQueue:
         room = self._room()
         if room <= 0:
             return 0
-        devices = {i: n for i, n in self.m.device_names() if self.m.device_takes_jobs(i)}
+        fleet = self.m.fleet
+        devices = {i: n for i, n in fleet.device_names() if fleet.device_takes_jobs(i)}
         jobs = self.store.claim(self.node_id, devices, room, self.lease_s)
         for job in jobs:
             self.m.hub.forget(job.job_id)  # its events may have grown elsewhere
