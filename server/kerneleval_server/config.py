@@ -227,6 +227,14 @@ class Config:
             "what the judge costs, never for a service whose callers may cheat)"
         },
     )
+    record_share_max_mib: int = field(
+        default=20480,
+        metadata={
+            "help": "a compared kernel's outputs past --record-max-mib handed to its judge by "
+            "descriptor (device memory on a GPU, held there until judged), at most; larger "
+            "outputs are judged in the kernel's own process; 0: none"
+        },
+    )
     job_max_pids: int = field(
         default=1024, metadata={"help": "processes and threads in one job process's cgroup"}
     )
@@ -325,6 +333,9 @@ class Config:
             out.append("--compile-cache-mib must be >= 0")
         if self.build_cache_mib < 0:
             out.append("--build-cache-mib must be >= 0")
+        for name in ("record_max_mib", "record_share_max_mib"):
+            if getattr(self, name) < 0:
+                out.append(f"--{name.replace('_', '-')} must be >= 0")
         if self.job_user == "root":
             out.append("--job-user root: job processes never run as root")
         for path in self.sandbox_paths():

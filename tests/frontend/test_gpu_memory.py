@@ -92,3 +92,17 @@ def test_no_admission_without_a_known_gpu_memory_or_with_a_share_of_0() -> None:
     off.set_total(0, 80 * GB)
     assert not off.admits_on(0)
     assert memory(0).admits_on(0) is False
+
+
+def test_outputs_handed_to_a_judge_hold_their_memory_until_released() -> None:
+    """A judged kernel's shares (device memory its process made, alive after it exits until
+    its judge has read them) count against the GPU like a job's needs."""
+    m = memory()
+    m.learn("act", 20 * GB)
+    m.hold(0, "shares:job-1", 40 * GB)  # 40 of 68 GB
+    assert m.admit(0, "w0", "act")  # 60
+    assert not m.admit(0, "w1", "act")  # 80 would not fit
+    assert m.release(0, "shares:job-1")
+    assert m.admit(0, "w1", "act")
+    m.hold(1, "shares:job-2", GB)  # an unknown GPU: no admission, nothing held
+    assert m.usage(1)[2] == 0

@@ -98,6 +98,9 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
             "1",
             "--log-level",
             "INFO",
+            # Outputs over 1 MiB of a trial go to the judge by descriptor (BIG_REFERENCE's).
+            "--record-max-mib",
+            "2",
         ],
     )
     service.unix_socket = str(state / "grpc.sock")
@@ -768,6 +771,61 @@ def test_a_forged_verdict_is_judged_in_another_process(stub, svc: ServiceProcess
     assert ran.verdict == job_pb2.VERDICT_INCORRECT, ran.describe()
     assert not ran.job.result.correctness and ran.job.result.speedup == 0, ran.describe()
     assert "judged by" in ran.logs, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+# The same, with 4 MiB of outputs a trial: past the record (--record-max-mib 2), handed to the
+# judge by descriptor (engine/device_share.py).
+BIG_REFERENCE = hs.REFERENCE.replace("torch.randn(64)", "torch.randn(1 << 20)")
+BIG_FORGER = FORGER.replace("torch.randn(64)", "torch.randn(1 << 20)")
+# ... and from its module body it sends the judge a share of its own first (a pipe said to be
+# the first output's memory), on the record's socket it finds in the runtime's frame.
+SHARE_FORGER = BIG_FORGER.replace(
+    "import torch\n",
+    """import torch
+import os, socket, struct, sys
+
+_f, _recorder = sys._getframe(), None
+while _f is not None and _recorder is None:
+    _recorder = _f.f_locals.get("recorder")
+    _f = _f.f_back
+_r, _w = os.pipe()
+_s = socket.socket(fileno=os.dup(_recorder._share_fd))
+socket.send_fds(_s, [struct.pack(">BQQ", 2, 1, 4 << 20)], [_r])
+""",
+    1,
+)
+
+
+def test_a_forger_with_outputs_past_the_record_is_judged_from_its_shares(
+    stub, svc: ServiceProcess
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: outputs over the record's limit (47 of KernelBench's level-1 problems have
+    outputs over its 1 GiB default) are handed to the judge by descriptor, not judged in the
+    kernel's process: the forger is INCORRECT there as with small outputs; an honest kernel of
+    the same size is OK, judged the same way. The next tenants are judged right."""
+    s = spec(BIG_FORGER, reference=BIG_REFERENCE, client_tag="mallory-big-forger", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_INCORRECT, ran.describe()
+    assert "judged by" in ran.logs, ran.describe()
+    honest = BIG_REFERENCE.replace("class Model(", "class ModelNew(")
+    ok = run_job(
+        stub, spec(honest, reference=BIG_REFERENCE, client_tag="alice-big", perf_trials=5), svc
+    )
+    assert ok.verdict == job_pb2.VERDICT_OK, ok.describe()
+    assert "judged by" in ok.logs, ok.describe()
+    assert not any("kernel's own process" in n for n in ok.job.result.notes), ok.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_a_share_forged_on_the_record_socket_is_tampering(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: the candidate's module body sends the judge a share of its own (a pipe said to
+    be its output's memory) before its outputs are handed over: the judge, which reads the
+    socket only once the kernel's process is gone, refuses the record as tampering."""
+    s = spec(SHARE_FORGER, reference=BIG_REFERENCE, client_tag="mallory-share", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert ran.job.result.error.message.startswith("tampering: "), ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
 
 

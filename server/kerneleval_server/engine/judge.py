@@ -1,7 +1,8 @@
 """judge_job: a compared job's verdict, given in a process the kernel's code never ran in.
 
 The kernel's own process ran it (run_job with a Recorder) and recorded its outputs of every
-correctness trial and of the timed trial run on fresh inputs. Here only the reference is
+correctness trial and of the timed trial run on fresh inputs, in the record or, past its
+limit, by descriptor on the record's socket (device_share.py). Here only the reference is
 imported: it makes the same inputs from the seed, runs, and the engine's comparison, the
 lower-precision check, the replay check and the reference's timing run on what was recorded.
 The kernel's process can report its verdict, notes and time as it likes; from here only its
@@ -14,9 +15,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, loader, record, tamper
+from . import compare, device_share, errors, loader, record, tamper
 from .backends import Program
 from .inputs import TrialArgs
 from .runner import (
@@ -31,6 +33,7 @@ from .runner import (
 from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
+SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 
 # What the kernel's process says of itself and the judge says again.
 JUDGED_FIELDS = (
@@ -46,14 +49,22 @@ def judge_job(
     candidate: job_pb2.EvalResult,
     record_fd: int,
     record_max_bytes: int,
+    share_fd: int = -1,
+    share_max_bytes: int = 0,
+    kernel_gone: bool = False,
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
-    every verdict replaced by this process's. Never raises for what either source does."""
+    every verdict replaced by this process's. Never raises for what either source does.
+    `share_fd`: the record's socket (its outputs past the record, by descriptor), read only
+    when `kernel_gone` (the front end says the kernel's process has exited)."""
     job = _Judge(spec, _SafeReporter(reporter), config)
     job.start_from(candidate)
+    job.record_max = record_max_bytes
+    job.share_fd, job.share_max, job.kernel_gone = share_fd, share_max_bytes, kernel_gone
+    job.share_room = 0
     try:
         with preserved_torch_state(), loader.forgetting_modules():
-            job.judge(candidate, record_fd, record_max_bytes)
+            job.judge(candidate, record_fd)
     except _Stop:
         pass
     except Exception as e:  # a bug here: still a result, with the traceback
@@ -65,20 +76,28 @@ def judge_job(
 
 
 class _Judge(_Job):
+    # Set by judge_job (instance attributes only: tamper.check_timers refuses any that hides
+    # one of the class's).
+    record_max: int
+    share_fd: int
+    share_max: int
+    kernel_gone: bool
+    share_room: int  # what the shares' limit had left after what was handed over
+
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
         for name in JUDGED_FIELDS:
             self.result.ClearField(name)  # type: ignore[arg-type]
 
-    def judge(self, candidate: job_pb2.EvalResult, fd: int, max_bytes: int) -> None:
+    def judge(self, candidate: job_pb2.EvalResult, fd: int) -> None:
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
         ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
         try:
-            trials = record.read(fd)
-        except record.RecordError as e:
+            trials = record.read(fd, self._shares())
+        except (record.RecordError, device_share.ShareError) as e:
             why = f"the kernel's process left a malformed record of its outputs: {e}"
             self._tampered(tamper.PREFIX + why)
         # At most the trials the options ask for: a record of thousands would hold the GPU.
@@ -95,17 +114,16 @@ class _Judge(_Job):
         self._preflight_triton(cand, ref, make_args, ctx)
         self.reporter.phase(job_pb2.PHASE_VALIDATING)
         if not checked:
-            self._nothing_recorded(candidate, ref, make_args, over, max_bytes)
+            self._nothing_recorded(candidate, ref, make_args, over)
             return
         self._validate(cand, ref, make_args)  # INCORRECT ends it here
         if over is not None:
-            self._check_over_claim(over, len(checked), ref, make_args, max_bytes)
+            self._check_over_claim(over, len(checked), ref, make_args)
         wanted = self.opts.correct_trials
         if len(checked) < wanted:
             self.notes.append(
                 f"{len(checked)} of {wanted} correctness trials judged outside the kernel's "
-                f"process (its outputs are over the record's limit of {max_bytes} bytes); the "
-                "rest only in it"
+                f"process (its outputs are over {self._limits()}); the rest only in it"
             )
         timed = candidate.HasField("runtime") and candidate.runtime.median_ms > 0
         if timed:
@@ -114,14 +132,43 @@ class _Judge(_Job):
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
 
+    def _shares(self) -> dict[int, Any]:
+        """What the kernel's process handed over by descriptor, slot -> its bytes on this
+        process's device; read only once that process is gone."""
+        if self.share_fd < 0:
+            return {}
+        got = device_share.receive(self.share_fd, self.share_max, until_end=self.kernel_gone)
+        if got and not self.kernel_gone:
+            device_share.close(got)
+            raise device_share.ShareError(
+                "it handed outputs over by descriptor and said it handed over none"
+            )
+        self.share_room = self.share_max - sum(s.size for s in got)
+        loaded: dict[int, Any] = {}
+        try:
+            for share in got:
+                loaded[share.slot] = device_share.load(share, self.dev)
+        except torch.OutOfMemoryError as e:  # the GPU is crowded: not the kernel's doing
+            self._fail(errors.classify(e), "reading the kernel's outputs: ", SIDE_UNSPECIFIED)
+            raise _Stop from None
+        finally:
+            device_share.close(got)
+        return loaded
+
+    def _limits(self) -> str:
+        limits = f"the record's limit of {self.record_max} bytes"
+        if self.share_fd >= 0:
+            limits += f" and the limit of {self.share_max} bytes handed over by descriptor"
+        return limits
+
     def _check_over_claim(
-        self, over: record.Trial, index: int, ref: Program, make_args: MakeArgs, max_bytes: int
+        self, over: record.Trial, index: int, ref: Program, make_args: MakeArgs
     ) -> list[Any]:
         """A trial said to be over the limit: the reference's outputs on its inputs (returned)
         must not have fitted where the record stopped, else the kernel chose what to show."""
         args = make_args(self.opts.correct_trials + 1 if over.replay else index)
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
-        if record.fits_after(over.at, ref_out, max_bytes):
+        if record.fits_after(over.at, ref_out, self.record_max, self.share_room):
             which = "the timed trial on fresh inputs" if over.replay else f"trial {index + 1}"
             first = index == 0 and not over.replay
             self._tampered(
@@ -133,18 +180,18 @@ class _Judge(_Job):
 
     def _nothing_recorded(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,
-        over: record.Trial | None, max_bytes: int,
+        over: record.Trial | None,
     ) -> None:  # fmt: skip
         """No correctness trial was recorded: fine only when the reference's outputs are over
         the limit too; the kernel's process then judged itself, as it reports."""
         if over is None or over.replay:  # the correctness trials come first
             self._tampered(tamper.PREFIX + "the kernel's process recorded none of its outputs")
-        ref_out = self._check_over_claim(over, 0, ref, make_args, max_bytes)
+        ref_out = self._check_over_claim(over, 0, ref, make_args)
         self.result.CopyFrom(candidate)
         self.notes.append(
             f"judged in the kernel's own process: its outputs "
-            f"({record.trial_bytes(ref_out) - record.MAX_HEADER} bytes) are over the "
-            f"judge's record limit of {max_bytes} bytes"
+            f"({record.trial_bytes(ref_out) - record.MAX_HEADER} bytes) are over "
+            f"{self._limits()}"
         )
 
     def _check_replay(

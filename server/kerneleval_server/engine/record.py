@@ -3,6 +3,9 @@
 The writer runs in the candidate's process, so the reader trusts nothing in the file: every
 length, offset, dtype and shape is checked against the file and the limits before a byte is
 read (`RecordError` says what was wrong). The format is job_channel.proto's RecordedTrial.
+A trial whose outputs do not fit the file goes by descriptor instead (device_share.py: GPU
+memory on a GPU), up to a limit of its own: its header is in the file, each tensor names its
+share.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import torch
 from kerneleval.internal.v1 import job_channel_pb2
+
+from . import device_share
 
 MAGIC = b"KEREC001"
 ALIGN = 64
@@ -66,13 +71,21 @@ def _aligned(n: int) -> int:
 
 
 class Recorder:
-    """Appends each trial's outputs to `fd` (a memfd of the front end's), up to `max_bytes`.
-    A trial that does not fit is written as over_limit, and nothing after it."""
+    """Appends each trial's outputs to `fd` (a memfd of the front end's), up to `max_bytes`;
+    a trial that does not fit there is handed over by descriptor on `share_fd` (the record's
+    socket), up to `share_max_bytes` in all. A trial that fits neither is written as
+    over_limit, and nothing after it."""
 
-    def __init__(self, fd: int, max_bytes: int) -> None:
+    def __init__(
+        self, fd: int, max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0
+    ) -> None:
         self._fd = fd
         self._max = max_bytes
         self._end = len(MAGIC)
+        self._share_fd = share_fd
+        self._share_max = share_max_bytes if share_fd >= 0 else 0
+        self.shared_bytes = 0  # what the shares hold (device memory the judge will read)
+        self._slots = 0
         self.full = False  # a trial did not fit: the rest is judged here
         os.pwrite(fd, MAGIC, 0)
 
@@ -84,6 +97,8 @@ class Recorder:
         head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
         # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
         need = trial_bytes(outputs)
+        if self._end + need > self._max and self._share(head, outputs):
+            return True
         if self._end + need > self._max:
             self.full = True
             head.over_limit, head.bytes = True, need - MAX_HEADER
@@ -100,6 +115,27 @@ class Recorder:
             entry.nbytes = t.numel() * t.element_size()
             offset = _aligned(offset + entry.nbytes)
         self._append(head, values)
+        return True
+
+    def _share(self, head: job_channel_pb2.RecordedTrial, outputs: list[Any]) -> bool:
+        """The trial's tensors by descriptor, its header in the file; False when they would
+        not fit the shares' limit (nothing is sent then)."""
+        tensors = [_device_value(v) for v in outputs]
+        need = sum(share_bytes(t) for t in tensors if t is not None)
+        if self._end + MAX_HEADER > self._max or self.shared_bytes + need > self._share_max:
+            return False
+        if self._slots + sum(t is not None for t in tensors) > device_share.MAX_SHARES:
+            return False
+        for v, t in zip(outputs, tensors, strict=True):
+            if t is None:
+                head.values.add(not_a_tensor=type(v).__name__ or "object")
+                continue
+            self._slots += 1
+            self.shared_bytes += device_share.send(self._share_fd, self._slots, t)
+            entry = head.values.add(dtype=str(t.dtype).removeprefix("torch."), share=self._slots)
+            entry.shape.extend(t.shape)
+            entry.nbytes = t.numel() * t.element_size()
+        self._append(head, [None] * len(head.values))
         return True
 
     def _append(
@@ -120,6 +156,13 @@ class Recorder:
 def _host_value(v: Any) -> torch.Tensor | None:
     """An output as a contiguous host tensor (a number becomes a 0-d one, as the comparison
     makes it); None when it is no tensor."""
+    t = _device_value(v)
+    return None if t is None else t.to("cpu").contiguous()
+
+
+def _device_value(v: Any) -> torch.Tensor | None:
+    """An output as a tensor where it is (a number becomes a 0-d one on the host); None when
+    it is no tensor of a recorded dtype."""
     if not isinstance(v, torch.Tensor):
         try:
             v = torch.as_tensor(v)
@@ -127,7 +170,17 @@ def _host_value(v: Any) -> torch.Tensor | None:
             return None
     if str(v.dtype).removeprefix("torch.") not in DTYPES:
         return None
-    return v.detach().to("cpu").contiguous()
+    return v.detach()
+
+
+def share_bytes(t: torch.Tensor) -> int:
+    """What handing `t` over by descriptor takes of the shares' limit, at most (a GPU rounds
+    each allocation up to its granularity)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cuda":
+        return nbytes
+    g = device_share.GRANULARITY
+    return max(g, (nbytes + g - 1) // g * g)
 
 
 @dataclass
@@ -140,10 +193,15 @@ class Trial:
     at: int = 0  # where its header starts: what the record held before it
 
 
-def fits_after(at: int, outputs: list[Any], max_bytes: int) -> bool:
-    """Whether a record that held `at` bytes had room for these outputs (Recorder.record's
-    test, with MARGIN to spare): a kernel's "over the limit" is then a lie."""
-    return at + trial_bytes(outputs) + MARGIN <= max_bytes
+def fits_after(at: int, outputs: list[Any], max_bytes: int, share_room: int = 0) -> bool:
+    """Whether a record that held `at` bytes had room for these outputs, in the file or in
+    the shares' `share_room` left (Recorder.record's tests, with MARGIN to spare): a kernel's
+    "over the limit" is then a lie."""
+    if at + trial_bytes(outputs) + MARGIN <= max_bytes:
+        return True
+    tensors = [t for t in (_device_value(v) for v in outputs) if t is not None]
+    need = sum(share_bytes(t) for t in tensors)
+    return at + MAX_HEADER + MARGIN <= max_bytes and need + MARGIN <= share_room
 
 
 def _stand_in(type_name: str) -> Any:
@@ -152,9 +210,12 @@ def _stand_in(type_name: str) -> Any:
     return type(type_name[:64] or "object", (), {})()
 
 
-def read(fd: int) -> list[Trial]:
-    """Every trial the record holds, as host tensors backed by a private copy of the file.
-    RecordError for anything a recorder would not have written."""
+def read(fd: int, shares: dict[int, torch.Tensor] | None = None) -> list[Trial]:
+    """Every trial the record holds, as host tensors backed by a private copy of the file,
+    and tensors over `shares` (slot -> its bytes, loaded by device_share) where a value names
+    one. RecordError for anything a recorder would not have written."""
+    shares = shares or {}
+    taken: set[int] = set()
     size = os.fstat(fd).st_size
     if size < len(MAGIC):
         raise RecordError("no record was written")
@@ -181,6 +242,9 @@ def read(fd: int) -> list[Trial]:
             if v.not_a_tensor:
                 values.append(_stand_in(v.not_a_tensor))
                 continue
+            if v.share:
+                values.append(_shared(shares, taken, v))
+                continue
             t, stop = _tensor(mem, size, v, used)
             values.append(t)
             end = max(end, stop)
@@ -188,12 +252,12 @@ def read(fd: int) -> list[Trial]:
         pos = _aligned(end) if head.values else end
         if head.over_limit:
             break
+    if set(shares) - taken:
+        raise RecordError(f"shares {sorted(set(shares) - taken)[:8]} belong to no output")
     return trials
 
 
-def _tensor(
-    mem: mmap.mmap, size: int, v: job_channel_pb2.RecordedValue, used: list[tuple[int, int]]
-) -> tuple[torch.Tensor, int]:
+def _dtype_and_size(v: job_channel_pb2.RecordedValue) -> torch.dtype:
     dtype = DTYPES.get(v.dtype)
     if dtype is None:
         raise RecordError(f"dtype {v.dtype[:32]!r} is not an output dtype")
@@ -202,6 +266,31 @@ def _tensor(
     itemsize = torch.empty((), dtype=dtype).element_size()
     if v.nbytes != math.prod(v.shape) * itemsize:
         raise RecordError(f"{v.nbytes} bytes for shape {list(v.shape)} of {v.dtype}")
+    return dtype
+
+
+def _shared(
+    shares: dict[int, torch.Tensor], taken: set[int], v: job_channel_pb2.RecordedValue
+) -> torch.Tensor:
+    """A value handed over by descriptor: its share's first nbytes, as the header says."""
+    dtype = _dtype_and_size(v)
+    data = shares.get(v.share)
+    if data is None:
+        raise RecordError(f"share {v.share} was never handed over")
+    if v.share in taken:
+        raise RecordError(f"share {v.share} is named by two outputs")
+    if v.nbytes > data.numel():
+        raise RecordError(f"{v.nbytes} bytes said to be in share {v.share} of {data.numel()}")
+    taken.add(v.share)
+    if v.nbytes == 0:
+        return torch.empty(tuple(v.shape), dtype=dtype, device=data.device)
+    return data[: v.nbytes].view(dtype).reshape(tuple(v.shape))
+
+
+def _tensor(
+    mem: mmap.mmap, size: int, v: job_channel_pb2.RecordedValue, used: list[tuple[int, int]]
+) -> tuple[torch.Tensor, int]:
+    dtype = _dtype_and_size(v)
     start, stop = v.offset, v.offset + v.nbytes
     if start % ALIGN or stop > size:
         raise RecordError(f"bytes {start}..{stop} are not in the record of {size}")

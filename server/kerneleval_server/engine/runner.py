@@ -561,8 +561,7 @@ class _Job:
                         out_bytes or compare.nbytes_of(pristine.values), self.dev
                     )
             cand_out = self._run(cand, cand_args, "")
-            if self.recorder is not None:
-                self.recorder.record(t, cand_out)
+            self._record(t, cand_out)
             if ref_out is None:
                 ref_start = time.perf_counter()
                 ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
@@ -719,6 +718,14 @@ class _Job:
             floor = integrity.memory_floor(kernel_ms, self._output_bytes, bandwidth, l2)
             self._flag([floor] if floor is not None else [])
 
+    def _record(self, trial: int, outputs: list[Any], replay: bool = False) -> None:
+        """The kernel's outputs of a trial, for its judge (record.py). Handing them over by
+        descriptor copies them on the GPU: out of memory there is the job's OUT_OF_MEMORY (a
+        job that shared its GPU runs again with the GPU to itself)."""
+        if self.recorder is not None:
+            with self._guard("handing the outputs to the judge: ", side=job_pb2.SIDE_KERNEL):
+                self.recorder.record(trial, outputs, replay=replay)
+
     def _replayed_incorrect(self, why: str) -> NoReturn:
         """Ends the job INCORRECT with the replayed_outputs flag (here, or in the judge)."""
         self._flag([integrity.flag(integrity.REPLAYED_OUTPUTS, why)])
@@ -855,8 +862,7 @@ class _ReplayCheck:
         cand_out, self.out = self.out, None
         if cand_out is None:
             return
-        if self.job.recorder is not None:
-            self.job.recorder.record(self.job.opts.correct_trials + 1, cand_out, replay=True)
+        self.job._record(self.job.opts.correct_trials + 1, cand_out, replay=True)
         ref_out = self.job._run(self.ref, self.fresh.clone(), REFERENCE_PREFIX)
         names = self.job._output_names(self.cand, self.ref, self.fresh)
         check = compare.compare_outputs(

@@ -130,6 +130,14 @@ class GpuMemory:
         dev.holders[worker_id] = _Holder(key, need)
         return True
 
+    def hold(self, device: int, holder: str, nbytes: int) -> None:
+        """Memory no job process holds that stays used until `release(device, holder)`: a
+        judged kernel's outputs handed over by descriptor, on the GPU until its judge has
+        read them. Held whatever else is, as the process that made it held it."""
+        dev = self._devices.get(device)
+        if dev is not None and dev.budget > 0 and nbytes > 0:
+            dev.holders[holder] = _Holder("", min(nbytes, dev.budget))
+
     def release(self, device: int, worker_id: str) -> bool:
         """The worker's memory is given back. True if it held some (waiters may go)."""
         dev = self._devices.get(device)

@@ -109,11 +109,14 @@ class WorkerState:
         record_fd: int = -1,
         record_max_bytes: int = 0,
         judge: job_channel_pb2.JudgeRequest | None = None,
+        share_fd: int = -1,
+        share_max_bytes: int = 0,
     ) -> bool:
         """Sends the process a job: its one job, a build job (`build_arch`: build for it), or
         a job of prebuilt kernels. FrameError (nothing sent, nothing changed) when the job does
         not fit in a frame; False when the channel is closed. The compile cache's files go
-        with it only where the frame has room for them."""
+        with it only where the frame has room for them. A judged job's record (`record_fd`)
+        and the record's socket (`share_fd`, with `share_max_bytes`) ride on the frame."""
         if self.assigned_job_id and not self.reusable:
             raise RuntimeError(f"job process {self.worker_id} already ran {self.assigned_job_id}")
         assign = job_channel_pb2.AssignJob(
@@ -126,8 +129,11 @@ class WorkerState:
             extension=extension,
             record_max_bytes=record_max_bytes,
             judge=judge,
-            fd_count=1 if record_fd >= 0 else 0,
         )
+        fds = [fd for fd in (record_fd, share_fd) if fd >= 0] if record_fd >= 0 else []
+        assign.fd_count = len(fds)
+        if share_fd >= 0 and record_fd >= 0:
+            assign.share_max_bytes = share_max_bytes
         msg = job_channel_pb2.FrontendMessage(assign=assign)
         if compile_cache:
             with_cache = job_channel_pb2.FrontendMessage()
@@ -141,13 +147,13 @@ class WorkerState:
         self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():
             return False
-        if record_fd >= 0:
-            return self._send_with_fd(frame, record_fd)
+        if fds:
+            return self._send_with_fds(frame, fds)
         self.writer.write(frame)
         return True
 
-    def _send_with_fd(self, frame: bytes, fd: int) -> bool:
-        """The frame with `fd` on its first bytes (SCM_RIGHTS), which asyncio's writer cannot
+    def _send_with_fds(self, frame: bytes, fds: list[int]) -> bool:
+        """The frame with `fds` on its first bytes (SCM_RIGHTS), which asyncio's writer cannot
         send: straight on the socket, when nothing written before is still buffered (a fresh
         process has had only its Welcome); the rest of the frame through the writer. False
         when it cannot go now: the process is then given up, and its job runs again."""
@@ -158,7 +164,7 @@ class WorkerState:
         raw = transport.get_extra_info("socket")
         dup = socket.socket(fileno=os.dup(raw.fileno()))
         try:
-            sent = socket.send_fds(dup, [frame], [fd])
+            sent = socket.send_fds(dup, [frame], fds)
         except OSError:  # BlockingIOError: the socket's buffer is full
             return False
         finally:

@@ -294,7 +294,7 @@ class _Channel:
                 msg = job_channel_pb2.FrontendMessage.FromString(frame)
                 kind = msg.WhichOneof("kind")
                 if kind == "assign":  # the runtime takes the next once its job is over
-                    # a judged job's record rides on its AssignJob (fd_count: 0 or 1)
+                    # a judged job's record (and its socket) ride on its AssignJob (fd_count 0-2)
                     self.record_fds[msg.assign.job_id] = reader.take_fds(msg.assign.fd_count)
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
@@ -663,8 +663,13 @@ def _run_one(
     channel.job_running = True
     prebuilt = list(assign.prebuilt)
     _reset_peak_memory()
-    record_fd = next(iter(channel.record_fds.pop(assign.job_id, [])), -1)
+    # The record (a memfd), and with share_max_bytes the record's socket (its outputs past the
+    # record, by descriptor: engine/device_share.py).
+    fds = channel.record_fds.pop(assign.job_id, [])
+    record_fd = fds[0] if fds else -1
+    share_fd = fds[1] if len(fds) > 1 and assign.share_max_bytes else -1
     judging = assign.HasField("judge") and record_fd >= 0
+    recorder = None
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
@@ -675,21 +680,27 @@ def _run_one(
             _arm_tamper_checks()
             outcome = engine.judge_job(
                 assign.spec, reporter, config, assign.judge.candidate, record_fd,
-                assign.record_max_bytes,
+                assign.record_max_bytes, share_fd, assign.share_max_bytes,
+                assign.judge.kernel_gone,
             )  # fmt: skip
         elif prebuilt:
             outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
         else:
             if assign.record_max_bytes and record_fd >= 0:
-                config.recorder = engine.Recorder(record_fd, assign.record_max_bytes)
+                recorder = engine.Recorder(
+                    record_fd, assign.record_max_bytes, share_fd, assign.share_max_bytes
+                )
+                config.recorder = recorder
             _arm_tamper_checks()  # job code is imported from here on
             outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
         peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         result, poisoned, peak = _engine_error(exc), False, 0
-    if record_fd >= 0:
-        os.close(record_fd)
+    for fd in fds:
+        os.close(fd)
+    shared = recorder.shared_bytes if recorder is not None else 0
+    peak += shared  # device memory outside torch's allocator, held until the process exits
     reusable = (
         not last
         and not poisoned
@@ -706,6 +717,7 @@ def _run_one(
         window_drained=reporter.window_drain[1],
         reusable=reusable,
         peak_memory_bytes=peak,
+        shared_bytes=shared,
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))

@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,17 +64,44 @@ def reference_key(spec: kernel_pb2.JobSpec) -> str:
 @dataclass
 class Record:
     """One job's record: the memfd, its limit, who may judge it (`reference_key`), and the
-    kernel's process's outcome once in."""
+    kernel's process's outcome once in. With `share_max_bytes`, the record's socket: outputs
+    past the record go by descriptor (engine/device_share.py) from the kernel's end
+    (`share_theirs`, given to its process and closed here) to the judge's (`share_ours`),
+    which the front end only passes on, never reads."""
 
     fd: int
     max_bytes: int
     reference_key: str
     kernel_outcome: job_channel_pb2.JobOutcome | None = None
+    share_max_bytes: int = 0
+    share_ours: int = -1
+    share_theirs: int = -1
+    gpu_held_on: int | None = None  # the GPU whose memory admission holds the shares' bytes
+    holder: str = ""  # the shares' name there
 
     @classmethod
-    def make(cls, job_id: str, max_bytes: int, spec: kernel_pb2.JobSpec) -> Record:
+    def make(
+        cls, job_id: str, max_bytes: int, spec: kernel_pb2.JobSpec, share_max_bytes: int = 0
+    ) -> Record:
         fd = os.memfd_create(f"kerneleval-record-{job_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        return cls(fd, max_bytes, reference_key(spec))
+        record = cls(fd, max_bytes, reference_key(spec), share_max_bytes=share_max_bytes)
+        record.holder = f"shares:{job_id}"
+        if share_max_bytes > 0:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            record.share_ours, record.share_theirs = ours.detach(), theirs.detach()
+        return record
+
+    @property
+    def shared_bytes(self) -> int:
+        """What the kernel's process says it handed over by descriptor (its claim, at most
+        the limit): memory on its GPU until the judge has read it."""
+        said = self.kernel_outcome.shared_bytes if self.kernel_outcome is not None else 0
+        return min(said, self.share_max_bytes) if self.share_ours >= 0 else 0
+
+    def given_to_kernel(self) -> None:
+        """The kernel's process has its end of the socket: once it is gone, the judge's end
+        reads to the end of what it sent."""
+        _close(self, "share_theirs")
 
     def seal(self) -> bool:
         """No writes, no resizing from now on. False while a process still maps it writable
@@ -88,13 +116,19 @@ class Record:
         return True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "share_ours", "share_theirs"):
+            _close(self, name)
 
 
-def judge_request(kernel: job_pb2.EvalResult) -> job_channel_pb2.JudgeRequest:
-    return job_channel_pb2.JudgeRequest(candidate=kernel)
+def _close(record: Record, name: str) -> None:
+    fd = getattr(record, name)
+    if fd >= 0:
+        os.close(fd)
+        setattr(record, name, -1)
+
+
+def judge_request(kernel: job_pb2.EvalResult, kernel_gone: bool) -> job_channel_pb2.JudgeRequest:
+    return job_channel_pb2.JudgeRequest(candidate=kernel, kernel_gone=kernel_gone)
 
 
 def tampered(why: str) -> job_pb2.EvalResult:
@@ -147,6 +181,11 @@ class Judges:
         """The judged job's kernel's process is gone: its record can be sealed if it could
         not be before, and a judge waiting to time may."""
         run.kernel_worker = None
+        record = run.record
+        if record is not None and record.shared_bytes and record.gpu_held_on is None:
+            # Its process gave its memory back; what it handed over stays until judged.
+            record.gpu_held_on = run.job.device_index
+            self.m.memory.hold(record.gpu_held_on, record.holder, record.shared_bytes)
         self._seal_and_queue(run.job.job_id, 0)
         if run.timing_waits_kernel and self.m.running.get(run.job.job_id) is run:
             run.timing_waits_kernel = False
@@ -158,6 +197,8 @@ class Judges:
             return
         if job_id in self.queue:
             return
+        if run.record.shared_bytes and run.kernel_worker is not None:
+            return  # what it handed over by descriptor is read once nothing can write it
         if run.record.seal():
             self.queue.append(job_id)
             self.m.dispatch()
@@ -244,12 +285,19 @@ class Judges:
                 job.attempt_count,
                 record_fd=run.record.fd,
                 record_max_bytes=run.record.max_bytes,
-                judge=judge_request(run.record.kernel_outcome.result),
+                judge=judge_request(run.record.kernel_outcome.result, run.kernel_worker is None),
+                share_fd=run.record.share_ours,
+                share_max_bytes=run.record.share_max_bytes,
             )
         except FrameError as exc:
             self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        if run.record.gpu_held_on is not None:
+            # The judge's own admission covers them now (it copies them and lets them go):
+            # held apart, they would keep a judge that must have the GPU alone waiting.
+            self.m.memory.release(run.record.gpu_held_on, run.record.holder)
+            run.record.gpu_held_on = None
         job.worker_id = worker.worker_id
         worker.job_id = job_id
         event = self.m.hub.next_event(job_id)

@@ -750,10 +750,16 @@ class JobManager:
                 return job_id
         return ""
 
-    @staticmethod
-    def _drop_record(run: Running) -> None:
-        if run.record is not None:
-            run.record.close()
+    def _drop_record(self, run: Running) -> None:
+        """The job is done with its record: closed, and what its shares held of the GPU
+        given back."""
+        record = run.record
+        if record is None:
+            return
+        if record.gpu_held_on is not None:
+            self.memory.release(record.gpu_held_on, record.holder)
+            record.gpu_held_on = None
+        record.close()
 
     def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
@@ -775,7 +781,10 @@ class JobManager:
             and self.config.record_max_mib > 0
             and judging.wanted(job.spec, worker.hello)
         ):
-            record = judging.Record.make(job_id, self.config.record_max_mib << 20, job.spec)
+            record = judging.Record.make(
+                job_id, self.config.record_max_mib << 20, job.spec,
+                self.config.record_share_max_mib << 20,
+            )  # fmt: skip
         try:
             sent = worker.assign(
                 job_id,
@@ -786,7 +795,11 @@ class JobManager:
                 prebuilt=prebuilt,
                 record_fd=record.fd if record is not None else -1,
                 record_max_bytes=record.max_bytes if record is not None else 0,
+                share_fd=record.share_theirs if record is not None else -1,
+                share_max_bytes=record.share_max_bytes if record is not None else 0,
             )
+            if record is not None:
+                record.given_to_kernel()
         except FrameError as exc:
             if record is not None:
                 record.close()
