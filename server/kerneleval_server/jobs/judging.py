@@ -218,7 +218,9 @@ class Judges:
     ) -> None:
         """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
         a standing judge of its reference there, else to a fresh job process. On a GPU held
-        for a job to run alone, only that job's judge, once the GPU is empty."""
+        for a job to run alone, only that job's judge, once the GPU is empty, and the judges
+        whose kernels' shares hold memory there (found on two H100s: a job waiting for the GPU
+        to itself waited for shares that only their judge's start gives back)."""
         for job_id in list(self.queue):
             run = self.m.running.get(job_id)
             if run is None or run.record is None:
@@ -226,8 +228,12 @@ class Judges:
                 continue
             device = run.job.device_index
             alone = held.get(device)
+            shares_held = run.record.gpu_held_on is not None
             if alone is not None and (alone != job_id or self.m._busy_on(device)):
-                continue
+                # Unless its kernel's shares hold memory there: the job that waits for the
+                # GPU to itself waits for them, and only this judge's start lets them go.
+                if not shares_held:
+                    continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]
             worker = next((w for w in here if w.judge_key == key), None) or next(
