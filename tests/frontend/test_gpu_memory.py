@@ -106,3 +106,17 @@ def test_outputs_handed_to_a_judge_hold_their_memory_until_released() -> None:
     assert m.admit(0, "w1", "act")
     m.hold(1, "shares:job-2", GB)  # an unknown GPU: no admission, nothing held
     assert m.usage(1)[2] == 0
+
+
+def test_holders_that_are_gone_are_swept() -> None:
+    """A holder whose exit went unheard would keep a job that waits for the GPU to itself
+    waiting for ever: the sweep gives back what every holder not alive holds."""
+    m = memory()
+    m.learn("act", 20 * GB)
+    assert m.admit(0, "w0", "act") and m.admit(0, "w1", "act")
+    m.hold(0, "shares:job-1", GB)
+    assert sorted(m.sweep(0, {"w1", "shares:job-1"})) == ["w0"]
+    assert m.usage(0)[2] == 2
+    assert not m.admit(0, "alone", "act", alone=True)  # two hold memory
+    assert sorted(m.sweep(0, set())) == ["shares:job-1", "w1"]
+    assert m.admit(0, "alone", "act", alone=True)  # nothing held any more

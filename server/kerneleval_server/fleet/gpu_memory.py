@@ -143,6 +143,16 @@ class GpuMemory:
         dev = self._devices.get(device)
         return dev is not None and dev.holders.pop(worker_id, None) is not None
 
+    def sweep(self, device: int, live: set[str]) -> list[str]:
+        """Gives back what holders not in `live` hold (a job process whose exit went unheard,
+        its record gone): a job waiting for the GPU to itself would wait for them for ever.
+        The holders dropped."""
+        dev = self._devices.get(device)
+        stale = [h for h in dev.holders if h not in live] if dev is not None else []
+        for holder in stale:
+            del dev.holders[holder]  # type: ignore[union-attr]
+        return stale
+
     def usage(self, device: int) -> tuple[int, int, int]:
         """(bytes reserved, the budget, jobs holding) of a GPU."""
         dev = self._devices.get(device)

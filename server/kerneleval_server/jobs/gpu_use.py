@@ -84,23 +84,38 @@ class GpuUse:
     def admit_waiting(self) -> None:
         """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
         not fit holds back the later ones of its GPU (a large job is not passed over for
-        ever)."""
+        ever). One refused because the GPU is held for another job re-run alone holds back
+        nobody: that job goes first (a judge that asked before it kept it waiting for ever,
+        seen on an H100)."""
         if not self.waiting:
             return
         blocked: set[int] = set()
         held_devices = self.m._held_devices()
+        self._sweep({run.worker.device_index for run in self.waiting.values()})
         for worker_id, run in list(self.waiting.items()):
             device = run.worker.device_index
             if self.m.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
                 del self.waiting[worker_id]
                 continue
-            if device in blocked:
+            held = held_devices.get(device)
+            if device in blocked or (held is not None and held != run.job.job_id):
                 continue
             if not self.admit(run, held_devices):
                 blocked.add(device)
                 continue
             del self.waiting[worker_id]
             self.use(run)
+
+    def _sweep(self, devices: set[int]) -> None:
+        """What holders that no longer exist hold goes back (fleet/gpu_memory.py sweep)."""
+        live = set(self.m.workers.by_id)  # exited ones leave the table
+        live |= {
+            run.record.holder for run in self.m.running.values()
+            if run.record is not None and run.record.gpu_held_on is not None
+        }  # fmt: skip
+        for device in devices:
+            for holder in self.m.memory.sweep(device, live):
+                log.warning("GPU %d memory held by %s, which is gone: given back", device, holder)
 
     def _say_memory_wait(self, run: Running) -> None:
         if run.memory_wait_said:
