@@ -95,11 +95,17 @@ class _Judge(_Job):
         ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
+        got: list[device_share.Share] = []
         try:
-            trials = record.read(fd, self._shares())
+            got = self._received()
+            if got:  # copying them takes GPU memory: only once admitted (the gated phase)
+                self.reporter.phase(job_pb2.PHASE_VALIDATING)
+            trials = record.read(fd, self._load(got))
         except (record.RecordError, device_share.ShareError) as e:
             why = f"the kernel's process left a malformed record of its outputs: {e}"
             self._tampered(tamper.PREFIX + why)
+        finally:
+            device_share.close(got)
         # At most the trials the options ask for: a record of thousands would hold the GPU.
         checked = [t for t in trials if not t.replay and not t.over_limit]
         checked = checked[: self.opts.correct_trials]
@@ -112,7 +118,8 @@ class _Judge(_Job):
         cand = RecordedProgram(checked, self.dev, launch)
         make_args = self._input_source(cand, ref)
         self._preflight_triton(cand, ref, make_args, ctx)
-        self.reporter.phase(job_pb2.PHASE_VALIDATING)
+        if not got:
+            self.reporter.phase(job_pb2.PHASE_VALIDATING)
         if not checked:
             self._nothing_recorded(candidate, ref, make_args, over)
             return
@@ -132,11 +139,11 @@ class _Judge(_Job):
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
 
-    def _shares(self) -> dict[int, Any]:
-        """What the kernel's process handed over by descriptor, slot -> its bytes on this
-        process's device; read only once that process is gone."""
+    def _received(self) -> list[device_share.Share]:
+        """What the kernel's process handed over by descriptor, checked (no GPU work yet);
+        read to its end only once that process is gone."""
         if self.share_fd < 0:
-            return {}
+            return []
         got = device_share.receive(self.share_fd, self.share_max, until_end=self.kernel_gone)
         if got and not self.kernel_gone:
             device_share.close(got)
@@ -144,6 +151,10 @@ class _Judge(_Job):
                 "it handed outputs over by descriptor and said it handed over none"
             )
         self.share_room = self.share_max - sum(s.size for s in got)
+        return got
+
+    def _load(self, got: list[device_share.Share]) -> dict[int, Any]:
+        """Each share's bytes, slot -> a copy on this process's device."""
         loaded: dict[int, Any] = {}
         try:
             for share in got:
@@ -151,8 +162,6 @@ class _Judge(_Job):
         except torch.OutOfMemoryError as e:  # the GPU is crowded: not the kernel's doing
             self._fail(errors.classify(e), "reading the kernel's outputs: ", SIDE_UNSPECIFIED)
             raise _Stop from None
-        finally:
-            device_share.close(got)
         return loaded
 
     def _limits(self) -> str:
