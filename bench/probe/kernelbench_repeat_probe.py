@@ -83,7 +83,8 @@ def main() -> int:
     finally:
         svc.stop()
         lines = svc.log.read_text(errors="replace").splitlines()
-        print("\n".join([x for x in lines if "NVML" not in x and any(w in x for w in LOGGED)][-80:]))
+        kept = [x for x in lines if "NVML" not in x and any(w in x for w in LOGGED)]
+        print("\n".join(kept[-80:]))
     return 0
 
 
