@@ -280,6 +280,28 @@ def test_a_builder_of_other_versions_is_not_used(
     assert [a[1] for a in artifacts(url)] != [builder_id]
 
 
+@needs_nvcc
+def test_a_node_without_build_processes_leaves_building_to_the_builders(
+    tmp_path: Path, services: tuple[str, list[ServiceProcess]]
+) -> None:
+    """GPU nodes may leave compiling to builders (`--build-processes 0`): a job that can be
+    built ahead waits for them; with none to answer, it runs whole in a job process."""
+    url, started = services
+    node = start(started, tmp_path / "node", [*node_args(url), "--build-processes", "0"])
+    alone, alone_events = run(node, cuda_spec(CUDA_ADD.replace("VARIANT", "4.0f")))
+    assert alone.result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE, alone.result
+    (only,) = started_on(alone_events)
+    assert only.startswith("cpu-w")
+    assert any("no builder built it ahead" in t for t in logs_of(alone_events))
+    start(started, tmp_path / "builder", ["--role", "builder", *common_args(url)])
+    (builder_id,) = builder_ids(url)
+    time.sleep(3)  # the node reads the live builders at its heartbeat (every lease / 3: 1 s)
+    job, events = run(node, cuda_spec(CUDA_ADD.replace("VARIANT", "5.0f")))
+    assert job.result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE, job.result
+    built_by, launched_by = started_on(events)
+    assert built_by == builder_id and launched_by.startswith("cpu-w"), started_on(events)
+
+
 class _Writer:
     """A GPU job process's channel, acted out: what the front end sends it."""
 

@@ -219,6 +219,11 @@ class SharedArtifacts:
         key = self._ahead_of.get(job_id, "")
         return not key or key not in self._ahead
 
+    def ahead_ended(self, job_id: str) -> bool:
+        """The job was offered (offer_ahead) and its lookup and request are over without its
+        build, or none will ever be made (no host)."""
+        return self.host is None or (job_id in self._ahead_of and self.builds_here(job_id))
+
     def kept_ahead(
         self, job_id: str, spec: kernel_pb2.JobSpec, arch: str, built: job_channel_pb2.BuildOutcome
     ) -> None:

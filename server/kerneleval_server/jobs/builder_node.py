@@ -274,6 +274,9 @@ class BuilderNode:
     def builds_here(self, job_id: str) -> bool:
         return True
 
+    def ahead_ended(self, job_id: str) -> bool:
+        return True
+
     def kept_ahead(
         self, job_id: str, spec: kernel_pb2.JobSpec, arch: str, built: job_channel_pb2.BuildOutcome
     ) -> None:

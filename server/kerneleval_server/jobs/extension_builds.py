@@ -121,6 +121,11 @@ class Remote(Protocol):
         """The node's own build processes may build this queued job now."""
         ...
 
+    def ahead_ended(self, job_id: str) -> bool:
+        """The queued job was offered and nothing more will come of it (built here, found
+        nowhere, no builder answered in time): a node without build processes runs it whole."""
+        ...
+
     def kept_ahead(
         self, job_id: str, spec: kernel_pb2.JobSpec, arch: str, built: job_channel_pb2.BuildOutcome
     ) -> None:

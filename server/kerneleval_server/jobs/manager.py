@@ -627,13 +627,30 @@ class JobManager:
             self._free_worker(run.worker, completed=completed)
 
     def _built_ahead(self, queued: QueuedJob) -> bool:
-        """The job goes to a build process first: its kernels can be, there is a build
-        process pool and a GPU to build for (Triton runs in its interpreter without one)."""
-        if not queued.prebuild or not self.fleet.device_takes_jobs(BUILD_DEVICE):
+        """The job goes to a build process first: its kernels can be, there is a GPU to build
+        for (Triton runs in its interpreter without one), and a build process pool, this
+        node's or the builders'. A node without build processes of its own (GPU nodes that
+        leave compiling to `--role builder`) keeps such a job for the builders until they
+        answer or the wait ends (artifact_store: ahead_ended); then it runs whole."""
+        if not queued.prebuild:
             return False
-        if BUILD_DEVICE not in self.fleet.devices:
-            return False  # no build processes configured
-        return queued.prebuild == "cuda" or bool(self._build_arch(queued))
+        if queued.prebuild != "cuda" and not self._build_arch(queued):
+            return False
+        if BUILD_DEVICE in self.fleet.devices:
+            return self.fleet.device_takes_jobs(BUILD_DEVICE)
+        remote = self.extensions.remote
+        if remote is not None and not remote.ahead_ended(queued.job_id):
+            return True
+        # Nothing will build it ahead: from now on a plain job (offered no more).
+        queued.prebuild = ""
+        if remote is not None:
+            event = self.hub.next_event(queued.job_id)
+            event.log.text = (
+                "kerneleval: no builder built it ahead and this node has no build processes: "
+                "runs in a job process of its own"
+            )
+            self.hub.publish(event)
+        return False
 
     def _build_arch(self, queued: QueuedJob) -> str:
         """The architecture to build for: the job's GPU's, else the one all GPUs share."""
