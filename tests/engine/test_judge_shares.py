@@ -18,6 +18,7 @@ from engine_helpers import TORCH, RecordingReporter, V, job, source
 from kerneleval_server.engine import EngineConfig, Outcome, Recorder, compare, judge_job, run_job
 from kerneleval_server.engine import device_share as share
 from kerneleval_server.engine import record as rec
+from test_judge import FORGED_COMPARE  # its own comparison forged, zeros handed back
 
 # Outputs of 2 MiB a trial against a record with room for headers only.
 BIG_MODEL = """
@@ -31,18 +32,6 @@ def get_init_inputs():
     return []
 """
 BIG_NEW = BIG_MODEL.replace("class Model(", "class ModelNew(")
-# Its own process's comparison forged to pass, and zeros handed back.
-FORGED_BIG = """
-import kerneleval_server.engine.compare as cmp
-import kerneleval_server.engine.runner as runner
-_orig = cmp.compare_outputs
-def _forged(*a, **k):
-    c = _orig(*a, **k)
-    c.ok, c.message = True, ""
-    return c
-cmp.compare_outputs = _forged
-runner.compare.compare_outputs = _forged
-""" + BIG_NEW.replace("return a + b", "return torch.zeros_like(a)")
 LIMIT = 2 * rec.MAX_HEADER  # headers fit, a trial's outputs do not
 SHARES = 64 << 20
 
@@ -133,7 +122,7 @@ def test_on_a_gpu_the_shares_are_device_memory(
 def test_a_forger_with_outputs_past_the_record_is_incorrect(
     engine_dir: Path, pair: tuple[socket.socket, socket.socket]
 ) -> None:
-    own, final, shared = judged(engine_dir, big_job(FORGED_BIG), pair)
+    own, final, shared = judged(engine_dir, big_job(FORGED_COMPARE), pair)
     assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery
     assert shared > 0
     assert final is not None and final.result.verdict == V.VERDICT_INCORRECT, final.result
