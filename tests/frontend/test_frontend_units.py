@@ -653,3 +653,33 @@ def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
         assert idle.gone and idle.writer.closed
 
     asyncio.run(main())
+
+
+def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
+    tmp_path: Path,
+) -> None:
+    """Checks wait for GPU memory in order, one that does not fit holding back the later
+    ones of its GPU; but one refused because the GPU is held for a job re-run alone must not
+    hold back that job (a judge that asked first kept it waiting for ever, on an H100). A
+    holder that no longer exists is swept first."""
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.manager import Running
+
+    m = _judging_manager(tmp_path)
+    m.memory.set_total(0, 80 * 10**9)
+    used: list[str] = []
+    m.gpu_use.use = lambda run: used.append(run.job.job_id)  # type: ignore[method-assign]
+
+    def run(job_id: str, worker_id: str) -> Running:
+        w = WorkerState(worker_id, 1, 0, False, 0, job_id=job_id)
+        r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
+        m.running[job_id], m.workers.by_id[worker_id] = r, w
+        return r
+
+    judge, alone = run("judge", "d0-w1"), run("alone", "d0-w2")
+    m.alone.add("alone")
+    m.memory.hold(0, "d0-w9", 10**9)  # a job process whose exit went unheard
+    m.gpu_use.waiting = {"d0-w1": judge, "d0-w2": alone}  # the judge asked first
+    m.gpu_use.admit_waiting()
+    assert used == ["alone"] and list(m.gpu_use.waiting) == ["d0-w1"]
+    assert m.memory.holds(0, "d0-w2") and not m.memory.holds(0, "d0-w9")
