@@ -219,7 +219,7 @@ class Judges:
         """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
         a standing judge of its reference there, else to a fresh job process. On a GPU held
         for a job to run alone, only that job's judge, once the GPU is empty, and the judges
-        whose kernels' shares hold memory there (found on two H100s: a job waiting for the GPU
+        whose kernels' shares hold memory there (found on an H100: a job waiting for the GPU
         to itself waited for shares that only their judge's start gives back)."""
         for job_id in list(self.queue):
             run = self.m.running.get(job_id)
