@@ -87,6 +87,9 @@ class Hub:
     def publish(self, event: job_pb2.JobEvent, persisted: bool = False) -> None:
         self.logs.setdefault(event.job_id, []).append(event.log.text)
 
+    def log(self, job_id: str, text: str) -> None:
+        self.publish(job_pb2.JobEvent(job_id=job_id, log=job_pb2.JobLog(text=text)))
+
 
 class Host:
     """The job manager's side (ahead_builds.Host): queued jobs, their build answers; `offer`

@@ -336,9 +336,7 @@ class SharedArtifacts:
 
     def _say_ahead(self, host: ahead_builds.Host, ahead: AheadBuild, text: str) -> None:
         for job_id in self._waiting(host, ahead):
-            event = host.hub.next_event(job_id)
-            event.log.text = text
-            host.hub.publish(event)
+            host.hub.log(job_id, text)
 
     def _deliver_ahead(
         self, host: ahead_builds.Host, ahead: AheadBuild, data: bytes, built_by: str
@@ -366,9 +364,7 @@ class SharedArtifacts:
             while waiting := self._waiting(host, ahead):
                 job_id = waiting[0]
                 self._ahead_of.pop(job_id, None)
-                event = host.hub.next_event(job_id)
-                event.log.text = text
-                host.hub.publish(event)
+                host.hub.log(job_id, text)
                 answer = job_channel_pb2.BuildOutcome()
                 answer.CopyFrom(built)
                 self.ahead_counts[counted] += 1

@@ -98,6 +98,13 @@ class EventHub:
             event.labels.update(labels)
         return event
 
+    def log(self, job_id: str, text: str) -> None:
+        """A log line of the service's own on the job's stream: stored, then sent to its
+        watchers (one helper for "next event, store, publish")."""
+        event = self.next_event(job_id)
+        event.log.text = text
+        self.publish(event)
+
     def publish(self, event: job_pb2.JobEvent, persisted: bool = False) -> None:
         """Persists the event (unless the caller did, in its own transaction) and fans it out.
         A log event past the job's log cap is dropped (see the module's docstring)."""

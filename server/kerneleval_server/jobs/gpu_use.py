@@ -135,9 +135,7 @@ class GpuUse:
                 f"waits for GPU {device} to itself: this problem's jobs ran out of memory "
                 f"beside others ({holders} job(s) hold memory there now)"
             )
-        event = self.m.hub.next_event(run.job.job_id)
-        event.log.text = f"kerneleval: {why}"
-        self.m.hub.publish(event)
+        self.m.hub.log(run.job.job_id, f"kerneleval: {why}")
 
     def _exclusive(self, run: Running, phase: int) -> bool:
         """Whether a gated phase asks for the GPU alone. Timing does. So does the check of a
@@ -205,12 +203,11 @@ class GpuUse:
         if not busy:
             return
         frozen = self.m.windows.frozen(worker.device_index)
-        event = self.m.hub.next_event(run.job.job_id)
-        event.log.text = (
+        self.m.hub.log(
+            run.job.job_id,
             "kerneleval: the timing window waits for GPU work that other jobs queued before "
-            "they were frozen" + ("; those still using the GPU are stopped" if frozen else "")
+            "they were frozen" + ("; those still using the GPU are stopped" if frozen else ""),
         )
-        self.m.hub.publish(event)
         if frozen:
             self.m._spawn(self._stop_gpu_users(worker.device_index, run))
 

@@ -544,9 +544,7 @@ class JobManager:
     def publish_log(self, waiters: list[Waiter], text: str) -> None:
         for waiter in waiters:
             if waiter.job_id in self.running:
-                event = self.hub.next_event(waiter.job_id)
-                event.log.text = text
-                self.hub.publish(event)
+                self.hub.log(waiter.job_id, text)
 
     def _running_on(self, device: int) -> list[Running]:
         return [
@@ -602,12 +600,11 @@ class JobManager:
         self.running.pop(job.job_id, None)
         self._drop_record(run)
         self._stop_following(run, completed=True)
-        event = self.hub.next_event(job.job_id)
-        event.log.text = (
+        self.hub.log(
+            job.job_id,
             "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
-            f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})"
+            f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})",
         )
-        self.hub.publish(event)
         log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
         job.attempt_count -= 1  # the run alone is the same attempt
         self._requeue(job)
@@ -644,12 +641,11 @@ class JobManager:
         # Nothing will build it ahead: from now on a plain job (offered no more).
         queued.prebuild = ""
         if remote is not None:
-            event = self.hub.next_event(queued.job_id)
-            event.log.text = (
+            self.hub.log(
+                queued.job_id,
                 "kerneleval: no builder built it ahead and this node has no build processes: "
-                "runs in a job process of its own"
+                "runs in a job process of its own",
             )
-            self.hub.publish(event)
         return False
 
     def _build_arch(self, queued: QueuedJob) -> str:
@@ -1081,12 +1077,10 @@ class JobManager:
             return
         if self.extensions.remote is not None:  # for the other nodes (jobs/artifact_store.py)
             self.extensions.remote.kept_ahead(job.job_id, job.spec, run.build_arch, built)
-        event = self.hub.next_event(job.job_id)
         if built.run_whole:
-            event.log.text = (
-                f"not built ahead ({built.run_whole}): runs in a job process of its own"
+            self.hub.log(
+                job.job_id, f"not built ahead ({built.run_whole}): runs in a job process of its own"
             )
-            self.hub.publish(event)
             self.run_whole.add(job.job_id)
             job.attempt_count -= 1  # its whole run is the same attempt
             assert run.deadline is not None
@@ -1094,8 +1088,9 @@ class JobManager:
             self.running.pop(job.job_id, None)
             self._requeue(job)
         else:
-            event.log.text = f"built ahead by {worker.worker_id}: waits for a launch process"
-            self.hub.publish(event)
+            self.hub.log(
+                job.job_id, f"built ahead by {worker.worker_id}: waits for a launch process"
+            )
             why = self.compile_cache.store(
                 job.spec, built_key(run.build_arch), [], as_files(list(built.artifacts))
             )
