@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fe_service import fake_engine_service
 from ke_service import ServiceProcess
-from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval.v1 import operations_service_pb2_grpc as ops_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import _kernels as K  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -262,17 +268,11 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
 
 
 def cuda_io_spec(source: str) -> kernel_pb2.JobSpec:
+    """The raw CUDA `add(a, b, out, n)` from its IOContract: 256 floats, one block."""
     spec = kernel_pb2.JobSpec(client_tag="built-ahead-real")
     spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
     spec.kernel.source_code = source
-    io = spec.kernel.io
-    for name, role in (("a", kernel_pb2.ARG_ROLE_INPUT), ("b", kernel_pb2.ARG_ROLE_INPUT),
-                       ("out", kernel_pb2.ARG_ROLE_OUTPUT)):  # fmt: skip
-        arg = io.args.add(name=name, role=role)
-        arg.tensor.shape.append(256)
-        arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
-    io.args.add(name="n", int_value=256)
-    io.launch.grid.x, io.launch.block.x = 1, 256
+    spec.kernel.io.CopyFrom(K.cuda_io(256))
     spec.options.timeout.seconds = 120
     return spec
 

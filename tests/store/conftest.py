@@ -4,6 +4,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ke_service import ServiceProcess
 from kerneleval_server.jobs.store import JobStore, open_store
 from pg_server import PostgresServer
 
@@ -29,3 +30,14 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProcess]]]:
+    """A fresh database, and the services a test starts on it (stopped after it)."""
+    started: list[ServiceProcess] = []
+    try:
+        yield postgres.new_database(), started
+    finally:
+        for service in started:
+            service.stop(timeout=20)

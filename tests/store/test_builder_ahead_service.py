@@ -29,16 +29,19 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+from builder_services import common_args
 from ke_service import ServiceProcess, real_watchdog_available
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
-from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
-from pg_server import PostgresServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import _kernels as K  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog")
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -77,17 +80,11 @@ def add(a, b, out, n, BLOCK: tl.constexpr):
 
 
 def cuda_spec(source: str) -> kernel_pb2.JobSpec:
+    """The raw CUDA `add(a, b, out, n)` from its IOContract: 256 floats, one block."""
     spec = kernel_pb2.JobSpec(client_tag="builders-ahead")
     spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
     spec.kernel.source_code = source
-    io = spec.kernel.io
-    for name, role in (("a", kernel_pb2.ARG_ROLE_INPUT), ("b", kernel_pb2.ARG_ROLE_INPUT),
-                       ("out", kernel_pb2.ARG_ROLE_OUTPUT)):  # fmt: skip
-        arg = io.args.add(name=name, role=role)
-        arg.tensor.shape.append(256)
-        arg.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
-    io.args.add(name="n", int_value=256)
-    io.launch.grid.x, io.launch.block.x = 1, 256
+    spec.kernel.io.CopyFrom(K.cuda_io(256))
     spec.options.timeout.seconds = 120
     return spec
 
@@ -98,22 +95,6 @@ def triton_spec() -> kernel_pb2.JobSpec:
     spec.kernel.io.args.add(name="BLOCK", int_value=256, meta=True)
     spec.kernel.io.launch.ClearField("block")
     return spec
-
-
-@pytest.fixture
-def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProcess]]]:
-    started: list[ServiceProcess] = []
-    try:
-        yield postgres.new_database(), started
-    finally:
-        for service in started:
-            service.stop(timeout=20)
-
-
-def common_args(url: str) -> list[str]:
-    return ["--store", url, "--build-processes", "1", "--build-pch", "false",
-            "--lease-seconds", "3", "--admin-token", "ket_builder-test-token",
-            "--result-cache-hours", "0"]  # fmt: skip
 
 
 def start(

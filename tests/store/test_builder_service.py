@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
+from builder_services import TOKEN, common_args
 from ke_service import ServiceProcess, real_watchdog_available
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import (
@@ -26,7 +26,6 @@ from kerneleval.v1 import (
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
 from kerneleval_server.jobs.store import open_store
-from pg_server import PostgresServer
 
 REFERENCE = """
 import torch
@@ -66,25 +65,6 @@ def spec() -> kernel_pb2.JobSpec:
     s.options.timeout.seconds = 300
     s.options.perf_trial_count = 0
     return s
-
-
-TOKEN = "ket_builder-test-token"
-
-
-@pytest.fixture
-def services(postgres: PostgresServer) -> Iterator[tuple[str, list[ServiceProcess]]]:
-    started: list[ServiceProcess] = []
-    try:
-        yield postgres.new_database(), started
-    finally:
-        for service in started:
-            service.stop(timeout=20)
-
-
-def common_args(url: str) -> list[str]:
-    return ["--store", url, "--build-processes", "1", "--build-pch", "false",
-            "--lease-seconds", "3", "--admin-token", TOKEN,
-            "--result-cache-hours", "0"]  # fmt: skip
 
 
 @pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog")
