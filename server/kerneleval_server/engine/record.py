@@ -97,9 +97,9 @@ class Recorder:
         head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
         # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
         need = trial_bytes(outputs)
-        if self._end + need > self._max and self._share(head, outputs):
-            return True
         if self._end + need > self._max:
+            if self._share(head, outputs):
+                return True
             self.full = True
             head.over_limit, head.bytes = True, need - MAX_HEADER
             self._append(head, [])
@@ -121,7 +121,7 @@ class Recorder:
         """The trial's tensors by descriptor, its header in the file; False when they would
         not fit the shares' limit (nothing is sent then)."""
         tensors = [_device_value(v) for v in outputs]
-        need = sum(share_bytes(t) for t in tensors if t is not None)
+        need = shares_need(tensors)
         if self._end + MAX_HEADER > self._max or self.shared_bytes + need > self._share_max:
             return False
         if self._slots + sum(t is not None for t in tensors) > device_share.MAX_SHARES:
@@ -173,14 +173,16 @@ def _device_value(v: Any) -> torch.Tensor | None:
     return v.detach()
 
 
-def share_bytes(t: torch.Tensor) -> int:
-    """What handing `t` over by descriptor takes of the shares' limit, at most (a GPU rounds
-    each allocation up to its granularity)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cuda":
-        return nbytes
-    g = device_share.GRANULARITY
-    return max(g, (nbytes + g - 1) // g * g)
+def shares_need(tensors: list[torch.Tensor | None]) -> int:
+    """What handing these over by descriptor takes of the shares' limit, at most (a GPU rounds
+    each allocation up to its granularity); None stands for an output that is no tensor."""
+    need, g = 0, device_share.GRANULARITY
+    for t in tensors:
+        if t is None:
+            continue
+        nbytes = t.numel() * t.element_size()
+        need += max(g, (nbytes + g - 1) // g * g) if t.device.type == "cuda" else nbytes
+    return need
 
 
 @dataclass
@@ -199,8 +201,7 @@ def fits_after(at: int, outputs: list[Any], max_bytes: int, share_room: int = 0)
     "over the limit" is then a lie."""
     if at + trial_bytes(outputs) + MARGIN <= max_bytes:
         return True
-    tensors = [t for t in (_device_value(v) for v in outputs) if t is not None]
-    need = sum(share_bytes(t) for t in tensors)
+    need = shares_need([_device_value(v) for v in outputs])
     return at + MAX_HEADER + MARGIN <= max_bytes and need + MARGIN <= share_room
 
 
