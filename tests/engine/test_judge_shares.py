@@ -236,3 +236,41 @@ def test_a_false_claim_of_no_room_for_shares_is_tampering(
     assert shared == 0
     assert final is not None and final.result.verdict == V.VERDICT_RUNTIME_ERROR, final.result
     assert "recorded none of its outputs" in final.result.error.message
+
+
+class _DriverOutOfMemoryOnce:
+    """libcuda as the kernel's process finds it with torch's allocator caching free blocks:
+    cuMemCreate says out of memory until those blocks are handed back."""
+
+    def __init__(self) -> None:
+        self.cached_blocks_held = True
+        self.creates = 0
+
+    def cuMemCreate(self, *_args: object) -> int:
+        self.creates += 1
+        return 2 if self.cached_blocks_held else 0  # CUDA_ERROR_OUT_OF_MEMORY
+
+    def cuGetErrorString(self, _rc: int, _text: object) -> int:
+        return 0
+
+
+def test_a_share_out_of_gpu_memory_tries_again_once_torch_hands_back_its_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KernelBench job (L1Norm) ended OUT_OF_MEMORY on the H100 handing its outputs over:
+    cuMemCreate bypasses torch's allocator, which held 22 GB free. The share now asks torch
+    for its cached blocks back and tries once more; a second refusal is the job's."""
+    driver = _DriverOutOfMemoryOnce()
+    vmm = object.__new__(share._CudaVmm)
+    vmm.lib = driver  # type: ignore[assignment]
+    monkeypatch.setattr(
+        torch.cuda, "empty_cache", lambda: setattr(driver, "cached_blocks_held", False)
+    )
+    vmm._create(2 << 20, share._AllocationProp())
+    assert driver.creates == 2 and not driver.cached_blocks_held
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)  # nothing cached to give
+    driver.cached_blocks_held, driver.creates = True, 0
+    with pytest.raises(torch.OutOfMemoryError, match="cuMemCreate"):
+        vmm._create(2 << 20, share._AllocationProp())
+    assert driver.creates == 2

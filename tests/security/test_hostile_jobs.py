@@ -864,6 +864,29 @@ def test_a_forged_outcome_is_judged_in_another_process(stub, svc: ServiceProcess
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# The forger's outcome a failure that claims its outputs passed and a speedup: the failure
+# keeps it from its judge, the claim would still read as correct.
+FAILING_FORGER = OUTCOME_FORGER.replace(
+    "verdict=job_pb2.VERDICT_OK, compiled=True, correctness=True,",
+    "verdict=job_pb2.VERDICT_RUNTIME_ERROR, compiled=True, correctness=True,"
+    " correctness_status=job_pb2.CORRECTNESS_PASSED,",
+).replace("r.runtime.trial_count = 5", "r.runtime.trial_count = 5\nr.reference_runtime.median_ms = 1.0")
+
+
+def test_a_failing_outcome_that_claims_correct_outputs_reads_unchecked(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: a compared job's process reports a failure of its own that claims its
+    outputs passed (speedup 50): no judge saw them, so the job ends as it says, with
+    correctness not reached and no speedup. The next tenants are judged right."""
+    assert "CORRECTNESS_PASSED" in FAILING_FORGER and "reference_runtime" in FAILING_FORGER
+    s = spec(FAILING_FORGER, reference=hs.REFERENCE, client_tag="mallory-fails", perf_trials=5)
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert not r.correctness and r.correctness_status == job_pb2.CORRECTNESS_UNSPECIFIED, ran.describe()
+    assert r.speedup == 0 and not r.HasField("reference_runtime"), ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 # A kernel whose module body marks its process, and a reference that hangs where that mark is
 # missing: only in the judge's process (which never imports the kernel).
 MARKS_ITS_PROCESS = """

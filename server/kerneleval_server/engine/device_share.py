@@ -253,6 +253,19 @@ class _CudaVmm:
         prop.location = _Location(1, device.index or 0)  # CU_MEM_LOCATION_TYPE_DEVICE
         return prop
 
+    def _create(self, size: int, prop: _AllocationProp) -> ctypes.c_ulonglong:
+        """cuMemCreate; out of memory, again once torch's allocator has handed back the
+        blocks it caches (a KernelBench job held 22 GB of them free and failed here)."""
+        handle = ctypes.c_ulonglong()
+        args = (ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
+                ctypes.c_ulonglong(0))  # fmt: skip
+        try:
+            self._call("cuMemCreate", *args)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            self._call("cuMemCreate", *args)
+        return handle
+
     def _map(self, handle: ctypes.c_ulonglong, size: int, device: torch.device) -> int:
         ptr = ctypes.c_ulonglong()
         self._call("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size),
@@ -293,9 +306,7 @@ class _CudaVmm:
                    ctypes.byref(prop), 0)  # fmt: skip
         g = granularity.value
         size = max(g, (nbytes + g - 1) // g * g)
-        handle = ctypes.c_ulonglong()
-        self._call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
-                   ctypes.c_ulonglong(0))  # fmt: skip
+        handle = self._create(size, prop)
         try:
             ptr = self._map(handle, size, device)
             try:

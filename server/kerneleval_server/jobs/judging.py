@@ -131,6 +131,20 @@ def judge_request(kernel: job_pb2.EvalResult, kernel_gone: bool) -> job_channel_
     return job_channel_pb2.JudgeRequest(candidate=kernel, kernel_gone=kernel_gone)
 
 
+def unjudged(kernel: job_pb2.EvalResult) -> None:
+    """A judged job whose kernel's process ended it (its verdict not OK) never reaches its
+    judge: what only a judge may say is dropped from the process's report. A process that
+    claimed its outputs passed, then failed on purpose, would otherwise skip the judge and
+    still read correct (a failure it reports of itself stands)."""
+    if kernel.correctness_status in (job_pb2.CORRECTNESS_PASSED, job_pb2.CORRECTNESS_NOT_CHECKED):
+        kernel.correctness_status = job_pb2.CORRECTNESS_UNSPECIFIED
+    if kernel.correctness_status != job_pb2.CORRECTNESS_FAILED:
+        kernel.correctness = False
+        kernel.ClearField("validation")
+    for name in ("speedup", "speedup_suspicious", "reference_runtime"):
+        kernel.ClearField(name)
+
+
 def tampered(why: str) -> job_pb2.EvalResult:
     result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
     result.failed_side = job_pb2.SIDE_KERNEL

@@ -1031,6 +1031,8 @@ class JobManager:
             self.dispatch()
             return
         result = outcome.result
+        if run.record is not None and run.record.kernel_outcome is None:
+            judging.unjudged(result)
         wait = self.config.effective_xid_wait_s()
         if (
             outcome.context_poisoned
