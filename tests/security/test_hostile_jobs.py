@@ -870,10 +870,12 @@ FAILING_FORGER = OUTCOME_FORGER.replace(
     "verdict=job_pb2.VERDICT_OK, compiled=True, correctness=True,",
     "verdict=job_pb2.VERDICT_RUNTIME_ERROR, compiled=True, correctness=True,"
     " correctness_status=job_pb2.CORRECTNESS_PASSED,",
-).replace("r.runtime.trial_count = 5", "r.runtime.trial_count = 5\nr.reference_runtime.median_ms = 1.0")
+).replace(
+    "r.runtime.trial_count = 5", "r.runtime.trial_count = 5\nr.reference_runtime.median_ms = 1.0"
+)
 
 
-def test_a_failing_outcome_that_claims_correct_outputs_reads_unchecked(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_outcome_claiming_correct_reads_unchecked(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 13: a compared job's process reports a failure of its own that claims its
     outputs passed (speedup 50): no judge saw them, so the job ends as it says, with
     correctness not reached and no speedup. The next tenants are judged right."""
@@ -882,7 +884,8 @@ def test_a_failing_outcome_that_claims_correct_outputs_reads_unchecked(stub, svc
     ran = run_job(stub, s, svc)
     r = ran.job.result
     assert ran.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
-    assert not r.correctness and r.correctness_status == job_pb2.CORRECTNESS_UNSPECIFIED, ran.describe()
+    assert not r.correctness, ran.describe()
+    assert r.correctness_status == job_pb2.CORRECTNESS_UNSPECIFIED, ran.describe()
     assert r.speedup == 0 and not r.HasField("reference_runtime"), ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
 
