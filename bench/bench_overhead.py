@@ -139,6 +139,10 @@ def main() -> int:
     ap.add_argument("--fork-count", type=int, default=None, help="forked children (20)")
     ap.add_argument("--elements", type=int, default=None, help="tensor size (4096)")
     ap.add_argument("--device", default="0", help="GPU index the service uses")
+    ap.add_argument(
+        "--service-only", action="store_true",
+        help="no fresh or forked baselines (comparing two trees of the service)",
+    )  # fmt: skip
     args = ap.parse_args()
     smoke = args.cpu_smoke
     requests = args.requests or (10 if smoke else 60)
@@ -173,11 +177,12 @@ def main() -> int:
     finally:
         svc.stop()
     timed_fresh = max(3, fresh // 4)
-    for perf, count in ((0, fresh), (20, timed_fresh)):
+    baselines = () if args.service_only else ((0, fresh), (20, timed_fresh))
+    for perf, count in baselines:
         walls, ok = fresh_latencies(kernel, ref, count, perf)
         data["modes"][f"fresh_process_perf{perf}"] = {"ok": ok, **C.summary(walls)}
         print(f"fresh perf={perf}: {ok}/{len(walls)} OK", flush=True)
-    for perf in (0, 20):
+    for perf in () if args.service_only else (0, 20):
         walls, ok = forked_latencies(kernel, ref, forks, perf)
         data["modes"][f"forked_perf{perf}"] = {"ok": ok, **C.summary(walls)}
         print(f"forked perf={perf}: {ok}/{len(walls)} OK", flush=True)
@@ -198,6 +203,8 @@ def main() -> int:
     base = data["modes"]["modelnew_perf0"]["median"]
     base20 = data["modes"]["modelnew_perf20"]["median"]
     for key, label in labels.items():
+        if key not in data["modes"]:  # --service-only
+            continue
         m = data["modes"][key]
         ref_median = base20 if key.endswith("perf20") else base
         rows.append(
@@ -210,9 +217,12 @@ def main() -> int:
         f"{'cpu' if smoke else args.device}, each in a fresh job process from the warm pool; "
         f"{pace} s pause before each call so that a warm process waits for it.",
         "x service = this median / the service's ModelNew median with the same timing setting.",
-        f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh processes "
-        f"without timing, {timed_fresh} with, {forks} forked children per setting.",
     ]
+    if not args.service_only:
+        notes.append(
+            f"Baselines have fewer samples (fresh processes are slow): {fresh} fresh processes "
+            f"without timing, {timed_fresh} with, {forks} forked children per setting."
+        )
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")
     modes = list(data["breakdown"])

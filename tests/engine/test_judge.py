@@ -4,6 +4,7 @@ the verdict from the record. What the kernel's process claims about itself does 
 
 from __future__ import annotations
 
+import builtins
 import os
 import struct
 from collections.abc import Callable
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import ADD_MODEL, TORCH, RecordingReporter, V, job, source
+from engine_helpers import ADD_MODEL, TORCH, TRITON, TRITON_ADD, RecordingReporter, V, job, source
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 from kerneleval_server.engine import EngineConfig, Outcome, Recorder, compare, judge_job, run_job
 from kerneleval_server.engine import record as rec
+from test_triton_launch import add_args
 
 LIMIT = 64 << 20
 
@@ -226,3 +228,67 @@ def test_a_false_claim_that_a_later_trial_is_over_the_limit_is_tampering(
     assert "over the record's limit, where the reference's outputs fit" in (
         final.result.error.message
     )
+
+
+# A reference whose module body would mark the process it runs in: a launch process with the
+# reference judged elsewhere never imports it.
+MARKING_MODEL = """
+import builtins
+import torch
+builtins._ke_reference_imported_here = True
+class Model(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+"""
+
+
+def _launched_alone(
+    engine_dir: Path, kernel_code: str, perf: int = 3
+) -> tuple[Outcome, Outcome, int]:
+    """A Triton kernel from its IOContract run as a launch process runs it with its reference
+    judged elsewhere (EngineConfig.reference_judged), then judged: (the launch's outcome, the
+    judge's, the trials recorded)."""
+    spec = job(
+        source(TRITON, kernel_code, add_args(), grid=(4, 1, 1)),
+        source(TORCH, MARKING_MODEL),
+        perf_trial_count=perf,
+    )
+    fd = os.memfd_create("record")
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT), reference_judged=True)
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert not hasattr(builtins, "_ke_reference_imported_here")
+        recorded = len(rec.read(fd))
+        final = judge_job(
+            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
+            kernel_gone=True,
+        )  # fmt: skip
+        return own, final, recorded
+    finally:
+        os.close(fd)
+        if hasattr(builtins, "_ke_reference_imported_here"):
+            del builtins._ke_reference_imported_here
+
+
+def test_a_launch_with_its_reference_judged_elsewhere_never_imports_it(engine_dir: Path) -> None:
+    """Issue 12: a Triton kernel from its IOContract against an eager reference, launched as a
+    launch process launches it: the reference is never imported there, every correctness
+    trial and the timed one on fresh inputs are recorded, and the judge, which ran the
+    reference, gives the verdict and the reference's time."""
+    own, final, recorded = _launched_alone(engine_dir, TRITON_ADD)
+    assert own.result.verdict == V.VERDICT_OK, own.result
+    assert own.result.correctness_status == V.CORRECTNESS_UNSPECIFIED  # not its to say
+    assert recorded == 5 + 1  # the correctness trials and the replayed timed trial
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.correctness, r
+    assert r.validation.trials_passed == 5 and r.reference_runtime.median_ms > 0
+
+
+def test_a_wrong_launch_with_its_reference_judged_elsewhere_is_incorrect(
+    engine_dir: Path,
+) -> None:
+    wrong = TRITON_ADD.replace("+ tl.load(y_ptr", "- tl.load(y_ptr")
+    own, final, _ = _launched_alone(engine_dir, wrong)
+    assert own.result.verdict == V.VERDICT_OK  # nothing was compared where it ran
+    assert final.result.verdict == V.VERDICT_INCORRECT, final.result
+    assert not final.result.correctness and not final.result.HasField("runtime")

@@ -314,12 +314,18 @@ def test_what_cannot_be_built_ahead_runs_whole(built: Built, tmp_path: Path) -> 
     assert not out.artifacts and not out.HasField("result")
     out = built["meta_mismatch"]
     assert "BLOCK" in out.run_whole and "constexpr" in out.run_whole and not out.artifacts
-    # Decided before anything is imported: a TORCH reference's code never runs here.
+    # A TORCH reference is left to the judge: the kernel is built alone, and the reference's
+    # code never runs here.
     marker = tmp_path / "torch.imported"
     spec = job(triton_add(), source(TORCH, TORCH_ADD + marker_line(marker)))
     out = build_job(spec, RecordingReporter(), config(tmp_path), ARCH)
-    assert out.run_whole == "reference: KERNEL_TYPE_TORCH runs Python host code"
-    assert not out.artifacts and not out.HasField("result") and not marker.exists()
+    assert not out.run_whole and not out.HasField("result") and not marker.exists()
+    assert [a.role for a in out.artifacts] == ["kernel"]
+    # A kernel with host code runs whole, decided before anything is imported.
+    spec = job(source(TORCH, TORCH_ADD + marker_line(marker)), triton_add())
+    out = build_job(spec, RecordingReporter(), config(tmp_path), ARCH)
+    assert out.run_whole == "kernel: KERNEL_TYPE_TORCH runs Python host code"
+    assert not out.artifacts and not marker.exists()
     model_new = source(TRITON, MODEL_NEW, add_args()[:2])
     out = build_job(job(model_new), RecordingReporter(), config(tmp_path), ARCH)
     assert "ModelNew" in out.run_whole and not out.artifacts

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from kerneleval.internal.v1 import job_channel_pb2
-from kerneleval.v1 import job_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
 
 _launches = 0  # jobs this process launched prebuilt
 
@@ -110,7 +110,9 @@ def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
         out.run_whole = f"{cmd['do']} is not built ahead"
         return out
     gpu = os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
-    roles = ["kernel", "reference"] if spec.HasField("reference") else ["kernel"]
+    # As the real build: a reference with host code (not CUDA here) is left to the judge.
+    buildable = spec.HasField("reference") and spec.reference.type == kernel_pb2.KERNEL_TYPE_CUDA
+    roles = ["kernel", "reference"] if buildable else ["kernel"]
     for role in roles:
         cubin = b"not a cubin" if cmd["do"] == "build_bad" else b"\x7fELF fake " + role.encode()
         out.artifacts.add(role=role, cubin=cubin, function=f"{role}_fn", arch=arch)

@@ -3,10 +3,12 @@ architecture `arch`; run_job(..., prebuilt=...) then launches them in a process 
 imports the job's sources.
 
 What can be built ahead: TRITON launched from its IOContract (a plain @triton.jit function)
-and CUDA with an IOContract, for the kernel and the reference alike. Anything else (TORCH,
-TORCH_CUDA, a ModelNew, an autotuned Triton kernel, the debug aids) sets `run_whole`: the job
-runs whole, as before. A failure the job itself causes (a compile error, an exception at the
-module's top level, an invalid spec) is the job's `result`, with the verdict run_job gives.
+and CUDA with an IOContract, for the kernel and the reference alike. A kernel that is anything
+else (TORCH, TORCH_CUDA, a ModelNew, an autotuned Triton kernel) or a debug aid sets
+`run_whole`: the job runs whole, as before. A reference that is anything else is left out:
+only the kernel is built, and the reference runs in the job's judge. A failure the job itself
+causes (a compile error, an exception at the module's top level, an invalid spec) is the
+job's `result`, with the verdict run_job gives.
 
 Triton compiles for a GPU only where it was imported without TRITON_INTERPRET=1 (its own
 @jit library functions, tl.cdiv and the like, are made at import); a process without a GPU
@@ -124,12 +126,13 @@ class _Build:
         for aid in ("launch_blocking", "device_side_assertions", "sanitize", "device_metrics"):
             if getattr(o, aid):
                 raise RunWhole(f"{aid} runs the job in a process started for it")
+        if reason := _cannot_build(self.spec.kernel):  # before anything is imported
+            raise RunWhole(f"kernel: {reason}")
         roles = [("kernel", self.spec.kernel)]
-        if self.spec.HasField("reference"):
+        # A reference with host code is not built: it runs in the job's judge only (the
+        # front end launches the kernel alone where it can judge, else runs the job whole).
+        if self.spec.HasField("reference") and not _cannot_build(self.spec.reference):
             roles.append(("reference", self.spec.reference))
-        for role, k in roles:  # before anything is imported or compiled
-            if reason := _cannot_build(k):
-                raise RunWhole(f"{role}: {reason}")
         if any(k.type == kernel_pb2.KERNEL_TYPE_TRITON for _, k in roles):
             if not triton_compiles_here():
                 if os.environ.get(CHILD_ENV) == "1":

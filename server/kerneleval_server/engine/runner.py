@@ -323,10 +323,22 @@ class _Job:
         precision and times the reference: not done twice here."""
         return self.recorder is not None and not self.recorder.full
 
+    @property
+    def reference_judged(self) -> bool:
+        """The reference runs only in the judge (EngineConfig.reference_judged): this process
+        records the kernel's outputs on the IOContract's inputs, and its judge compares."""
+        return self.compare_mode and self.config.reference_judged
+
     # -- the steps -----------------------------------------------------------------------
     def run(self) -> None:
         if invalid_spec(self.spec, self.config, self.result):
             raise _Stop
+        if (
+            self.compare_mode
+            and self.config.reference_judged
+            and (self.recorder is None or len(self.spec.kernel.io.args) == 0)
+        ):
+            raise RuntimeError("reference_judged needs a recorder and the kernel's IOContract")
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
         if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
@@ -334,14 +346,18 @@ class _Job:
             return
         cand = self._build(self.spec.kernel, "kernel", ctx)
         self.result.compiled = True
-        ref = self._build(self.spec.reference, "reference", ctx) if self.compare_mode else None
+        ref = None
+        if self.compare_mode and not self.reference_judged:
+            ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
         make_args = self._input_source(cand, ref)
         self._preflight_triton(cand, ref, make_args, ctx)
 
         self.reporter.phase(job_pb2.PHASE_VALIDATING)
-        if ref is None:
+        if self.reference_judged:
+            self._record_trials(cand, make_args)
+        elif ref is None:
             self._run_once(cand, make_args)
         else:
             self._validate(cand, ref, make_args)
@@ -621,6 +637,29 @@ class _Job:
         self.result.correctness = True
         self.result.correctness_status = job_pb2.CORRECTNESS_PASSED
 
+    def _record_trials(self, cand: Program, make_args: Callable[[int], TrialArgs]) -> None:
+        """The correctness trials with the reference judged elsewhere: each one's outputs
+        recorded for the judge, nothing compared here. Inputs the kernel wrote (it declared
+        them ARG_ROLE_INPUT) end it here."""
+        for t in range(self.opts.correct_trials):
+            pristine = make_args(t)
+            args = pristine.clone()
+            self._poison_outputs(args, t)
+            out = self._run(cand, args, "")
+            self._record(t, out, replay=False)
+            self._output_bytes = compare.nbytes_of(out)
+            names = self._output_names(cand, None, pristine)
+            self._flag(integrity.aliasing(out, names, _inputs_of(cand, args), []))
+            if written := self._written_inputs(pristine, args):
+                self.result.validation_error = (
+                    f"the kernel wrote its input {written[0]!r} (declared ARG_ROLE_INPUT)"
+                )
+                self.result.verdict = job_pb2.VERDICT_INCORRECT
+                self.result.failed_side = job_pb2.SIDE_KERNEL
+                self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
+                raise _Stop
+            self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, self.opts.correct_trials)
+
     def _check_precision(
         self, ref: Program, pristine: TrialArgs, cand_out: list[Any], ref_out: list[Any],
         names: list[str], ref_seconds: float,
@@ -641,8 +680,9 @@ class _Job:
             self.notes.append(c.note)
 
     @staticmethod
-    def _output_names(cand: Program, ref: Program, args: TrialArgs) -> list[str]:
-        if cand.kind == "launch" or ref.kind == "launch" or getattr(cand, "launch", False):
+    def _output_names(cand: Program, ref: Program | None, args: TrialArgs) -> list[str]:
+        launched = ref is not None and ref.kind == "launch"
+        if cand.kind == "launch" or launched or getattr(cand, "launch", False):
             return [args.names[i] for i in args.output_indices()]
         return []
 
@@ -676,7 +716,11 @@ class _Job:
         cand_args = make_args(0)
         ref_args = cand_args.clone() if timed_ref else None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
-        replay = _ReplayCheck(self, cand, ref, cand_args, make_args) if ref is not None else None
+        replay = (
+            _ReplayCheck(self, cand, ref, cand_args, make_args)
+            if ref is not None or self.reference_judged
+            else None
+        )
         run = replay.run if replay is not None else (lambda: cand.run(cand_args))
         check = replay.trial_check() if replay is not None else None
         stats = self._measure(run, "", lambda d: self._progress(d, total), check)
@@ -722,9 +766,18 @@ class _Job:
         """The kernel's outputs of a trial, for its judge (record.py). Handing them over by
         descriptor copies them on the GPU: out of memory there is the job's OUT_OF_MEMORY (a
         job that shared its GPU runs again with the GPU to itself)."""
-        if self.recorder is not None:
-            with self._guard("handing the outputs to the judge: ", side=job_pb2.SIDE_KERNEL):
-                self.recorder.record(trial, outputs, replay=replay)
+        if self.recorder is None:
+            return
+        with self._guard("handing the outputs to the judge: ", side=job_pb2.SIDE_KERNEL):
+            recorded = self.recorder.record(trial, outputs, replay=replay)
+        if not recorded and self.reference_judged:  # the front end sends none such here
+            self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+            self.result.error.exception_type = "OutputsTooLarge"
+            self.result.error.message = (
+                f"the kernel's outputs ({record.trial_bytes(outputs)} bytes a trial) are over "
+                "the judge's limits, and its reference runs only in the judge"
+            )
+            raise _Stop
 
     def _replayed_incorrect(self, why: str) -> NoReturn:
         """Ends the job INCORRECT with the replayed_outputs flag (here, or in the judge)."""
@@ -824,7 +877,7 @@ class _ReplayCheck:
         self,
         job: _Job,
         cand: Program,
-        ref: Program,
+        ref: Program | None,  # None: recorded for the judge only (reference_judged)
         args: TrialArgs,
         make_args: Callable[[int], TrialArgs],
     ) -> None:
@@ -863,14 +916,16 @@ class _ReplayCheck:
         if cand_out is None:
             return
         self.job._record(self.job.opts.correct_trials + 1, cand_out, replay=True)
-        ref_out = self.job._run(self.ref, self.fresh.clone(), REFERENCE_PREFIX)
-        names = self.job._output_names(self.cand, self.ref, self.fresh)
+        fresh, self.fresh = self.fresh, None
+        if self.ref is None:
+            return
+        ref_out = self.job._run(self.ref, fresh.clone(), REFERENCE_PREFIX)
+        names = self.job._output_names(self.cand, self.ref, fresh)
         check = compare.compare_outputs(
             cand_out, ref_out, names, self.job.opts.atol, self.job.opts.rtol
         )
         if not check.ok:
             self.failed = check
-        self.fresh = None
 
 
 __all__ = ["LaunchProgram", "Options", "is_triton_launch", "run_job"]

@@ -35,6 +35,9 @@ class EngineConfig:
     # A record.Recorder: the kernel's outputs go to the job's judge process (issue 13), which
     # then compares and times the reference; None: this process judges (no judge follows).
     recorder: Any = None
+    # With a recorder: the reference is never built here, its judge runs it (a launch process
+    # never loads a job's host code). The kernel's IOContract gives the inputs.
+    reference_judged: bool = False
 
 
 @dataclass

@@ -579,11 +579,14 @@ def _build_extension(
     return answer
 
 
-def _launch_only(assign: job_channel_pb2.AssignJob) -> bool:
-    """Every source of the job comes prebuilt: none of its code runs on this host."""
+def _launch_only(assign: job_channel_pb2.AssignJob, reference_judged: bool) -> bool:
+    """Every source of the job that ran here came prebuilt: none of its code ran on this host
+    (a reference not built ahead ran in its judge only)."""
     roles = {a.role for a in assign.prebuilt}
     spec = assign.spec
-    return "kernel" in roles and (not spec.HasField("reference") or "reference" in roles)
+    return "kernel" in roles and (
+        not spec.HasField("reference") or "reference" in roles or reference_judged
+    )
 
 
 def _clean_for_next_job() -> bool:
@@ -683,16 +686,20 @@ def _run_one(
                 assign.record_max_bytes, share_fd, assign.share_max_bytes,
                 assign.judge.kernel_gone,
             )  # fmt: skip
-        elif prebuilt:
-            outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
         else:
             if assign.record_max_bytes and record_fd >= 0:
                 recorder = engine.Recorder(
                     record_fd, assign.record_max_bytes, share_fd, assign.share_max_bytes
                 )
                 config.recorder = recorder
-            _arm_tamper_checks()  # job code is imported from here on
-            outcome = engine.run_job(assign.spec, reporter, config)
+                # A launch's reference, not built ahead (it has host code), runs only in
+                # its judge: never in a process that takes job after job.
+                config.reference_judged = bool(prebuilt)
+            if prebuilt:
+                outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
+            else:
+                _arm_tamper_checks()  # job code is imported from here on
+                outcome = engine.run_job(assign.spec, reporter, config)
         result, poisoned = outcome.result, bool(outcome.context_poisoned)
         peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
@@ -704,7 +711,7 @@ def _run_one(
     reusable = (
         not last
         and not poisoned
-        and (judging or _launch_only(assign))
+        and (judging or _launch_only(assign, recorder is not None))
         and not result.HasField("error")  # a reference that failed or tampered: not again
     )
     channel.finishing = True

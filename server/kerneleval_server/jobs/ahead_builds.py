@@ -114,7 +114,7 @@ def refusal(spec: kernel_pb2.JobSpec, arch: str) -> str:
     """Why a builder does not build this job ("" when it does)."""
     if not _ARCH.fullmatch(arch):
         return f"{arch!r} is not a CUDA architecture (sm_90, ...)"
-    if not prebuild.kind(spec):
+    if not prebuild.kind(spec, judged=True):  # a node that cannot judge never asks
         return "its sources are not kernels launched from their IOContract (it runs whole)"
     return ""
 

@@ -193,6 +193,7 @@ class JobManager:
         # jobs whose check waits for it).
         self.memory = GpuMemory(config.gpu_memory_share)
         self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
+        self.engine_judges = False  # its GPU job processes' Hello: they judge compared jobs
         self.watchdog: WatchdogLike | None = None
         self.draining = False
         self.on_health_change: Callable[[], None] = lambda: None
@@ -379,7 +380,9 @@ class JobManager:
 
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
-        kind = "" if job.job_id in self.run_whole else prebuild.kind(spec)
+        kind = (
+            "" if job.job_id in self.run_whole else prebuild.kind(spec, self._judges_launch(spec))
+        )
         self.queue.push(
             QueuedJob(
                 job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
@@ -648,6 +651,19 @@ class JobManager:
             )
         return False
 
+    def _judges_launch(self, spec: kernel_pb2.JobSpec) -> bool:
+        """A kernel built ahead may be launched alone and its reference, which has host code,
+        run in its judge only: this node's job processes judge, and what the judge reads fits
+        the record or the shares (a launch process cannot judge itself)."""
+        c = self.config
+        return (
+            self.engine_judges
+            and c.record_max_mib > 0
+            and prebuild.judged_launch_fits(
+                spec, c.record_max_mib << 20, c.record_share_max_mib << 20
+            )
+        )
+
     def _build_arch(self, queued: QueuedJob) -> str:
         """The architecture to build for: the job's GPU's, else the one all GPUs share."""
         if queued.device_index is not None:
@@ -788,9 +804,10 @@ class JobManager:
             else self.compile_cache.files_for(job.spec, worker.device_index)
         )
         record = None
+        whole_or_judged = not prebuilt or prebuild.reference_judged(job.spec)
         if (
             not build_arch
-            and not prebuilt
+            and whole_or_judged
             and self.config.record_max_mib > 0
             and judging.wanted(job.spec, worker.hello)
         ):
@@ -829,11 +846,11 @@ class JobManager:
         if waiting is None:
             run = self._track(job, worker, list(cached))
             run.build_arch = build_arch
-            run.record = record
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
             run.awaiting_launch, run.built = False, []
+        run.record = record
         assert run.deadline is not None
         if waiting is not None:
             run.deadline.resume()
@@ -869,6 +886,7 @@ class JobManager:
         arch = prebuild.arch_of(worker.hello.device.compute_capability)
         if arch:
             self.device_arch[worker.device_index] = arch
+        self.engine_judges = worker.hello.judges
         self.fleet.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
@@ -1028,6 +1046,10 @@ class JobManager:
             and not outcome.context_poisoned
         ):
             self.judges.await_judge(run, outcome)
+            if run.job.job_id in self._launched:
+                # A launch process stays, for the next launch; it ran no job's host code and
+                # let go of the record and its socket before it answered.
+                self.judges.kernel_exited(run)
             self.dispatch()
             return
         result = outcome.result

@@ -1,0 +1,63 @@
+"""fe_fake_engine with a judge: its job processes say they judge (a `judge_job`), so the front
+end records compared jobs for a judge process, and launches a kernel built ahead alone when
+its reference has host code (jobs/prebuild.py: reference_judged). The kernel's process writes
+what it is into the record; the judge answers with what it read there and who it is:
+  {"do": "build", "judged_wrong": true}   the judge finds the outputs wrong (INCORRECT)
+Used with `serve --engine fe_fake_engine_judges` (tests/frontend on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import fe_fake_engine as fake
+from fe_fake_engine import EngineConfig, Outcome, build_job, configure_process_environment
+from kerneleval.v1 import job_pb2
+
+__all__ = [
+    "EngineConfig", "Outcome", "Recorder", "build_job", "configure_process_environment",
+    "judge_job", "run_job",
+]  # fmt: skip
+
+_judged = 0  # jobs this process judged
+
+
+class Recorder:
+    """The record's descriptor, as the real one takes it (nothing handed over by socket)."""
+
+    def __init__(self, fd: int, max_bytes: int, share_fd: int = -1, share_max: int = 0) -> None:
+        self.fd, self.shared_bytes = fd, 0
+
+
+def run_job(spec: Any, reporter: Any, config: Any, prebuilt: Any = ()) -> Outcome:
+    outcome = fake.run_job(spec, reporter, config, prebuilt)
+    recorder = getattr(config, "recorder", None)
+    if recorder is not None:
+        said = (
+            f"outputs of {os.environ.get('KERNELEVAL_WORKER_ID')}, prebuilt "
+            f"{[a.role for a in prebuilt]}, reference judged elsewhere: "
+            f"{getattr(config, 'reference_judged', False)}"
+        )
+        os.pwrite(recorder.fd, said.encode(), 0)
+    return outcome
+
+
+def judge_job(
+    spec: Any, reporter: Any, config: Any, candidate: job_pb2.EvalResult, record_fd: int,
+    record_max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0,
+    kernel_gone: bool = False,
+) -> Outcome:  # fmt: skip
+    global _judged
+    _judged += 1
+    result = job_pb2.EvalResult()
+    result.CopyFrom(candidate)
+    wrong = json.loads(spec.kernel.source_code).get("judged_wrong")
+    result.verdict = job_pb2.VERDICT_INCORRECT if wrong else job_pb2.VERDICT_OK
+    result.correctness = not wrong
+    result.notes.append(
+        f"judged by {os.environ.get('KERNELEVAL_WORKER_ID')} (judge {_judged} here); the "
+        f"record: {os.pread(record_fd, 200, 0).decode(errors='replace')}"
+    )
+    return Outcome(result)

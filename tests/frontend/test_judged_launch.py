@@ -1,0 +1,132 @@
+"""A kernel built ahead compared with a reference that has host code (prebuild.py:
+reference_judged), with the fake engine whose job processes judge: a launch process runs the
+kernel alone and records its outputs, and the reference runs only in the job's judge, a
+process the kernel never ran in that stays for later jobs of the same reference. The launch
+process takes job after job, and a job its judge finds wrong does not change that."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from fe_service import fake_engine_service
+from ke_service import ServiceProcess
+from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval_server.jobs import prebuild
+
+REFERENCE = "class Model: the eager reference (host code)"
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    service: ServiceProcess = fake_engine_service(
+        tmp_path_factory.mktemp("judged-launch"), "--workers-per-device", "2",
+        "--build-processes", "1", engine="fe_fake_engine_judges",
+    )  # fmt: skip
+    try:
+        service.start()
+        with service.channel() as ch:
+            yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+    finally:
+        service.stop()
+
+
+def launch_spec(**cmd: object) -> kernel_pb2.JobSpec:
+    """A raw CUDA kernel from its IOContract (distinct code each time) against a TORCH
+    reference, the same each time."""
+    spec = kernel_pb2.JobSpec(client_tag="judged-launch")
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
+    spec.kernel.source_code = json.dumps({"do": "build", **cmd, "code": uuid.uuid4().hex})
+    out = spec.kernel.io.args.add(name="out", role=kernel_pb2.ARG_ROLE_OUTPUT)
+    out.tensor.shape.append(4)
+    out.tensor.dtype = dtype_pb2.DTYPE_FLOAT32
+    spec.kernel.io.args.add(name="n", int_value=4)
+    spec.kernel.io.launch.grid.x = spec.kernel.io.launch.block.x = 1
+    spec.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
+    spec.reference.source_code = REFERENCE
+    spec.options.timeout.seconds = 60
+    return spec
+
+
+def evaluate(stub, spec: kernel_pb2.JobSpec) -> tuple[job_pb2.Job, list[job_pb2.JobEvent]]:  # type: ignore[no-untyped-def]
+    job = stub.Evaluate(pb.EvaluateRequest(spec=spec), timeout=120).job
+    events = [r.event for r in stub.Watch(pb.WatchRequest(job_id=job.job_id), timeout=30)]
+    return job, events
+
+
+def note(job: job_pb2.Job, start: str) -> str:
+    return next((n for n in job.result.notes if n.startswith(start)), "")
+
+
+def test_the_kernel_is_launched_alone_and_its_reference_runs_in_the_judge(stub) -> None:  # type: ignore[no-untyped-def]
+    jobs = [evaluate(stub, launch_spec()) for _ in range(3)]
+    launchers, judges = set(), set()
+    for job, events in jobs:
+        assert job.result.verdict == job_pb2.VERDICT_OK, job
+        launched = note(job, "launched ")
+        assert launched.startswith("launched kernel_fn by "), job.result.notes
+        launchers.add(launched.split()[3])
+        judged = note(job, "judged by ")
+        # The launch process had the kernel's artifact only, and recorded for the judge.
+        assert "prebuilt ['kernel'], reference judged elsewhere: True" in judged, judged
+        judges.add(judged.split()[2])
+        logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
+        assert any("a process its code never ran in" in t for t in logs), logs
+    assert len(launchers) == 1, "one launch process takes job after job"
+    assert len(judges) == 1 and not judges & launchers, "a standing judge, never the launcher"
+    assert [note(j, "launched ").split()[-1] for j, _ in jobs] == ["1", "2", "3"]
+
+
+def test_a_launch_its_judge_finds_wrong_is_incorrect_and_the_next_is_ok(stub) -> None:  # type: ignore[no-untyped-def]
+    wrong, _ = evaluate(stub, launch_spec(judged_wrong=True))
+    assert wrong.result.verdict == job_pb2.VERDICT_INCORRECT, wrong
+    assert note(wrong, "judged by "), wrong.result.notes
+    nxt, _ = evaluate(stub, launch_spec())
+    assert nxt.result.verdict == job_pb2.VERDICT_OK, nxt
+    assert note(nxt, "launched ") and note(nxt, "judged by ")
+
+
+def test_a_kernel_with_host_code_runs_whole_and_is_judged(stub) -> None:  # type: ignore[no-untyped-def]
+    spec = launch_spec()
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH  # a ModelNew: host code
+    spec.kernel.source_code = json.dumps({"do": "time", "seconds": 0})
+    spec.kernel.io.Clear()
+    job, _ = evaluate(stub, spec)
+    assert job.result.verdict == job_pb2.VERDICT_OK, job
+    assert not note(job, "launched ")
+    assert "prebuilt [], reference judged elsewhere: False" in note(job, "judged by ")
+
+
+def test_which_jobs_are_launched_alone_and_judged() -> None:
+    """prebuild.kind: a reference with host code keeps a job from being built ahead unless
+    the node judges; judged_launch_fits: what its judge reads must fit the record or shares."""
+    spec = launch_spec()
+    assert prebuild.reference_judged(spec)
+    assert prebuild.kind(spec) == "" and prebuild.kind(spec, judged=True) == "cuda"
+    bare = kernel_pb2.JobSpec()
+    bare.kernel.CopyFrom(spec.kernel)
+    assert not prebuild.reference_judged(bare) and prebuild.kind(bare) == "cuda"
+    debug = launch_spec()
+    debug.options.sanitize = True  # a debug aid re-runs the job's source: never built ahead
+    assert prebuild.kind(debug, judged=True) == ""
+    modelnew = launch_spec()
+    modelnew.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH
+    assert prebuild.kind(modelnew, judged=True) == ""
+    # Built, the reference is not among the artifacts wanted.
+    kernel_only = [job_channel_pb2.KernelArtifact(role="kernel", cubin=b"\x7fELF", function="f")]
+    assert prebuild.check_artifacts(spec, kernel_only) == ""
+    assert "wanted ['kernel']" in prebuild.check_artifacts(spec, kernel_only * 2)
+
+    mib = 1 << 20
+    big = launch_spec()
+    big.kernel.io.args[0].tensor.shape[:] = [64 * mib]  # 256 MiB of float32 a trial
+    big.options.correct_trial_count = 3  # with the replayed timed trial, 4 are recorded
+    assert prebuild.judged_launch_fits(big, 1100 * mib, 0)
+    assert not prebuild.judged_launch_fits(big, 1000 * mib, 0)
+    assert prebuild.judged_launch_fits(big, 1000 * mib, 1024 * mib)  # by descriptor
+    assert not prebuild.judged_launch_fits(big, 1000 * mib, 1000 * mib)
+    assert not prebuild.judged_launch_fits(big, 2 * mib, 2048 * mib)  # the headers must fit
