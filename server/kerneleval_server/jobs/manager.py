@@ -453,6 +453,8 @@ class JobManager:
                 self._start_alone(worker, held[worker.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
         for worker in sorted(gpu, key=lambda w: -w.launches):
+            if not worker.ready:  # a judge, or a job alone, took it above
+                continue
             built = self._next_launch(worker.device_index) if self.launch_queue else ""
             if built:
                 self._start(built, worker)
