@@ -236,6 +236,10 @@ def main() -> int:
     ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
+    ap.add_argument(
+        "--judge-launches", action="store_true",
+        help="the service's --judge-launches: kernels built ahead against an eager reference",
+    )  # fmt: skip
     ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
     ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
     args = ap.parse_args()
@@ -250,9 +254,11 @@ def main() -> int:
     wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
     if args.build_processes is not None:
         wflags += ["--build-processes", str(args.build_processes)]
+    if args.judge_launches:
+        wflags += ["--judge-launches", "true"]
     data: dict[str, Any] = {
         "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
-        "elements": n,
+        "elements": n, "judge_launches": args.judge_launches,
     }  # fmt: skip
 
     svc = C.Service(wflags + ([] if smoke else ["--devices", "0"]),
@@ -329,8 +335,9 @@ def main() -> int:
         "timed": "one Triton kernel from its IOContract (raw CUDA reference: built once)",
         "io": "Triton from the IOContract"
         if smoke
-        else "alternating Triton (IOContract, eager PyTorch reference: runs whole) and raw "
-        "CUDA (raw CUDA reference: built ahead)",
+        else "alternating Triton (IOContract, eager PyTorch reference: "
+        + ("built ahead, launched alone, judged" if args.judge_launches else "runs whole")
+        + ") and raw CUDA (raw CUDA reference: built ahead)",
         "built": "alternating Triton (IOContract) and raw CUDA, each with a raw CUDA reference "
         "(no host code: built ahead by build processes, run by reused launch processes)",
     }[args.kind]

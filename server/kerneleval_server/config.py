@@ -235,6 +235,15 @@ class Config:
             "outputs are judged in the kernel's own process; 0: none"
         },
     )
+    judge_launches: bool = field(
+        default=False,
+        metadata={
+            "help": "compare a Triton or raw CUDA kernel built ahead with an eager reference by "
+            "launching the kernel alone in a reused launch process and running the reference "
+            "in its judge only (about 3x the RunBatch rate of such jobs on an H100); off until "
+            "verified on a GPU for untimed Evaluate calls of the same code (bench/README.md)"
+        },
+    )
     job_max_pids: int = field(
         default=1024, metadata={"help": "processes and threads in one job process's cgroup"}
     )

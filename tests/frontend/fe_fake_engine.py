@@ -129,7 +129,10 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
         _launches += 1
         reporter.phase(job_pb2.PHASE_VALIDATING)
         time.sleep(float(cmd.get("launch_seconds", 0)))
-        reporter.phase(job_pb2.PHASE_PROFILING)
+        untimed = spec.options.HasField("perf_trial_count") and spec.options.perf_trial_count == 0
+        if not untimed:  # as the engine: no timing phase without timed trials
+            reporter.phase(job_pb2.PHASE_PROFILING)
+            result.runtime.median_ms, result.runtime.trial_count = 0.01, 3
         result.notes.extend(prebuilt[0].notes)
         result.notes.append(
             f"launched {prebuilt[0].function} by {os.environ.get('KERNELEVAL_WORKER_ID')} "

@@ -51,6 +51,11 @@ def judge_job(
 ) -> Outcome:  # fmt: skip
     global _judged
     _judged += 1
+    # The engine's judge's phases: the reference built, its check, its timing if timed.
+    reporter.phase(job_pb2.PHASE_COMPILING)
+    reporter.phase(job_pb2.PHASE_VALIDATING)
+    if candidate.runtime.median_ms > 0:
+        reporter.phase(job_pb2.PHASE_PROFILING)
     result = job_pb2.EvalResult()
     result.CopyFrom(candidate)
     wrong = json.loads(spec.kernel.source_code).get("judged_wrong")

@@ -34,6 +34,7 @@ OOB_STORE = "tl.store(out_ptr + offs + (1 << 40), "  # 4 TiB past the output
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     args = ["--devices", str(GPU), "--build-processes", "2", "--workers-per-device", "4"]
+    args += ["--judge-launches", "true"]
     svc = ServiceProcess(tmp_path_factory.mktemp("judged-launch-gpu"), [
         *args, "--build-pch", "false", "--result-cache-hours", "0",
     ])  # fmt: skip

@@ -655,11 +655,13 @@ class JobManager:
 
     def _judges_launch(self, spec: kernel_pb2.JobSpec) -> bool:
         """A kernel built ahead may be launched alone and its reference, which has host code,
-        run in its judge only: this node's job processes judge, and what the judge reads fits
-        the record or the shares (a launch process cannot judge itself)."""
+        run in its judge only (--judge-launches): this node's job processes judge, and what
+        the judge reads fits the record or the shares (a launch process cannot judge
+        itself)."""
         c = self.config
         return (
-            self.engine_judges
+            c.judge_launches
+            and self.engine_judges
             and c.record_max_mib > 0
             and prebuild.judged_launch_fits(
                 spec, c.record_max_mib << 20, c.record_share_max_mib << 20
