@@ -28,6 +28,16 @@ def real_watchdog_available() -> bool:
     return WATCHDOG_BINARY.exists() and client.exists()
 
 
+def gpu_service_marks() -> list[pytest.MarkDecorator]:
+    """A test module's marks for a real service on a GPU: the gpu mark, skipped without an
+    NVIDIA GPU or the built watchdog."""
+    return [
+        pytest.mark.gpu,
+        pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs an NVIDIA GPU"),
+        pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog"),
+    ]
+
+
 class ServiceProcess:
     """One service process; `start()` again after `kill()` reuses the state folder."""
 

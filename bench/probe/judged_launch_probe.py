@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 import _kernels as K  # noqa: E402
-from kernelbench_repeat_probe import LOGGED, report  # noqa: E402
+from kernelbench_repeat_probe import print_log, report  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
 
 DEADLINE_S = 30.0
@@ -62,9 +62,7 @@ def main() -> int:
                   flush=True)  # fmt: skip
     finally:
         svc.stop()
-        lines = svc.log.read_text(errors="replace").splitlines()
-        kept = [x for x in lines if "NVML" not in x and any(w in x for w in LOGGED)]
-        print("\n".join(kept[-60:]))
+        print_log(svc, 60)
     return 0
 
 

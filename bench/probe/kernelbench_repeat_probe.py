@@ -58,6 +58,13 @@ def report(svc: C.Service) -> None:
         print(c.get_stats())
 
 
+def print_log(svc: C.Service, lines: int) -> None:
+    """The service log's last warnings, errors and judge or share lines (not NVML's)."""
+    text = svc.log.read_text(errors="replace").splitlines()
+    kept = [x for x in text if "NVML" not in x and any(w in x for w in LOGGED)]
+    print("\n".join(kept[-lines:]))
+
+
 def main() -> int:
     deadline = float(sys.argv[1]) if len(sys.argv) > 1 else 300.0
     problems = Path(os.environ.get("KERNELBENCH", "../shared/kernelbench")) / "level1"
@@ -82,9 +89,7 @@ def main() -> int:
         report(svc)
     finally:
         svc.stop()
-        lines = svc.log.read_text(errors="replace").splitlines()
-        kept = [x for x in lines if "NVML" not in x and any(w in x for w in LOGGED)]
-        print("\n".join(kept[-80:]))
+        print_log(svc, 80)
     return 0
 
 

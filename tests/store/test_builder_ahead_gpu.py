@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from ke_service import ServiceProcess, real_watchdog_available
+from ke_service import ServiceProcess, gpu_service_marks
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from pg_server import PostgresServer
@@ -32,11 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import _kernels as K  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs an NVIDIA GPU"),
-    pytest.mark.skipif(not real_watchdog_available(), reason="needs the watchdog"),
-]
+pytestmark = gpu_service_marks()
 N = 1 << 20
 GPU = int(os.environ.get("KERNELEVAL_TEST_GPU", "0"))  # the node's GPU (nvidia-smi's index)
 
