@@ -238,3 +238,28 @@ def test_the_outcome_goes_out_before_the_job_folders_are_removed(
     assert runtime._run_one(engine, Channel(), assign, last=True) == (False, False)  # type: ignore[arg-type]
     assert ("outcome", ["compile", "job"]) in sent
     assert not any(tmp_path.iterdir())
+
+
+def test_a_launch_without_its_references_artifact_or_a_record_runs_nothing(
+    tmp_path: os.PathLike[str],
+) -> None:
+    """A job given as prebuilt whose reference (host code) was not built must come with a
+    record for its judge (prebuild.reference_judged): without one, the runtime would have to
+    import the reference in a process that launches other tenants' kernels. It refuses: an
+    engine error, no reference imported, and the process does not stay for another job."""
+    marker = Path(tmp_path) / "reference.imported"
+    spec = _spec(ADD_MODEL)
+    spec.kernel.type = kernel_pb2.KERNEL_TYPE_CUDA
+    spec.kernel.io.args.add(name="n", int_value=4)
+    spec.reference.CopyFrom(_spec(f"open({str(marker)!r}, 'w')\n" + ADD_MODEL).kernel)
+    kernel = jc.KernelArtifact(role="kernel", cubin=b"\x7fELF", function="add", arch="sm_90")
+    proc, sock = _start(tmp_path)
+    assert recv_frame(sock) is not None  # Hello
+    assign = jc.AssignJob(job_id="job-1", spec=spec, attempt=1, prebuilt=[kernel])
+    sock.sendall(encode(jc.FrontendMessage(assign=assign).SerializeToString()))
+    seen = _messages(sock)
+    assert proc.wait(timeout=60) == 0
+    outcome = next(m.outcome for m in seen if m.WhichOneof("kind") == "outcome")
+    assert outcome.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, outcome.result
+    assert "without a record" in outcome.result.error.message and not outcome.reusable
+    assert not marker.exists()

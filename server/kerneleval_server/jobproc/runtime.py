@@ -695,6 +695,9 @@ def _run_one(
                 # A launch's reference, not built ahead (it has host code), runs only in
                 # its judge: never in a process that takes job after job.
                 config.reference_judged = bool(prebuilt)
+            if prebuilt and not _launch_only(assign, recorder is not None):
+                # Its reference's host code would run in a process that ran others' jobs.
+                raise RuntimeError("a launch whose reference was not built came without a record")
             if prebuilt:
                 outcome = engine.run_job(assign.spec, reporter, config, prebuilt=prebuilt)
             else:
