@@ -890,6 +890,59 @@ def test_a_failing_outcome_claiming_correct_reads_unchecked(stub, svc: ServicePr
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# A GPU MODE task (ref_kernel doubles) and a submission that makes every check in its own
+# process pass and hands back zeros.
+GPU_MODE_REFERENCE = """
+import torch
+
+def generate_input(n, seed):
+    torch.manual_seed(seed)
+    return torch.randn(n)
+
+def ref_kernel(data):
+    return data * 2
+
+def check_implementation(data, output):
+    ok = torch.allclose(output, ref_kernel(data))
+    return ok, "" if ok else "values differ"
+"""
+GPU_MODE_FORGER = """
+import torch
+import kerneleval_server.engine.gpumode as gm
+gm.judgement = lambda answer: (True, "")
+gm._GpuModeRun._judge = lambda self, ref, data, output: (True, "")
+
+def custom_kernel(data):
+    return torch.zeros_like(data)
+"""
+
+
+def test_a_gpu_mode_forger_is_judged_in_another_process(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13: a GPU MODE submission whose module body makes its own process's checks pass
+    comes out INCORRECT from its judge, case by case; an honest one is OK there. The next
+    tenants are judged right."""
+    s = kernel_pb2.JobSpec(client_tag="mallory-gpumode")
+    s.kernel.type = s.reference.type = kernel_pb2.KERNEL_TYPE_GPU_MODE
+    s.kernel.source_code, s.reference.source_code = GPU_MODE_FORGER, GPU_MODE_REFERENCE
+    # One case: the fixture's 2 MiB record holds one (each reserves 1 MiB for its header);
+    # a case over the record's limits is judged in the kernel's process, as for any kernel.
+    case = s.gpu_mode.tests.add()
+    case.args.add(name="n", int_value=64)
+    case.args.add(name="seed", int_value=10)
+    s.options.timeout.seconds = JOB_TIMEOUT_S
+    s.options.perf_trial_count = 0
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert ran.verdict == job_pb2.VERDICT_INCORRECT, ran.describe()
+    assert [c.passed for c in r.test_cases] == [False], ran.describe()
+    assert "judged by" in ran.logs, ran.describe()
+    s.kernel.source_code = "def custom_kernel(data):\n    return data * 2\n"
+    s.client_tag = "bob-gpumode"
+    honest = run_job(stub, s, svc)
+    assert honest.verdict == job_pb2.VERDICT_OK, honest.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 # A kernel whose module body marks its process, and a reference that hangs where that mark is
 # missing: only in the judge's process (which never imports the kernel).
 MARKS_ITS_PROCESS = """

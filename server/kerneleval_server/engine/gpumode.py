@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare
+from . import compare, record, tamper
 from . import runner as _runner  # circular, used at call time only: runner dispatches here
 from .backends import BuildContext
 from .backends import gpumode as backend
@@ -34,6 +34,7 @@ from .inputs import mix_seed
 
 JUDGE = "reference: check_implementation(): "
 GENERATE = "reference: generate_input(): "
+REF_KERNEL = "reference: ref_kernel(): "
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,69 @@ def tensors_of(data: Any) -> list[torch.Tensor]:
     return []
 
 
+MAX_STRUCTURE = 4096  # characters of a recorded output's nest (RecordedTrial.structure)
+MAX_DEPTH = 32
+
+
+def flatten(output: Any) -> tuple[list[Any], str]:
+    """A submission's output as the record holds it: its values in order and the nest of
+    tuples and lists around them ("t" a value: "t", "(t,t)", "[t,(t,t)]"). Anything else (a
+    dict, ...) is one value, which the record keeps as a stand-in that no check passes."""
+    leaves: list[Any] = []
+
+    def walk(x: Any, depth: int) -> str:
+        if isinstance(x, (tuple, list)) and depth < MAX_DEPTH:
+            inner = ",".join(walk(v, depth + 1) for v in x)
+            return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
+        leaves.append(x)
+        return "t"
+
+    return leaves, walk(output, 0)
+
+
+class StructureError(ValueError):
+    """A recorded nest that flatten never writes (a hostile kernel's process)."""
+
+
+def rebuild(leaves: list[Any], structure: str) -> Any:
+    """flatten's inverse; StructureError for a nest that is not one, or not of these values."""
+    if not structure or len(structure) > MAX_STRUCTURE:
+        raise StructureError(f"an output nest of {len(structure)} characters")
+    pos, used = 0, 0
+
+    def parse(depth: int) -> Any:
+        nonlocal pos, used
+        if depth > MAX_DEPTH or pos >= len(structure):
+            raise StructureError("an output nest too deep or cut short")
+        c = structure[pos]
+        if c == "t":
+            pos += 1
+            if used >= len(leaves):
+                raise StructureError("an output nest with more values than were recorded")
+            used += 1
+            return leaves[used - 1]
+        close = {"(": ")", "[": "]"}.get(c)
+        if close is None:
+            raise StructureError(f"an output nest with {c!r} at {pos}")
+        pos += 1
+        items: list[Any] = []
+        while pos < len(structure) and structure[pos] != close:
+            if items:
+                if structure[pos] != ",":
+                    raise StructureError(f"an output nest without a comma at {pos}")
+                pos += 1
+            items.append(parse(depth + 1))
+        if pos >= len(structure):
+            raise StructureError("an output nest left open")
+        pos += 1
+        return tuple(items) if c == "(" else items
+
+    out = parse(0)
+    if pos != len(structure) or used != len(leaves):
+        raise StructureError("an output nest that does not hold exactly the values recorded")
+    return out
+
+
 class JudgeAnswerError(TypeError):
     """check_implementation answered something that is neither of GPU MODE's forms."""
 
@@ -110,6 +174,7 @@ def run(job: _runner._Job, ctx: BuildContext) -> None:
 
 class _GpuModeRun:
     modules: backend.SharedModules  # set for the time of run()
+    index = 0  # the case being checked, in the order tests then benchmarks
 
     def __init__(self, job: _runner._Job, ctx: BuildContext) -> None:
         self.job = job
@@ -160,12 +225,13 @@ class _GpuModeRun:
 
     # -- correctness ---------------------------------------------------------------------
     def _check_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
-        job, r = self.job, self.result
+        r = self.result
         checks = [(c, r.test_cases) for c in self.tests]
         checks += [(c, r.benchmark_cases) for c in self.benchmarks]
         first_failure: tuple[Case, str] | None = None
         for i, (case, into) in enumerate(checks):
             record = into.add(spec=case.spec)
+            self.index = i
             passed, message = self._check(ref, cand, case, record)
             record.passed, record.message = passed, message
             r.validation.trial_count = i + 1
@@ -173,7 +239,12 @@ class _GpuModeRun:
                 r.validation.trials_passed += 1
             elif first_failure is None:
                 first_failure = (case, message)
-            job.reporter.progress(job_pb2.PHASE_VALIDATING, i + 1, len(checks))
+            self.job.reporter.progress(job_pb2.PHASE_VALIDATING, i + 1, len(checks))
+        self._conclude(first_failure)
+
+    def _conclude(self, first_failure: tuple[Case, str] | None) -> None:
+        """INCORRECT for the first case that failed (ends the job), else passed."""
+        r = self.result
         if first_failure is not None:
             case, message = first_failure
             v = r.validation
@@ -185,7 +256,7 @@ class _GpuModeRun:
             r.failed_side = job_pb2.SIDE_KERNEL
             r.correctness = False
             r.correctness_status = job_pb2.CORRECTNESS_FAILED
-            job.notes.append("incorrect: not timed")
+            self.job.notes.append("incorrect: not timed")
             raise _runner._Stop
         r.correctness = True
         r.correctness_status = job_pb2.CORRECTNESS_PASSED
@@ -207,6 +278,10 @@ class _GpuModeRun:
                 # An unwritten torch.empty() output must not find an earlier result there.
                 compare.poison_free_memory(compare.nbytes_of(tensors_of(data)), job.dev)
             output = self._call(lambda: cand.custom_kernel(kernel_data), "")
+            if self.job.judged_elsewhere:
+                leaves, structure = flatten(output)
+                if self.job._record(self.index, leaves, structure=structure):
+                    return True, ""  # not this process's to say: its judge's
             return self._judge(ref, data, output)
         except _runner._Stop:
             record.message = self.result.error.message or self.result.compilation_error
@@ -241,7 +316,7 @@ class _GpuModeRun:
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # whose fault it is is found out below
-            own = self._call(lambda: ref.ref_kernel(clone(pristine)), "reference: ref_kernel(): ")
+            own = self._call(lambda: ref.ref_kernel(clone(pristine)), REF_KERNEL)
             with self.job._guard(JUDGE), self._side(JUDGE):
                 judgement(ref.check_implementation(pristine, own))
             return False, f"check_implementation raised {type(e).__name__} on it: {e}"
@@ -260,13 +335,18 @@ class _GpuModeRun:
         for i, case in enumerate(self.benchmarks):
             self._time_case(ref, cand, case, r.benchmark_cases[i], 2 * n * i, total)
         r.runtime.CopyFrom(geometric_means([c.runtime for c in r.benchmark_cases]))
+        if not job.judged_elsewhere:
+            self._speedups()
+
+    def _speedups(self) -> None:
+        r = self.result
         r.reference_runtime.CopyFrom(
             geometric_means([c.reference_runtime for c in r.benchmark_cases])
         )
         speedups = [c.speedup for c in r.benchmark_cases]
         if all(s > 0 for s in speedups):
             r.speedup = geometric_mean(speedups)
-            job._judge_speedup()
+            self.job._judge_speedup()
 
     def _time_case(
         self,
@@ -289,7 +369,9 @@ class _GpuModeRun:
                     lambda d: job._progress(done + d, total),
                 )
             )
-        who = "reference: ref_kernel(): "
+        if self.job.judged_elsewhere:
+            return  # its judge times ref_kernel, once this process is gone
+        who = REF_KERNEL
         with self._side(who):
             record.reference_runtime.CopyFrom(
                 job._measure(
@@ -321,3 +403,141 @@ def geometric_means(stats: list[job_pb2.RuntimeStats]) -> job_pb2.RuntimeStats:
     out.source = stats[0].source
     out.l2_flushed = stats[0].l2_flushed
     return out
+
+
+# -- the judge: the submission's outputs from its process's record (issue 13) -----------------
+
+
+def judge(
+    job: _runner._Job,
+    ctx: BuildContext,
+    read_record: Callable[[], list[record.Trial]],
+    fitted: Callable[[int, list[Any]], bool],
+) -> None:
+    """A GPU MODE job's verdict in its judge (engine/judge.py): every case's data made again
+    from its seed, the recorded output rebuilt (flatten's nest), the reference's
+    check_implementation on them; then ref_kernel timed on each benchmark case. The kernel's
+    times, per case and overall, are its process's. `read_record`: the record's trials;
+    `fitted(at, outputs)`: whether outputs said to be over the limit would have fitted."""
+    _GpuModeJudge(job, ctx).judge(read_record, fitted)
+
+
+class _GpuModeJudge(_GpuModeRun):
+    def judge(
+        self,
+        read_record: Callable[[], list[record.Trial]],
+        fitted: Callable[[int, list[Any]], bool],
+    ) -> None:
+        job, r = self.job, self.result
+        records = [*r.test_cases, *r.benchmark_cases]
+        with backend.shared_modules(self.ctx.work_dir, job.spec.gpu_mode.files) as self.modules:
+            ref = self._build(lambda: backend.build_reference(job.spec.reference, self.ctx), True)
+            job.notes.extend(self.ctx.notes)
+            job.source_files = tuple(self.ctx.source_files)
+            trials = read_record()
+            if not getattr(job, "validating", False):
+                job.reporter.phase(job_pb2.PHASE_VALIDATING)
+            cases = [*self.tests, *self.benchmarks]
+            checked = [t for t in trials if not t.replay and not t.over_limit]
+            over = next((t for t in trials if t.over_limit), None)
+            self._check_record(cases, records, checked, over)
+            for c in records[: len(checked)]:  # the kernel's process's claims
+                for name in ("passed", "message", "reference_runtime", "speedup"):
+                    c.ClearField(name)  # type: ignore[arg-type]
+            if over is not None:
+                self._check_over_claim(ref, cases[over.trial], over, fitted)
+            first_failure: tuple[Case, str] | None = None
+            for i, case in enumerate(cases):
+                if i < len(checked):  # else judged in the kernel's process (over the limit)
+                    records[i].passed, records[i].message = self._judge_recorded(
+                        ref, case, checked[i]
+                    )
+                r.validation.trial_count = i + 1
+                if records[i].passed:
+                    r.validation.trials_passed += 1
+                elif first_failure is None:
+                    first_failure = (case, records[i].message)
+                job.reporter.progress(job_pb2.PHASE_VALIDATING, i + 1, len(cases))
+            self._conclude(first_failure)
+            if over is not None:
+                job.notes.append(
+                    f"{len(checked)} of {len(cases)} cases judged outside the kernel's process "
+                    "(its outputs are over the record's limits); the rest, and the reference's "
+                    "times, only in it"
+                )
+            elif self.benchmarks and r.runtime.median_ms > 0:
+                self._time_reference(ref)
+        r.verdict = job_pb2.VERDICT_OK
+
+    def _check_record(
+        self, cases: list[Case], records: list[Any], checked: list[record.Trial],
+        over: record.Trial | None,
+    ) -> None:  # fmt: skip
+        """The record holds the task's cases in order, each once, up to one over the limit
+        (after which the kernel's process judged the rest itself, as it reports)."""
+        job = self.job
+        if len(records) != len(cases):
+            job._tampered(
+                f"{tamper.PREFIX}the kernel's process reported {len(records)} cases of "
+                f"a task with {len(cases)}"
+            )
+        if [t.trial for t in checked] != list(range(len(checked))):
+            job._tampered(f"{tamper.PREFIX}the kernel's process recorded the cases "
+                          "out of order")  # fmt: skip
+        end = over.trial if over is not None else len(cases)
+        if len(checked) != end or end > len(cases):
+            job._tampered(
+                f"{tamper.PREFIX}the kernel's process recorded {len(checked)} of the "
+                f"task's {len(cases)} cases"
+            )
+
+    def _check_over_claim(
+        self, ref: backend.GpuModeReference, case: Case, over: record.Trial,
+        fitted: Callable[[int, list[Any]], bool],
+    ) -> None:  # fmt: skip
+        """A case said to be over the record's limits: ref_kernel's output on its data must
+        not have fitted where the record stopped, else the kernel chose what to show."""
+        data = self._generate(ref, case)
+        own = self._call(lambda: ref.ref_kernel(data), REF_KERNEL)
+        if fitted(over.at, flatten(own)[0]):
+            self.job._tampered(
+                f"{tamper.PREFIX}the kernel's process called {case.label} over the "
+                "record's limit, where the reference's output fits"
+            )
+
+    def _judge_recorded(
+        self, ref: backend.GpuModeReference, case: Case, trial: record.Trial
+    ) -> tuple[bool, str]:
+        data = self._generate(ref, case)
+        values = [v.to(self.job.dev) if isinstance(v, torch.Tensor) else v for v in trial.values]
+        try:
+            output = rebuild(values, trial.structure)
+        except StructureError as e:
+            self.job._tampered(f"{tamper.PREFIX}the kernel's process recorded {e}")
+        return self._judge(ref, data, output)
+
+    def _time_reference(self, ref: backend.GpuModeReference) -> None:
+        """ref_kernel timed on each benchmark case's fresh data, against the kernel's time its
+        process measured on the same case."""
+        job, r = self.job, self.result
+        n = job.opts.perf_trials
+        job.reporter.phase(job_pb2.PHASE_PROFILING)
+        for i, case in enumerate(self.benchmarks):
+            self._time_case_reference(ref, case, r.benchmark_cases[i], n * i)
+        self._speedups()
+
+    def _time_case_reference(
+        self, ref: backend.GpuModeReference, case: Case, result: job_pb2.CaseResult, done: int
+    ) -> None:
+        job = self.job
+        total = job.opts.perf_trials * len(self.benchmarks)
+        data = self._generate(ref, case)
+        with self._side(REF_KERNEL):
+            result.reference_runtime.CopyFrom(
+                job._measure(
+                    lambda: ref.ref_kernel(data), REF_KERNEL,
+                    lambda d: job._progress(done + d, total),
+                )
+            )  # fmt: skip
+        if result.runtime.median_ms > 0:
+            result.speedup = result.reference_runtime.median_ms / result.runtime.median_ms

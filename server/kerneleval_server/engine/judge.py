@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, device_share, errors, loader, record, tamper
+from . import compare, device_share, errors, gpumode, loader, record, tamper
 from .backends import Program
 from .inputs import TrialArgs
 from .runner import (
@@ -62,6 +62,7 @@ def judge_job(
     job.record_max = record_max_bytes
     job.share_fd, job.share_max, job.kernel_gone = share_fd, share_max_bytes, kernel_gone
     job.share_room = 0
+    job.validating = False
     try:
         with preserved_torch_state(), loader.forgetting_modules():
             job.judge(candidate, record_fd)
@@ -83,6 +84,7 @@ class _Judge(_Job):
     share_max: int
     kernel_gone: bool
     share_room: int  # what the shares' limit had left after what was handed over
+    validating: bool  # the gated phase was asked for (the shares' copies needed it)
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -92,20 +94,13 @@ class _Judge(_Job):
     def judge(self, candidate: job_pb2.EvalResult, fd: int) -> None:
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
+        if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
+            gpumode.judge(self, ctx, lambda: self._read(fd), self._fitted)
+            return
         ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
-        got: list[device_share.Share] = []
-        try:
-            got = self._received()
-            if got:  # copying them takes GPU memory: only once admitted (the gated phase)
-                self.reporter.phase(job_pb2.PHASE_VALIDATING)
-            trials = record.read(fd, self._load(got))
-        except (record.RecordError, device_share.ShareError) as e:
-            why = f"the kernel's process left a malformed record of its outputs: {e}"
-            self._tampered(tamper.PREFIX + why)
-        finally:
-            device_share.close(got)
+        trials = self._read(fd)
         # At most the trials the options ask for: a record of thousands would hold the GPU.
         checked = [t for t in trials if not t.replay and not t.over_limit]
         checked = checked[: self.opts.correct_trials]
@@ -118,7 +113,7 @@ class _Judge(_Job):
         cand = RecordedProgram(checked, self.dev, launch)
         make_args = self._input_source(cand, ref)
         self._preflight_triton(cand, ref, make_args, ctx)
-        if not got:
+        if not self.validating:
             self.reporter.phase(job_pb2.PHASE_VALIDATING)
         if not checked:
             self._nothing_recorded(candidate, ref, make_args, over)
@@ -138,6 +133,28 @@ class _Judge(_Job):
                 self._check_replay(cand, ref, make_args, replay)
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
+
+    def _read(self, fd: int) -> list[record.Trial]:
+        """The record's trials, with what was handed over by descriptor loaded (the gated
+        phase asked first: copying them takes GPU memory). A record no recorder writes is
+        tampering."""
+        got: list[device_share.Share] = []
+        try:
+            got = self._received()
+            if got:
+                self.reporter.phase(job_pb2.PHASE_VALIDATING)
+                self.validating = True
+            return record.read(fd, self._load(got))
+        except (record.RecordError, device_share.ShareError) as e:
+            why = f"the kernel's process left a malformed record of its outputs: {e}"
+            self._tampered(tamper.PREFIX + why)
+        finally:
+            device_share.close(got)
+
+    def _fitted(self, at: int, outputs: list[Any]) -> bool:
+        """Whether outputs said to be over the limit would have fitted where the record
+        stopped (in the file, or in what the shares' limit had left)."""
+        return record.fits_after(at, outputs, self.record_max, self.share_room)
 
     def _received(self) -> list[device_share.Share]:
         """What the kernel's process handed over by descriptor, checked (no GPU work yet);

@@ -89,12 +89,14 @@ class Recorder:
         self.full = False  # a trial did not fit: the rest is judged here
         os.pwrite(fd, MAGIC, 0)
 
-    def record(self, trial: int, outputs: list[Any], replay: bool = False) -> bool:
-        """Writes one trial's outputs; False when they did not fit (or an earlier one did
-        not)."""
+    def record(
+        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = ""
+    ) -> bool:
+        """Writes one trial's outputs (`structure`: RecordedTrial.structure); False when they
+        did not fit (or an earlier one did not)."""
         if self.full:
             return False
-        head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay)
+        head = job_channel_pb2.RecordedTrial(trial=trial, replay=replay, structure=structure)
         # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
         need = trial_bytes(outputs)
         if self._end + need > self._max:
@@ -193,6 +195,7 @@ class Trial:
     bytes: int
     values: list[Any]  # host tensors, or _NotATensor stand-ins
     at: int = 0  # where its header starts: what the record held before it
+    structure: str = ""  # RecordedTrial.structure: "" for a Model's outputs
 
 
 def fits_after(at: int, outputs: list[Any], max_bytes: int, share_room: int = 0) -> bool:
@@ -249,7 +252,9 @@ def read(fd: int, shares: dict[int, torch.Tensor] | None = None) -> list[Trial]:
             t, stop = _tensor(mem, size, v, used)
             values.append(t)
             end = max(end, stop)
-        trials.append(Trial(head.trial, head.replay, head.over_limit, head.bytes, values, pos))
+        trials.append(
+            Trial(head.trial, head.replay, head.over_limit, head.bytes, values, pos, head.structure)
+        )
         pos = _aligned(end) if head.values else end
         if head.over_limit:
             break

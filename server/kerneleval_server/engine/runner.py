@@ -762,14 +762,16 @@ class _Job:
             floor = integrity.memory_floor(kernel_ms, self._output_bytes, bandwidth, l2)
             self._flag([floor] if floor is not None else [])
 
-    def _record(self, trial: int, outputs: list[Any], replay: bool = False) -> None:
+    def _record(
+        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = ""
+    ) -> bool:
         """The kernel's outputs of a trial, for its judge (record.py). Handing them over by
         descriptor copies them on the GPU: out of memory there is the job's OUT_OF_MEMORY (a
         job that shared its GPU runs again with the GPU to itself)."""
         if self.recorder is None:
-            return
+            return False
         with self._guard("handing the outputs to the judge: ", side=job_pb2.SIDE_KERNEL):
-            recorded = self.recorder.record(trial, outputs, replay=replay)
+            recorded = bool(self.recorder.record(trial, outputs, replay, structure))
         if not recorded and self.reference_judged:  # the front end sends none such here
             self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
             self.result.error.exception_type = "OutputsTooLarge"
@@ -778,6 +780,7 @@ class _Job:
                 "the judge's limits, and its reference runs only in the judge"
             )
             raise _Stop
+        return recorded
 
     def _replayed_incorrect(self, why: str) -> NoReturn:
         """Ends the job INCORRECT with the replayed_outputs flag (here, or in the judge)."""

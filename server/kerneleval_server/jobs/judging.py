@@ -42,12 +42,11 @@ STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 G
 
 
 def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> bool:
-    """A compared job run whole by an engine that judges (test engines do not). GPU MODE
-    tasks bring their own checker, and the debug aids re-run the job in a child process of
-    its own (engine/isolated.py): both are judged in the kernel's process, as the docs say."""
+    """A compared job (a GPU MODE task too: its checker runs in the judge) run whole by an
+    engine that judges (test engines do not). The debug aids re-run the job in a child
+    process of its own (engine/isolated.py): such jobs are judged in the kernel's process, as
+    the docs say."""
     if hello is None or not hello.judges or not spec.HasField("reference"):
-        return False
-    if spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
         return False
     o = spec.options
     return not (o.sanitize or o.device_metrics or o.launch_blocking or o.device_side_assertions)
@@ -58,7 +57,9 @@ def reference_key(spec: kernel_pb2.JobSpec) -> str:
     (its source, type, entry points and I/O). A reference can leave state in its process, but
     only for the same code, which could do the same in a process of its own."""
     data = spec.reference.SerializeToString(deterministic=True)
-    return hashlib.sha256(data).hexdigest()
+    # A GPU MODE task's shared modules are imported beside its reference.
+    files = kernel_pb2.GpuModeTask(files=spec.gpu_mode.files)
+    return hashlib.sha256(data + files.SerializeToString(deterministic=True)).hexdigest()
 
 
 @dataclass
