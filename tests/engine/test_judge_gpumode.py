@@ -174,3 +174,18 @@ def test_cases_past_a_full_record_are_judged_where_they_ran_as_the_result_says(
     assert any(n.startswith("1 of 2 cases judged outside") for n in final.result.notes)
     _, final = judged(engine_dir, inline_spec(DOUBLE_REFERENCE, FORGER), limit=room_for_one)
     assert final is not None and final.result.verdict == V.VERDICT_INCORRECT, final
+
+
+def test_an_fp8_output_and_its_nest_survive_the_record() -> None:
+    """GPU MODE's fp8 tasks: such an output reaches the judge bit for bit."""
+    fd = os.memfd_create("record")
+    try:
+        x = torch.randn(8).to(torch.float8_e4m3fn)
+        leaves, nest = gpumode.flatten((x, [x]))
+        assert Recorder(fd, LIMIT).record(0, leaves, structure=nest)
+        (trial,) = rec.read(fd)
+        back = gpumode.rebuild(trial.values, trial.structure)
+        assert isinstance(back, tuple) and isinstance(back[1], list)
+        assert torch.equal(back[1][0].view(torch.uint8), x.view(torch.uint8))
+    finally:
+        os.close(fd)

@@ -43,6 +43,8 @@ DTYPES: dict[str, torch.dtype] = {
         torch.bool,
         torch.complex64,
         torch.complex128,
+        # GPU MODE's fp8 tasks (a submission's output as its checker reads it)
+        *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)),
     )  # fmt: skip
 }
 
