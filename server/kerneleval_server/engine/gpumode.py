@@ -81,7 +81,7 @@ def tensors_of(data: Any) -> list[torch.Tensor]:
     return []
 
 
-MAX_STRUCTURE = 4096  # characters of a recorded output's nest (RecordedTrial.structure)
+MAX_STRUCTURE = 1 << 16  # characters of a recorded output's nest (RecordedTrial.structure)
 MAX_DEPTH = 32
 
 
