@@ -219,6 +219,9 @@ def test_the_outcome_goes_out_before_the_job_folders_are_removed(
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "unused"))
+    # Armed, the tamper hook stays on in this process for good: later tests in it that patch
+    # the engine (test_integrity) would be refused.
+    monkeypatch.setattr(runtime, "_arm_tamper_checks", lambda prepare_only=False: None)
     sent: list[tuple[str, list[str]]] = []
 
     class Channel:
