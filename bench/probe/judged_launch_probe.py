@@ -28,6 +28,16 @@ DEADLINE_S = 30.0
 SHAPES = [(4096, 1, 0, True), (4096, 1, 20, True), (4096, 1, 0, False), (1 << 20, 2, 20, False)]
 
 
+def workers(svc: C.Service) -> None:
+    """Every job process: device, spare, its job, jobs done, standing judge."""
+    with svc.client() as c:
+        for d in c.list_devices():
+            for w in d.workers:
+                print(f"  device {d.index} {w.worker_id} pid {w.pid} spare={w.spare} "
+                      f"job={w.job_id[:8]} done={w.completed_job_count} "
+                      f"judge={w.standing_judge}")  # fmt: skip
+
+
 def main() -> int:
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     svc = C.Service(["--judge-launches", "true", "--devices", "0"], nvml="real").start()
@@ -57,6 +67,7 @@ def main() -> int:
                 if stalled:
                     print(f"STALL n={n} correct={correct} perf={perf} same={same} call {i}")
                     report(svc)
+                    workers(svc)
                     break
             print(f"n={n} correct={correct} perf={perf} same={same}: ms {walls} {verdicts}",
                   flush=True)  # fmt: skip
