@@ -143,6 +143,11 @@ def main() -> int:
         "--service-only", action="store_true",
         help="no fresh or forked baselines (comparing two trees of the service)",
     )  # fmt: skip
+    ap.add_argument(
+        "--judge-launches", action="store_true",
+        help="the service's --judge-launches (Triton from its IOContract against the eager "
+        "reference: built ahead, launched alone, judged)",
+    )  # fmt: skip
     args = ap.parse_args()
     smoke = args.cpu_smoke
     requests = args.requests or (10 if smoke else 60)
@@ -158,6 +163,8 @@ def main() -> int:
     ref.write_text(K.torch_ref(n))
 
     flags = [] if smoke else ["--devices", args.device]
+    if args.judge_launches:
+        flags += ["--judge-launches", "true"]
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
     data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}
