@@ -157,3 +157,31 @@ def test_judges_and_launches_taking_processes_in_one_dispatch_lose_no_job(stub) 
     assert all(j.result.verdict == job_pb2.VERDICT_OK for j in finished.values())
     judged = [t for t, j in finished.items() if note(j, "judged by ")]
     assert sorted(judged, key=int) == [str(i) for i in range(36) if i % 3 != 2]
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One job process a GPU (the default --workers-per-device)."""
+    service: ServiceProcess = fake_engine_service(
+        tmp_path_factory.mktemp("judged-launch-one-slot"), "--workers-per-device", "1",
+        "--build-processes", "1", "--judge-launches", "true", engine="fe_fake_engine_judges",
+    )  # fmt: skip
+    try:
+        service.start()
+        with service.channel() as ch:
+            yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+    finally:
+        service.stop()
+
+
+def test_with_one_slot_a_launch_process_leaves_it_for_the_judge(one_slot) -> None:  # type: ignore[no-untyped-def]
+    """The launch process stays, job after job, in the GPU's only slot, and a judge needs a
+    fresh process there: the first launched job waited for ever (seen on an H100 with
+    bench_overhead, which runs the default of one). An idle launch process now leaves, and
+    the spare that takes its slot judges; each job ends in seconds."""
+    spec = launch_spec()
+    spec.options.perf_trial_count = 0
+    for _ in range(3):
+        job = one_slot.Evaluate(pb.EvaluateRequest(spec=spec), timeout=20).job
+        assert job.result.verdict == job_pb2.VERDICT_OK, job
+        assert note(job, "launched ") and note(job, "judged by "), job.result.notes

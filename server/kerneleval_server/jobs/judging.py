@@ -39,6 +39,7 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_S
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
 STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
+FREE_A_SLOT_EVERY_S = 5.0  # a launch process retired for a judge: the next, per GPU, at most
 
 
 def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> bool:
@@ -163,6 +164,7 @@ class Judges:
     def __init__(self, m: JobManager, exit_grace_s: float, kill_fallback_s: float) -> None:
         self.m = m
         self.queue: deque[str] = deque()  # their kernel ran OK: each waits for a judge
+        self.freed_for_judge: dict[int, float] = {}  # GPU -> when a launch process left for one
         self.exit_grace_s = exit_grace_s  # a job process's exit after its outcome, at most
         self.kill_fallback_s = kill_fallback_s  # a kill the watchdog never confirms
 
@@ -257,6 +259,23 @@ class Judges:
             if worker is not None:
                 self.queue.remove(job_id)
                 self._start(job_id, worker)
+            else:
+                self._free_a_slot(device, fresh)
+
+    def _free_a_slot(self, device: int, fresh: list[WorkerState]) -> None:
+        """A judged job finds no judge on its GPU: where its slots hold launch processes
+        (they stay, job after job; with --workers-per-device 1 the only slot did, and a
+        launched job waited for ever), an idle one leaves, and the spare that takes its slot
+        is the judge. One a GPU per FREE_A_SLOT_EVERY_S: a spare's promotion takes less."""
+        now = asyncio.get_running_loop().time()
+        if now - self.freed_for_judge.get(device, -FREE_A_SLOT_EVERY_S) < FREE_A_SLOT_EVERY_S:
+            return
+        idle = next(
+            (w for w in fresh if w.ready and w.device_index == device and w.launches), None
+        )
+        if idle is not None:  # a busy one is idle after its job: that outcome asks again
+            self.freed_for_judge[device] = now
+            self.retire(idle, "its slot goes to a judge (a judged job found none on its GPU)")
 
     def retire(self, worker: WorkerState, why: str) -> None:
         """An idle reusable job process leaves: its channel closed, it exits 0."""
