@@ -241,7 +241,7 @@ class Config:
             "help": "compare a Triton or raw CUDA kernel built ahead with an eager reference by "
             "launching the kernel alone in a reused launch process and running the reference "
             "in its judge only (about 3x the RunBatch rate of such jobs on an H100); off until "
-            "verified on a GPU for untimed Evaluate calls of the same code (bench/README.md)"
+            "its fix for one job process a GPU has run on a GPU (bench/README.md)"
         },
     )
     job_max_pids: int = field(
