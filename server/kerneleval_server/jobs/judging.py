@@ -260,13 +260,17 @@ class Judges:
                 self.queue.remove(job_id)
                 self._start(job_id, worker)
             else:
-                self._free_a_slot(device, fresh)
+                self._free_a_slot(device, fresh, key)
 
-    def _free_a_slot(self, device: int, fresh: list[WorkerState]) -> None:
+    def _free_a_slot(self, device: int, fresh: list[WorkerState], key: str) -> None:
         """A judged job finds no judge on its GPU: where its slots hold launch processes
         (they stay, job after job; with --workers-per-device 1 the only slot did, and a
         launched job waited for ever), an idle one leaves, and the spare that takes its slot
-        is the judge. One a GPU per FREE_A_SLOT_EVERY_S: a spare's promotion takes less."""
+        is the judge. Not while a standing judge of its reference is busy there (it is free
+        soon), and one a GPU per FREE_A_SLOT_EVERY_S: a spare's promotion takes less."""
+        workers = self.m.workers.by_id.values()
+        if any(w.judge_key == key and w.device_index == device and not w.gone for w in workers):
+            return
         now = asyncio.get_running_loop().time()
         if now - self.freed_for_judge.get(device, -FREE_A_SLOT_EVERY_S) < FREE_A_SLOT_EVERY_S:
             return
