@@ -629,24 +629,35 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
 
 def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
     """Standing judges live outside their GPU's process slots, so they are capped: a judge
-    beyond STANDING_JUDGES_PER_DEVICE on its GPU leaves at once (its channel closed), and one
-    idle for STANDING_JUDGE_IDLE_S leaves then, unless it judged again meanwhile."""
+    beyond STANDING_JUDGES_PER_DEVICE on its GPU takes the place of the one idle longest
+    there (its channel closed), or leaves at once when all of them are busy; one idle for
+    STANDING_JUDGE_IDLE_S leaves then, unless it judged again meanwhile."""
     from kerneleval_server.jobs.judging import STANDING_JUDGES_PER_DEVICE
 
     m = _judging_manager(tmp_path)
+    n = STANDING_JUDGES_PER_DEVICE
 
     async def main() -> None:
-        judges = [_process(f"d0-j{i}") for i in range(STANDING_JUDGES_PER_DEVICE + 1)]
+        judges = [_process(f"d0-j{i}") for i in range(n + 2)]
         judges.append(_process("d1-j0", device=1))
-        for w in judges:
+        for w in [*judges[: n + 1], judges[-1]]:
             m.workers.by_id[w.worker_id] = w
             w.assigned_job_id, w.reusable = "earlier", True
             m.judges.stand(w, "k")
-        extra = judges[STANDING_JUDGES_PER_DEVICE]
-        assert extra.gone and extra.writer.closed and not extra.ready
-        for w in judges[:STANDING_JUDGES_PER_DEVICE] + judges[-1:]:  # the cap is per GPU
+        oldest = judges[0]
+        assert oldest.gone and oldest.writer.closed and not oldest.ready
+        for w in [*judges[1 : n + 1], judges[-1]]:  # the cap is per GPU
             assert w.ready and w.judge_key == "k", w.worker_id
-        busy, idle = judges[0], judges[1]
+        for w in judges[1 : n + 1]:
+            w.job_id = "judging"  # all busy: the next one leaves itself
+        late = judges[n + 1]
+        m.workers.by_id[late.worker_id] = late
+        late.assigned_job_id, late.reusable = "earlier", True
+        m.judges.stand(late, "k")
+        assert late.gone and all(not w.gone for w in judges[1 : n + 1])
+        for w in judges[1 : n + 1]:
+            w.job_id = ""
+        busy, idle = judges[1], judges[2]
         m.judges._retire_if_idle(busy, busy.idle_since - 1)  # it judged again since that timer
         assert busy.ready
         m.judges._retire_if_idle(idle, idle.idle_since)

@@ -302,8 +302,13 @@ class Judges:
             and not w.gone
         ]  # fmt: skip
         if len(others) >= STANDING_JUDGES_PER_DEVICE:
-            self.retire(worker, f"{len(others)} judges stand on its GPU already")
-            return
+            # The one idle longest makes room (a loop moves on to its next problem), unless
+            # all are busy: then this one goes.
+            idle = sorted((w for w in others if w.ready), key=lambda w: w.idle_since)
+            if not idle:
+                self.retire(worker, f"{len(others)} judges stand on its GPU already, all busy")
+                return
+            self.retire(idle[0], "a judge of a newer reference takes its place")
         if not worker.judge_key and self.m.watchdog is not None:
             self.m._spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
         worker.judge_key = key
