@@ -15,7 +15,15 @@ import torch
 from engine_helpers import ADD_MODEL, TORCH, TRITON, TRITON_ADD, RecordingReporter, V, job, source
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
-from kerneleval_server.engine import EngineConfig, Outcome, Recorder, compare, judge_job, run_job
+from kerneleval_server.engine import (
+    EngineConfig,
+    Outcome,
+    Recorder,
+    compare,
+    gpumode,
+    judge_job,
+    run_job,
+)
 from kerneleval_server.engine import record as rec
 from test_triton_launch import add_args
 
@@ -52,13 +60,19 @@ def judged(
     tamper: Callable[[int], None] | None = None,
     limit: int = LIMIT,
 ) -> tuple[Outcome, Outcome | None]:
-    """(the kernel's process's outcome, the judge's or None when it would not be asked)."""
+    """(the kernel's process's outcome, the judge's or None when it would not be asked). What
+    the kernel's code patches (the comparison, GPU MODE's checks) is put back before the judge
+    runs: the judge's process is another one."""
     fd = os.memfd_create("record")
-    clean = compare.compare_outputs  # the judge's process is another one: unpatched
+    clean = (compare.compare_outputs, gpumode.judgement, gpumode._GpuModeRun._judge)
+
+    def unpatch() -> None:
+        compare.compare_outputs, gpumode.judgement, gpumode._GpuModeRun._judge = clean  # type: ignore[method-assign]
+
     try:
         cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, limit))
         own = run_job(spec, RecordingReporter(), cfg)
-        compare.compare_outputs = clean
+        unpatch()
         if own.result.verdict != V.VERDICT_OK:
             return own, None
         if tamper is not None:
@@ -68,7 +82,7 @@ def judged(
         )
         return own, final
     finally:
-        compare.compare_outputs = clean
+        unpatch()
         os.close(fd)
 
 

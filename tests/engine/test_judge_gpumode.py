@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import RecordingReporter, V
-from kerneleval.v1 import kernel_pb2
-from kerneleval_server.engine import EngineConfig, Outcome, Recorder, gpumode, judge_job, run_job
+from engine_helpers import V
+from kerneleval_server.engine import Recorder, gpumode
 from kerneleval_server.engine import record as rec
 from test_gpumode import DOUBLE, DOUBLE_REFERENCE, inline_spec, task_spec
+from test_judge import judged
 
 LIMIT = 64 << 20
 
@@ -32,33 +32,6 @@ gm._GpuModeRun._judge = lambda self, ref, data, output: (True, "")
 def custom_kernel(data):
     return torch.zeros_like(data)
 """
-
-
-def judged(
-    engine_dir: Path,
-    spec: kernel_pb2.JobSpec,
-    tamper: Callable[[int], None] | None = None,
-    limit: int = LIMIT,
-) -> tuple[Outcome, Outcome | None]:
-    """(the submission's process's outcome, the judge's; None where it ended unjudged)."""
-    fd = os.memfd_create("record")
-    clean = (gpumode.judgement, gpumode._GpuModeRun._judge)  # the judge is another process
-    try:
-        cfg = EngineConfig(engine_dir, recorder=Recorder(fd, limit))
-        own = run_job(spec, RecordingReporter(), cfg)
-        gpumode.judgement, gpumode._GpuModeRun._judge = clean  # type: ignore[method-assign]
-        if own.result.verdict != V.VERDICT_OK:
-            return own, None
-        if tamper is not None:
-            tamper(fd)
-        final = judge_job(
-            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, limit,
-            kernel_gone=True,
-        )  # fmt: skip
-        return own, final
-    finally:
-        gpumode.judgement, gpumode._GpuModeRun._judge = clean  # type: ignore[method-assign]
-        os.close(fd)
 
 
 def test_an_honest_submission_is_judged_and_the_reference_timed_in_the_judge(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fe_service import fake_engine_service
@@ -21,11 +22,11 @@ from kerneleval_server.jobs import prebuild
 REFERENCE = "class Model: the eager reference (host code)"
 
 
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+def _judging_service(root: Path, workers_per_device: int) -> Iterator[object]:
+    """The judging fake engine's service with --judge-launches, and a stub of it."""
     service: ServiceProcess = fake_engine_service(
-        tmp_path_factory.mktemp("judged-launch"), "--workers-per-device", "2",
-        "--build-processes", "1", "--judge-launches", "true", engine="fe_fake_engine_judges",
+        root, "--workers-per-device", str(workers_per_device), "--build-processes", "1",
+        "--judge-launches", "true", engine="fe_fake_engine_judges",
     )  # fmt: skip
     try:
         service.start()
@@ -33,6 +34,11 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
             yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
     finally:
         service.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    yield from _judging_service(tmp_path_factory.mktemp("judged-launch"), 2)
 
 
 def launch_spec(**cmd: object) -> kernel_pb2.JobSpec:
@@ -162,16 +168,7 @@ def test_judges_and_launches_taking_processes_in_one_dispatch_lose_no_job(stub) 
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """One job process a GPU (the default --workers-per-device)."""
-    service: ServiceProcess = fake_engine_service(
-        tmp_path_factory.mktemp("judged-launch-one-slot"), "--workers-per-device", "1",
-        "--build-processes", "1", "--judge-launches", "true", engine="fe_fake_engine_judges",
-    )  # fmt: skip
-    try:
-        service.start()
-        with service.channel() as ch:
-            yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
-    finally:
-        service.stop()
+    yield from _judging_service(tmp_path_factory.mktemp("judged-launch-one-slot"), 1)
 
 
 def test_with_one_slot_a_launch_process_leaves_it_for_the_judge(one_slot) -> None:  # type: ignore[no-untyped-def]

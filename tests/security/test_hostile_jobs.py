@@ -891,30 +891,10 @@ def test_a_failing_outcome_claiming_correct_reads_unchecked(stub, svc: ServicePr
 
 
 # A GPU MODE task (ref_kernel doubles) and a submission that makes every check in its own
-# process pass and hands back zeros.
-GPU_MODE_REFERENCE = """
-import torch
-
-def generate_input(n, seed):
-    torch.manual_seed(seed)
-    return torch.randn(n)
-
-def ref_kernel(data):
-    return data * 2
-
-def check_implementation(data, output):
-    ok = torch.allclose(output, ref_kernel(data))
-    return ok, "" if ok else "values differ"
-"""
-GPU_MODE_FORGER = """
-import torch
-import kerneleval_server.engine.gpumode as gm
-gm.judgement = lambda answer: (True, "")
-gm._GpuModeRun._judge = lambda self, ref, data, output: (True, "")
-
-def custom_kernel(data):
-    return torch.zeros_like(data)
-"""
+# process pass and hands back zeros (the engine's tests' own, tests/engine).
+sys.path.insert(0, str(REPO / "tests" / "engine"))
+from test_gpumode import DOUBLE_REFERENCE as GPU_MODE_REFERENCE  # noqa: E402
+from test_judge_gpumode import FORGER as GPU_MODE_FORGER  # noqa: E402
 
 
 def test_a_gpu_mode_forger_is_judged_in_another_process(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
