@@ -182,3 +182,8 @@ def test_with_one_slot_a_launch_process_leaves_it_for_the_judge(one_slot) -> Non
         job = one_slot.Evaluate(pb.EvaluateRequest(spec=spec), timeout=20).job
         assert job.result.verdict == job_pb2.VERDICT_OK, job
         assert note(job, "launched ") and note(job, "judged by "), job.result.notes
+    # A new reference at once: its judge needs the slot again within the second.
+    for i in range(2):
+        spec.reference.source_code = f"{REFERENCE} {i}"
+        job = one_slot.Evaluate(pb.EvaluateRequest(spec=spec), timeout=20).job
+        assert job.result.verdict == job_pb2.VERDICT_OK, job

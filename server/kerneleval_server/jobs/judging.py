@@ -39,7 +39,7 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_S
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
 STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
-FREE_A_SLOT_EVERY_S = 5.0  # a launch process retired for a judge: the next, per GPU, at most
+FREE_A_SLOT_EVERY_S = 1.0  # a launch process retired for a judge: the next, per GPU, at most
 
 
 def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> bool:
@@ -165,6 +165,7 @@ class Judges:
         self.m = m
         self.queue: deque[str] = deque()  # their kernel ran OK: each waits for a judge
         self.freed_for_judge: dict[int, float] = {}  # GPU -> when a launch process left for one
+        self.free_later: set[int] = set()  # GPUs where a dispatch is due to free the next
         self.exit_grace_s = exit_grace_s  # a job process's exit after its outcome, at most
         self.kill_fallback_s = kill_fallback_s  # a kill the watchdog never confirms
 
@@ -267,19 +268,29 @@ class Judges:
         (they stay, job after job; with --workers-per-device 1 the only slot did, and a
         launched job waited for ever), an idle one leaves, and the spare that takes its slot
         is the judge. Not while a standing judge of its reference is busy there (it is free
-        soon), and one a GPU per FREE_A_SLOT_EVERY_S: a spare's promotion takes less."""
+        soon); one a GPU per FREE_A_SLOT_EVERY_S (a spare's promotion takes less), the next
+        asked for by a dispatch then."""
         workers = self.m.workers.by_id.values()
         if any(w.judge_key == key and w.device_index == device and not w.gone for w in workers):
             return
-        now = asyncio.get_running_loop().time()
-        if now - self.freed_for_judge.get(device, -FREE_A_SLOT_EVERY_S) < FREE_A_SLOT_EVERY_S:
+        loop = asyncio.get_running_loop()
+        wait = self.freed_for_judge.get(device, -FREE_A_SLOT_EVERY_S) + FREE_A_SLOT_EVERY_S
+        wait -= loop.time()
+        if wait > 0:  # asked again then, should no spare have judged it meanwhile
+            if device not in self.free_later:
+                self.free_later.add(device)
+                loop.call_later(wait, self._free_later_due, device)
             return
         idle = next(
             (w for w in fresh if w.ready and w.device_index == device and w.launches), None
         )
         if idle is not None:  # a busy one is idle after its job: that outcome asks again
-            self.freed_for_judge[device] = now
+            self.freed_for_judge[device] = loop.time()
             self.retire(idle, "its slot goes to a judge (a judged job found none on its GPU)")
+
+    def _free_later_due(self, device: int) -> None:
+        self.free_later.discard(device)
+        self.m.dispatch()
 
     def retire(self, worker: WorkerState, why: str) -> None:
         """An idle reusable job process leaves: its channel closed, it exits 0."""
