@@ -102,6 +102,7 @@ def run_all(
                         "engine_median_ms": r.runtime.median_ms,
                         "reference_median_ms": r.reference_runtime.median_ms,
                         "speedup": r.speedup,
+                        "flags": [f.rule_id for f in r.flags],  # integrity flags (issue 13)
                         "message": (r.compilation_error or r.validation_error or r.error.message
                                     or r.fault.description)[:300],
                     }  # fmt: skip
@@ -232,10 +233,14 @@ def main() -> int:
             "examples": len(ex), "examples_ok": ex_ok, "service_wall_s": service_wall,
             "results": results, "eager": eager,
             "engine_over_eager_median": med_ratio}  # fmt: skip
+    def flagged(rows: list[dict[str, Any]]) -> int:
+        return sum(1 for r in rows if r.get("flags"))
+
     summary_rows = [
-        ["level-1 problems (Evaluate)", len(problems), l1_ran, l1_ok],
-        ["example pairs (Compare)", len(ex), sum(1 for r in ex if r.get("verdict")), ex_ok],
-    ]
+        ["level-1 problems (Evaluate)", len(problems), l1_ran, l1_ok, flagged(l1)],
+        ["example pairs (Compare)", len(ex), sum(1 for r in ex if r.get("verdict")), ex_ok,
+         flagged(ex)],
+    ]  # fmt: skip
     notes = [
         f"Service: one GPU, {args.workers_per_device} workers + warm spare, {args.in_flight} jobs "
         f"in flight, {args.trials} timed trials, 3 warm-ups, 1 correctness trial; all jobs "
@@ -252,7 +257,7 @@ def main() -> int:
                      "CPU timings; CUDA/Triton examples cannot run on the CPU.")  # fmt: skip
     C.write_results(
         args.out, "bench_kernelbench", "KernelBench level 1 through the service", info, data,
-        [("Summary", ["set", "jobs", "ran", "OK"], summary_rows),
+        [("Summary", ["set", "jobs", "ran", "OK", "with integrity flags"], summary_rows),
          ("Per problem", ["problem", "verdict", "e2e s", "run s", "engine ms", "eager ms",
                           "do_bench ms", "engine/eager"], rows)],
         notes,
