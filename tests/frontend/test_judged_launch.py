@@ -187,3 +187,15 @@ def test_with_one_slot_a_launch_process_leaves_it_for_the_judge(one_slot) -> Non
         spec.reference.source_code = f"{REFERENCE} {i}"
         job = one_slot.Evaluate(pb.EvaluateRequest(spec=spec), timeout=20).job
         assert job.result.verdict == job_pb2.VERDICT_OK, job
+
+
+def test_the_front_ends_copies_of_the_engines_sizes_match_it() -> None:
+    """prebuild.py sizes what a judge reads without importing the engine (torch): its copies
+    of the record's and the shares' sizes and of the default correctness trials are the
+    engine's own."""
+    from kerneleval_server.engine import device_share, record, runner
+
+    assert prebuild.RECORD_HEADER == record.MAX_HEADER and prebuild.RECORD_ALIGN == record.ALIGN
+    assert prebuild.SHARE_GRANULARITY == device_share.GRANULARITY
+    assert prebuild.MAX_SHARES == device_share.MAX_SHARES
+    assert prebuild.DEFAULT_CORRECT_TRIALS == runner.DEFAULT_CORRECT_TRIALS

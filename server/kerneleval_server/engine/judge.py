@@ -194,7 +194,7 @@ class _Judge(_Job):
         must not have fitted where the record stopped, else the kernel chose what to show."""
         args = make_args(self.opts.correct_trials + 1 if over.replay else index)
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
-        if record.fits_after(over.at, ref_out, self.record_max, self.share_room):
+        if self._fitted(over.at, ref_out):
             which = "the timed trial on fresh inputs" if over.replay else f"trial {index + 1}"
             first = index == 0 and not over.replay
             self._tampered(

@@ -333,11 +333,7 @@ class _Job:
     def run(self) -> None:
         if invalid_spec(self.spec, self.config, self.result):
             raise _Stop
-        if (
-            self.compare_mode
-            and self.config.reference_judged
-            and (self.recorder is None or len(self.spec.kernel.io.args) == 0)
-        ):
+        if self.reference_judged and (self.recorder is None or not self.spec.kernel.io.args):
             raise RuntimeError("reference_judged needs a recorder and the kernel's IOContract")
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()

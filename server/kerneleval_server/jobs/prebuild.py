@@ -33,6 +33,7 @@ RECORD_HEADER = 1 << 20
 RECORD_ALIGN = 64
 SHARE_GRANULARITY = 2 << 20
 MAX_SHARES = 256
+DEFAULT_CORRECT_TRIALS = 5  # engine/runner.py's
 
 
 def kind(spec: kernel_pb2.JobSpec, judged: bool = False) -> str:
@@ -42,9 +43,10 @@ def kind(spec: kernel_pb2.JobSpec, judged: bool = False) -> str:
     o = spec.options
     if o.sanitize or o.device_metrics or o.launch_blocking or o.device_side_assertions:
         return ""
-    kinds = {_built_as(spec.kernel)}
-    if "" in kinds:
+    kernel = _built_as(spec.kernel)
+    if not kernel:
         return ""
+    kinds = {kernel}
     if spec.HasField("reference"):
         reference = _built_as(spec.reference)
         if not reference and not judged:
@@ -77,7 +79,8 @@ def judged_launch_fits(spec: kernel_pb2.JobSpec, record_bytes: int, share_bytes:
         and a.role in (kernel_pb2.ARG_ROLE_OUTPUT, kernel_pb2.ARG_ROLE_INOUT)
     ]
     o = spec.options
-    trials = (o.correct_trial_count if o.HasField("correct_trial_count") else 5) + 1
+    correct = o.correct_trial_count if o.HasField("correct_trial_count") else DEFAULT_CORRECT_TRIALS
+    trials = correct + 1
     in_record = RECORD_HEADER + sum(-(-n // RECORD_ALIGN) * RECORD_ALIGN for n in sizes)
     if trials * in_record <= record_bytes:
         return True
