@@ -54,19 +54,33 @@ SEGMENTS = {
     "validating (inputs, reference, checks)": ("PHASE_VALIDATING", "after_validating"),
     "profiling (warm-up, timed trials)": ("PHASE_PROFILING", "finished"),
     "finished -> result at client": ("finished", "client"),
+    # A judged job (its verdict from a judge process): validating and profiling above then
+    # run from the kernel's phases to the job's end, and these split them.
+    "judged: kernel checked -> judge given the job": ("PHASE_VALIDATING", "judge"),
+    "judged: judge got it -> reference built, record read": ("judge", "judge PHASE_VALIDATING"),
+    "judged: judge's checks (reference runs, compare)": (
+        "judge PHASE_VALIDATING", "judge checked"),
+    "judged: judge timing the reference": ("judge PHASE_PROFILING", "finished"),
 }
+JUDGE_LOG = "kerneleval: the kernel ran; judged by "  # jobs/judging.py's event at hand-over
 
 
 def breakdown(c: Any, job: job_pb2.Job, client_done: float) -> dict[str, float]:
     """Seconds of each segment of one job, from its persisted events' timestamps."""
     at: dict[str, float] = {"created": C.ts(job.create_time), "client": client_done}
+    judge = ""  # "judge " once its judge has the job: the phases after are the judge's
     for ev in c.watch(job.job_id):
         kind = ev.WhichOneof("kind")
         if kind == "phase":
-            at.setdefault(job_pb2.Phase.Name(ev.phase.phase), C.ts(ev.time))
+            at.setdefault(judge + job_pb2.Phase.Name(ev.phase.phase), C.ts(ev.time))
         elif kind in ("started", "finished"):
             at.setdefault(kind, C.ts(ev.time))
+        elif kind == "log" and ev.log.text.startswith(JUDGE_LOG):
+            at.setdefault("judge", C.ts(ev.time))
+            judge = "judge "
     at["after_validating"] = at.get("PHASE_PROFILING", at.get("finished", 0.0))
+    if "judge" in at:
+        at["judge checked"] = at.get("judge PHASE_PROFILING", at.get("finished", 0.0))
     return {name: at[b] - at[a] for name, (a, b) in SEGMENTS.items() if a in at and b in at}
 
 
@@ -144,9 +158,14 @@ def main() -> int:
         help="no fresh or forked baselines (comparing two trees of the service)",
     )  # fmt: skip
     ap.add_argument(
-        "--judge-launches", action="store_true",
-        help="the service's --judge-launches (Triton from its IOContract against the eager "
-        "reference: built ahead, launched alone, judged)",
+        "--reference-time-reuse-s", type=float, default=None,
+        help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--run-whole", action="store_true",
+        help="the service's --judge-launches false (Triton from its IOContract against the "
+        "eager reference runs whole in a job process of its own; by default it is built "
+        "ahead, launched alone and judged)",
     )  # fmt: skip
     args = ap.parse_args()
     smoke = args.cpu_smoke
@@ -163,8 +182,10 @@ def main() -> int:
     ref.write_text(K.torch_ref(n))
 
     flags = [] if smoke else ["--devices", args.device]
-    if args.judge_launches:
-        flags += ["--judge-launches", "true"]
+    if args.run_whole:
+        flags += ["--judge-launches", "false"]
+    if args.reference_time_reuse_s is not None:
+        flags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
     data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}

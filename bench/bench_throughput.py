@@ -237,8 +237,13 @@ def main() -> int:
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument(
-        "--judge-launches", action="store_true",
-        help="the service's --judge-launches: kernels built ahead against an eager reference",
+        "--reference-time-reuse-s", type=float, default=None,
+        help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--run-whole", action="store_true",
+        help="the service's --judge-launches false: a kernel against an eager reference runs "
+        "whole in a job process of its own (the default launches it alone and judges it)",
     )  # fmt: skip
     ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
     ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
@@ -254,11 +259,14 @@ def main() -> int:
     wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
     if args.build_processes is not None:
         wflags += ["--build-processes", str(args.build_processes)]
-    if args.judge_launches:
-        wflags += ["--judge-launches", "true"]
+    if args.run_whole:
+        wflags += ["--judge-launches", "false"]
+    if args.reference_time_reuse_s is not None:
+        wflags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
     data: dict[str, Any] = {
         "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
-        "elements": n, "judge_launches": args.judge_launches,
+        "elements": n, "judge_launches": not args.run_whole,
+        "reference_time_reuse_s": args.reference_time_reuse_s,
     }  # fmt: skip
 
     svc = C.Service(wflags + ([] if smoke else ["--devices", "0"]),
@@ -336,7 +344,7 @@ def main() -> int:
         "io": "Triton from the IOContract"
         if smoke
         else "alternating Triton (IOContract, eager PyTorch reference: "
-        + ("built ahead, launched alone, judged" if args.judge_launches else "runs whole")
+        + ("runs whole" if args.run_whole else "built ahead, launched alone, judged")
         + ") and raw CUDA (raw CUDA reference: built ahead)",
         "built": "alternating Triton (IOContract) and raw CUDA, each with a raw CUDA reference "
         "(no host code: built ahead by build processes, run by reused launch processes)",

@@ -236,12 +236,21 @@ class Config:
         },
     )
     judge_launches: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "compare a Triton or raw CUDA kernel built ahead with an eager reference by "
             "launching the kernel alone in a reused launch process and running the reference "
-            "in its judge only (about 3x the RunBatch rate of such jobs on an H100); off until "
-            "its fix for one job process a GPU has run on a GPU (bench/README.md)"
+            "in its judge only (about 3x the RunBatch rate of such jobs on an H100); false: "
+            "such a job runs whole in a job process of its own"
+        },
+    )
+    reference_time_reuse_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "a reference's time, measured by a judge for one job, is given to the next "
+            "jobs of the same reference, inputs and timing settings on the same GPU for this "
+            "long, instead of a timing window each (KernelBench times a reference once); a job "
+            "with bypass_cache times it again; 0: every job times its reference"
         },
     )
     job_max_pids: int = field(

@@ -98,6 +98,32 @@ def test_an_honest_kernel_is_ok_with_the_judges_reference_time(engine_dir: Path)
     assert r.reference_runtime.median_ms > 0 and r.speedup > 0
 
 
+def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_dir: Path) -> None:
+    """An earlier judge's time of the same reference (--reference-time-reuse-s): the judge
+    checks the outputs as always, takes no timing phase (no window), and the speedup is
+    against the given time, with a note of its age."""
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL))
+    fd = os.memfd_create("record")
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT))
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert own.result.verdict == V.VERDICT_OK, own.result
+        given = V.RuntimeStats(median_ms=own.result.runtime.median_ms * 3, trial_count=100)
+        reporter = RecordingReporter()
+        final = judge_job(
+            spec, reporter, EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
+            reference_time=(given, 12.5),
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.correctness, r
+    assert r.reference_runtime == given and r.speedup == pytest.approx(3.0)
+    assert V.PHASE_VALIDATING in reporter.phases()
+    assert V.PHASE_PROFILING not in reporter.phases()
+    assert any("12.5 s ago" in n for n in r.notes), r.notes
+
+
 def test_a_forged_comparison_in_the_kernels_process_is_incorrect(engine_dir: Path) -> None:
     own, final = judged(engine_dir, job(source(TORCH, FORGED_COMPARE), source(TORCH, ADD_MODEL)))
     assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery

@@ -47,17 +47,24 @@ def run_job(spec: Any, reporter: Any, config: Any, prebuilt: Any = ()) -> Outcom
 def judge_job(
     spec: Any, reporter: Any, config: Any, candidate: job_pb2.EvalResult, record_fd: int,
     record_max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0,
-    kernel_gone: bool = False,
+    kernel_gone: bool = False, reference_time: Any = None,
 ) -> Outcome:  # fmt: skip
     global _judged
     _judged += 1
-    # The engine's judge's phases: the reference built, its check, its timing if timed.
+    # The engine's judge's phases: the reference built, its check, its timing if timed and
+    # not given (an earlier judge's time: then it is this job's).
     reporter.phase(job_pb2.PHASE_COMPILING)
     reporter.phase(job_pb2.PHASE_VALIDATING)
-    if candidate.runtime.median_ms > 0:
-        reporter.phase(job_pb2.PHASE_PROFILING)
     result = job_pb2.EvalResult()
     result.CopyFrom(candidate)
+    if reference_time is not None:
+        result.reference_runtime.CopyFrom(reference_time[0])
+        result.notes.append(f"reference time given, {reference_time[1]:.3f} s old")
+    elif candidate.runtime.median_ms > 0:
+        reporter.phase(job_pb2.PHASE_PROFILING)
+        # Which judge timed it, and its how-manieth job: tests tell the times apart.
+        worker = os.environ.get("KERNELEVAL_WORKER_ID", "?")
+        result.reference_runtime.median_ms = 1000.0 * (1 + abs(hash(worker)) % 997) + _judged
     wrong = json.loads(spec.kernel.source_code).get("judged_wrong")
     result.verdict = job_pb2.VERDICT_INCORRECT if wrong else job_pb2.VERDICT_OK
     result.correctness = not wrong

@@ -199,3 +199,42 @@ def test_the_front_ends_copies_of_the_engines_sizes_match_it() -> None:
     assert prebuild.SHARE_GRANULARITY == device_share.GRANULARITY
     assert prebuild.MAX_SHARES == device_share.MAX_SHARES
     assert prebuild.DEFAULT_CORRECT_TRIALS == runner.DEFAULT_CORRECT_TRIALS
+
+
+def profiled(events: list[job_pb2.JobEvent]) -> int:
+    """Timing phases the job's processes entered (the kernel's, and its judge's if it timed
+    the reference)."""
+    return sum(e.phase.phase == job_pb2.PHASE_PROFILING for e in events if e.HasField("phase"))
+
+
+def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:  # type: ignore[no-untyped-def]
+    """The reference is the same for every candidate of a problem: its time, measured by
+    the first job's judge, is the next jobs' (no timing window of their judges' own), while
+    a job with other inputs or timing settings, or with bypass_cache, times it again."""
+
+    def spec_with(**options: object) -> kernel_pb2.JobSpec:
+        spec = launch_spec()
+        spec.reference.source_code = f"{REFERENCE}, timed once"
+        for name, value in options.items():
+            setattr(spec.options, name, value)
+        return spec
+
+    first, events = evaluate(stub, spec_with())
+    assert first.result.verdict == job_pb2.VERDICT_OK, first
+    measured = first.result.reference_runtime.median_ms
+    assert measured > 0 and profiled(events) == 2, (first.result, events)
+    assert not note(first, "reference time given")
+
+    later, events = evaluate(stub, spec_with())
+    assert later.result.verdict == job_pb2.VERDICT_OK, later
+    assert later.result.reference_runtime.median_ms == measured
+    assert note(later, "reference time given"), later.result.notes
+    assert profiled(events) == 1, "only the kernel's process was timed"
+    logs = [e.log.text for e in events if e.HasField("log")]
+    assert any("its time an earlier job's" in t for t in logs), logs
+
+    for other in (spec_with(seed=7), spec_with(warmup_count=2), spec_with(bypass_cache=True)):
+        job, events = evaluate(stub, other)
+        assert job.result.verdict == job_pb2.VERDICT_OK, job
+        assert not note(job, "reference time given") and profiled(events) == 2, job.result
+        assert job.result.reference_runtime.median_ms not in (0, measured)

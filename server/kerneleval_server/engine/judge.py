@@ -52,15 +52,19 @@ def judge_job(
     share_fd: int = -1,
     share_max_bytes: int = 0,
     kernel_gone: bool = False,
+    reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
     every verdict replaced by this process's. Never raises for what either source does.
     `share_fd`: the record's socket (its outputs past the record, by descriptor), read only
-    when `kernel_gone` (the front end says the kernel's process has exited)."""
+    when `kernel_gone` (the front end says the kernel's process has exited).
+    `reference_time`: the reference's time from an earlier job, and its age in seconds (the
+    front end's --reference-time-reuse-s): given instead of timing the reference again."""
     job = _Judge(spec, _SafeReporter(reporter), config)
     job.start_from(candidate)
     job.record_max = record_max_bytes
     job.share_fd, job.share_max, job.kernel_gone = share_fd, share_max_bytes, kernel_gone
+    job.reference_time = reference_time
     job.share_room = 0
     job.validating = False
     try:
@@ -85,6 +89,7 @@ class _Judge(_Job):
     kernel_gone: bool
     share_room: int  # what the shares' limit had left after what was handed over
     validating: bool  # the gated phase was asked for (the shares' copies needed it)
+    reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -244,12 +249,21 @@ class _Judge(_Job):
     def _time_reference(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs
     ) -> None:
-        self.reporter.phase(job_pb2.PHASE_PROFILING)
-        args = make_args(0)
-        n = self.opts.perf_trials
-        stats = self._measure(
-            lambda: ref.run(args), REFERENCE_PREFIX, lambda d: self._progress(d, n)
-        )
+        if self.reference_time is not None:
+            # No timing window of its own: the GPU times one kernel more in that time.
+            stats, age = self.reference_time
+            self.notes.append(
+                f"the reference's time is an earlier job's of this reference, inputs and timing "
+                f"settings on this GPU, {age:.1f} s ago (the service's --reference-time-reuse-s; "
+                "bypass_cache times it again)"
+            )
+        else:
+            self.reporter.phase(job_pb2.PHASE_PROFILING)
+            args = make_args(0)
+            n = self.opts.perf_trials
+            stats = self._measure(
+                lambda: ref.run(args), REFERENCE_PREFIX, lambda d: self._progress(d, n)
+            )
         self.result.reference_runtime.CopyFrom(stats)
         kernel_ms = candidate.runtime.median_ms
         if math.isfinite(stats.median_ms) and kernel_ms > 0:

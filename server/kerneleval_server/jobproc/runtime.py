@@ -684,7 +684,7 @@ def _run_one(
             outcome = engine.judge_job(
                 assign.spec, reporter, config, assign.judge.candidate, record_fd,
                 assign.record_max_bytes, share_fd, assign.share_max_bytes,
-                assign.judge.kernel_gone,
+                assign.judge.kernel_gone, _reference_time(assign.judge),
             )  # fmt: skip
         else:
             if assign.record_max_bytes and record_fd >= 0:
@@ -744,6 +744,13 @@ def _run_one(
     else:
         reusable = False
     return poisoned, reusable
+
+
+def _reference_time(judge: job_channel_pb2.JudgeRequest) -> tuple[Any, float] | None:
+    """An earlier job's time of the reference, and its age, when the front end gave one."""
+    if not judge.HasField("reference_runtime"):
+        return None
+    return judge.reference_runtime, judge.reference_runtime_age_s
 
 
 def _arm_tamper_checks(prepare_only: bool = False) -> None:

@@ -30,6 +30,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.framing import FrameError
+from kerneleval_server.jobs.reference_times import ReferenceTimes
 
 if TYPE_CHECKING:
     from kerneleval_server.jobs.manager import JobManager, Running
@@ -129,8 +130,16 @@ def _close(record: Record, name: str) -> None:
         setattr(record, name, -1)
 
 
-def judge_request(kernel: job_pb2.EvalResult, kernel_gone: bool) -> job_channel_pb2.JudgeRequest:
-    return job_channel_pb2.JudgeRequest(candidate=kernel, kernel_gone=kernel_gone)
+def judge_request(
+    kernel: job_pb2.EvalResult,
+    kernel_gone: bool,
+    reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
+) -> job_channel_pb2.JudgeRequest:
+    request = job_channel_pb2.JudgeRequest(candidate=kernel, kernel_gone=kernel_gone)
+    if reference_time is not None:
+        request.reference_runtime.CopyFrom(reference_time[0])
+        request.reference_runtime_age_s = reference_time[1]
+    return request
 
 
 def unjudged(kernel: job_pb2.EvalResult) -> None:
@@ -168,11 +177,14 @@ class Judges:
         self.free_later: set[int] = set()  # GPUs where a dispatch is due to free the next
         self.exit_grace_s = exit_grace_s  # a job process's exit after its outcome, at most
         self.kill_fallback_s = kill_fallback_s  # a kill the watchdog never confirms
+        self.times = ReferenceTimes(m.config.reference_time_reuse_s)
+        self.given_time: set[str] = set()  # jobs whose judge was given an earlier time
 
     def forget(self, job_id: str) -> None:
         """The job ended: it waits for no judge."""
         if job_id in self.queue:
             self.queue.remove(job_id)
+        self.given_time.discard(job_id)
 
     def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The kernel ran OK in its process: its record, sealed (at once, unless that process
@@ -194,6 +206,13 @@ class Judges:
             )
         )
         self._seal_and_queue(run.job.job_id, 0)
+
+    def judged(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """The judge's outcome: a reference it timed itself is kept for the next judges."""
+        if outcome.job_id not in self.given_time and run.record is not None:
+            device = run.worker.device_index if run.worker is not None else -1
+            self.times.learn(device, run.job.spec, run.record.reference_key, outcome.result)
+        self.given_time.discard(outcome.job_id)
 
     def kernel_exited(self, run: Running) -> None:
         """The judged job's kernel's process is gone: its record can be sealed if it could
@@ -338,6 +357,7 @@ class Judges:
         if run is None or run.record is None or run.record.kernel_outcome is None:
             return
         job = run.job
+        known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
         try:
             sent = worker.assign(
                 job_id,
@@ -345,7 +365,9 @@ class Judges:
                 job.attempt_count,
                 record_fd=run.record.fd,
                 record_max_bytes=run.record.max_bytes,
-                judge=judge_request(run.record.kernel_outcome.result, run.kernel_worker is None),
+                judge=judge_request(
+                    run.record.kernel_outcome.result, run.kernel_worker is None, known
+                ),
                 share_fd=run.record.share_ours,
                 share_max_bytes=run.record.share_max_bytes,
             )
@@ -353,6 +375,8 @@ class Judges:
             self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        if known is not None:
+            self.given_time.add(job_id)
         if run.record.gpu_held_on is not None:
             # The judge's own admission covers them now (it copies them and lets them go):
             # held apart, they would keep a judge that must have the GPU alone waiting.
@@ -366,9 +390,12 @@ class Judges:
             if worker.judge_key
             else ""
         )
+        timed = (
+            f"its time an earlier job's, {known[1]:.1f} s ago" if known else "is timed there"
+        )
         event.log.text = (
             f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
-            f"never ran in{standing} (the reference runs and is timed there)"
+            f"never ran in{standing} (the reference runs there, {timed})"
         )
         self.m.store.update(job, event)
         self.m.hub.publish(event, persisted=True)

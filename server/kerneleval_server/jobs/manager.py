@@ -1015,6 +1015,8 @@ class JobManager:
         ):
             self.memory.learn(GpuUse.memory_key(run), outcome.peak_memory_bytes)
         judge = run.record is not None and run.record.kernel_outcome is not None
+        if judge:
+            self.judges.judged(run, outcome)
         if (
             outcome.reusable
             and not outcome.context_poisoned
