@@ -61,7 +61,17 @@ def _die_with_parent() -> None:
 class Service:
     """One `kerneleval_server serve` on a free port; `client()` gives a Client with the token."""
 
-    def __init__(self, flags: Sequence[str], *, root: Path | None = None, nvml: str = "none"):
+    def __init__(
+        self,
+        flags: Sequence[str],
+        *,
+        root: Path | None = None,
+        nvml: str = "none",
+        result_cache: bool = False,
+    ):
+        """`result_cache`: keep the service's result cache on. Off, as benchmarks measure
+        runs: the same job sent again runs again (jobs need no bypass_cache, which would also
+        keep their references' times from being reused: --reference-time-reuse-s)."""
         self.root = root or Path(tempfile.mkdtemp(prefix="kerneleval-bench-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.resets = self.root / "resets.log"
@@ -80,6 +90,7 @@ class Service:
             "--reset-command", f"{script} {{index}}",
             "--nvml", nvml,
             "--log-file", str(self.log),
+            *([] if result_cache else ["--result-cache-hours", "0"]),
             *flags,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

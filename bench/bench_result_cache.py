@@ -152,7 +152,7 @@ def repeat_mismatches(plan: Sequence[int], verdicts: Sequence[int | None]) -> in
 
 def run_arm(args: argparse.Namespace, plan: list[int], *, bypass: bool) -> dict[str, Any]:
     flags = ["--workers-per-device", str(args.workers_per_device)]
-    svc = C.Service(flags, nvml="none").start()  # a fresh state folder each time
+    svc = C.Service(flags, nvml="none", result_cache=True).start()  # a fresh state each time
     try:
         svc.wait_workers(args.workers_per_device)
         with svc.client() as c:  # warm-up: jobs of their own, not in the batch
