@@ -31,7 +31,9 @@ def _judging_service(root: Path, workers_per_device: int) -> Iterator[object]:
     try:
         service.start()
         with service.channel() as ch:
-            yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+            stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
+            stub.service = service  # type: ignore[attr-defined]  # its log: timing windows
+            yield stub
     finally:
         service.stop()
 
@@ -219,17 +221,27 @@ def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:
             setattr(spec.options, name, value)
         return spec
 
+    def windows() -> int:
+        log = stub.service.log_path.read_text(errors="replace")
+        return log.count('"timing window opened"')
+
+    before = windows()
     first, events = evaluate(stub, spec_with())
     assert first.result.verdict == job_pb2.VERDICT_OK, first
     measured = first.result.reference_runtime.median_ms
     assert measured > 0 and profiled(events) == 2, (first.result, events)
     assert not note(first, "reference time given")
+    # The launch's check and timing in one window, the judge's timing in another.
+    assert windows() - before == 2
 
+    before = windows()
     later, events = evaluate(stub, spec_with())
     assert later.result.verdict == job_pb2.VERDICT_OK, later
     assert later.result.reference_runtime.median_ms == measured
     assert note(later, "reference time given"), later.result.notes
     assert profiled(events) == 1, "only the kernel's process was timed"
+    # The judge's check shares the GPU: no window of its own for a few milliseconds' work.
+    assert windows() - before == 1
     logs = [e.log.text for e in events if e.HasField("log")]
     assert any("its time an earlier job's" in t for t in logs), logs
 

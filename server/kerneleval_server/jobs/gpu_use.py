@@ -142,12 +142,15 @@ class GpuUse:
         timed job launched wholly prebuilt: a few milliseconds of GPU work, which would
         otherwise hold back the next window while it shares the GPU; in the job's own window
         the GPU goes from window to window (issue 14's timing-bound share) and the kernel is
-        checked and timed under the same conditions. Other checks share the GPU."""
+        checked and timed under the same conditions. Other checks share the GPU, its judge's
+        too: with the reference's time given (--reference-time-reuse-s) a window of its own
+        froze the GPU for a few milliseconds of checking, a third of the windows of a batch."""
         if phase == job_pb2.PHASE_PROFILING:
             return True
         options = run.job.spec.options
         times = not (options.HasField("perf_trial_count") and options.perf_trial_count == 0)
-        return times and run.job.job_id in self.m._launched
+        judging = run.record is not None and run.record.kernel_outcome is not None
+        return times and run.job.job_id in self.m._launched and not judging
 
     def grant(self, worker_id: str, exclusive: bool) -> None:
         """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
