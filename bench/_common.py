@@ -7,6 +7,7 @@ state folder (`Service`), states the machine and versions (`machine_info`), and 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -604,3 +605,24 @@ class Postgres:
             pass
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def add_judging_flags(ap: argparse.ArgumentParser) -> None:
+    """The service's choices for a kernel compared with an eager reference, for benchmarks
+    that measure them (judging_flags gives the service's flags)."""
+    ap.add_argument(
+        "--reference-time-reuse-s", type=float, default=None,
+        help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--run-whole", action="store_true",
+        help="the service's --judge-launches false: a kernel against an eager reference runs "
+        "whole in a job process of its own (the default launches it alone and judges it)",
+    )  # fmt: skip
+
+
+def judging_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--judge-launches", "false"] if args.run_whole else []
+    if args.reference_time_reuse_s is not None:
+        flags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
+    return flags

@@ -157,16 +157,7 @@ def main() -> int:
         "--service-only", action="store_true",
         help="no fresh or forked baselines (comparing two trees of the service)",
     )  # fmt: skip
-    ap.add_argument(
-        "--reference-time-reuse-s", type=float, default=None,
-        help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--run-whole", action="store_true",
-        help="the service's --judge-launches false (Triton from its IOContract against the "
-        "eager reference runs whole in a job process of its own; by default it is built "
-        "ahead, launched alone and judged)",
-    )  # fmt: skip
+    C.add_judging_flags(ap)
     args = ap.parse_args()
     smoke = args.cpu_smoke
     requests = args.requests or (10 if smoke else 60)
@@ -182,10 +173,7 @@ def main() -> int:
     ref.write_text(K.torch_ref(n))
 
     flags = [] if smoke else ["--devices", args.device]
-    if args.run_whole:
-        flags += ["--judge-launches", "false"]
-    if args.reference_time_reuse_s is not None:
-        flags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
+    flags += C.judging_flags(args)
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
     data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}

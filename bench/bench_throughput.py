@@ -236,15 +236,7 @@ def main() -> int:
     ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
-    ap.add_argument(
-        "--reference-time-reuse-s", type=float, default=None,
-        help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--run-whole", action="store_true",
-        help="the service's --judge-launches false: a kernel against an eager reference runs "
-        "whole in a job process of its own (the default launches it alone and judges it)",
-    )  # fmt: skip
+    C.add_judging_flags(ap)
     ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
     ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
     args = ap.parse_args()
@@ -259,10 +251,7 @@ def main() -> int:
     wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
     if args.build_processes is not None:
         wflags += ["--build-processes", str(args.build_processes)]
-    if args.run_whole:
-        wflags += ["--judge-launches", "false"]
-    if args.reference_time_reuse_s is not None:
-        wflags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
+    wflags += C.judging_flags(args)
     data: dict[str, Any] = {
         "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
         "elements": n, "judge_launches": not args.run_whole,
