@@ -161,7 +161,8 @@ os.waitpid(pid, 0)
 def test_a_job_process_imports_nothing_for_its_job() -> None:
     """A job forked from the zygote finds every module its evaluation needs loaded already
     (each first import compiles or reads files in the job's time: 1-4 ms apiece): a Compare of
-    a Model with get_inputs(), and a Triton kernel launched from its IOContract."""
+    a Model with get_inputs(), and a Triton kernel launched from its IOContract and timed
+    (np.median imported numpy.ma in the first timed job's window)."""
     probe = """
 import json, os, sys, tempfile
 from pathlib import Path
@@ -195,15 +196,20 @@ for name, spec in (("model", model), ("triton", warm_job.spec())):
 
 def test_warm_up_job_passes_through_the_real_engine() -> None:
     """The evaluation a job process runs in its warm-up (on a GPU) is a valid spec that the
-    engine judges OK; on this machine it runs on the CPU under Triton's interpreter."""
+    engine judges OK, timed (the timing's first calls are paid there, not in a job's window)
+    with no warm-up runs (no 25 ms of GPU work); on this machine it runs on the CPU under
+    Triton's interpreter."""
     probe = """
 from kerneleval_server.jobproc import warm_job
 from kerneleval_server.jobproc.runtime import load_engine
 from kerneleval_server.api.validation import validate_spec
 assert validate_spec(warm_job.spec()) == []
 engine, _ = load_engine()
+spec = warm_job.spec()
+assert spec.options.warmup_count == 0 and spec.options.perf_trial_count > 0
 result = warm_job.run(engine)
-print(result.verdict, result.correctness, "not timed" in " ".join(result.notes))
+timed = result.runtime.trial_count == result.reference_runtime.trial_count == 2
+print(result.verdict, result.correctness, timed)
 """
     out = _python(probe)
     verdict, correct, timed = out.split()[-3:]
