@@ -218,8 +218,6 @@ def warm_up() -> None:
             result = warm_job.run(engine)  # the real engine only: a test engine has its own
             if result.verdict != job_pb2.VERDICT_OK:
                 print(f"kerneleval job process: warm-up job: {result}", file=sys.stderr)
-            # Its timing's L2 flush buffer (256 MiB) is not the job's memory.
-            torch.cuda.empty_cache()
             # NVML's peak memory bandwidth (the faster_than_memory floor), asked once here:
             # not inside a job's timing window.
             integrity = sys.modules.get(DEFAULT_ENGINE + ".integrity")
