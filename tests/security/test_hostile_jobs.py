@@ -890,6 +890,50 @@ def test_a_failing_outcome_claiming_correct_reads_unchecked(stub, svc: ServicePr
     next_tenants_are_judged_right(stub, svc, ran)
 
 
+# An honest kernel whose module body writes a reference time of 1e6 ms (and a speedup) into its
+# own process's result: the judge's time of the reference is given to the next jobs of that
+# reference (--reference-time-reuse-s), never a kernel's process's claim.
+FORGES_REFERENCE_TIME = (
+    """
+import sys
+
+f = sys._getframe()
+while f is not None:
+    job = f.f_locals.get("self")
+    if hasattr(job, "result") and hasattr(job.result, "reference_runtime"):
+        job.result.reference_runtime.median_ms = 1e6
+        job.result.speedup = 1000.0
+        break
+    f = f.f_back
+"""
+    + hs.victim_source(wrong=False)
+)
+
+
+def test_a_forged_reference_time_is_not_given_to_the_next_tenant(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12: a reference's time is kept for the next jobs of that reference; a kernel's
+    process that claims one (1e6 ms) has it replaced by its judge's, and the next tenant's
+    job is given the judge's time, not the claim. Then the next tenants are judged right."""
+    s = spec(FORGES_REFERENCE_TIME, reference=hs.REFERENCE, client_tag="mallory-reftime",
+             perf_trials=5)  # fmt: skip
+    s.options.seed = 1212  # a key of its own: no earlier test's time is given to it
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    measured = r.reference_runtime.median_ms
+    assert 0 < measured < 1e3 and r.speedup < 1000, ran.describe()
+    assert not any("an earlier job's" in n for n in r.notes), ran.describe()
+    alice = spec(hs.victim_source(wrong=False), reference=hs.REFERENCE,
+                 client_tag="alice-reftime", perf_trials=5)  # fmt: skip
+    alice.options.seed = 1212
+    given = run_job(stub, alice, svc)
+    a = given.job.result
+    assert given.verdict == job_pb2.VERDICT_OK, given.describe()
+    assert a.reference_runtime.median_ms == measured, given.describe()
+    assert any("an earlier job's" in n for n in a.notes), given.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
 # A GPU MODE task (ref_kernel doubles) and a submission that makes every check in its own
 # process pass and hands back zeros (the engine's tests' own, tests/engine).
 sys.path.insert(0, str(REPO / "tests" / "engine"))
