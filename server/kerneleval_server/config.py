@@ -30,6 +30,9 @@ def default_watchdog_binary() -> str:
     return shutil.which("kerneleval-watchdog") or str(here)
 
 
+# --role: the whole service on one machine, or one part of a deployment on one PostgreSQL store.
+ALL, GATEWAY, NODE, BUILDER = "all", "gateway", "node", "builder"
+
 @dataclass
 class Config:
     host: str = field(default="127.0.0.1", metadata={"help": "TCP address to listen on"})
@@ -82,7 +85,7 @@ class Config:
         },
     )
     role: str = field(
-        default="all",
+        default=ALL,
         metadata={
             "help": "all: the whole service on this machine; gateway: the API only, on a "
             "shared --store; node: this machine's GPUs, taking jobs from a shared --store; "
@@ -280,7 +283,7 @@ class Config:
         # Builds are CPU work (nvcc, ptxas) and bound distinct candidates' throughput: an H100
         # host with 16 CPUs ran 10.4 built jobs a second with 8 and 16.7 with 14.
         cpus = os.cpu_count() or 1
-        if self.role == "builder":  # builds are all it does, on a host without a GPU
+        if self.role == BUILDER:  # builds are all it does, on a host without a GPU
             return min(32, max(2, cpus - 2))
         return min(32, max(2, cpus - 2)) if os.path.exists("/dev/nvidiactl") else 0
 
@@ -330,14 +333,14 @@ class Config:
             out.append("--cuda-max-connections: 0 (CUDA's default) to 32")
         if self.store and not self.store.startswith(("postgresql://", "postgres://")):
             out.append(f"--store {self.store[:40]!r}: a postgresql:// URL (SQLite: --database)")
-        if self.role not in ("all", "gateway", "node", "builder"):
+        if self.role not in (ALL, GATEWAY, NODE, BUILDER):
             out.append(f"--role {self.role!r}: one of all, gateway, node, builder")
-        elif self.role != "all" and not self.store:
+        elif self.role != ALL and not self.store:
             out.append(
                 f"--role {self.role} needs --store postgresql://...: gateways, nodes and "
                 "builders share one PostgreSQL job store (SQLite serves --role all only)"
             )
-        if self.role == "builder" and self.build_processes == 0:
+        if self.role == BUILDER and self.build_processes == 0:
             out.append("--role builder needs build processes: --build-processes >= 1 (or -1)")
         if self.builder_wait_s < 0:
             out.append("--builder-wait-s must be >= 0")

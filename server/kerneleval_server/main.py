@@ -41,13 +41,13 @@ from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
-from kerneleval_server.config import Config
+from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
 from kerneleval_server.jobproc import BUILD_DEVICE, PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.artifact_store import SharedArtifacts
 from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
-from kerneleval_server.jobs.shared_queue import GATEWAY, NODE, SharedQueue
+from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kerneleval.main")
 
 WATCHDOG_RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
-BUILDER = "builder"
 # A shared store: followers read it this often even when no NOTIFY woke them.
 SHARED_POLL_S = 5.0
 SERVICES = (
@@ -231,8 +230,8 @@ class Server:
         # --role all holds its store alone; gateways and nodes share theirs.
         self.store = open_store(
             cfg.store or cfg.database_path(),
-            exclusive=cfg.role == "all",
-            shared=cfg.role != "all",
+            exclusive=cfg.role == ALL,
+            shared=cfg.role != ALL,
         )
         self.metrics = Metrics()
         self.limits = validation.Limits.from_env()

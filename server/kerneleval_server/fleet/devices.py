@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
+from kerneleval_server.config import GATEWAY
 from kerneleval_server.jobproc import BUILD_DEVICE
-from kerneleval_server.jobs.shared_queue import GATEWAY
 
 if TYPE_CHECKING:
     from kerneleval_server.jobs.manager import JobManager

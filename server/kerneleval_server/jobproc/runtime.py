@@ -673,6 +673,7 @@ def _run_one(
     share_fd = fds[1] if len(fds) > 1 and assign.share_max_bytes else -1
     judging = assign.HasField("judge") and record_fd >= 0
     recorder = None
+    launch_only = False  # every source came prebuilt: the process may take another job
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
@@ -695,7 +696,8 @@ def _run_one(
                 # A launch's reference, not built ahead (it has host code), runs only in
                 # its judge: never in a process that takes job after job.
                 config.reference_judged = bool(prebuilt)
-            if prebuilt and not _launch_only(assign, recorder is not None):
+            launch_only = _launch_only(assign, recorder is not None)
+            if prebuilt and not launch_only:
                 # Its reference's host code would run in a process that ran others' jobs.
                 raise RuntimeError("a launch whose reference was not built came without a record")
             if prebuilt:
@@ -714,7 +716,7 @@ def _run_one(
     reusable = (
         not last
         and not poisoned
-        and (judging or _launch_only(assign, recorder is not None))
+        and (judging or launch_only)
         and not result.HasField("error")  # a reference that failed or tampered: not again
     )
     channel.finishing = True

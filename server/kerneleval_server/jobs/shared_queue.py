@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
+from kerneleval_server.config import NODE
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.events import now_event
 from kerneleval_server.jobs.store import JobStore
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kerneleval.shared")
 
-GATEWAY, NODE = "gateway", "node"
 LISTEN_RETRY_S = 1.0
 IDLE_CLAIM_S = 1.0  # a node looks at the queue this often even when nobody NOTIFYs
 
