@@ -59,6 +59,14 @@ class Config:
             "default_text": "-1 (auto: CPUs - 2, from 2 to 32, on a host with a GPU, else 0)",
         },
     )
+    build_nice: int = field(
+        default=10,
+        metadata={
+            "help": "niceness of build processes (nvcc, ptxas, Triton's compiler: CPU work), so "
+            "that the job processes that time, check and judge on the GPUs, and the front end, "
+            "get a CPU first; 0: as the service's, at most 19"
+        },
+    )
     cuda_max_connections: int = field(
         default=1,
         metadata={
@@ -329,6 +337,8 @@ class Config:
                 "--isolate-network false: job processes always run in a network namespace of "
                 "their own, with only lo (the sandbox has no way back to the host's network)"
             )
+        if not 0 <= self.build_nice <= 19:
+            out.append("--build-nice: 0 to 19")
         if not 0 <= self.cuda_max_connections <= 32:
             out.append("--cuda-max-connections: 0 (CUDA's default) to 32")
         if self.store and not self.store.startswith(("postgresql://", "postgres://")):

@@ -42,7 +42,7 @@ from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
-from kerneleval_server.jobproc import BUILD_DEVICE, PCH_DIR_ENV, POISONED_EXIT
+from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.artifact_store import SharedArtifacts
 from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
@@ -127,6 +127,8 @@ def job_env(cfg: Config) -> dict[str, str]:
         # warm processes a second instead of 2.8); its cost: kernels a job puts on different
         # streams run one after the other.
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(cfg.cuda_max_connections)
+    if cfg.build_nice > 0:
+        env[BUILD_NICE_ENV] = str(cfg.build_nice)  # the build zygote's (jobproc/zygote.py)
     # Job processes check against the same limits (validation.Limits.from_env).
     env.update({k: v for k, v in os.environ.items() if k.startswith("KERNELEVAL_LIMIT_")})
     return env

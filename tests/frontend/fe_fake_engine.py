@@ -116,7 +116,9 @@ def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
     for role in roles:
         cubin = b"not a cubin" if cmd["do"] == "build_bad" else b"\x7fELF fake " + role.encode()
         out.artifacts.add(role=role, cubin=cubin, function=f"{role}_fn", arch=arch)
-    out.artifacts[0].notes.append(f"built for {arch}; build process sees a GPU: {gpu}")
+    out.artifacts[0].notes.append(
+        f"built for {arch}; build process sees a GPU: {gpu}, nice {os.nice(0)}"
+    )
     return out
 
 

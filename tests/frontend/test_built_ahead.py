@@ -85,8 +85,9 @@ def test_a_build_process_builds_and_a_launch_process_takes_job_after_job(stub) -
         assert job.attempt_count == 1
         logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
         assert f"built ahead by {build_worker}: waits for a launch process" in logs
-        # The build process had no GPU; the artifact it built is what the launch ran.
-        assert any("build process sees a GPU: False" in n for n in job.result.notes), job
+        # The build process had no GPU, and ran behind the GPUs' processes (--build-nice,
+        # default 10); the artifact it built is what the launch ran.
+        assert any("build process sees a GPU: False, nice 10" in n for n in job.result.notes), job
         assert launch_note(job) == f"launched kernel_fn by {launch_worker} job {i + 1}", job
         launchers.add(launch_worker)
     assert len(launchers) == 1  # one warm launch process took all three

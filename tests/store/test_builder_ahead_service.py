@@ -501,9 +501,8 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
     assert job.worker_id == launched_by and job.attempt_count == 1
     # The artifact the builder's build process made (no GPU there, for the node's
     # architecture: a fake GPU says none, so nvcc's default) is what the GPU launched.
-    assert f"built for {prebuild_cpu_arch()}; build process sees a GPU: False" in (
-        job.result.notes
-    ), job.result.notes
+    built = f"built for {prebuild_cpu_arch()}; build process sees a GPU: False, nice 10"
+    assert built in job.result.notes, job.result.notes
     assert f"launched kernel_fn by {launched_by} job 1" in job.result.notes, job.result.notes
     assert "kerneleval: built ahead asked of the builders (1 live)" in logs, logs
     assert f"built ahead by {builder_id}: waits for a launch process" in logs, logs

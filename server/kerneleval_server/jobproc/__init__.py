@@ -27,6 +27,8 @@ DEVICE_INDEX_ENV = "KERNELEVAL_DEVICE_INDEX"
 # The pseudo-device of build processes (watchdog.proto Configure.build_processes): no GPU;
 # they compile IOContract kernels into cubins for a launch process to run.
 BUILD_DEVICE = -3
+# Its zygote's niceness, inherited by every build process and what it runs (Config.build_nice).
+BUILD_NICE_ENV = "KERNELEVAL_BUILD_NICE"
 # A launch process (one that only ever ran prebuilt kernels) takes at most this many jobs,
 # then exits and is replaced: whatever slowly accumulates (driver state, fragmentation) ends.
 MAX_JOBS_PER_LAUNCH_PROCESS = 500

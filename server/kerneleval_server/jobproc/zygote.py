@@ -47,8 +47,11 @@ from kerneleval.internal.v1 import zygote_pb2
 from kerneleval_server.framing import FdFrameReader, FrameError, send_frame
 
 from . import (
+    BUILD_DEVICE,
+    BUILD_NICE_ENV,
     CONFIG_EXIT,
     DEFAULT_JOB_MAIN,
+    DEVICE_INDEX_ENV,
     JOB_MAIN_ENV,
     SETUP_FAILED_EXIT,
     TRITON_CACHE_ENV,
@@ -307,6 +310,10 @@ def serve(sock: socket.socket) -> int:
     if refused:
         print(f"kerneleval zygote: config refused: {refused}", file=sys.stderr)
         return CONFIG_EXIT
+    if os.environ.get(DEVICE_INDEX_ENV) == str(BUILD_DEVICE):
+        # Builds are CPU work beside the GPUs' processes, whose timed trials wait on a CPU
+        # after every synchronize: builds take what those leave.
+        os.nice(int(os.environ.get(BUILD_NICE_ENV, "0") or 0))
     zygote = Zygote(request.config, configured_env, job_main, warm_up)
     versions = runtime.library_versions()
     _send(
