@@ -607,9 +607,9 @@ class Postgres:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def add_judging_flags(ap: argparse.ArgumentParser) -> None:
-    """The service's choices for a kernel compared with an eager reference, for benchmarks
-    that measure them (judging_flags gives the service's flags)."""
+def add_service_flags(ap: argparse.ArgumentParser) -> None:
+    """The service's choices a benchmark compares arms of: a kernel compared with an eager
+    reference, and any other flag (service_flags gives the service's flags)."""
     ap.add_argument(
         "--reference-time-reuse-s", type=float, default=None,
         help="the service's --reference-time-reuse-s (60; 0 times every job's reference)",
@@ -619,10 +619,14 @@ def add_judging_flags(ap: argparse.ArgumentParser) -> None:
         help="the service's --judge-launches false: a kernel against an eager reference runs "
         "whole in a job process of its own (the default launches it alone and judges it)",
     )  # fmt: skip
+    ap.add_argument(
+        "--service-arg", action="append", default=[], metavar="FLAG=VALUE",
+        help="one more flag of the service (repeatable), e.g. --service-arg=--build-nice=0",
+    )  # fmt: skip
 
 
-def judging_flags(args: argparse.Namespace) -> list[str]:
+def service_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--judge-launches", "false"] if args.run_whole else []
     if args.reference_time_reuse_s is not None:
         flags += ["--reference-time-reuse-s", str(args.reference_time_reuse_s)]
-    return flags
+    return flags + list(args.service_arg)

@@ -157,7 +157,7 @@ def main() -> int:
         "--service-only", action="store_true",
         help="no fresh or forked baselines (comparing two trees of the service)",
     )  # fmt: skip
-    C.add_judging_flags(ap)
+    C.add_service_flags(ap)
     args = ap.parse_args()
     smoke = args.cpu_smoke
     requests = args.requests or (10 if smoke else 60)
@@ -173,7 +173,7 @@ def main() -> int:
     ref.write_text(K.torch_ref(n))
 
     flags = [] if smoke else ["--devices", args.device]
-    flags += C.judging_flags(args)
+    flags += C.service_flags(args)
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
     data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}

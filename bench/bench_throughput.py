@@ -236,7 +236,7 @@ def main() -> int:
     ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
-    C.add_judging_flags(ap)
+    C.add_service_flags(ap)
     ap.add_argument("--workers-per-device", type=int, default=None, help="4 (1 smoke)")
     ap.add_argument("--elements", type=int, default=None, help="1M (4096 smoke)")
     args = ap.parse_args()
@@ -251,11 +251,11 @@ def main() -> int:
     wflags = ["--workers-per-device", str(wpd), "--spare-count", str(spares)]
     if args.build_processes is not None:
         wflags += ["--build-processes", str(args.build_processes)]
-    wflags += C.judging_flags(args)
+    wflags += C.service_flags(args)
     data: dict[str, Any] = {
         "count": count, "kind": args.kind, "workers_per_device": wpd, "spare_count": spares,
         "elements": n, "judge_launches": not args.run_whole,
-        "reference_time_reuse_s": args.reference_time_reuse_s,
+        "reference_time_reuse_s": args.reference_time_reuse_s, "service_args": args.service_arg,
     }  # fmt: skip
 
     svc = C.Service(wflags + ([] if smoke else ["--devices", "0"]),
