@@ -122,6 +122,7 @@ def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_di
     assert V.PHASE_VALIDATING in reporter.phases()
     assert V.PHASE_PROFILING not in reporter.phases()
     assert any("12.5 s ago" in n for n in r.notes), r.notes
+    assert r.reference_runtime_age.ToMilliseconds() == 12500
 
 
 def test_a_forged_comparison_in_the_kernels_process_is_incorrect(engine_dir: Path) -> None:

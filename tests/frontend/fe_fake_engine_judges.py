@@ -59,6 +59,7 @@ def judge_job(
     result.CopyFrom(candidate)
     if reference_time is not None:
         result.reference_runtime.CopyFrom(reference_time[0])
+        result.reference_runtime_age.FromNanoseconds(int(reference_time[1] * 1e9))
         result.notes.append(f"reference time given, {reference_time[1]:.3f} s old")
     elif candidate.runtime.median_ms > 0:
         reporter.phase(job_pb2.PHASE_PROFILING)

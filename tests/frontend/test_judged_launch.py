@@ -231,6 +231,7 @@ def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:
     measured = first.result.reference_runtime.median_ms
     assert measured > 0 and profiled(events) == 2, (first.result, events)
     assert not note(first, "reference time given")
+    assert not first.result.HasField("reference_runtime_age")
     # The launch's check and timing in one window, the judge's timing in another.
     assert windows() - before == 2
 
@@ -239,6 +240,7 @@ def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:
     assert later.result.verdict == job_pb2.VERDICT_OK, later
     assert later.result.reference_runtime.median_ms == measured
     assert note(later, "reference time given"), later.result.notes
+    assert 0 < later.result.reference_runtime_age.ToNanoseconds() < 60e9, later.result
     assert profiled(events) == 1, "only the kernel's process was timed"
     # The judge's check shares the GPU: no window of its own for a few milliseconds' work.
     assert windows() - before == 1
@@ -250,3 +252,4 @@ def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:
         assert job.result.verdict == job_pb2.VERDICT_OK, job
         assert not note(job, "reference time given") and profiled(events) == 2, job.result
         assert job.result.reference_runtime.median_ms not in (0, measured)
+        assert not job.result.HasField("reference_runtime_age")

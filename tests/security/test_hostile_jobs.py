@@ -890,9 +890,9 @@ def test_a_failing_outcome_claiming_correct_reads_unchecked(stub, svc: ServicePr
     next_tenants_are_judged_right(stub, svc, ran)
 
 
-# An honest kernel whose module body writes a reference time of 1e6 ms (and a speedup) into its
-# own process's result: the judge's time of the reference is given to the next jobs of that
-# reference (--reference-time-reuse-s), never a kernel's process's claim.
+# An honest kernel whose module body writes a reference time of 1e6 ms (an earlier job's, it
+# says, and a speedup) into its own process's result: the judge's time of the reference is
+# given to the next jobs of that reference (--reference-time-reuse-s), never such a claim.
 FORGES_REFERENCE_TIME = (
     """
 import sys
@@ -902,6 +902,7 @@ while f is not None:
     job = f.f_locals.get("self")
     if hasattr(job, "result") and hasattr(job.result, "reference_runtime"):
         job.result.reference_runtime.median_ms = 1e6
+        job.result.reference_runtime_age.seconds = 1
         job.result.speedup = 1000.0
         break
     f = f.f_back
@@ -923,6 +924,7 @@ def test_a_forged_reference_time_is_not_given_to_the_next_tenant(stub, svc: Serv
     measured = r.reference_runtime.median_ms
     assert 0 < measured < 1e3 and r.speedup < 1000, ran.describe()
     assert not any("an earlier job's" in n for n in r.notes), ran.describe()
+    assert not r.HasField("reference_runtime_age"), ran.describe()
     alice = spec(hs.victim_source(wrong=False), reference=hs.REFERENCE,
                  client_tag="alice-reftime", perf_trials=5)  # fmt: skip
     alice.options.seed = 1212
@@ -931,6 +933,12 @@ def test_a_forged_reference_time_is_not_given_to_the_next_tenant(stub, svc: Serv
     assert given.verdict == job_pb2.VERDICT_OK, given.describe()
     assert a.reference_runtime.median_ms == measured, given.describe()
     assert any("an earlier job's" in n for n in a.notes), given.describe()
+    assert a.HasField("reference_runtime_age"), given.describe()
+    # Unjudged (an Evaluate: nothing compared), its claim of an earlier time is dropped too.
+    alone = run_job(stub, spec(FORGES_REFERENCE_TIME, client_tag="mallory-reftime-alone",
+                               perf_trials=5), svc)  # fmt: skip
+    assert alone.verdict == job_pb2.VERDICT_OK, alone.describe()
+    assert not alone.job.result.HasField("reference_runtime_age"), alone.describe()
     next_tenants_are_judged_right(stub, svc, ran)
 
 

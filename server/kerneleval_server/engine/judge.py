@@ -39,6 +39,7 @@ SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 JUDGED_FIELDS = (
     "verdict", "correctness", "correctness_status", "validation", "validation_error",
     "failed_side", "error", "speedup", "speedup_suspicious", "reference_runtime",
+    "reference_runtime_age",
 )  # fmt: skip
 
 
@@ -252,6 +253,7 @@ class _Judge(_Job):
         if self.reference_time is not None:
             # No timing window of its own: the GPU times one kernel more in that time.
             stats, age = self.reference_time
+            self.result.reference_runtime_age.FromNanoseconds(int(max(age, 0.0) * 1e9))
             self.notes.append(
                 f"the reference's time is an earlier job's of this reference, inputs and timing "
                 f"settings on this GPU, {age:.1f} s ago (the service's --reference-time-reuse-s; "

@@ -152,7 +152,7 @@ def unjudged(kernel: job_pb2.EvalResult) -> None:
     if kernel.correctness_status != job_pb2.CORRECTNESS_FAILED:
         kernel.correctness = False
         kernel.ClearField("validation")
-    for name in ("speedup", "speedup_suspicious", "reference_runtime"):
+    for name in ("speedup", "speedup_suspicious", "reference_runtime", "reference_runtime_age"):
         kernel.ClearField(name)
 
 
@@ -210,6 +210,7 @@ class Judges:
     def judged(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The judge's outcome: a reference it timed itself is kept for the next judges."""
         if outcome.job_id not in self.given_time and run.record is not None:
+            outcome.result.ClearField("reference_runtime_age")  # no earlier time was given
             device = run.worker.device_index if run.worker is not None else -1
             self.times.learn(device, run.job.spec, run.record.reference_key, outcome.result)
         self.given_time.discard(outcome.job_id)

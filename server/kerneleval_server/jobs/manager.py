@@ -1017,6 +1017,8 @@ class JobManager:
         judge = run.record is not None and run.record.kernel_outcome is not None
         if judge:
             self.judges.judged(run, outcome)
+        else:  # only a judge given an earlier job's time of the reference says its age
+            outcome.result.ClearField("reference_runtime_age")
         if (
             outcome.reusable
             and not outcome.context_poisoned
