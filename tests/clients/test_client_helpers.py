@@ -190,6 +190,23 @@ def test_text_a_candidate_wrote_cannot_drive_the_terminal() -> None:
     assert "\x1b" not in out.getvalue() and "\\x1b[2K" in out.getvalue()
 
 
+def test_a_reference_time_given_on_says_how_old_it_is() -> None:
+    """The service's --reference-time-reuse-s: the CLI's table and the MCP tool's answer say
+    that the reference's time is an earlier job's, and its age."""
+    from kerneleval import mcp_server, render
+    from kerneleval.v1 import job_pb2
+
+    job = job_pb2.Job(job_id="j3", state=job_pb2.JOB_STATE_DONE)
+    r = job.result
+    r.verdict = job_pb2.VERDICT_OK
+    r.reference_runtime.median_ms, r.reference_runtime.trial_count = 2.0, 100
+    assert "earlier job" not in render.result_table(job)
+    assert "reference_time_age_s" not in mcp_server.summary(job)
+    r.reference_runtime_age.FromMilliseconds(12500)
+    assert "(an earlier job's, 12.5 s old)" in render.result_table(job)
+    assert mcp_server.summary(job)["reference_time_age_s"] == 12.5
+
+
 def test_result_table_says_how_the_job_was_timed() -> None:
     from kerneleval import render
     from kerneleval.v1 import job_pb2

@@ -62,6 +62,8 @@ def summary(job: job_pb2.Job) -> dict[str, Any]:
         out["median_ms"] = r.runtime.median_ms
     if r.reference_runtime.median_ms:
         out["reference_median_ms"] = r.reference_runtime.median_ms
+    if r.HasField("reference_runtime_age"):  # an earlier job's time of the same reference
+        out["reference_time_age_s"] = r.reference_runtime_age.ToMilliseconds() / 1e3
     if r.speedup:
         out["speedup"] = r.speedup
     v = r.validation

@@ -397,7 +397,11 @@ def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = 
     if r.runtime.trial_count or r.runtime.median_ms:
         rows.append(("runtime", _stats(r.runtime)))
     if r.reference_runtime.trial_count or r.reference_runtime.median_ms:
-        rows.append(("reference", _stats(r.reference_runtime)))
+        age = ""
+        if r.HasField("reference_runtime_age"):  # the service's --reference-time-reuse-s
+            seconds = r.reference_runtime_age.ToMilliseconds() / 1e3
+            age = f"  (an earlier job's, {seconds:.1f} s old)"
+        rows.append(("reference", _stats(r.reference_runtime) + age))
     if r.HasField("timing_window"):
         rows.extend(_window_rows(r.timing_window))
     if r.speedup:
