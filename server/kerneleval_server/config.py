@@ -337,6 +337,8 @@ class Config:
                 "--isolate-network false: job processes always run in a network namespace of "
                 "their own, with only lo (the sandbox has no way back to the host's network)"
             )
+        if self.reference_time_reuse_s < 0:
+            out.append("--reference-time-reuse-s must be >= 0 (0: every job times its reference)")
         if not 0 <= self.build_nice <= 19:
             out.append("--build-nice: 0 to 19")
         if not 0 <= self.cuda_max_connections <= 32:

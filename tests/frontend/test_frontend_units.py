@@ -267,12 +267,13 @@ def test_config_problems_are_reported() -> None:
     assert config_mod.Config().problems() == []
     bad = config_mod.Config(
         nvml="fake", tls_cert="c", port=70000, workers_per_device=0, devices="a",
-        isolate_network=False, compile_cache_mib=-1,
+        isolate_network=False, compile_cache_mib=-1, build_nice=20, reference_time_reuse_s=-1,
     )  # fmt: skip
     text = " ".join(bad.problems())
     for flag in (
         "--fake-nvml-path", "--tls-key", "--port", "--workers-per-device", "--devices",
-        "--isolate-network false", "--compile-cache-mib",
+        "--isolate-network false", "--compile-cache-mib", "--build-nice",
+        "--reference-time-reuse-s",
     ):  # fmt: skip
         assert flag in text
 

@@ -64,8 +64,10 @@ class ReferenceTimes:
             or not result.reference_runtime.median_ms > 0
         ):
             return
+        stats = job_pb2.RuntimeStats()
+        stats.CopyFrom(result.reference_runtime)  # the outcome's own goes on with its job
         self._kept.pop(key, None)  # re-inserted last: the dict's order is the age order
-        self._kept[key] = _Kept(result.reference_runtime, time.monotonic())
+        self._kept[key] = _Kept(stats, time.monotonic())
         while len(self._kept) > MAX_KEPT:
             del self._kept[next(iter(self._kept))]
 
