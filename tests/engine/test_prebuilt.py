@@ -741,3 +741,17 @@ def test_raw_cuda_launch_uses_the_iocontract_geometry() -> None:
 
 if __name__ == "__main__":  # the `built` fixture's child
     _child_main(Path(sys.argv[1]))
+
+
+@needs_nvcc
+def test_a_reference_given_built_is_not_built_again(tmp_path: Path) -> None:
+    """The front end keeps a raw CUDA reference built for an earlier job and gives it to the
+    next build of a job with that reference (jobs/manager.py: _reference_built_before): the
+    build compiles the kernel alone."""
+    spec = job(cuda_add(), cuda_add())
+    both = build_job(spec, RecordingReporter(), config(tmp_path), ARCH)
+    assert [a.role for a in both.artifacts] == ["kernel", "reference"], both
+    reference = both.artifacts[1]
+    alone = build_job(spec, RecordingReporter(), config(tmp_path), ARCH, prebuilt=[reference])
+    assert [a.role for a in alone.artifacts] == ["kernel"], alone
+    assert alone.artifacts[0].function == both.artifacts[0].function

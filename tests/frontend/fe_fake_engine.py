@@ -94,7 +94,7 @@ def _spin(result: job_pb2.EvalResult, cpu_seconds: float) -> None:
     _record(result, "stall", *stall)
 
 
-def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
+def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str, prebuilt: Any = ()) -> Any:
     cmd = json.loads(spec.kernel.source_code)
     reporter.phase(job_pb2.PHASE_COMPILING)
     out = job_channel_pb2.BuildOutcome()
@@ -113,12 +113,14 @@ def build_job(spec: Any, reporter: Any, config: EngineConfig, arch: str) -> Any:
     # As the real build: a reference with host code (not CUDA here) is left to the judge.
     buildable = spec.HasField("reference") and spec.reference.type == kernel_pb2.KERNEL_TYPE_CUDA
     roles = ["kernel", "reference"] if buildable else ["kernel"]
+    roles = [r for r in roles if r not in {a.role for a in prebuilt}]  # given: not built again
     for role in roles:
         cubin = b"not a cubin" if cmd["do"] == "build_bad" else b"\x7fELF fake " + role.encode()
         out.artifacts.add(role=role, cubin=cubin, function=f"{role}_fn", arch=arch)
     out.artifacts[0].notes.append(
         f"built for {arch}; build process sees a GPU: {gpu}, nice {os.nice(0)}"
     )
+    out.artifacts[0].notes.append(f"the build process built {roles}")
     return out
 
 
@@ -140,6 +142,7 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
             f"launched {prebuilt[0].function} by {os.environ.get('KERNELEVAL_WORKER_ID')} "
             f"job {_launches}"
         )
+        result.notes.append(f"artifacts launched: {[a.role for a in prebuilt]}")
         if cmd.get("poison"):
             result.verdict = job_pb2.VERDICT_DEVICE_FAULT
             return Outcome(result, context_poisoned=True)

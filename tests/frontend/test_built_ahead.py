@@ -321,3 +321,31 @@ def test_triton_without_a_gpu_runs_whole_in_its_interpreter(real: ServiceProcess
         job, events = evaluate(stub, spec)
     assert job.result.verdict == job_pb2.VERDICT_OK, job.result
     assert [w[:4] for w in started_on(events)] == ["cpu-"]
+
+
+def test_a_raw_cuda_reference_is_built_once_for_the_jobs_after(stub) -> None:  # type: ignore[no-untyped-def]
+    """Candidates of one problem share its raw CUDA reference: the first job's build makes it
+    beside its (raw CUDA) kernel, and later jobs' builds are given it and build their kernels
+    alone (nvcc ran twice a job, a third of the issue's io mix's compiles); each launch gets
+    both."""
+    reference = json.dumps({"do": "build", "code": uuid.uuid4().hex})
+
+    def candidate() -> kernel_pb2.JobSpec:
+        spec = io_spec({"do": "build"}, reference=True)
+        spec.reference.source_code = reference
+        return spec
+
+    built = []
+    for _ in range(3):
+        job, _ = evaluate(stub, candidate())
+        assert job.result.verdict == job_pb2.VERDICT_OK, job
+        assert "artifacts launched: ['kernel', 'reference']" in job.result.notes, job.result
+        built += [n for n in job.result.notes if n.startswith("the build process built ")]
+    assert built == [
+        "the build process built ['kernel', 'reference']",
+        "the build process built ['kernel']",
+        "the build process built ['kernel']",
+    ]
+    # Another reference is built again.
+    job, _ = evaluate(stub, io_spec({"do": "build"}, reference=True))
+    assert "the build process built ['kernel', 'reference']" in job.result.notes, job.result

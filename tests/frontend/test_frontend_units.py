@@ -695,3 +695,57 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     m.gpu_use.admit_waiting()
     assert used == ["alone"] and list(m.gpu_use.waiting) == ["d0-w1"]
     assert m.memory.holds(0, "d0-w2") and not m.memory.holds(0, "d0-w9")
+
+
+def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_in(
+    tmp_path: Path,
+) -> None:
+    """A raw CUDA reference built beside a raw CUDA kernel (nvcc for each: no candidate code
+    runs in that build) is kept for every later job with that reference; one built beside a
+    Triton kernel, whose module ran in the build process and could have rewritten it, is not;
+    a build given the reference adds it back to the kernel it built."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import kernel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.metrics import Metrics
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    cfg = config_mod.Config(state_dir=str(tmp_path / "state"))  # its build cache on disk too
+    m = JobManager(cfg, store, EventHub(store), OpsLog(), Metrics(), 600.0)
+
+    def spec(kernel_type: int, code: str) -> kernel_pb2.JobSpec:
+        s = kernel_pb2.JobSpec()
+        s.kernel.type, s.kernel.source_code = kernel_type, code
+        s.reference.type, s.reference.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "reference"
+        for k in (s.kernel, s.reference):
+            k.io.args.add(name="n", int_value=4)
+        return s
+
+    def built(*roles: str) -> job_channel_pb2.BuildOutcome:
+        out = job_channel_pb2.BuildOutcome()
+        for role in roles:
+            out.artifacts.add(role=role, cubin=b"\x7fELF " + role.encode(), function="f")
+        return out
+
+    def run(given: list[job_channel_pb2.KernelArtifact] | None = None) -> Running:
+        worker = WorkerState("build-w0", 1, -3, False, 0)
+        r = Running(job=job_pb2.Job(), worker=worker, timeout_s=60)
+        r.build_arch, r.given_reference = "sm_90", list(given or [])
+        return r
+
+    triton = spec(kernel_pb2.KERNEL_TYPE_TRITON, "a triton candidate")
+    m._keep_reference(triton, run(), built("kernel", "reference"))
+    assert m._reference_built_before(triton, "sm_90") == []
+    cuda = spec(kernel_pb2.KERNEL_TYPE_CUDA, "a cuda candidate")
+    m._keep_reference(cuda, run(), built("kernel", "reference"))
+    given = m._reference_built_before(triton, "sm_90")  # any later job with that reference
+    assert [a.cubin for a in given] == [b"\x7fELF reference"]
+    assert m._reference_built_before(triton, "sm_100") == []  # built for one architecture
+    later = run(given)
+    kernel_only = built("kernel")
+    m._with_given_reference(later, kernel_only)
+    assert [a.role for a in kernel_only.artifacts] == ["kernel", "reference"]
+    # A build that was given it never keeps it again (what it answers holds the given one).
+    m._keep_reference(cuda, later, kernel_only)
+    store.close()

@@ -27,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +61,18 @@ CHILD_ENV = "KERNELEVAL_BUILD_CHILD"
 
 
 def build_job(
-    spec: kernel_pb2.JobSpec, reporter: Reporter, config: EngineConfig, arch: str
+    spec: kernel_pb2.JobSpec,
+    reporter: Reporter,
+    config: EngineConfig,
+    arch: str,
+    prebuilt: Sequence[job_channel_pb2.KernelArtifact] = (),
 ) -> job_channel_pb2.BuildOutcome:
-    """Builds every source of the job for `arch` ("sm_90"). Needs no GPU and never touches
-    one; never raises for anything the job's code does. job_id is left for the caller."""
+    """Builds every source of the job for `arch` ("sm_90"), but those of a role in
+    `prebuilt` (the front end built them for an earlier job: a raw CUDA reference). Needs no
+    GPU and never touches one; never raises for anything the job's code does. job_id is left
+    for the caller."""
     b = _Build(spec, _SafeReporter(reporter), config, arch)
+    b.given = {a.role for a in prebuilt}
     try:
         with preserved_torch_state(), loader.forgetting_modules(), compiled_mode():
             b.run()
@@ -117,6 +124,7 @@ class _Build:
         self.out = job_channel_pb2.BuildOutcome()
         self.result = job_pb2.EvalResult(device=_device_info())
         self.notes: list[str] = []
+        self.given: set[str] = set()  # roles built already (build_job's prebuilt)
 
     def run(self) -> None:
         if invalid_spec(self.spec, self.config, self.result):
@@ -133,6 +141,7 @@ class _Build:
         # front end launches the kernel alone where it can judge, else runs the job whole).
         if self.spec.HasField("reference") and not _cannot_build(self.spec.reference):
             roles.append(("reference", self.spec.reference))
+        roles = [(role, k) for role, k in roles if role not in self.given]
         if any(k.type == kernel_pb2.KERNEL_TYPE_TRITON for _, k in roles):
             if not triton_compiles_here():
                 if os.environ.get(CHILD_ENV) == "1":

@@ -536,9 +536,12 @@ def _build_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.As
                 extension=_build_extension(assign, job_dir, reporter)
             )
         else:
+            # Sources the front end has built already (a raw CUDA reference): not built again.
+            given = {"prebuilt": list(assign.prebuilt)} if assign.prebuilt else {}
             built = engine.build_job(
-                assign.spec, reporter, engine.EngineConfig(work_dir=job_dir), assign.build_arch
-            )
+                assign.spec, reporter, engine.EngineConfig(work_dir=job_dir), assign.build_arch,
+                **given,
+            )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         built = job_channel_pb2.BuildOutcome(result=_engine_error(exc))
     built.job_id = assign.job_id

@@ -43,7 +43,13 @@ from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, NVML_OOM_ASSERT
 from kerneleval_server.jobs import judging, placement, prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
-from kerneleval_server.jobs.compile_cache import CompileCache, as_artifacts, as_files, built_key
+from kerneleval_server.jobs.compile_cache import (
+    CompileCache,
+    as_artifacts,
+    as_files,
+    built_key,
+    built_reference,
+)
 from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
@@ -125,6 +131,9 @@ class Running:
     built: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
     awaiting_launch: bool = False
     build_arch: str = ""  # what its build process built for
+    # A build job given its raw CUDA reference, built for an earlier job (compile_cache.py:
+    # built_reference): its build process builds the kernel alone.
+    given_reference: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
     crowded: bool = False  # another job ran on its GPU meanwhile (their memory was its too)
     memory_key: str = ""  # its problem, for GPU memory admission (fleet/gpu_memory.py)
     memory_wait_said: bool = False  # its events said it waits for GPU memory
@@ -802,6 +811,7 @@ class JobManager:
             return
         waiting = self.running.get(job_id)  # built ahead: this is its launch
         prebuilt = waiting.built if waiting is not None else []
+        given = self._reference_built_before(job.spec, build_arch) if build_arch else []
         cached = (
             []
             if build_arch or prebuilt
@@ -826,7 +836,7 @@ class JobManager:
                 job.attempt_count + (1 if waiting is None else 0),
                 cached,
                 build_arch=build_arch,
-                prebuilt=prebuilt,
+                prebuilt=prebuilt or given,
                 record_fd=record.fd if record is not None else -1,
                 record_max_bytes=record.max_bytes if record is not None else 0,
                 share_fd=record.share_theirs if record is not None else -1,
@@ -849,7 +859,7 @@ class JobManager:
         self._mark_started(job, worker.worker_id, new_attempt=waiting is None)
         if waiting is None:
             run = self._track(job, worker, list(cached))
-            run.build_arch = build_arch
+            run.build_arch, run.given_reference = build_arch, given
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
@@ -1091,6 +1101,8 @@ class JobManager:
         self._watch_exit(worker)
         self._free_worker(worker, completed=True)
         job = run.job
+        if not built.run_whole and not built.HasField("result"):
+            self._with_given_reference(run, built)
         problem = (
             ""
             if built.run_whole or built.HasField("result")
@@ -1128,8 +1140,44 @@ class JobManager:
             )
             if why:
                 log.warning("what job %s built is not kept: %s", job.job_id, why)
+            self._keep_reference(job.spec, run, built)
             self._await_launch(run, list(built.artifacts))
         self.dispatch()
+
+    def _reference_built_before(
+        self, spec: kernel_pb2.JobSpec, arch: str
+    ) -> list[job_channel_pb2.KernelArtifact]:
+        """The job's raw CUDA reference as a build made it for an earlier job, if kept."""
+        if spec.reference.type != kernel_pb2.KERNEL_TYPE_CUDA or not spec.reference.io.args:
+            return []
+        files = self.compile_cache.files_for(built_reference(spec), built_key(arch))
+        artifacts = as_artifacts(files) if files else []
+        return artifacts if [a.role for a in artifacts] == ["reference"] else []
+
+    def _with_given_reference(self, run: Running, built: job_channel_pb2.BuildOutcome) -> None:
+        """A build given the job's reference built the kernel alone: the job's artifacts are
+        both (what a build of the whole job answers, as the other nodes expect it too)."""
+        if run.given_reference and all(a.role != "reference" for a in built.artifacts):
+            built.artifacts.extend(run.given_reference)
+
+    def _keep_reference(
+        self, spec: kernel_pb2.JobSpec, run: Running, built: job_channel_pb2.BuildOutcome
+    ) -> None:
+        """A raw CUDA reference built beside a raw CUDA kernel is kept for every later job
+        with that reference: nvcc made each from its own source, and no candidate's code ran
+        in that build (a Triton kernel's module runs where it is built: what is built beside
+        one is kept only with it, under the whole job's code)."""
+        if (
+            run.given_reference
+            or spec.kernel.type != kernel_pb2.KERNEL_TYPE_CUDA
+            or spec.reference.type != kernel_pb2.KERNEL_TYPE_CUDA
+        ):
+            return
+        reference = [a for a in built.artifacts if a.role == "reference"]
+        if len(reference) == 1:
+            self.compile_cache.store(
+                built_reference(spec), built_key(run.build_arch), [], as_files(reference)
+            )
 
     async def _finish_outcome_after_window(self, run: Running) -> None:
         """The result says how the GPU was when its window closed: wait for that reading."""
