@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 import _kernels as K  # noqa: E402
+import _segments as S  # noqa: E402
 from _baseline import parse_output  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
 
@@ -47,41 +48,9 @@ SPECS = {
 }
 
 
-SEGMENTS = {
-    "accepted -> started": ("created", "started"),
-    "started -> compiling (job process got it)": ("started", "PHASE_COMPILING"),
-    "compiling (import, build, load)": ("PHASE_COMPILING", "PHASE_VALIDATING"),
-    "validating (inputs, reference, checks)": ("PHASE_VALIDATING", "after_validating"),
-    "profiling (warm-up, timed trials)": ("PHASE_PROFILING", "finished"),
-    "finished -> result at client": ("finished", "client"),
-    # A judged job (its verdict from a judge process): validating and profiling above then
-    # run from the kernel's phases to the job's end, and these split them.
-    "judged: kernel checked -> judge given the job": ("PHASE_VALIDATING", "judge"),
-    "judged: judge got it -> reference built, record read": ("judge", "judge PHASE_VALIDATING"),
-    "judged: judge's checks (reference runs, compare)": (
-        "judge PHASE_VALIDATING", "judge checked"),
-    "judged: judge timing the reference": ("judge PHASE_PROFILING", "finished"),
-}
-JUDGE_LOG = "kerneleval: the kernel ran; judged by "  # jobs/judging.py's event at hand-over
-
-
 def breakdown(c: Any, job: job_pb2.Job, client_done: float) -> dict[str, float]:
     """Seconds of each segment of one job, from its persisted events' timestamps."""
-    at: dict[str, float] = {"created": C.ts(job.create_time), "client": client_done}
-    judge = ""  # "judge " once its judge has the job: the phases after are the judge's
-    for ev in c.watch(job.job_id):
-        kind = ev.WhichOneof("kind")
-        if kind == "phase":
-            at.setdefault(judge + job_pb2.Phase.Name(ev.phase.phase), C.ts(ev.time))
-        elif kind in ("started", "finished"):
-            at.setdefault(kind, C.ts(ev.time))
-        elif kind == "log" and ev.log.text.startswith(JUDGE_LOG):
-            at.setdefault("judge", C.ts(ev.time))
-            judge = "judge "
-    at["after_validating"] = at.get("PHASE_PROFILING", at.get("finished", 0.0))
-    if "judge" in at:
-        at["judge checked"] = at.get("judge PHASE_PROFILING", at.get("finished", 0.0))
-    return {name: at[b] - at[a] for name, (a, b) in SEGMENTS.items() if a in at and b in at}
+    return S.breakdown(c.watch(job.job_id), C.ts(job.create_time), client_done)
 
 
 def service_latencies(
@@ -106,7 +75,7 @@ def service_latencies(
             ok += job.result.verdict == job_pb2.VERDICT_OK
             if job.result.verdict != job_pb2.VERDICT_OK and ok == 0 and len(walls) == 1:
                 print("first Evaluate not OK:", job.result, flush=True)
-        parts: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+        parts: dict[str, list[float]] = {name: [] for name in S.SEGMENTS}
         for job, done in timed:  # after the calls: reading events does not slow them
             for name, seconds in breakdown(c, job, done).items():
                 parts[name].append(seconds)
@@ -244,7 +213,7 @@ def main() -> int:
     modes = list(data["breakdown"])
     parts_rows = [
         [name, *(data["breakdown"][m].get(name, {}).get("median", 0.0) * 1e3 for m in modes)]
-        for name in SEGMENTS
+        for name in S.SEGMENTS
     ]
     notes.append(
         "Where the time goes: medians of each segment of the service's jobs, from the jobs' "

@@ -215,3 +215,40 @@ def test_interference_specs_pass_validation() -> None:
     hostile = bench_interference.HOSTILE.format(n=8192, sleep=15)
     for source, trials in ((heavy, 8), (hostile, 1)):
         assert validate_spec(bench_interference.neighbour_spec(source, trials, "t")) == []
+
+
+def test_a_judged_jobs_time_is_split_at_its_judge() -> None:
+    """_segments.breakdown: the phases after the judge's hand-over (its log line) are the
+    judge's; a job timed by its judge has the reference's timing as its last segment."""
+    import _segments as S
+
+    def event(at_ms: float, **kind: object) -> job_pb2.JobEvent:
+        ev = job_pb2.JobEvent(**kind)  # type: ignore[arg-type]
+        ev.time.FromNanoseconds(int((1000.0 + at_ms / 1e3) * 1e9))
+        return ev
+
+    events = [
+        event(1, started=job_pb2.JobStarted()),
+        event(2, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_COMPILING)),
+        event(3, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_VALIDATING)),
+        event(5, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_PROFILING)),
+        event(9, log=job_pb2.JobLog(text=S.JUDGE_LOG + "d0-w3, ...")),
+        event(10, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_COMPILING)),
+        event(12, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_VALIDATING)),
+        event(15, phase=job_pb2.JobPhase(phase=job_pb2.PHASE_PROFILING)),
+        event(20, finished=job_pb2.Job()),
+    ]
+    ms = {k: round(v * 1e3, 3) for k, v in S.breakdown(events, 1000.0).items()}
+    assert ms == {
+        "accepted -> started": 1.0,
+        "started -> compiling (job process got it)": 1.0,
+        "compiling (import, build, load)": 1.0,
+        "validating (inputs, reference, checks)": 2.0,
+        "profiling (warm-up, timed trials)": 15.0,
+        "judged: kernel checked -> judge given the job": 6.0,
+        "judged: judge got it -> reference built, record read": 3.0,
+        "judged: judge's checks (reference runs, compare)": 3.0,
+        "judged: judge timing the reference": 5.0,
+    }
+    summary = S.medians_ms([S.breakdown(events, 1000.0)] * 3)
+    assert summary["accepted -> started"]["n"] == 3
