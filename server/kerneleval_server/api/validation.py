@@ -568,3 +568,8 @@ def is_triton_launch(k: kernel_pb2.KernelSource) -> bool:
     if k.entry_point:
         return k.entry_point not in ("ModelNew", "Model")
     return re.search(r"^class\s+ModelNew\b", k.source_code, re.MULTILINE) is None
+
+
+def is_timed(o: kernel_pb2.EvalOptions) -> bool:
+    """The job times its kernel: perf_trial_count unset (the default, 100) or over 0."""
+    return not o.HasField("perf_trial_count") or o.perf_trial_count > 0

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
+from kerneleval_server.api.validation import is_timed
+
 from . import device
 from .device import has_gpu
 from .types import EngineConfig, NullReporter, Outcome, Reporter
@@ -83,7 +85,7 @@ def maybe_run_isolated(
     if env:
         if reporter is not None:
             reporter.phase(job_pb2.PHASE_COMPILING)
-            if not o.HasField("perf_trial_count") or o.perf_trial_count > 0:
+            if is_timed(o):
                 reporter.phase(job_pb2.PHASE_PROFILING)  # the child times: hold the GPU's turn
         child = _run_child(spec, config, env, prefix=[])
         child.result.notes[:0] = list(result.notes)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
+from kerneleval_server.api.validation import is_timed
 from kerneleval_server.fleet.gpu_memory import problem_key
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.fleet.timing_windows import Window, public_conditions
@@ -147,10 +148,8 @@ class GpuUse:
         froze the GPU for a few milliseconds of checking, a third of the windows of a batch."""
         if phase == job_pb2.PHASE_PROFILING:
             return True
-        options = run.job.spec.options
-        times = not (options.HasField("perf_trial_count") and options.perf_trial_count == 0)
-        judging = run.record is not None and run.record.kernel_outcome is not None
-        return times and run.job.job_id in self.m._launched and not judging
+        timed = is_timed(run.job.spec.options)
+        return timed and run.job.job_id in self.m._launched and not run.judged_now
 
     def grant(self, worker_id: str, exclusive: bool) -> None:
         """The GPU gate lets the worker use its GPU for the phase it asked for: checks at

@@ -148,6 +148,11 @@ class Running:
     kernel_worker: WorkerState | None = None
     timing_waits_kernel: bool = False
 
+    @property
+    def judged_now(self) -> bool:
+        """Its kernel ran OK and handed over: what its process says now is its judge's."""
+        return self.record is not None and self.record.kernel_outcome is not None
+
 
 def _stamp(ts: Any) -> None:
     ts.FromNanoseconds(time.time_ns())
@@ -1024,7 +1029,7 @@ class JobManager:
             and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
         ):
             self.memory.learn(GpuUse.memory_key(run), outcome.peak_memory_bytes)
-        judge = run.record is not None and run.record.kernel_outcome is not None
+        judge = run.judged_now
         if judge:
             self.judges.judged(run, outcome)
         else:  # only a judge given an earlier job's time of the reference says its age

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
+from kerneleval_server.api.validation import is_timed
+
 MAX_KEPT = 1024  # distinct references a front end keeps times of, the oldest dropped first
 
 
@@ -76,9 +78,8 @@ def _key(device: int, spec: kernel_pb2.JobSpec, reference: str) -> tuple[int, st
     """None for a job whose reference's time is not one number to keep: untimed, or a GPU
     MODE task (timed per benchmark case)."""
     o = spec.options
-    timed = not o.HasField("perf_trial_count") or o.perf_trial_count > 0
     gpu_mode = spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE
-    if not timed or not spec.HasField("reference") or gpu_mode:
+    if not is_timed(o) or not spec.HasField("reference") or gpu_mode:
         return None
     timing = kernel_pb2.EvalOptions()
     for name in ("perf_trial_count", "warmup_count", "seed", "flush_l2"):
