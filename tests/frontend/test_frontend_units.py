@@ -594,6 +594,48 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
     asyncio.run(main())
 
 
+def test_judged_jobs_wait_for_a_busy_standing_judge_of_their_reference_up_to_a_few_each(
+    tmp_path: Path,
+) -> None:
+    """Fresh job processes are dear (about 5 a second a host): a judged job whose reference
+    has a standing judge on its GPU, busy, waits for it rather than take a fresh process, up
+    to JOBS_WAITING_PER_STANDING_JUDGE jobs a judge; the next take fresh processes. Jobs of a
+    reference with no standing judge there do not wait (a ModelNew batch took 1.4 processes
+    a job on an H100: a fresh judge for a third of its jobs)."""
+    from kerneleval_server.jobs.judging import JOBS_WAITING_PER_STANDING_JUDGE
+
+    m = _judging_manager(tmp_path)
+    started: list[tuple[str, str]] = []
+
+    def start(job_id: str, w: Any) -> None:
+        started.append((job_id, w.worker_id))
+        w.job_id = job_id
+
+    m.judges._start = start  # type: ignore[method-assign]
+
+    async def main() -> None:
+        n = JOBS_WAITING_PER_STANDING_JUDGE
+        runs = [_judged(m, f"a{i}", _process(f"d0-k{i}"), reference="ref A") for i in range(n + 1)]
+        other = _judged(m, "b", _process("d0-kb"), reference="ref B")
+        busy = _process("d0-j0", judge_key=runs[0].record.reference_key)
+        busy.job_id = "judging"  # a standing judge of ref A, busy with an earlier job
+        m.workers.by_id[busy.worker_id] = busy
+        fresh = [_process("d0-w0"), _process("d0-w1")]
+        m.judges.start(fresh, [], {})
+        # The first n wait for it; the one after, and ref B's job, take fresh processes.
+        assert started == [(f"a{n}", "d0-w0"), ("b", "d0-w1")]
+        assert list(m.judges.queue) == [f"a{i}" for i in range(n)]
+
+        started.clear()
+        busy.job_id = ""  # it judged: the next waiting job is its
+        m.judges.start([], [busy], {})
+        assert started == [("a0", "d0-j0")]
+        for r in (*runs, other):
+            r.record.close()
+
+    asyncio.run(main())
+
+
 def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
     tmp_path: Path,
 ) -> None:

@@ -39,7 +39,11 @@ log = logging.getLogger("kerneleval.jobs")
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
-STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
+STANDING_JUDGES_PER_DEVICE = 3  # each holds a CUDA context's memory (~0.5-0.7 GiB)
+# A judged job waits for a busy standing judge of its reference rather than take a fresh job
+# process while this many or fewer wait for each: fresh processes come at about 5 a second a
+# host (issue 12), and a fresh judge per job held a ModelNew batch at 1.4 processes a job.
+JOBS_WAITING_PER_STANDING_JUDGE = 2
 FREE_A_SLOT_EVERY_S = 1.0  # a launch process retired for a judge: the next, per GPU, at most
 
 
@@ -255,10 +259,13 @@ class Judges:
         self, fresh: list[WorkerState], standing: list[WorkerState], held: dict[int, str]
     ) -> None:
         """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
-        a standing judge of its reference there, else to a fresh job process. On a GPU held
+        a standing judge of its reference there; while those are busy, up to
+        JOBS_WAITING_PER_STANDING_JUDGE each wait for one, and the next go to fresh job
+        processes. On a GPU held
         for a job to run alone, only that job's judge, once the GPU is empty, and the judges
         whose kernels' shares hold memory there (found on an H100: a job waiting for the GPU
         to itself waited for shares that only their judge's start gives back)."""
+        waiting: dict[tuple[int, str], int] = {}  # (GPU, reference) -> jobs left waiting
         for job_id in list(self.queue):
             run = self.m.running.get(job_id)
             if run is None or run.record is None:
@@ -274,14 +281,25 @@ class Judges:
                     continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]
-            worker = next((w for w in here if w.judge_key == key), None) or next(
-                (w for w in here if not w.assigned_job_id), None
-            )
+            worker = next((w for w in here if w.judge_key == key), None)
+            if worker is None and alone is None and not shares_held:
+                queued = waiting.get((device, key), 0)
+                if queued < self._standing_judges(device, key) * JOBS_WAITING_PER_STANDING_JUDGE:
+                    waiting[(device, key)] = queued + 1
+                    continue  # one of them is free soon, and a fresh process is dear
+            worker = worker or next((w for w in here if not w.assigned_job_id), None)
             if worker is not None:
                 self.queue.remove(job_id)
                 self._start(job_id, worker)
             else:
                 self._free_a_slot(device, fresh, key)
+
+    def _standing_judges(self, device: int, key: str) -> int:
+        """The standing judges of a reference on a GPU (busy ones: a ready one was looked for)."""
+        return sum(
+            1 for w in self.m.workers.by_id.values()
+            if w.judge_key == key and w.device_index == device and not w.gone
+        )  # fmt: skip
 
     def _free_a_slot(self, device: int, fresh: list[WorkerState], key: str) -> None:
         """A judged job finds no judge on its GPU: where its slots hold launch processes
