@@ -255,6 +255,15 @@ class Config:
             "such a job runs whole in a job process of its own"
         },
     )
+    judge_ahead: bool = field(
+        default=True,
+        metadata={
+            "help": "a compared job whose reference has an idle standing judge on its GPU "
+            "starts that judge with its kernel: the reference runs on the trials' inputs while "
+            "the kernel does, and the verdict waits only for the comparison; false: the judge "
+            "starts once the kernel's outputs are in"
+        },
+    )
     reference_time_reuse_s: float = field(
         default=60.0,
         metadata={

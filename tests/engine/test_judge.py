@@ -333,3 +333,86 @@ def test_a_wrong_launch_with_its_reference_judged_elsewhere_is_incorrect(
     assert own.result.verdict == V.VERDICT_OK  # nothing was compared where it ran
     assert final.result.verdict == V.VERDICT_INCORRECT, final.result
     assert not final.result.correctness and not final.result.HasField("runtime")
+
+
+COUNTING_MODEL = """
+import builtins
+import torch
+class Model(torch.nn.Module):
+    def forward(self, a, b):
+        builtins._ke_reference_runs = getattr(builtins, "_ke_reference_runs", 0) + 1
+        return a + b
+def get_inputs():
+    return [torch.randn(4, 64), torch.randn(4, 64)]
+def get_init_inputs():
+    return []
+"""
+
+
+def _judged_ahead(
+    engine_dir: Path, kernel_code: str, ends_without: bool = False
+) -> tuple[Outcome, Outcome, int]:
+    """A judge started ahead (the front end's JudgeRequest.ahead): judge_job is called before
+    the kernel's report exists and gets it from `go`, as the runtime's JudgeGo gives it.
+    Returns (the kernel's outcome, the judge's, the reference's runs before `go` was
+    called). `ends_without`: the job ends without a report (go gives None)."""
+    spec = job(source(TORCH, kernel_code), source(TORCH, COUNTING_MODEL))
+    fd = os.memfd_create("record")
+    runs_before_go: list[int] = []
+    clean = compare.compare_outputs
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT))
+        own = run_job(spec, RecordingReporter(), cfg)
+        compare.compare_outputs = clean  # what the kernel's code patched: another process
+        builtins._ke_reference_runs = 0  # type: ignore[attr-defined]
+
+        def go() -> tuple[V.EvalResult, bool, None] | None:
+            runs_before_go.append(builtins._ke_reference_runs)  # type: ignore[attr-defined]
+            return None if ends_without else (own.result, True, None)
+
+        reporter = RecordingReporter()
+        final = judge_job(
+            spec, reporter, EngineConfig(work_dir=engine_dir), V.EvalResult(), fd, LIMIT, go=go
+        )
+        assert V.PHASE_VALIDATING in reporter.phases()
+        return own, final, runs_before_go[0]
+    finally:
+        compare.compare_outputs = clean
+        os.close(fd)
+        if hasattr(builtins, "_ke_reference_runs"):
+            del builtins._ke_reference_runs
+
+
+def test_a_judge_started_ahead_runs_the_reference_before_the_kernels_report_is_in(
+    engine_dir: Path,
+) -> None:
+    """Judge ahead: every correctness trial's reference run happens before `go` (while the
+    kernel's process would still run), none of them again after, and the verdict is the same
+    as a judge started after: OK for an honest kernel, with the kernel's time and the
+    judge's own time of the reference."""
+    own, final, before = _judged_ahead(engine_dir, ADD_NEW)
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.correctness, r
+    assert before == 5 == r.validation.trials_passed
+    assert r.runtime == own.result.runtime and r.reference_runtime.median_ms > 0
+
+
+def test_a_judge_started_ahead_finds_a_forged_comparison_incorrect(engine_dir: Path) -> None:
+    own, final, before = _judged_ahead(engine_dir, FORGED_COMPARE)
+    assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery
+    assert before == 5
+    r = final.result
+    assert r.verdict == V.VERDICT_INCORRECT and not r.correctness, r
+    assert not r.HasField("runtime")
+
+
+def test_a_judge_started_ahead_leaves_a_job_that_ended_without_its_report(
+    engine_dir: Path,
+) -> None:
+    """The job ended before its kernel's outputs were in (a wrong kernel, a cancel, a
+    timeout): the judge says nothing of it, raises nothing, and keeps nothing."""
+    _own, final, before = _judged_ahead(engine_dir, ADD_NEW, ends_without=True)
+    r = final.result
+    assert before == 5
+    assert r.verdict == V.VERDICT_UNSPECIFIED and not r.correctness and not r.HasField("error")
+    assert any("not judged" in n for n in r.notes), r.notes

@@ -47,14 +47,22 @@ def run_job(spec: Any, reporter: Any, config: Any, prebuilt: Any = ()) -> Outcom
 def judge_job(
     spec: Any, reporter: Any, config: Any, candidate: job_pb2.EvalResult, record_fd: int,
     record_max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0,
-    kernel_gone: bool = False, reference_time: Any = None,
+    kernel_gone: bool = False, reference_time: Any = None, go: Any = None,
 ) -> Outcome:  # fmt: skip
     global _judged
     _judged += 1
     # The engine's judge's phases: the reference built, its check, its timing if timed and
-    # not given (an earlier judge's time: then it is this job's).
+    # not given (an earlier judge's time: then it is this job's). Started ahead (`go`): the
+    # reference "runs" in its check, then the kernel's report is awaited and the check asked
+    # for again, as the engine's judge does.
     reporter.phase(job_pb2.PHASE_COMPILING)
     reporter.phase(job_pb2.PHASE_VALIDATING)
+    if go is not None:
+        got = go()
+        if got is None:
+            return Outcome(job_pb2.EvalResult(notes=["left: the job ended first"]))
+        candidate, kernel_gone, reference_time = got
+        reporter.phase(job_pb2.PHASE_VALIDATING)
     result = job_pb2.EvalResult()
     result.CopyFrom(candidate)
     if reference_time is not None:
@@ -70,7 +78,8 @@ def judge_job(
     result.verdict = job_pb2.VERDICT_INCORRECT if wrong else job_pb2.VERDICT_OK
     result.correctness = not wrong
     result.notes.append(
-        f"judged by {os.environ.get('KERNELEVAL_WORKER_ID')} (judge {_judged} here); the "
+        f"judged by {os.environ.get('KERNELEVAL_WORKER_ID')} (judge {_judged} here"
+        f"{', ahead' if go is not None else ''}); the "
         f"record: {os.pread(record_fd, 200, 0).decode(errors='replace')}"
     )
     return Outcome(result)

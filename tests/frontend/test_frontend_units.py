@@ -636,6 +636,133 @@ def test_judged_jobs_wait_for_a_busy_standing_judge_of_their_reference_up_to_a_f
     asyncio.run(main())
 
 
+class _FdChannel(_Channel):
+    """A standing judge's channel whose frames may carry descriptors (a judged job's record):
+    those go on a real socket, and `received` reads them back as the process would."""
+
+    def __init__(self) -> None:
+        import socket
+
+        super().__init__()
+        self._ours, self._theirs = socket.socketpair()
+        ours = self._ours
+
+        class Transport:
+            def get_write_buffer_size(self) -> int:
+                return 0
+
+            def get_extra_info(self, name: str) -> Any:
+                return ours
+
+        self.transport = Transport()
+
+    def received(self) -> Any:
+        import socket
+
+        from kerneleval.internal.v1 import job_channel_pb2
+
+        data, fds, _flags, _addr = socket.recv_fds(self._theirs, 1 << 20, 4)
+        for fd in fds:
+            os.close(fd)
+        return job_channel_pb2.FrontendMessage.FromString(data[4:]), len(fds)
+
+
+def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_ends_first(
+    tmp_path: Path,
+) -> None:
+    """--judge-ahead: when a judged job's kernel starts, an idle standing judge of its
+    reference on its GPU is given the job ahead, with its record. Its check asks the GPU gate
+    for a share of the GPU, JudgePrepared gives it back, and its phases are not the job's.
+    The kernel's outcome sends it the JudgeGo (not a second AssignJob), and it is the job's
+    worker from then on. A job that ends first (here: its kernel INCORRECT) sends it a JudgeGo
+    that abandons; its answer frees it, standing again. A standing judge busy, of another
+    reference, or on another GPU is never started ahead."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.fleet.job_processes import check_frame
+    from kerneleval_server.jobs import judging
+
+    m = _judging_manager(tmp_path)
+    gate: list[tuple[str, str]] = []
+    m.gate.request = lambda device, worker_id, exclusive: gate.append(("ask", worker_id))  # type: ignore[method-assign]
+    m.gate.release = lambda device, worker_id: gate.append(("release", worker_id))  # type: ignore[method-assign]
+
+    def standing(worker_id: str, key: str, device: int = 0) -> Any:
+        w = _process(worker_id, device, judge_key=key)
+        w.writer = _FdChannel()
+        m.workers.by_id[worker_id] = w
+        return w
+
+    def kernel_started(job_id: str, kernel_id: str) -> Any:
+        from kerneleval.v1 import kernel_pb2
+        from kerneleval_server.jobs.deadline import Deadline
+        from kerneleval_server.jobs.manager import Running
+
+        kernel = _process(kernel_id)
+        m.workers.by_id[kernel_id] = kernel
+        spec = kernel_pb2.JobSpec()
+        spec.reference.source_code = "ref A"
+        r = Running(job=job_pb2.Job(job_id=job_id, device_index=0, spec=spec), worker=kernel,
+                    timeout_s=60)  # fmt: skip
+        r.record = judging.Record.make(job_id, 1 << 20, spec)
+        r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
+        m.running[job_id] = r
+        kernel.job_id = job_id
+        m.judges.start_ahead(r)
+        return r
+
+    async def main() -> None:
+        key = judging.reference_key(kernel_started("probe", "d0-kp").job.spec)
+        m.running.pop("probe").record.close()
+        other = standing("d0-jb", key + "x")
+        elsewhere = standing("d1-ja", key, device=1)
+        judge = standing("d0-ja", key)
+        run = kernel_started("j", "d0-k0")
+        assert run.ahead is judge and judge.ahead_job == judge.job_id == "j"
+        assign, fds = judge.writer.received()
+        assert assign.assign.judge.ahead and assign.assign.job_id == "j" and fds == 1
+        assert other.ready and elsewhere.ready
+        second = kernel_started("j2", "d0-k1")  # its judge is busy: none ahead
+        assert second.ahead is None
+
+        def frame(**kw: Any) -> Any:
+            return job_channel_pb2.JobProcessMessage(**kw)
+
+        checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
+        m.on_worker_message(judge, frame(phase=checking))
+        prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
+        kernel = m.workers.by_id["d0-k0"]
+        kernel.assigned_job_id = "j"
+        assert check_frame(kernel, prepared) == "a JudgePrepared for a job it was not given ahead"
+        assert check_frame(judge, prepared) == ""
+        m.on_worker_message(judge, prepared)
+        assert gate == [("ask", "d0-ja"), ("release", "d0-ja")]
+        assert run.phase == 0  # the kernel's process reports the job's phases
+
+        ok = job_channel_pb2.JobOutcome(job_id="j", result=job_pb2.EvalResult(verdict=job_pb2.VERDICT_OK))
+        m.judges.await_judge(run, ok)
+        m.judges.kernel_exited(run)
+        m.judges.start([], [], {})
+        assert run.worker is judge and run.ahead is None
+        assert judge.writer.sent == ["judge_go"]
+        assert list(m.judges.queue) == []
+
+        # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
+        m._drop_record(second)
+        judge2 = standing("d0-jc", key)
+        third = kernel_started("j3", "d0-k2")
+        assert third.ahead is judge2
+        judge2.writer.received()
+        m._drop_record(third)  # the job ended first
+        assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
+        left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
+        m.on_worker_message(judge2, frame(outcome=left))
+        assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
+        for r in (run, second, third):
+            r.record.close()
+
+    asyncio.run(main())
+
+
 def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
     tmp_path: Path,
 ) -> None:

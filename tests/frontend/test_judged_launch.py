@@ -87,6 +87,8 @@ def test_the_kernel_is_launched_alone_and_its_reference_runs_in_the_judge(stub) 
     assert len(launchers) == 1, "one launch process takes job after job"
     assert len(judges) == 1 and not judges & launchers, "a standing judge, never the launcher"
     assert [note(j, "launched ").split()[-1] for j, _ in jobs] == ["1", "2", "3"]
+    # --judge-ahead: once a judge of the reference stands, it starts with the next kernels.
+    assert [", ahead)" in note(j, "judged by ") for j, _ in jobs] == [False, True, True]
 
 
 def test_a_launch_its_judge_finds_wrong_is_incorrect_and_the_next_is_ok(stub) -> None:  # type: ignore[no-untyped-def]

@@ -1113,6 +1113,50 @@ def test_a_standing_judge_takes_only_jobs_of_its_own_reference(stub, svc: Servic
     next_tenants_are_judged_right(stub, svc, second)
 
 
+AHEAD = "the reference ran there on the trials' inputs while the kernel ran"
+
+
+def _idle(svc: ServiceProcess, worker_id: str) -> None:
+    """Until the job process has no job (a standing judge back from the one it left)."""
+    opstub = ops_grpc.OperationsServiceStub(svc.channel())
+    deadline = time.monotonic() + 20
+    while True:
+        workers = {
+            w.worker_id: w
+            for d in opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices
+            for w in d.workers
+        }
+        if worker_id in workers and not workers[worker_id].job_id:
+            return
+        assert time.monotonic() < deadline, f"{worker_id}: {workers.get(worker_id)}"
+        time.sleep(0.1)
+
+
+def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_failed_job(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """--judge-ahead: a standing judge of the reference runs it while the kernel runs. A
+    forger whose own process passes it (a patched comparison, zeros out) is judged there:
+    INCORRECT. A kernel that fails in its own process ends its job before its outputs are in:
+    its judge, started ahead, leaves it, keeps nothing of it and stands. The next tenant of
+    that reference is judged ahead by the same process, right, and so are the tenants after."""
+    reference = hs.REFERENCE + "\n# a reference of this test's own: its own standing judge\n"
+    first = run_job(stub, spec(hs.victim_source(wrong=False), reference=reference, client_tag="alice-ahead-1"), svc)
+    assert first.verdict == job_pb2.VERDICT_OK, first.describe()
+    judge = _judge_of(first)
+    _idle(svc, judge)
+    forger = run_job(stub, spec(FORGER, reference=reference, client_tag="mallory-ahead"), svc)
+    assert forger.verdict == job_pb2.VERDICT_INCORRECT, forger.describe()
+    assert AHEAD in forger.logs and _judge_of(forger) == judge, forger.describe()
+    _idle(svc, judge)
+    wrong = run_job(stub, spec(hs.victim_source(wrong=True), reference=reference, client_tag="mallory-ahead-2"), svc)
+    assert wrong.verdict == job_pb2.VERDICT_INCORRECT, wrong.describe()
+    assert "judged by" not in wrong.logs, wrong.describe()  # ended in its own process
+    _idle(svc, judge)  # it left the job and stands
+    after = run_job(stub, spec(hs.victim_source(wrong=False), reference=reference, client_tag="alice-ahead-2"), svc)
+    assert after.verdict == job_pb2.VERDICT_OK and after.job.result.correctness, after.describe()
+    assert AHEAD in after.logs and _judge_of(after) == judge, after.describe()
+    next_tenants_are_judged_right(stub, svc, after)
+
+
 def test_oversized_input_is_refused_and_not_stored(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """Issue 12.5/12.6: a 20 MiB literal tensor and a 15 MB client_tag: INVALID_ARGUMENT naming
     the field; no job stored, no job process held."""

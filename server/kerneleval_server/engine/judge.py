@@ -12,6 +12,7 @@ time (and its own flags) is kept (docs/INTERNALS.md "The judge").
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,14 @@ from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
 SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
+# What the kernel's process sent at last, to a judge started ahead: its report, whether it
+# has exited, and the reference's time from an earlier job with its age (or None). None: the
+# job ended without it.
+GivenTime = tuple[job_pb2.RuntimeStats, float]
+Go = Callable[[], "tuple[job_pb2.EvalResult, bool, GivenTime | None] | None"]
+# A judge started ahead keeps the trials' inputs and the reference's outputs up to this many
+# bytes; the trials past it run once the kernel's outputs are in, as without one.
+AHEAD_MAX_BYTES = 256 << 20
 
 # What the kernel's process says of itself and the judge says again.
 JUDGED_FIELDS = (
@@ -54,18 +63,23 @@ def judge_job(
     share_max_bytes: int = 0,
     kernel_gone: bool = False,
     reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
+    go: Go | None = None,
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
     every verdict replaced by this process's. Never raises for what either source does.
     `share_fd`: the record's socket (its outputs past the record, by descriptor), read only
     when `kernel_gone` (the front end says the kernel's process has exited).
     `reference_time`: the reference's time from an earlier job, and its age in seconds (the
-    front end's --reference-time-reuse-s): given instead of timing the reference again."""
+    front end's --reference-time-reuse-s): given instead of timing the reference again.
+    `go`: judge ahead (the kernel's process runs meanwhile): the reference runs on the
+    trials' inputs first, then `go()` waits for the kernel's report (`candidate`, `kernel_gone`
+    and `reference_time` are its), after which nothing differs."""
     job = _Judge(spec, _SafeReporter(reporter), config)
     job.start_from(candidate)
     job.record_max = record_max_bytes
     job.share_fd, job.share_max, job.kernel_gone = share_fd, share_max_bytes, kernel_gone
     job.reference_time = reference_time
+    job.go = go
     job.share_room = 0
     job.validating = False
     try:
@@ -91,6 +105,7 @@ class _Judge(_Job):
     share_room: int  # what the shares' limit had left after what was handed over
     validating: bool  # the gated phase was asked for (the shares' copies needed it)
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
+    go: Go | None  # started ahead: waits for the kernel's report
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -101,24 +116,29 @@ class _Judge(_Job):
         self.reporter.phase(job_pb2.PHASE_COMPILING)
         ctx = self._context()
         if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
+            if self.go is not None:  # the front end starts none ahead: nothing to prepare
+                candidate = self._await_go()
             gpumode.judge(self, ctx, lambda: self._read(fd), self._fitted)
             return
         ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)
         self.source_files = tuple(ctx.source_files)
+        launch = len(self.spec.kernel.io.args) > 0 and self.spec.kernel.type in (
+            kernel_pb2.KERNEL_TYPE_TRITON,
+            kernel_pb2.KERNEL_TYPE_CUDA,
+        )
+        if self.go is not None:
+            candidate = self._prepare_ahead(RecordedProgram([], self.dev, launch), ref, ctx)
         trials = self._read(fd)
         # At most the trials the options ask for: a record of thousands would hold the GPU.
         checked = [t for t in trials if not t.replay and not t.over_limit]
         checked = checked[: self.opts.correct_trials]
         replay = next((t for t in trials if t.replay and not t.over_limit), None)
         over = next((t for t in trials if t.over_limit), None)
-        launch = len(self.spec.kernel.io.args) > 0 and self.spec.kernel.type in (
-            kernel_pb2.KERNEL_TYPE_TRITON,
-            kernel_pb2.KERNEL_TYPE_CUDA,
-        )
         cand = RecordedProgram(checked, self.dev, launch)
         make_args = self._input_source(cand, ref)
-        self._preflight_triton(cand, ref, make_args, ctx)
+        if self.go is None:  # ahead, it ran before
+            self._preflight_triton(cand, ref, make_args, ctx)
         if not self.validating:
             self.reporter.phase(job_pb2.PHASE_VALIDATING)
         if not checked:
@@ -139,6 +159,42 @@ class _Judge(_Job):
                 self._check_replay(cand, ref, make_args, replay)
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
+
+    def _prepare_ahead(
+        self, placeholder: RecordedProgram, ref: Program, ctx: Any
+    ) -> job_pb2.EvalResult:
+        """Judge ahead: while the kernel's process runs, the reference runs on each
+        correctness trial's inputs (kept, up to AHEAD_MAX_BYTES, for _validate), then the
+        kernel's report is awaited and returned. The inputs are the reference's or the
+        contract's, never the kernel's: nothing here needs its outputs yet."""
+        make_args = self._input_source(placeholder, ref)
+        self._preflight_triton(placeholder, ref, make_args, ctx)
+        self.reporter.phase(job_pb2.PHASE_VALIDATING)
+        kept = 0
+        for t in range(self.opts.correct_trials):
+            pristine = make_args(t)
+            ref_args = pristine.clone()
+            began = time.perf_counter()
+            ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
+            self.ahead[t] = (pristine, ref_args, ref_out, time.perf_counter() - began)
+            kept += 2 * compare.nbytes_of(pristine.values) + compare.nbytes_of(ref_out)
+            if kept > AHEAD_MAX_BYTES:
+                break
+        return self._await_go()
+
+    def _await_go(self) -> job_pb2.EvalResult:
+        """The kernel's report (the front end sends it once its record is sealed); the job
+        ends here when it ended without one."""
+        assert self.go is not None
+        got = self.go()
+        if got is None:
+            self.ahead.clear()
+            self.notes.append("the job ended before its kernel's outputs were in: not judged")
+            raise _Stop
+        candidate, self.kernel_gone, self.reference_time = got
+        self.start_from(candidate)
+        self.validating = False  # the gated phase is asked for again: its grant was let go
+        return candidate
 
     def _read(self, fd: int) -> list[record.Trial]:
         """The record's trials, with what was handed over by descriptor loaded (the gated

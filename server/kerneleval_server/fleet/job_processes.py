@@ -57,6 +57,9 @@ class WorkerState:
     # A standing judge: it judged a job and said it may judge another, only of a job with
     # the same reference (jobs/judging.py `reference_key`). It takes no other job.
     judge_key: str = ""
+    # A standing judge given its job ahead (JudgeRequest.ahead): that job, until its next.
+    # Until the JudgeGo its frames are not its job's (jobs/judging.py, judge ahead).
+    ahead_job: str = ""
     idle_since: float = 0.0  # loop time it last became reusable
     completed: int = 0
     # Its job was let use the GPU (a check or timing): it holds GPU memory until it exits (a
@@ -143,6 +146,7 @@ class WorkerState:
                 msg = with_cache
         frame = encode(msg.SerializeToString())
         self.assigned_job_id = self.job_id = job_id
+        self.ahead_job = job_id if judge is not None and judge.ahead else ""
         self.build_job = assign.build_only
         self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():
@@ -264,6 +268,8 @@ def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> 
         return "a job outcome for a build job"
     if kind == "extension" and worker.build_job:
         return "an extension request from a build process"
+    if kind == "judge_prepared" and worker.ahead_job != job_id:
+        return "a JudgePrepared for a job it was not given ahead"
     return ""
 
 

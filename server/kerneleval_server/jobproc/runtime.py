@@ -267,6 +267,8 @@ class _Channel:
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
         self.record_fds: dict[str, list[int]] = {}  # job id -> the descriptors its frame held
+        # A judge started ahead: its JudgeGo, by job id (answered, the message)
+        self._go: dict[str, tuple[threading.Event, list[job_channel_pb2.JudgeGo]]] = {}
 
     def accept_next(self) -> None:
         """The job is over and the process stays: the next AssignJob is a new job."""
@@ -284,6 +286,23 @@ class _Channel:
         with self._grants_lock:
             return self._grants.setdefault(f"{job_id}/{phase}", threading.Event())
 
+    def let_go(self, job_id: str, phase: int) -> None:
+        """The phase's grant is used up: the next ask waits for a new one."""
+        with self._grants_lock:
+            self._grants.pop(f"{job_id}/{phase}", None)
+
+    def _go_slot(self, job_id: str) -> tuple[threading.Event, list[job_channel_pb2.JudgeGo]]:
+        with self._grants_lock:
+            return self._go.setdefault(job_id, (threading.Event(), []))
+
+    def wait_go(self, job_id: str) -> job_channel_pb2.JudgeGo | None:
+        """A judge started ahead: its JudgeGo (None when the channel closed first)."""
+        event, got = self._go_slot(job_id)
+        event.wait()
+        with self._grants_lock:
+            self._go.pop(job_id, None)
+        return got[0] if got else None
+
     def read_loop(self) -> None:
         reader = FdFrameReader(self._sock)
         try:
@@ -299,6 +318,10 @@ class _Channel:
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
+                elif kind == "judge_go":
+                    event, got = self._go_slot(msg.judge_go.job_id)
+                    got.append(msg.judge_go)
+                    event.set()
                 elif kind == "extension":
                     waiting = self._extensions.get(msg.extension.request_id)
                     if waiting is not None:
@@ -312,6 +335,8 @@ class _Channel:
         self.assigned.put(None)
         with self._grants_lock:
             for event in self._grants.values():
+                event.set()
+            for event, _ in self._go.values():
                 event.set()
             for event, _ in self._extensions.values():
                 event.set()
@@ -358,6 +383,12 @@ class _Reporter:
             self._granted.add(phase)
             if phase == job_pb2.PHASE_PROFILING:
                 self.window_drain = drain.wait_for_idle_gpu(on_busy=self.drain_status)
+
+    def let_go(self, phase: int) -> None:
+        """The GPU's grant for the phase is given back (the front end was told): the next
+        phase(phase) waits for a new one."""
+        self._granted.discard(phase)
+        self._channel.let_go(self._job_id, phase)
 
     def drain_status(self, busy: bool) -> None:
         """DrainStatus: the GPU stays busy at the start of the window (or no longer)."""
@@ -685,10 +716,12 @@ def _run_one(
             # The reference is client code too, and its time must cost what the kernel's
             # does: the judge runs armed as well.
             _arm_tamper_checks()
+            go = functools.partial(_judge_go, channel, reporter, assign.job_id)
             outcome = engine.judge_job(
                 assign.spec, reporter, config, assign.judge.candidate, record_fd,
                 assign.record_max_bytes, share_fd, assign.share_max_bytes,
                 assign.judge.kernel_gone, _reference_time(assign.judge),
+                go=go if assign.judge.ahead else None,
             )  # fmt: skip
         else:
             if assign.record_max_bytes and record_fd >= 0:
@@ -749,6 +782,23 @@ def _run_one(
     else:
         reusable = False
     return poisoned, reusable
+
+
+def _judge_go(
+    channel: _Channel, reporter: _Reporter, job_id: str
+) -> tuple[Any, bool, tuple[Any, float] | None] | None:
+    """A judge started ahead has run the reference: it says so (the front end takes back its
+    GPU grant: the kernel's timing must not wait for it) and waits for the kernel's report."""
+    channel.send(
+        job_channel_pb2.JobProcessMessage(
+            judge_prepared=job_channel_pb2.JudgePrepared(job_id=job_id)
+        )
+    )
+    reporter.let_go(job_pb2.PHASE_VALIDATING)
+    go = channel.wait_go(job_id)
+    if go is None or go.abandon:
+        return None
+    return go.request.candidate, go.request.kernel_gone, _reference_time(go.request)
 
 
 def _reference_time(judge: job_channel_pb2.JudgeRequest) -> tuple[Any, float] | None:

@@ -242,7 +242,7 @@ class GpuUse:
 
     def _send_grant(self, worker: WorkerState, phase: int) -> None:
         run = self.m.running.get(worker.job_id)
-        if run is not None and run.deadline is not None and run.grant_asked_at:
+        if run is not None and run.worker is worker and run.deadline and run.grant_asked_at:
             # Waiting for other jobs' GPU use is not this job's time: push its deadline.
             waited = asyncio.get_running_loop().time() - run.grant_asked_at
             if run.window is not None:  # a check in the window waited for it, not its timing

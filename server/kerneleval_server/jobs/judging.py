@@ -30,6 +30,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.framing import FrameError
+from kerneleval_server.jobproc import GATED_PHASES
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ STANDING_JUDGES_PER_DEVICE = 3  # each holds a CUDA context's memory (~0.5-0.7 G
 # process while this many or fewer wait for each: fresh processes come at about 5 a second a
 # host (issue 12), and a fresh judge per job held a ModelNew batch at 1.4 processes a job.
 JOBS_WAITING_PER_STANDING_JUDGE = 2
+# A judge is started ahead only for problems seen to need at most this much GPU memory: it
+# holds the trials' reference outputs beside the kernel's process (engine: AHEAD_MAX_BYTES).
+AHEAD_MAX_FOOTPRINT = 2 << 30
 FREE_A_SLOT_EVERY_S = 1.0  # a launch process retired for a judge: the next, per GPU, at most
 
 
@@ -190,6 +194,99 @@ class Judges:
             self.queue.remove(job_id)
         self.given_time.discard(job_id)
 
+    # ---- judge ahead (--judge-ahead) --------------------------------------------------
+
+    def start_ahead(self, run: Running) -> None:
+        """The kernel of a judged job has just been given to its process: an idle standing
+        judge of its reference on its GPU gets the job too, ahead (JudgeRequest.ahead). It
+        runs the reference on the trials' inputs meanwhile, with a check's GPU grant, says
+        JudgePrepared (the grant goes back) and waits; the kernel's outcome sends it the
+        JudgeGo (`_start`), and the verdict waits only for the comparison. Only on a GPU not
+        held for a job alone, for a problem seen to fit AHEAD_MAX_FOOTPRINT, with its GPU
+        memory admitted now; never for a GPU MODE task (its checks are per case)."""
+        record, spec, device = run.record, run.job.spec, run.job.device_index
+        if (
+            record is None
+            or not self.m.config.judge_ahead
+            or spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE
+            or device in self.m._held_devices()
+        ):
+            return
+        judge = next(
+            (
+                w for w in self.m.workers.by_id.values()
+                if w.ready and w.judge_key == record.reference_key and w.device_index == device
+            ),
+            None,
+        )  # fmt: skip
+        if judge is None:
+            return
+        key = self.m.gpu_use.memory_key(run)
+        need = self.m.memory.footprint(key)
+        if need is not None and need > AHEAD_MAX_FOOTPRINT:
+            return
+        if not self.m.memory.admit(device, judge.worker_id, key):
+            return
+        try:
+            sent = judge.assign(
+                run.job.job_id, spec, run.job.attempt_count,
+                record_fd=record.fd, record_max_bytes=record.max_bytes,
+                judge=job_channel_pb2.JudgeRequest(ahead=True),
+                share_fd=record.share_ours, share_max_bytes=record.share_max_bytes,
+            )  # fmt: skip
+        except FrameError:
+            self.m.memory.release(device, judge.worker_id)
+            return
+        run.ahead = judge
+        if self.m.watchdog is not None:
+            self.m._spawn(self.m.watchdog.set_job(judge.worker_id, run.job.job_id))
+        if not sent:
+            run.ahead = None
+            self.m._worker_lost(judge)
+
+    def on_ahead_message(
+        self, run: Running, judge: WorkerState, msg: job_channel_pb2.JobProcessMessage
+    ) -> None:
+        """A frame of a judge started ahead, before its JudgeGo: its check asks the GPU gate
+        for a share of the GPU (its memory was admitted at its start), JudgePrepared gives
+        it back, its log lines are the job's. Its phases are not the job's (the kernel's
+        process reports those); a timing phase ahead breaks the protocol."""
+        kind = msg.WhichOneof("kind")
+        if kind == "phase" and msg.phase.phase == job_pb2.PHASE_PROFILING:
+            self.m.on_protocol_violation(judge, "a timing phase from a judge started ahead")
+        elif kind == "phase" and msg.phase.phase in GATED_PHASES:
+            judge.used_gpu = True
+            self.m.gate.request(judge.device_index, judge.worker_id, False)
+        elif kind == "log":
+            self.m.hub.log(run.job.job_id, msg.log.text)
+
+    def ahead_answered(self, judge: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
+        """A judge started ahead answered before its JudgeGo: it left an abandoned job, or
+        its reference failed ahead (the job's judge then starts afresh once the kernel's
+        outputs are in, and says so). Clean, it stands again for its reference."""
+        run = self.m.running.get(judge.job_id)
+        if run is not None and run.ahead is judge:
+            run.ahead = None
+        judge.ahead_job = ""
+        self.m._free_worker(judge, completed=False)
+        self.m.memory.release(judge.device_index, judge.worker_id)
+        if outcome.reusable and not outcome.context_poisoned and not judge.gone:
+            judge.reusable, judge.used_gpu = True, False
+            self.stand(judge, judge.judge_key)
+        else:
+            self.retire(judge, "its reference failed while it judged ahead")
+        self.m.dispatch()
+
+    def leave_ahead(self, run: Running) -> None:
+        """The job is done with its record (it ended, or runs again) before its kernel's
+        outputs were in: its judge started ahead answers at once, and stays."""
+        judge, run.ahead = run.ahead, None
+        if judge is None or judge.gone:
+            return
+        go = job_channel_pb2.JudgeGo(job_id=run.job.job_id, abandon=True)
+        if not judge.send(job_channel_pb2.FrontendMessage(judge_go=go)):
+            self.m._worker_lost(judge)
+
     def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The kernel ran OK in its process: its record, sealed (at once, unless that process
         still maps it writable: then once it has exited), waits (the deadline paused) for a
@@ -279,6 +376,10 @@ class Judges:
                 # GPU to itself waits for them, and only this judge's start lets them go.
                 if not shares_held:
                     continue
+            if run.ahead is not None:  # its judge started ahead: the JudgeGo now
+                self.queue.remove(job_id)
+                self._start(job_id, run.ahead)
+                continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]
             worker = next((w for w in here if w.judge_key == key), None)
@@ -377,19 +478,24 @@ class Judges:
             return
         job = run.job
         known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
+        request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
+        ahead = run.ahead is worker
         try:
-            sent = worker.assign(
-                job_id,
-                job.spec,
-                job.attempt_count,
-                record_fd=run.record.fd,
-                record_max_bytes=run.record.max_bytes,
-                judge=judge_request(
-                    run.record.kernel_outcome.result, run.kernel_worker is None, known
-                ),
-                share_fd=run.record.share_ours,
-                share_max_bytes=run.record.share_max_bytes,
-            )
+            if ahead:
+                go = job_channel_pb2.JudgeGo(job_id=job_id, request=request)
+                sent = worker.send(job_channel_pb2.FrontendMessage(judge_go=go))
+                run.ahead = None
+            else:
+                sent = worker.assign(
+                    job_id,
+                    job.spec,
+                    job.attempt_count,
+                    record_fd=run.record.fd,
+                    record_max_bytes=run.record.max_bytes,
+                    judge=request,
+                    share_fd=run.record.share_ours,
+                    share_max_bytes=run.record.share_max_bytes,
+                )
         except FrameError as exc:
             self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
@@ -412,9 +518,10 @@ class Judges:
         timed = (
             f"its time an earlier job's, {known[1]:.1f} s ago" if known else "is timed there"
         )
+        ran = "ran there on the trials' inputs while the kernel ran" if ahead else "runs there"
         event.log.text = (
             f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
-            f"never ran in{standing} (the reference runs there, {timed})"
+            f"never ran in{standing} (the reference {ran}, {timed})"
         )
         self.m.store.update(job, event)
         self.m.hub.publish(event, persisted=True)
@@ -422,7 +529,7 @@ class Judges:
         run.deadline.resume()
         if self.m.windows.frozen(worker.device_index):
             run.deadline.pause()
-        if self.m.watchdog is not None:
+        if self.m.watchdog is not None and not ahead:
             self.m._spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
             self.m._worker_lost(worker)

@@ -147,6 +147,8 @@ class Running:
     # check meanwhile, but times the reference only once nothing of the kernel is left.
     kernel_worker: WorkerState | None = None
     timing_waits_kernel: bool = False
+    # Its judge, started ahead with its kernel (judging.start_ahead), until its JudgeGo.
+    ahead: WorkerState | None = None
 
     @property
     def judged_now(self) -> bool:
@@ -800,6 +802,7 @@ class JobManager:
     def _drop_record(self, run: Running) -> None:
         """The job is done with its record: closed, and what its shares held of the GPU
         given back."""
+        self.judges.leave_ahead(run)
         record = run.record
         if record is None:
             return
@@ -894,6 +897,8 @@ class JobManager:
             self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
             self._worker_lost(worker)
+        elif record is not None:
+            self.judges.start_ahead(run)
 
     # ---- worker channel ---------------------------------------------------------------
 
@@ -961,8 +966,14 @@ class JobManager:
         if kind == "build":
             self._on_built(worker, msg.build)
             return
+        if kind == "judge_prepared":  # before its JudgeGo or just after (the frames cross)
+            self.gate.release(worker.device_index, worker.worker_id)
+            return
         sub = getattr(msg, kind) if kind else None
         run = self.running.get(sub.job_id) if sub is not None else None
+        if run is not None and run.ahead is worker:
+            self.judges.on_ahead_message(run, worker, msg)
+            return
         if run is None or run.worker is not worker or run.outcome is not None:
             return
         event = self.hub.next_event(run.job.job_id)
@@ -1009,6 +1020,10 @@ class JobManager:
 
     def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
+        if worker.ahead_job and (run is None or run.worker is not worker):
+            # A judge started ahead that answered without a JudgeGo: the job left it.
+            self.judges.ahead_answered(worker, outcome)
+            return
         if run is None or run.worker is not worker:
             return
         run.outcome = outcome
@@ -1510,6 +1525,8 @@ class JobManager:
         for run in list(self.running.values()):
             if run.kernel_worker is worker:
                 self.judges.kernel_exited(run)
+            if run.ahead is worker:  # its judge starts afresh once its kernel is done
+                run.ahead = None
             if run.worker is worker:
                 self._job_worker_exited(run, exited)
 
