@@ -52,3 +52,15 @@ def test_raw_cuda_block_too_large_is_a_resource_limit(run) -> None:
     k = source(CUDA, CUDA_ADD, args, grid=(1, 1, 1), block=(2048, 1, 1))
     out, _ = run(job(k))
     assert out.result.verdict == V.VERDICT_RESOURCE_LIMIT and not out.context_poisoned
+
+
+def test_a_job_process_reports_its_peak_memory_as_torch_counts_it() -> None:
+    """The runtime's peak (what memory admission learns a problem needs) read from the nested
+    statistics, not the flattened ones: the same number."""
+    import torch
+    from kerneleval_server.jobproc import runtime
+
+    runtime._reset_peak_memory()
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    assert runtime._peak_memory() == torch.cuda.max_memory_reserved() >= 64 << 20
+    del block

@@ -350,13 +350,17 @@ def get_init_inputs():
 
 
 def _judged_ahead(
-    engine_dir: Path, kernel_code: str, ends_without: bool = False
-) -> tuple[Outcome, Outcome, int]:
+    engine_dir: Path,
+    kernel_code: str,
+    ends_without: bool = False,
+    reference: str = COUNTING_MODEL,
+    **options: float,
+) -> tuple[Outcome, Outcome, int, int]:
     """A judge started ahead (the front end's JudgeRequest.ahead): judge_job is called before
     the kernel's report exists and gets it from `go`, as the runtime's JudgeGo gives it.
     Returns (the kernel's outcome, the judge's, the reference's runs before `go` was
-    called). `ends_without`: the job ends without a report (go gives None)."""
-    spec = job(source(TORCH, kernel_code), source(TORCH, COUNTING_MODEL))
+    called, and in all). `ends_without`: the job ends without a report (go gives None)."""
+    spec = job(source(TORCH, kernel_code), source(TORCH, reference), **options)
     fd = os.memfd_create("record")
     runs_before_go: list[int] = []
     clean = compare.compare_outputs
@@ -375,7 +379,7 @@ def _judged_ahead(
             spec, reporter, EngineConfig(work_dir=engine_dir), V.EvalResult(), fd, LIMIT, go=go
         )
         assert V.PHASE_VALIDATING in reporter.phases()
-        return own, final, runs_before_go[0]
+        return own, final, runs_before_go[0], builtins._ke_reference_runs  # type: ignore[attr-defined]
     finally:
         compare.compare_outputs = clean
         os.close(fd)
@@ -386,21 +390,24 @@ def _judged_ahead(
 def test_a_judge_started_ahead_runs_the_reference_before_the_kernels_report_is_in(
     engine_dir: Path,
 ) -> None:
-    """Judge ahead: every correctness trial's reference run happens before `go` (while the
-    kernel's process would still run), none of them again after, and the verdict is the same
-    as a judge started after: OK for an honest kernel, with the kernel's time and the
-    judge's own time of the reference."""
-    own, final, before = _judged_ahead(engine_dir, ADD_NEW)
+    """Judge ahead: every correctness trial's reference run, and the float64 one of the
+    lower-precision check, happen before `go` (while the kernel's process would still run),
+    none of them again after (the timing's runs come after: the kernel is timed), and the
+    verdict is the same as a judge started after: OK for an honest kernel, with the
+    kernel's time and the judge's own time of the reference."""
+    own, final, before, runs = _judged_ahead(engine_dir, ADD_NEW)
     r = final.result
     assert r.verdict == V.VERDICT_OK and r.correctness, r
-    assert before == 5 == r.validation.trials_passed
+    assert before == 5 + 1 and r.validation.trials_passed == 5
+    assert runs == before + 3 + 1 + 1  # 3 timed, 1 warm-up, the replayed trial's check
+    assert not any("lower-precision check skipped" in n for n in r.notes), r.notes
     assert r.runtime == own.result.runtime and r.reference_runtime.median_ms > 0
 
 
 def test_a_judge_started_ahead_finds_a_forged_comparison_incorrect(engine_dir: Path) -> None:
-    own, final, before = _judged_ahead(engine_dir, FORGED_COMPARE)
+    own, final, before, _runs = _judged_ahead(engine_dir, FORGED_COMPARE)
     assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery
-    assert before == 5
+    assert before == 5 + 1
     r = final.result
     assert r.verdict == V.VERDICT_INCORRECT and not r.correctness, r
     assert not r.HasField("runtime")
@@ -411,8 +418,31 @@ def test_a_judge_started_ahead_leaves_a_job_that_ended_without_its_report(
 ) -> None:
     """The job ended before its kernel's outputs were in (a wrong kernel, a cancel, a
     timeout): the judge says nothing of it, raises nothing, and keeps nothing."""
-    _own, final, before = _judged_ahead(engine_dir, ADD_NEW, ends_without=True)
+    _own, final, before, runs = _judged_ahead(engine_dir, ADD_NEW, ends_without=True)
     r = final.result
-    assert before == 5
+    assert before == runs == 5 + 1
     assert r.verdict == V.VERDICT_UNSPECIFIED and not r.correctness and not r.HasField("error")
     assert any("not judged" in n for n in r.notes), r.notes
+
+
+def test_a_judge_started_ahead_flags_a_kernel_in_lower_precision(engine_dir: Path) -> None:
+    """The lower-precision check's float64 run is made ahead too: a float32 matmul computed
+    in float16 still passes (advisory) and is flagged, as by a judge started after."""
+    from kerneleval_server.engine import integrity
+    from test_precision import KB_TOL, MATMUL, candidate
+
+    body = "torch.matmul(a.half(), b.half()).float()"
+    counting = MATMUL.replace(
+        "        return torch.matmul(a, b)",
+        "        import builtins\n"
+        "        builtins._ke_reference_runs = getattr(builtins, '_ke_reference_runs', 0) + 1\n"
+        "        return torch.matmul(a, b)",
+    )
+    assert counting != MATMUL
+    _own, final, before, _runs = _judged_ahead(
+        engine_dir, candidate(body), reference=counting, **KB_TOL
+    )
+    assert before == 5 + 1  # the float64 run among them
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.correctness, r
+    assert [f.rule_id for f in r.flags] == [integrity.LOWER_PRECISION], list(r.notes)

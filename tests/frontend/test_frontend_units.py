@@ -738,7 +738,8 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert gate == [("ask", "d0-ja"), ("release", "d0-ja")]
         assert run.phase == 0  # the kernel's process reports the job's phases
 
-        ok = job_channel_pb2.JobOutcome(job_id="j", result=job_pb2.EvalResult(verdict=job_pb2.VERDICT_OK))
+        passed = job_pb2.EvalResult(verdict=job_pb2.VERDICT_OK)
+        ok = job_channel_pb2.JobOutcome(job_id="j", result=passed)
         m.judges.await_judge(run, ok)
         m.judges.kernel_exited(run)
         m.judges.start([], [], {})

@@ -1132,14 +1132,17 @@ def _idle(svc: ServiceProcess, worker_id: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_failed_job(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_failed_job(  # type: ignore[no-untyped-def]
+    stub, svc: ServiceProcess
+) -> None:
     """--judge-ahead: a standing judge of the reference runs it while the kernel runs. A
     forger whose own process passes it (a patched comparison, zeros out) is judged there:
     INCORRECT. A kernel that fails in its own process ends its job before its outputs are in:
     its judge, started ahead, leaves it, keeps nothing of it and stands. The next tenant of
     that reference is judged ahead by the same process, right, and so are the tenants after."""
     reference = hs.REFERENCE + "\n# a reference of this test's own: its own standing judge\n"
-    first = run_job(stub, spec(hs.victim_source(wrong=False), reference=reference, client_tag="alice-ahead-1"), svc)
+    honest, wrong_source = hs.victim_source(wrong=False), hs.victim_source(wrong=True)
+    first = run_job(stub, spec(honest, reference=reference, client_tag="alice-ahead-1"), svc)
     assert first.verdict == job_pb2.VERDICT_OK, first.describe()
     judge = _judge_of(first)
     _idle(svc, judge)
@@ -1147,11 +1150,11 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
     assert forger.verdict == job_pb2.VERDICT_INCORRECT, forger.describe()
     assert AHEAD in forger.logs and _judge_of(forger) == judge, forger.describe()
     _idle(svc, judge)
-    wrong = run_job(stub, spec(hs.victim_source(wrong=True), reference=reference, client_tag="mallory-ahead-2"), svc)
+    wrong = run_job(stub, spec(wrong_source, reference=reference, client_tag="eve-ahead"), svc)
     assert wrong.verdict == job_pb2.VERDICT_INCORRECT, wrong.describe()
     assert "judged by" not in wrong.logs, wrong.describe()  # ended in its own process
     _idle(svc, judge)  # it left the job and stands
-    after = run_job(stub, spec(hs.victim_source(wrong=False), reference=reference, client_tag="alice-ahead-2"), svc)
+    after = run_job(stub, spec(honest, reference=reference, client_tag="alice-ahead-2"), svc)
     assert after.verdict == job_pb2.VERDICT_OK and after.job.result.correctness, after.describe()
     assert AHEAD in after.logs and _judge_of(after) == judge, after.describe()
     next_tenants_are_judged_right(stub, svc, after)

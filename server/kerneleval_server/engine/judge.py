@@ -176,7 +176,10 @@ class _Judge(_Job):
             ref_args = pristine.clone()
             began = time.perf_counter()
             ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
-            self.ahead[t] = (pristine, ref_args, ref_out, time.perf_counter() - began)
+            seconds = time.perf_counter() - began
+            self.ahead[t] = (pristine, ref_args, ref_out, seconds)
+            if t == 0:
+                self._float64_ahead(ref, pristine, ref_out, seconds)
             kept += 2 * compare.nbytes_of(pristine.values) + compare.nbytes_of(ref_out)
             if kept > AHEAD_MAX_BYTES:
                 break
@@ -189,6 +192,7 @@ class _Judge(_Job):
         got = self.go()
         if got is None:
             self.ahead.clear()
+            self.ahead_gold = None
             self.notes.append("the job ended before its kernel's outputs were in: not judged")
             raise _Stop
         candidate, self.kernel_gone, self.reference_time = got

@@ -90,8 +90,20 @@ class Check:
     flag: job_pb2.IntegrityFlag | None = None
     note: str = ""  # why it was skipped
     seconds: float = 0.0  # the float64 run and the comparison
-    need_bytes: int = field(default=0, compare=False)  # what a float64 run would need
     terms: int = 0  # the longest sum the float64 run made
+
+
+@dataclass
+class Gold:
+    """One trial's float64 reference run, which needs no kernel output: a judge started ahead
+    makes it while the kernel runs. `outputs` and the longest sum it made (`terms`, 0 for a
+    float64 problem judged on its own outputs), or `done`: the check's answer already (why it
+    is skipped, or nothing to check)."""
+
+    outputs: list[Any] = field(default_factory=list)
+    terms: int = 0
+    done: Check | None = None
+    seconds: float = 0.0
 
 
 def check(
@@ -105,48 +117,75 @@ def check(
     device: torch.device,
     ref_seconds: float = 0.0,
     sync: Callable[[], None] = lambda: None,
+    gold: Gold | None = None,
 ) -> Check:
     """The lower_precision check of one trial's outputs (see the module's docstring).
-    `ref_seconds`: how long the reference's float32 run took (predicts the float64 one)."""
+    `ref_seconds`: how long the reference's float32 run took (predicts the float64 one).
+    `gold`: the float64 run, made before (`float64_run`)."""
     t0 = time.perf_counter()
-    out: Check | None = None
-    try:
-        out = _check(instance, inputs, cand_out, ref_out, names, max_bytes, device,
-                     ref_seconds, sync)  # fmt: skip
-    finally:
-        if device.type == "cuda" and (out is None or out.need_bytes > SMALL_RUN_BYTES):
-            torch.cuda.empty_cache()  # the float64 run's memory back to the GPU's other jobs
-    out.seconds = time.perf_counter() - t0
+    if gold is None:
+        gold = float64_run(
+            instance, inputs, ref_out, max_bytes=max_bytes, device=device,
+            ref_seconds=ref_seconds, sync=sync,
+        )  # fmt: skip
+    if gold.done is not None:
+        out = gold.done
+    elif len(cand_out) != len(ref_out):
+        out = Check()
+    else:
+        out = _judge(cand_out, ref_out, gold.outputs, names, terms=gold.terms)
+    out.seconds = gold.seconds + time.perf_counter() - t0
     return out
+
+
+def float64_run(
+    instance: Any,
+    inputs: list[Any],
+    ref_out: list[Any],
+    *,
+    max_bytes: int,
+    device: torch.device,
+    ref_seconds: float = 0.0,
+    sync: Callable[[], None] = lambda: None,
+) -> Gold:
+    """The reference's float64 run on a trial's pristine inputs, within `max_bytes` (and
+    what the GPU has free) and TIME_BUDGET_S."""
+    t0 = time.perf_counter()
+    big = True  # it may have taken much of the GPU's memory
+    try:
+        gold, big = _float64_run(instance, inputs, ref_out, max_bytes, device, ref_seconds, sync)
+    finally:
+        if device.type == "cuda" and big:
+            torch.cuda.empty_cache()  # the float64 run's memory back to the GPU's other jobs
+    gold.seconds = time.perf_counter() - t0
+    return gold
 
 
 def _skip(why: str) -> Check:
     return Check(note=f"lower-precision check skipped: {why}")
 
 
-def _check(
+def _float64_run(
     instance: Any,
     inputs: list[Any],
-    cand_out: list[Any],
     ref_out: list[Any],
-    names: list[str],
     max_bytes: int,
     device: torch.device,
     ref_seconds: float,
     sync: Callable[[], None],
-) -> Check:
+) -> tuple[Gold, bool]:
+    """(the run, whether it may have taken much memory: not when it ran small, with no free
+    memory asked, no cap and no cache given back after, nor when it did not run)."""
     tensors = [r for r in ref_out if isinstance(r, torch.Tensor)]
     if not tensors or any(r.dtype in (torch.float16, torch.bfloat16) for r in tensors):
-        return Check()  # a problem posed in half precision: nothing lower to look for
+        return Gold(done=Check()), False  # a problem posed in half precision: nothing lower
     odd = [str(r.dtype) for r in tensors if r.dtype not in (torch.float32, torch.float64)]
     if odd:
-        return _skip(f"the reference returns {odd[0]}")
-    if len(cand_out) != len(ref_out):
-        return Check()
+        return Gold(done=_skip(f"the reference returns {odd[0]}")), False
     if all(r.dtype == torch.float64 for r in tensors):  # its own outputs are the float64 run
-        return _judge(cand_out, ref_out, ref_out, names, terms=0)
+        return Gold(outputs=ref_out, terms=0), False
     if not isinstance(instance, torch.nn.Module):
-        return _skip("the reference is not a torch.nn.Module")
+        return Gold(done=_skip("the reference is not a torch.nn.Module")), False
     state = [*instance.parameters(), *instance.buffers()]
     # At least float64 copies of the weights, the inputs and the outputs.
     need = 2 * (_nbytes(state) + _nbytes(_flat(inputs)) + _nbytes(tensors))
@@ -157,9 +196,11 @@ def _check(
         budget = min(budget, free)
     if need > budget:
         mib = 2**20
-        return _skip(
-            f"a float64 run needs over {need / mib:.0f} MiB (budget {budget / mib:.0f} MiB)"
-        )
+        return Gold(
+            done=_skip(
+                f"a float64 run needs over {need / mib:.0f} MiB (budget {budget / mib:.0f} MiB)"
+            )
+        ), False
     slowdown = _slowdown(device)
     if ref_seconds * slowdown > TIME_BUDGET_S:
         # The first run also loaded its kernels (cuBLAS, cuDNN's choice of algorithm): timed
@@ -169,14 +210,16 @@ def _check(
         except (KeyboardInterrupt, GeneratorExit):
             raise
         except BaseException as e:  # noqa: BLE001 - the reference's code
-            return _skip(f"the reference raised {type(e).__name__}: {str(e)[:200]}")
+            why = f"the reference raised {type(e).__name__}: {str(e)[:200]}"
+            return Gold(done=_skip(why)), not small
     if ref_seconds * slowdown > TIME_BUDGET_S:
-        return _skip(
-            f"the reference's float32 run took {ref_seconds:.2f} s: in float64 it could take "
-            f"{slowdown:g} times as long"
-        )
+        return Gold(
+            done=_skip(
+                f"the reference's float32 run took {ref_seconds:.2f} s: in float64 it could "
+                f"take {slowdown:g} times as long"
+            )
+        ), not small
     longest = _LongestSum()
-    out: Check | None = None
     try:
         with (
             contextlib.nullcontext() if small else _memory_cap(device, budget),
@@ -190,15 +233,14 @@ def _check(
     except (KeyboardInterrupt, GeneratorExit):
         raise
     except torch.OutOfMemoryError:
-        out = _skip(f"the float64 run went over its memory budget ({budget / 2**20:.0f} MiB)")
+        why = f"the float64 run went over its memory budget ({budget / 2**20:.0f} MiB)"
+        return Gold(done=_skip(why)), not small
     except BaseException as e:  # noqa: BLE001 - the reference's code: any failure skips
-        out = _skip(f"the reference raised {type(e).__name__} in float64: {str(e)[:200]}")
-    if out is None and len(gold) != len(ref_out):
-        out = _skip("the reference returned other outputs in float64")
-    elif out is None:
-        out = _judge(cand_out, ref_out, gold, names, terms=longest.terms)
-    out.need_bytes = need
-    return out
+        why = f"the reference raised {type(e).__name__} in float64: {str(e)[:200]}"
+        return Gold(done=_skip(why)), not small
+    if len(gold) != len(ref_out):
+        return Gold(done=_skip("the reference returned other outputs in float64")), not small
+    return Gold(outputs=gold, terms=longest.terms), not small
 
 
 def _judge(

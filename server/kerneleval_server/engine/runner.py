@@ -319,6 +319,7 @@ class _Job:
         # A judge started ahead (judge.py): by trial, the pristine inputs, the reference's
         # copy of them, its outputs and its run's seconds, made before the kernel's were in.
         self.ahead: dict[int, tuple[TrialArgs, TrialArgs, list[Any], float]] = {}
+        self.ahead_gold: precision.Gold | None = None  # and trial 0's float64 run
 
     @property
     def judged_elsewhere(self) -> bool:
@@ -668,19 +669,39 @@ class _Job:
         names: list[str], ref_seconds: float,
     ) -> None:  # fmt: skip
         """lower_precision (precision.py), on the inputs before anything ran; never fails."""
-        budget = min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
         try:
             with self._cpu_shim(), torch.no_grad():
                 c = precision.check(
                     getattr(ref, "instance", None), pristine.model_inputs(), cand_out, ref_out,
-                    names, max_bytes=budget, device=self.dev, ref_seconds=ref_seconds,
-                    sync=self._sync,
+                    names, max_bytes=self._precision_budget(), device=self.dev,
+                    ref_seconds=ref_seconds, sync=self._sync, gold=self.ahead_gold,
                 )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
             c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
         self._flag([c.flag] if c.flag is not None else [])
         if c.note:
             self.notes.append(c.note)
+
+    def _precision_budget(self) -> int:
+        return min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
+
+    def _float64_ahead(
+        self, ref: Program, pristine: TrialArgs, ref_out: list[Any], ref_seconds: float
+    ) -> None:
+        """A judge started ahead: the first trial's float64 reference run for the
+        lower-precision check, made before the kernel's outputs are in (a failure here is
+        the check's, run again then)."""
+        if ref.kind != "model" or not self.opts.check_precision or self.judged_elsewhere:
+            return
+        try:
+            with self._cpu_shim(), torch.no_grad():
+                self.ahead_gold = precision.float64_run(
+                    getattr(ref, "instance", None), pristine.model_inputs(), ref_out,
+                    max_bytes=self._precision_budget(), device=self.dev,
+                    ref_seconds=ref_seconds, sync=self._sync,
+                )  # fmt: skip
+        except Exception:  # noqa: BLE001 - the check after says what failed
+            self.ahead_gold = None
 
     @staticmethod
     def _output_names(cand: Program, ref: Program | None, args: TrialArgs) -> list[str]:
