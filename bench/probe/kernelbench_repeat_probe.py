@@ -26,6 +26,7 @@ from kerneleval.v1 import job_pb2  # noqa: E402
 
 WRONG = {1, 19, 23, 40, 95}
 UNFINISHED = (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_QUEUED)
+EXPECTED = (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
 LOGGED = ("WARNING", "ERROR", "judge", "share", "killed")
 
 
@@ -41,12 +42,19 @@ def describe(e: job_pb2.JobEvent) -> str:
 def report(svc: C.Service) -> None:
     with svc.client() as c:
         c.timeout = 10
-        jobs = list(c.list_jobs())
+        jobs = list(c.list_jobs(include_spec=True))
         states: dict[str, int] = {}
         for j in jobs:
             name = job_pb2.JobState.Name(j.state)
             states[name] = states.get(name, 0) + 1
         print("states", states)
+        for j in jobs:  # what ended neither OK nor INCORRECT (only planted ones are wrong)
+            if j.state == job_pb2.JOB_STATE_DONE and j.result.verdict not in EXPECTED:
+                r = j.result
+                print("NOT OK", j.job_id[:8], dict(j.spec.labels), j.spec.client_tag,
+                      job_pb2.Verdict.Name(r.verdict), job_pb2.Side.Name(r.failed_side),
+                      r.error.exception_type, r.error.message[:400],
+                      list(r.notes)[-3:])  # fmt: skip
         for j in (j for j in jobs if j.state in UNFINISHED):
             events: list[job_pb2.JobEvent] = []
             try:

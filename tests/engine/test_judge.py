@@ -399,9 +399,21 @@ def test_a_judge_started_ahead_runs_the_reference_before_the_kernels_report_is_i
     r = final.result
     assert r.verdict == V.VERDICT_OK and r.correctness, r
     assert before == 5 + 1 and r.validation.trials_passed == 5
-    assert runs == before + 3 + 1 + 1  # 3 timed, 1 warm-up, the replayed trial's check
     assert not any("lower-precision check skipped" in n for n in r.notes), r.notes
     assert r.runtime == own.result.runtime and r.reference_runtime.median_ms > 0
+
+    # A judge started after runs the reference as often, all of it after the kernel.
+    after: list[int] = []
+
+    def count(_fd: int) -> None:
+        builtins._ke_reference_runs = 0  # type: ignore[attr-defined]
+        after.append(0)
+
+    try:
+        judged(engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, COUNTING_MODEL)), count)
+        assert after and runs == builtins._ke_reference_runs  # type: ignore[attr-defined]
+    finally:
+        del builtins._ke_reference_runs
 
 
 def test_a_judge_started_ahead_finds_a_forged_comparison_incorrect(engine_dir: Path) -> None:
