@@ -40,7 +40,7 @@ log = logging.getLogger("kerneleval.jobs")
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
-STANDING_JUDGES_PER_DEVICE = 3  # each holds a CUDA context's memory (~0.5-0.7 GiB)
+STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
 # A judged job waits for a busy standing judge of its reference rather than take a fresh job
 # process while this many or fewer wait for each: fresh processes come at about 5 a second a
 # host (issue 12), and a fresh judge per job held a ModelNew batch at 1.4 processes a job.
