@@ -742,7 +742,8 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         ok = job_channel_pb2.JobOutcome(job_id="j", result=passed)
         m.judges.await_judge(run, ok)
         m.judges.kernel_exited(run)
-        m.judges.start([], [], {})
+        # Even on a GPU held for another job alone: that job waits for this judge.
+        m.judges.start([], [], {0: "another"})
         assert run.worker is judge and run.ahead is None
         assert judge.writer.sent == ["judge_go"]
         assert list(m.judges.queue) == []

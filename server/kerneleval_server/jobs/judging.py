@@ -368,6 +368,12 @@ class Judges:
             if run is None or run.record is None:
                 self.queue.remove(job_id)
                 continue
+            if run.ahead is not None:
+                # Its judge started ahead: the JudgeGo now, even on a GPU held for a job
+                # alone (which waits for that judge: it counts as using the GPU).
+                self.queue.remove(job_id)
+                self._start(job_id, run.ahead)
+                continue
             device = run.job.device_index
             alone = held.get(device)
             shares_held = run.record.gpu_held_on is not None
@@ -376,10 +382,6 @@ class Judges:
                 # GPU to itself waits for them, and only this judge's start lets them go.
                 if not shares_held:
                     continue
-            if run.ahead is not None:  # its judge started ahead: the JudgeGo now
-                self.queue.remove(job_id)
-                self._start(job_id, run.ahead)
-                continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]
             worker = next((w for w in here if w.judge_key == key), None)
