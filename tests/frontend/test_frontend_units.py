@@ -755,7 +755,14 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert third.ahead is judge2
         judge2.writer.received()
         m._drop_record(third)  # the job ended first
+        m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
+        # Its check, asked before it read the abandon, is still granted: else it waits for
+        # ever and never reads it.
+        gate.clear()
+        late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
+        m.on_worker_message(judge2, frame(phase=late))
+        assert gate == [("ask", "d0-jc")]
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
         m.on_worker_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone

@@ -245,19 +245,21 @@ class Judges:
             self.m._worker_lost(judge)
 
     def on_ahead_message(
-        self, run: Running, judge: WorkerState, msg: job_channel_pb2.JobProcessMessage
+        self, run: Running | None, judge: WorkerState, msg: job_channel_pb2.JobProcessMessage
     ) -> None:
         """A frame of a judge started ahead, before its JudgeGo: its check asks the GPU gate
         for a share of the GPU (its memory was admitted at its start), JudgePrepared gives
         it back, its log lines are the job's. Its phases are not the job's (the kernel's
-        process reports those); a timing phase ahead breaks the protocol."""
+        process reports those); a timing phase ahead breaks the protocol. Its job may have
+        left it already (`run` None or another attempt's): its check is granted all the same,
+        or it would wait for ever and never read the JudgeGo that abandons the job."""
         kind = msg.WhichOneof("kind")
         if kind == "phase" and msg.phase.phase == job_pb2.PHASE_PROFILING:
             self.m.on_protocol_violation(judge, "a timing phase from a judge started ahead")
         elif kind == "phase" and msg.phase.phase in GATED_PHASES:
             judge.used_gpu = True
             self.m.gate.request(judge.device_index, judge.worker_id, False)
-        elif kind == "log":
+        elif kind == "log" and run is not None and run.ahead is judge:
             self.m.hub.log(run.job.job_id, msg.log.text)
 
     def ahead_answered(self, judge: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:

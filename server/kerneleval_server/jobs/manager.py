@@ -971,7 +971,9 @@ class JobManager:
             return
         sub = getattr(msg, kind) if kind else None
         run = self.running.get(sub.job_id) if sub is not None else None
-        if run is not None and run.ahead is worker:
+        if sub is not None and worker.ahead_job == sub.job_id and (
+            run is None or run.worker is not worker
+        ):  # a judge started ahead, before its JudgeGo (or with the job gone from it)
             self.judges.on_ahead_message(run, worker, msg)
             return
         if run is None or run.worker is not worker or run.outcome is not None:
