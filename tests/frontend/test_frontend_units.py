@@ -630,6 +630,14 @@ def test_judged_jobs_wait_for_a_busy_standing_judge_of_their_reference_up_to_a_f
         busy.job_id = ""  # it judged: the next waiting job is its
         m.judges.start([], [busy], {})
         assert started == [("a0", "d0-j0")]
+
+        # A standing judge started ahead for a kernel still running is not waited for: that
+        # kernel may run to its timeout.
+        started.clear()
+        runs[0].ahead = busy
+        m.running["kernel-still-running"] = runs[0]
+        m.judges.start([_process("d0-w2")], [], {})
+        assert started == [("a1", "d0-w2")]
         for r in (*runs, other):
             r.record.close()
 

@@ -400,10 +400,14 @@ class Judges:
                 self._free_a_slot(device, fresh, key)
 
     def _standing_judges(self, device: int, key: str) -> int:
-        """The standing judges of a reference on a GPU (busy ones: a ready one was looked for)."""
+        """The standing judges of a reference on a GPU that are free soon (busy ones: a ready
+        one was looked for). Not one started ahead for a kernel still running: that kernel
+        may run to its timeout (a hung one held a judge, and the jobs waiting for it, 120 s)."""
+        ahead = {r.ahead.worker_id for r in self.m.running.values() if r.ahead is not None}
         return sum(
             1 for w in self.m.workers.by_id.values()
             if w.judge_key == key and w.device_index == device and not w.gone
+            and w.worker_id not in ahead
         )  # fmt: skip
 
     def _free_a_slot(self, device: int, fresh: list[WorkerState], key: str) -> None:
