@@ -117,17 +117,20 @@ def check(
     device: torch.device,
     ref_seconds: float = 0.0,
     sync: Callable[[], None] = lambda: None,
-    gold: Gold | None = None,
 ) -> Check:
     """The lower_precision check of one trial's outputs (see the module's docstring).
-    `ref_seconds`: how long the reference's float32 run took (predicts the float64 one).
-    `gold`: the float64 run, made before (`float64_run`)."""
+    `ref_seconds`: how long the reference's float32 run took (predicts the float64 one)."""
+    gold = float64_run(
+        instance, inputs, ref_out, max_bytes=max_bytes, device=device,
+        ref_seconds=ref_seconds, sync=sync,
+    )  # fmt: skip
+    return judged(gold, cand_out, ref_out, names)
+
+
+def judged(gold: Gold, cand_out: list[Any], ref_out: list[Any], names: list[str]) -> Check:
+    """The check of one trial's outputs against its float64 run (`float64_run`: made just
+    before, or by a judge started ahead while the kernel ran)."""
     t0 = time.perf_counter()
-    if gold is None:
-        gold = float64_run(
-            instance, inputs, ref_out, max_bytes=max_bytes, device=device,
-            ref_seconds=ref_seconds, sync=sync,
-        )  # fmt: skip
     if gold.done is not None:
         out = gold.done
     elif len(cand_out) != len(ref_out):

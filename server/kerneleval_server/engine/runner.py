@@ -668,22 +668,27 @@ class _Job:
         self, ref: Program, pristine: TrialArgs, cand_out: list[Any], ref_out: list[Any],
         names: list[str], ref_seconds: float,
     ) -> None:  # fmt: skip
-        """lower_precision (precision.py), on the inputs before anything ran; never fails."""
+        """lower_precision (precision.py), on the inputs before anything ran; never fails.
+        Its float64 run is the one a judge started ahead made, if it did."""
         try:
-            with self._cpu_shim(), torch.no_grad():
-                c = precision.check(
-                    getattr(ref, "instance", None), pristine.model_inputs(), cand_out, ref_out,
-                    names, max_bytes=self._precision_budget(), device=self.dev,
-                    ref_seconds=ref_seconds, sync=self._sync, gold=self.ahead_gold,
-                )  # fmt: skip
+            gold = self.ahead_gold or self._float64_run(ref, pristine, ref_out, ref_seconds)
+            with torch.no_grad():
+                c = precision.judged(gold, cand_out, ref_out, names)
         except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
             c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
         self._flag([c.flag] if c.flag is not None else [])
         if c.note:
             self.notes.append(c.note)
 
-    def _precision_budget(self) -> int:
-        return min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
+    def _float64_run(
+        self, ref: Program, pristine: TrialArgs, ref_out: list[Any], ref_seconds: float
+    ) -> precision.Gold:
+        with self._cpu_shim(), torch.no_grad():
+            return precision.float64_run(
+                getattr(ref, "instance", None), pristine.model_inputs(), ref_out,
+                max_bytes=min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes),
+                device=self.dev, ref_seconds=ref_seconds, sync=self._sync,
+            )  # fmt: skip
 
     def _float64_ahead(
         self, ref: Program, pristine: TrialArgs, ref_out: list[Any], ref_seconds: float
@@ -694,12 +699,7 @@ class _Job:
         if ref.kind != "model" or not self.opts.check_precision or self.judged_elsewhere:
             return
         try:
-            with self._cpu_shim(), torch.no_grad():
-                self.ahead_gold = precision.float64_run(
-                    getattr(ref, "instance", None), pristine.model_inputs(), ref_out,
-                    max_bytes=self._precision_budget(), device=self.dev,
-                    ref_seconds=ref_seconds, sync=self._sync,
-                )  # fmt: skip
+            self.ahead_gold = self._float64_run(ref, pristine, ref_out, ref_seconds)
         except Exception:  # noqa: BLE001 - the check after says what failed
             self.ahead_gold = None
 
