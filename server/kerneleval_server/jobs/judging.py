@@ -244,6 +244,15 @@ class Judges:
             run.ahead = None
             self.m._worker_lost(judge)
 
+    @staticmethod
+    def answers_ahead(worker: WorkerState, job_id: str, run: Running | None) -> bool:
+        """Whether the process's frame for `job_id` is a judge's started ahead, not the
+        job's: before its JudgeGo, or with the job gone from it (ended, or another attempt's
+        `run`)."""
+        return bool(job_id) and worker.ahead_job == job_id and (
+            run is None or run.worker is not worker
+        )
+
     def on_ahead_message(
         self, run: Running | None, judge: WorkerState, msg: job_channel_pb2.JobProcessMessage
     ) -> None:

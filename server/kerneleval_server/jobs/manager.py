@@ -800,8 +800,8 @@ class JobManager:
         return ""
 
     def _drop_record(self, run: Running) -> None:
-        """The job is done with its record: closed, and what its shares held of the GPU
-        given back."""
+        """The job is done with its record: closed, what its shares held of the GPU given
+        back, and a judge started ahead with it (which holds it too) told to leave it."""
         self.judges.leave_ahead(run)
         record = run.record
         if record is None:
@@ -971,9 +971,7 @@ class JobManager:
             return
         sub = getattr(msg, kind) if kind else None
         run = self.running.get(sub.job_id) if sub is not None else None
-        if sub is not None and worker.ahead_job == sub.job_id and (
-            run is None or run.worker is not worker
-        ):  # a judge started ahead, before its JudgeGo (or with the job gone from it)
+        if sub is not None and self.judges.answers_ahead(worker, sub.job_id, run):
             self.judges.on_ahead_message(run, worker, msg)
             return
         if run is None or run.worker is not worker or run.outcome is not None:
@@ -1022,8 +1020,7 @@ class JobManager:
 
     def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
-        if worker.ahead_job and (run is None or run.worker is not worker):
-            # A judge started ahead that answered without a JudgeGo: the job left it.
+        if self.judges.answers_ahead(worker, outcome.job_id, run):  # the job left it
             self.judges.ahead_answered(worker, outcome)
             return
         if run is None or run.worker is not worker:
