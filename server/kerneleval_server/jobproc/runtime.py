@@ -34,6 +34,7 @@ import contextlib
 import functools
 import gc
 import importlib
+import itertools
 import json
 import os
 import queue
@@ -252,6 +253,43 @@ def _truncate(text: str, limit: int = MAX_LOG_LINE_BYTES) -> str:
     return data[:limit].decode("utf-8", "ignore")
 
 
+class _Replies:
+    """Answers from the front end that the job waits for, by key (a load_inline call's
+    ExtensionBuilt, a judge's JudgeGo): the reader thread puts each one, before or after its
+    wait began; once the channel closed, every wait ends empty-handed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict[object, tuple[threading.Event, list[Any]]] = {}
+        self._closed = False
+
+    def _slot(self, key: object) -> tuple[threading.Event, list[Any]]:
+        with self._lock:
+            slot = self._slots.setdefault(key, (threading.Event(), []))
+            if self._closed:
+                slot[0].set()
+            return slot
+
+    def put(self, key: object, answer: Any) -> None:
+        event, got = self._slot(key)
+        got.append(answer)
+        event.set()
+
+    def wait(self, key: object) -> Any:
+        """The answer (None when the channel closed first)."""
+        event, got = self._slot(key)
+        event.wait()
+        with self._lock:
+            self._slots.pop(key, None)
+        return got[0] if got else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for event, _ in self._slots.values():
+                event.set()
+
+
 class _Channel:
     """Descriptor 3: one writer lock, one reader thread. AssignJobs queue; the runtime takes
     a next one only when its process is reusable (the front end sends one only then)."""
@@ -262,13 +300,13 @@ class _Channel:
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
         self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
-        # load_inline calls the service builds: request id -> (answered, the answer)
-        self._extensions: dict[int, tuple[threading.Event, list[Any]]] = {}
+        # load_inline calls the service builds (by ("extension", request id)) and a judge
+        # started ahead's JudgeGo (by ("go", job id))
+        self._replies = _Replies()
+        self._requests = itertools.count(1)
         self.job_running = False
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
         self.record_fds: dict[str, list[int]] = {}  # job id -> the descriptors its frame held
-        # A judge started ahead: its JudgeGo, by job id (answered, the message)
-        self._go: dict[str, tuple[threading.Event, list[job_channel_pb2.JudgeGo]]] = {}
 
     def accept_next(self) -> None:
         """The job is over and the process stays: the next AssignJob is a new job."""
@@ -291,17 +329,10 @@ class _Channel:
         with self._grants_lock:
             self._grants.pop(f"{job_id}/{phase}", None)
 
-    def _go_slot(self, job_id: str) -> tuple[threading.Event, list[job_channel_pb2.JudgeGo]]:
-        with self._grants_lock:
-            return self._go.setdefault(job_id, (threading.Event(), []))
-
     def wait_go(self, job_id: str) -> job_channel_pb2.JudgeGo | None:
         """A judge started ahead: its JudgeGo (None when the channel closed first)."""
-        event, got = self._go_slot(job_id)
-        event.wait()
-        with self._grants_lock:
-            self._go.pop(job_id, None)
-        return got[0] if got else None
+        go: job_channel_pb2.JudgeGo | None = self._replies.wait(("go", job_id))
+        return go
 
     def read_loop(self) -> None:
         reader = FdFrameReader(self._sock)
@@ -319,14 +350,9 @@ class _Channel:
                 elif kind == "grant":
                     self.grant_event(msg.grant.job_id, msg.grant.phase).set()
                 elif kind == "judge_go":
-                    event, got = self._go_slot(msg.judge_go.job_id)
-                    got.append(msg.judge_go)
-                    event.set()
+                    self._replies.put(("go", msg.judge_go.job_id), msg.judge_go)
                 elif kind == "extension":
-                    waiting = self._extensions.get(msg.extension.request_id)
-                    if waiting is not None:
-                        waiting[1].append(msg.extension)
-                        waiting[0].set()
+                    self._replies.put(("extension", msg.extension.request_id), msg.extension)
                 # A Welcome is ignored.
         except (OSError, FrameError, DecodeError):
             pass
@@ -336,18 +362,12 @@ class _Channel:
         with self._grants_lock:
             for event in self._grants.values():
                 event.set()
-            for event, _ in self._go.values():
-                event.set()
-            for event, _ in self._extensions.values():
-                event.set()
+        self._replies.close()
 
     def build_extension(self, job_id: str, arguments_json: str) -> Any:
         """Asks the service to build a load_inline call; waits for its ExtensionBuilt (None
         when the channel closed)."""
-        with self._grants_lock:
-            request_id = len(self._extensions) + 1
-            waiting: tuple[threading.Event, list[Any]] = (threading.Event(), [])
-            self._extensions[request_id] = waiting
+        request_id = next(self._requests)
         call = job_channel_pb2.ExtensionCall(arguments_json=arguments_json)
         self.send(
             job_channel_pb2.JobProcessMessage(
@@ -356,8 +376,7 @@ class _Channel:
                 )
             )
         )
-        waiting[0].wait()
-        return waiting[1][0] if waiting[1] else None
+        return self._replies.wait(("extension", request_id))
 
 
 class _Reporter:
