@@ -382,3 +382,46 @@ def test_child_stderr_lines_become_json_records(caplog: pytest.LogCaptureFixture
     # anything, as more records (never one longer).
     assert rest[0] == "y" * logs.MAX_CHILD_LINE + " [cut]"
     assert all(set(m.removesuffix(" [cut]")) == {"y"} for m in rest[1:-1])
+
+
+def test_log_records_are_written_as_json_by_a_thread_of_their_own(tmp_path: Path) -> None:
+    """logs.setup: the caller only hands records over (the event loop never formats or
+    writes one); the writer thread writes them in order, their fields and a traceback
+    included, and what is queued is written when the writer stops (at exit)."""
+    import threading
+
+    path = tmp_path / "service.log"
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    writers: list[str] = []
+    real_emit = logging.FileHandler.emit
+
+    def emit(self: logging.FileHandler, record: logging.LogRecord) -> None:
+        writers.append(threading.current_thread().name)
+        real_emit(self, record)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(logging.FileHandler, "emit", emit)
+            logs.setup("info", str(path))
+            log = logging.getLogger("kerneleval.test")
+            shared = ["before"]
+            log.info("job %s started", "j1", extra={"job_id": "j1", "worker_id": "d0-w1"})
+            log.info("args %s", shared)
+            shared.append("after")  # changed once handed over: the line says what was logged
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                log.exception("it failed")
+            log.debug("not at this level")
+            logs._stop()
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["message"], r.get("job_id"), r.get("worker_id")) for r in lines] == [
+        ("job j1 started", "j1", "d0-w1"),
+        ("args ['before']", None, None),
+        ("it failed", None, None),
+    ]
+    assert lines[2]["level"] == "ERROR" and "ValueError: boom" in lines[2]["exception"]
+    assert writers and threading.main_thread().name not in writers

@@ -547,8 +547,10 @@ def test_spec_limit_cannot_be_raised_past_one_frame() -> None:
 def test_static_checks_of_a_small_source_run_on_the_loop_a_large_one_in_a_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A KernelBench-sized source is checked on the event loop (no thread hand-off on the
-    way to the queue); a large one in a thread. Both are flagged alike."""
+    """A KernelBench-sized source is checked on the event loop, after its job was queued and
+    dispatched (no thread hand-off, no parsing on the way to its start); a large one in a
+    thread first. Both are flagged alike, in Submit's answer and in the store (here no job
+    process takes them: they stay queued, and their run starts from the stored job)."""
     import threading
 
     from kerneleval_server.api import kernel_eval_service
@@ -571,6 +573,9 @@ def test_static_checks_of_a_small_source_run_on_the_loop_a_large_one_in_a_thread
             spec.kernel.source_code = source
             job = (await h.stub.Submit(pb.SubmitRequest(spec=spec))).job
             assert [f.rule_id for f in job.result.flags] == ["thread_or_process"]
+            stored = (await h.stub.GetJob(pb.GetJobRequest(job_id=job.job_id))).job
+            assert stored.state == job_pb2.JOB_STATE_QUEUED
+            assert list(stored.result.flags) == list(job.result.flags)
         assert ran_on[0] == loop_thread and ran_on[1] != loop_thread
 
     run(tmp_path, scenario)

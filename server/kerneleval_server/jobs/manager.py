@@ -235,7 +235,12 @@ class JobManager:
         """Persists a new QUEUED job and queues it (flags: the static checks' result, when
         the caller ran them off the event loop), or answers it from the result cache or an
         identical job in flight (result_cache.py). A Submit retried with its idempotency key
-        gets the job the first one made. Raises QueueFull past the queue limit, KeyReused."""
+        gets the job the first one made. Raises QueueFull past the queue limit, KeyReused.
+
+        Without `flags`, a job that runs here is started before its static checks (a
+        millisecond of parsing on the way to every job's start): they run while its process
+        starts, and what they flag joins its result (_flag_late). A job they may reject
+        (reject_flagged), one from the cache and one for the shared queue are checked first."""
         if idempotency_key:
             earlier = self._submitted_with(spec, idempotency_key)
             if earlier is not None:
@@ -256,9 +261,13 @@ class JobManager:
         _stamp(job.create_time)
         # Static checks of the candidate, here on the trusted side, never in its process; the
         # flags stay in job.result until _finish puts them in the final result.
-        if flags is None:
+        late = (
+            flags is None and hit is None and self.shared is None
+            and not spec.options.reject_flagged
+        )  # fmt: skip
+        if flags is None and not late:
             flags = static_checks.check(spec)
-        job.result.flags.extend(flags)
+        job.result.flags.extend(flags or [])
         self.hub.set_labels(job.job_id, spec.labels)
         event = self.hub.next_event(job.job_id)
         event.queued.position = len(self.queue)
@@ -281,7 +290,22 @@ class JobManager:
         self.metrics.result_cache.labels(self._enqueue_or_wait(job, key)).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         self.dispatch()
+        if late:
+            job.result.flags.extend(self._flag_late(job.job_id, spec))
         return job
+
+    def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
+        """The static checks of a job started before them (submit): their flags join the job
+        where it is now, running (run.job, which _finish ends from) or queued (the store)."""
+        flags = static_checks.check(spec)
+        if not flags:
+            return flags  # the common case: nothing to write
+        run = self.running.get(job_id)
+        job = run.job if run is not None else self.store.get(job_id)
+        if job is not None:
+            job.result.flags.extend(flags)
+            self.store.update(job)
+        return flags
 
     # ---- the result cache and identical jobs in flight (result_cache.py) ---------------
 
