@@ -471,6 +471,7 @@ class _Channel:
 
     def __init__(self) -> None:
         self.sent: list[str] = []
+        self.frames: list[Any] = []
         self.closed = False
 
     def is_closing(self) -> bool:
@@ -481,6 +482,7 @@ class _Channel:
 
         msg = job_channel_pb2.FrontendMessage.FromString(frame[4:])
         self.sent.append(msg.WhichOneof("kind") or "")
+        self.frames.append(msg)
 
     def close(self) -> None:
         self.closed = True
@@ -682,9 +684,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     reference on its GPU is given the job ahead, with its record. Its check asks the GPU gate
     for a share of the GPU, JudgePrepared gives it back, and its phases are not the job's.
     The kernel's outcome sends it the JudgeGo (not a second AssignJob), and it is the job's
-    worker from then on. A job that ends first (here: its kernel INCORRECT) sends it a JudgeGo
-    that abandons; its answer frees it, standing again. A standing judge busy, of another
-    reference, or on another GPU is never started ahead."""
+    worker from then on: its check, next, is asked for with the go (validating_asked), not by
+    the judge a round trip later. A job that ends first (here: its kernel INCORRECT) sends it
+    a JudgeGo that abandons; its answer frees it, standing again. A standing judge busy, of
+    another reference, or on another GPU is never started ahead."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import check_frame
     from kerneleval_server.jobs import judging
@@ -751,10 +754,27 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         m.judges.await_judge(run, ok)
         m.judges.kernel_exited(run)
         # Even on a GPU held for another job alone: that job waits for this judge.
+        gate.clear()
         m.judges.start([], [], {0: "another"})
         assert run.worker is judge and run.ahead is None
         assert judge.writer.sent == ["judge_go"]
+        go = judge.writer.frames[-1].judge_go
+        assert go.job_id == "j" and go.validating_asked and not go.abandon
+        assert gate == [("ask", "d0-ja")] and run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
+        # A judge still preparing (no JudgePrepared yet: it holds its share) asks for its
+        # check itself once prepared: its go asks nothing for it.
+        judge4 = standing("d0-jd", key)
+        fourth = kernel_started("j4", "d0-k3")
+        assert fourth.ahead is judge4
+        judge4.writer.received()
+        m.judges.await_judge(fourth, job_channel_pb2.JobOutcome(job_id="j4", result=passed))
+        m.judges.kernel_exited(fourth)
+        gate.clear()
+        m.judges.start([], [], {})
+        assert fourth.worker is judge4 and judge4.writer.sent == ["judge_go"]
+        assert not judge4.writer.frames[-1].judge_go.validating_asked and gate == []
+        fourth.record.close()
 
         # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
         m._drop_record(second)
@@ -765,6 +785,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         m._drop_record(third)  # the job ended first
         m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
+        assert not judge2.writer.frames[-1].judge_go.validating_asked  # it abandons
         # Its check, asked before it read the abandon, is still granted: else it waits for
         # ever and never reads it.
         gate.clear()
@@ -774,6 +795,11 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
         m.on_worker_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
+        # Given the job's next attempt ahead (the same job id), what it said of the last one
+        # counts no more: until its new JudgePrepared its go asks nothing for it.
+        judge2.prepared_job = "j3"
+        judge2.assign("j3", job_pb2.Job().spec, 2, judge=job_channel_pb2.JudgeRequest(ahead=True))
+        assert judge2.ahead_job == "j3" and judge2.prepared_job == ""
         for r in (run, second, third):
             r.record.close()
 

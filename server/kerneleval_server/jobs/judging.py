@@ -278,7 +278,7 @@ class Judges:
         run = self.m.running.get(judge.job_id)
         if run is not None and run.ahead is judge:
             run.ahead = None
-        judge.ahead_job = ""
+        judge.ahead_job = judge.prepared_job = ""
         self.m._free_worker(judge, completed=False)
         self.m.memory.release(judge.device_index, judge.worker_id)
         if outcome.reusable and not outcome.context_poisoned and not judge.gone:
@@ -497,9 +497,12 @@ class Judges:
         known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
         request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
         ahead = run.ahead is worker
+        # A judge waiting for its go (it said JudgePrepared: its GPU share given back) has its
+        # check asked for with it. One still preparing asks itself, after its JudgePrepared.
+        asks = ahead and worker.prepared_job == job_id
         try:
             if ahead:
-                go = job_channel_pb2.JudgeGo(job_id=job_id, request=request)
+                go = job_channel_pb2.JudgeGo(job_id=job_id, request=request, validating_asked=asks)
                 sent = worker.send(job_channel_pb2.FrontendMessage(judge_go=go))
                 run.ahead = None
             else:
@@ -550,3 +553,8 @@ class Judges:
             self.m._spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
             self.m._worker_lost(worker)
+        elif asks:
+            # Its check, next, asked for here as the judge would (JudgeGo.validating_asked):
+            # its grant follows the go instead of a round trip after it.
+            phase = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=job_pb2.PHASE_VALIDATING)
+            self.m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=phase))

@@ -991,6 +991,7 @@ class JobManager:
             self._on_built(worker, msg.build)
             return
         if kind == "judge_prepared":  # before its JudgeGo or just after (the frames cross)
+            worker.prepared_job = msg.judge_prepared.job_id
             self.gate.release(worker.device_index, worker.worker_id)
             return
         sub = getattr(msg, kind) if kind else None
