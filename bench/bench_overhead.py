@@ -126,8 +126,13 @@ def main() -> int:
         "--service-only", action="store_true",
         help="no fresh or forked baselines (comparing two trees of the service)",
     )  # fmt: skip
+    ap.add_argument(
+        "--perf", default="0,20",
+        help="the perf_trial_count settings to measure (0,20; e.g. 0 for the overhead alone)",
+    )  # fmt: skip
     C.add_service_flags(ap)
     args = ap.parse_args()
+    perfs = [int(p) for p in args.perf.split(",")]
     smoke = args.cpu_smoke
     requests = args.requests or (10 if smoke else 60)
     pace = args.pace_s if args.pace_s is not None else (0.3 if smoke else 0.8)
@@ -149,7 +154,7 @@ def main() -> int:
     try:
         svc.wait_workers(1)
         for kind in SPECS:
-            for perf in (0, 20):
+            for perf in perfs:
                 walls, ok, parts = service_latencies(svc, kind, n, requests, perf, 3, pace)
                 data["modes"][f"{kind}_perf{perf}"] = {"ok": ok, **C.summary(walls)}
                 data["breakdown"][f"{kind}_perf{perf}"] = {
@@ -185,8 +190,8 @@ def main() -> int:
         "forked_perf0": "(b) forked from torch parent, no timing",
         "forked_perf20": "(b) forked from torch parent, 20 timed runs",
     }
-    base = data["modes"]["modelnew_perf0"]["median"]
-    base20 = data["modes"]["modelnew_perf20"]["median"]
+    base = data["modes"].get("modelnew_perf0", {}).get("median", 0.0)
+    base20 = data["modes"].get("modelnew_perf20", {}).get("median", 0.0)
     for key, label in labels.items():
         if key not in data["modes"]:  # --service-only
             continue
