@@ -74,6 +74,9 @@ def main() -> int:
         svc.stop()
     print(f"Evaluate ({kind}): {ms(walls)} ms; client send -> created {ms(to_created)} ms; "
           f"front end CPU {cpu:.2f} ms an evaluation")  # fmt: skip
+    print(
+        "  slowest (call, ms):", [(walls.index(w), round(w * 1e3, 1)) for w in sorted(walls)[-4:]]
+    )
     for name, values in segments.items():
         print(f"  {name:55s} {ms(values)}")
     return 0
