@@ -806,6 +806,64 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     asyncio.run(main())
 
 
+def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -> None:
+    """A kernel built ahead goes to a launch process, which loads it and then checks it: a
+    check that shares the GPU is asked for with the launch (its grant is there when the
+    process says PHASE_VALIDATING, which asks nothing more and is still the job's event).
+    A timed launch's check asks for the GPU alone (its window): only once it is loaded."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import kernel_pb2
+    from kerneleval_server.jobs.deadline import Deadline
+    from kerneleval_server.jobs.manager import Running
+
+    m = _judging_manager(tmp_path)
+    asked: list[tuple[str, bool]] = []
+    m.gate.request = lambda device, worker_id, exclusive: asked.append((worker_id, exclusive))  # type: ignore[method-assign]
+
+    def launch(job_id: str, worker_id: str, timed: bool) -> Any:
+        spec = kernel_pb2.JobSpec()
+        spec.kernel.type = kernel_pb2.KERNEL_TYPE_TRITON
+        spec.options.perf_trial_count = 5 if timed else 0
+        job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_RUNNING, spec=spec)
+        m.store.insert(job, m.hub.next_event(job_id))
+        worker = _process(worker_id)
+        m.workers.by_id[worker_id] = worker
+        waiting = Running(job=job, worker=worker, timeout_s=60)  # fmt: skip
+        waiting.awaiting_launch = True
+        waiting.built = [job_channel_pb2.KernelArtifact(role="kernel")]
+        waiting.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
+        m.running[job_id] = waiting
+        m._launched.add(job_id)
+        m._start(job_id, worker)
+        return waiting, worker
+
+    def phase(worker: Any, job_id: str, p: int) -> None:
+        update = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=p)  # type: ignore[arg-type]
+        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
+
+    def phases(job_id: str) -> list[int]:
+        return [e.phase.phase for e in m.store.events_after(job_id, 0) if e.HasField("phase")]
+
+    async def main() -> None:
+        run, worker = launch("j", "d0-w0", timed=False)
+        assert worker.writer.sent == ["assign"] and asked == [("d0-w0", False)]
+        assert run.check_asked and worker.used_gpu
+        phase(worker, "j", job_pb2.PHASE_COMPILING)
+        phase(worker, "j", job_pb2.PHASE_VALIDATING)
+        assert asked == [("d0-w0", False)] and not run.check_asked  # not asked again
+        assert run.phase == job_pb2.PHASE_VALIDATING
+        assert phases("j") == [job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING]
+
+        asked.clear()
+        timed, tw = launch("t", "d0-w1", timed=True)
+        assert asked == [] and not timed.check_asked
+        phase(tw, "t", job_pb2.PHASE_COMPILING)
+        phase(tw, "t", job_pb2.PHASE_VALIDATING)
+        assert asked == [("d0-w1", True)]  # its window, once the kernel is loaded
+
+    asyncio.run(main())
+
+
 def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
     tmp_path: Path,
 ) -> None:

@@ -123,6 +123,7 @@ class Running:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     deadline: Deadline | None = None
     grant_asked_at: float = 0.0  # loop time of a pending GPU request
+    check_asked: bool = False  # its check was asked for as it was sent (GpuUse.ask_early)
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
@@ -895,7 +896,7 @@ class JobManager:
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
-            run.awaiting_launch, run.built = False, []
+            run.awaiting_launch, run.built, run.check_asked = False, [], False
         run.record = record
         assert run.deadline is not None
         if waiting is not None:
@@ -921,7 +922,10 @@ class JobManager:
             self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
             self._worker_lost(worker)
-        elif record is not None:
+            return
+        if prebuilt:
+            self.gpu_use.ask_early(run)
+        if record is not None:
             self.judges.start_ahead(run)
 
     # ---- worker channel ---------------------------------------------------------------
@@ -1006,6 +1010,10 @@ class JobManager:
             run.phase = msg.phase.phase
             event.phase.phase = msg.phase.phase
             if msg.phase.phase not in GATED_PHASES:
+                self.hub.publish(event)
+                return
+            if run.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
+                run.check_asked = False  # asked for with the launch: granted or waiting
                 self.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
