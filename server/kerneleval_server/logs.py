@@ -1,5 +1,4 @@
-"""Structured logs: one JSON object per line, with job and worker ids where they apply,
-formatted and written by a thread of their own (setup).
+"""Structured logs: one JSON object per line, with job and worker ids where they apply.
 
 The watchdog, the zygotes and job processes before their job write plain-text lines to the
 stderr they share; `child_stderr` gives them a pipe whose lines become records here, so that
@@ -9,13 +8,9 @@ the service's log, --log-file included, is JSON lines only.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import copy
 import json
 import logging
-import logging.handlers
 import os
-import queue
 import sys
 import time
 
@@ -47,55 +42,19 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, name, None)
             if value is not None and value != "":
                 out[name] = value
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.formatException(record.exc_info)
-        if record.exc_text:
-            out["exception"] = record.exc_text
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
 
 
-class _HandOff(logging.handlers.QueueHandler):
-    """Hands each record to the writer thread: its JSON and the write (about 0.1 ms a
-    record on the H100 machine, several a job) happen there, off the event loop that every
-    job's messages wait for. The record goes as it is, its message and traceback made text
-    here (the objects they name may change before the thread formats it)."""
-
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record = copy.copy(record)
-        record.msg, record.args = record.getMessage(), None
-        if record.exc_info:
-            record.exc_text = _FORMATTER.formatException(record.exc_info)
-            record.exc_info = None
-        return record
-
-
-_FORMATTER = JsonFormatter()
-_writer: logging.handlers.QueueListener | None = None
-
-
 def setup(level: str, path: str = "") -> None:
-    """JSON lines to `path` (stderr without), written by a thread of their own."""
-    global _writer
-    _stop()
-    atexit.unregister(_stop)
-    atexit.register(_stop)  # what is still queued is written before the process ends
     handler: logging.Handler = (
         logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
     )
-    handler.setFormatter(_FORMATTER)
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    _writer = logging.handlers.QueueListener(records, handler)
-    _writer.start()
+    handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
-    root.handlers[:] = [_HandOff(records)]
+    root.handlers[:] = [handler]
     root.setLevel(level.upper())
-
-
-def _stop() -> None:
-    global _writer
-    if _writer is not None:
-        _writer.stop()
-        _writer = None
 
 
 # The children's lines by their prefix (watchdog/src/log.cc, jobproc/zygote.py): logger, and
