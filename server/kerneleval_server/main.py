@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
+import gc
 import logging
 import os
 import secrets
@@ -438,6 +439,11 @@ class Server:
         if cfg.role != BUILDER:  # a builder's store holds the nodes' jobs, not its own
             self.manager.recover()
         await server.start()
+        # What start-up made (modules, descriptors, the servicers) lives as long as the
+        # service: frozen, a full collection no longer walks it. One took 9 ms of the event
+        # loop every few hundred Evaluates on the CPU machine, 0.2 ms frozen.
+        gc.collect()
+        gc.freeze()
         if self._http is not None:
             self._http.start()
         if cfg.port_file:
