@@ -684,7 +684,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     reference on its GPU is given the job ahead, with its record. Its check asks the GPU gate
     for a share of the GPU, JudgePrepared gives it back, and its phases are not the job's.
     The kernel's outcome sends it the JudgeGo (not a second AssignJob), and it is the job's
-    worker from then on: its check, next, is asked for with the go (validating_asked), not by
+    worker from then on: its check, next, is asked for with the go (GpuUse.ask_early), not by
     the judge a round trip later. A job that ends first (here: its kernel INCORRECT) sends it
     a JudgeGo that abandons; its answer frees it, standing again. A standing judge busy, of
     another reference, or on another GPU is never started ahead."""
@@ -759,8 +759,12 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert run.worker is judge and run.ahead is None
         assert judge.writer.sent == ["judge_go"]
         go = judge.writer.frames[-1].judge_go
-        assert go.job_id == "j" and go.validating_asked and not go.abandon
-        assert gate == [("ask", "d0-ja")] and run.phase == job_pb2.PHASE_VALIDATING
+        assert go.job_id == "j" and not go.abandon
+        assert gate == [("ask", "d0-ja")] and run.check_asked
+        # Its PHASE_VALIDATING then is the job's event, and asks nothing more.
+        m.on_worker_message(judge, frame(phase=checking))
+        assert gate == [("ask", "d0-ja")] and not run.check_asked
+        assert run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
         # A judge still preparing (no JudgePrepared yet: it holds its share) asks for its
         # check itself once prepared: its go asks nothing for it.
@@ -773,7 +777,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         gate.clear()
         m.judges.start([], [], {})
         assert fourth.worker is judge4 and judge4.writer.sent == ["judge_go"]
-        assert not judge4.writer.frames[-1].judge_go.validating_asked and gate == []
+        assert gate == [] and not fourth.check_asked
         fourth.record.close()
 
         # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
@@ -785,7 +789,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         m._drop_record(third)  # the job ended first
         m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
-        assert not judge2.writer.frames[-1].judge_go.validating_asked  # it abandons
+        assert judge2.writer.frames[-1].judge_go.abandon and gate == []  # nothing asked
         # Its check, asked before it read the abandon, is still granted: else it waits for
         # ever and never reads it.
         gate.clear()

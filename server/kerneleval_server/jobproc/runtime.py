@@ -387,20 +387,16 @@ class _Reporter:
         self._channel = channel
         self._job_id = job_id
         self._granted: set[int] = set()
-        self._asked: set[int] = set()  # gated phases the front end asked for (JudgeGo)
         self.window_drain: tuple[float, bool] = (0.0, False)  # (seconds, drained)
 
     def phase(self, phase: int) -> None:
         wait = phase in GATED_PHASES and phase not in self._granted
         event = self._channel.grant_event(self._job_id, phase) if wait else None
-        if wait and phase in self._asked:
-            self._asked.discard(phase)  # its grant was asked for: it only waits for it
-        else:
-            self._channel.send(
-                job_channel_pb2.JobProcessMessage(
-                    phase=job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase)  # type: ignore[arg-type]
-                )
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                phase=job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase)  # type: ignore[arg-type]
             )
+        )
         if event is not None:
             event.wait()
             self._granted.add(phase)
@@ -412,11 +408,6 @@ class _Reporter:
         phase(phase) waits for a new one."""
         self._granted.discard(phase)
         self._channel.let_go(self._job_id, phase)
-
-    def asked(self, phase: int) -> None:
-        """The front end asked for the phase's grant itself (JudgeGo.validating_asked): the
-        next phase(phase) sends nothing and waits for it (it may be in already)."""
-        self._asked.add(phase)
 
     def drain_status(self, busy: bool) -> None:
         """DrainStatus: the GPU stays busy at the start of the window (or no longer)."""
@@ -828,8 +819,6 @@ def _judge_go(
     go = channel.wait_go(job_id)
     if go is None or go.abandon:
         return None
-    if go.validating_asked:
-        reporter.asked(job_pb2.PHASE_VALIDATING)
     return go.request.candidate, go.request.kernel_gone, _reference_time(go.request)
 
 

@@ -50,11 +50,12 @@ class GpuUse:
             self.wait_for_memory(run)
 
     def ask_early(self, run: Running) -> None:
-        """A launch (its kernel built ahead: it loads it, then checks it) has its check asked
-        for as it is sent, when that check shares the GPU: the grant is there by the time the
-        process says PHASE_VALIDATING (it waits for it as always; manager.on_worker_message
-        asks nothing more), not a round trip later. A check that asks for the GPU alone (a
-        timed launch's: its window) is asked for when the kernel is loaded, as before."""
+        """A check asked for as its process is sent the job (a launch: its kernel built ahead,
+        it loads it, then checks it) or its go (a judge started ahead), when that check shares
+        the GPU: the grant is there by the time the process says PHASE_VALIDATING (it waits
+        for it as always; manager.on_worker_message asks nothing more), not a round trip
+        later. A check that asks for the GPU alone (a timed launch's: its window) is asked
+        for when the kernel is loaded, as before."""
         if self._exclusive(run, job_pb2.PHASE_VALIDATING):
             return
         run.check_asked = True

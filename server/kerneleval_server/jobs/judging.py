@@ -497,12 +497,9 @@ class Judges:
         known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
         request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
         ahead = run.ahead is worker
-        # A judge waiting for its go (it said JudgePrepared: its GPU share given back) has its
-        # check asked for with it. One still preparing asks itself, after its JudgePrepared.
-        asks = ahead and worker.prepared_job == job_id
         try:
             if ahead:
-                go = job_channel_pb2.JudgeGo(job_id=job_id, request=request, validating_asked=asks)
+                go = job_channel_pb2.JudgeGo(job_id=job_id, request=request)
                 sent = worker.send(job_channel_pb2.FrontendMessage(judge_go=go))
                 run.ahead = None
             else:
@@ -520,6 +517,7 @@ class Judges:
             self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        run.check_asked = False  # its kernel's process's ask is not the judge's
         if known is not None:
             self.given_time.add(job_id)
         if run.record.gpu_held_on is not None:
@@ -553,8 +551,7 @@ class Judges:
             self.m._spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
             self.m._worker_lost(worker)
-        elif asks:
-            # Its check, next, asked for here as the judge would (JudgeGo.validating_asked):
-            # its grant follows the go instead of a round trip after it.
-            phase = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=job_pb2.PHASE_VALIDATING)
-            self.m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=phase))
+        elif ahead and worker.prepared_job == job_id:
+            # Waiting for its go (its JudgePrepared gave its share back): its check, next, is
+            # asked for with it. One still preparing holds its share: it asks itself after.
+            self.m.gpu_use.ask_early(run)

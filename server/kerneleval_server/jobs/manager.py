@@ -123,7 +123,7 @@ class Running:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     deadline: Deadline | None = None
     grant_asked_at: float = 0.0  # loop time of a pending GPU request
-    check_asked: bool = False  # its check was asked for as it was sent (GpuUse.ask_early)
+    check_asked: bool = False  # its check was asked for before it said so (GpuUse.ask_early)
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
@@ -1013,7 +1013,7 @@ class JobManager:
                 self.hub.publish(event)
                 return
             if run.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
-                run.check_asked = False  # asked for with the launch: granted or waiting
+                run.check_asked = False  # asked for already: granted or waiting
                 self.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
