@@ -272,3 +272,49 @@ def test_a_launch_without_its_references_artifact_or_a_record_runs_nothing(
     assert outcome.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, outcome.result
     assert "without a record" in outcome.result.error.message and not outcome.reusable
     assert not marker.exists()
+
+
+def test_a_judges_grant_asked_for_with_its_go_is_not_lost_to_its_let_go() -> None:
+    """A judge started ahead says JudgePrepared and waits for its go; the front end may ask
+    for its next check at once (GpuUse.ask_early), and go and grant may be read before the
+    judge's thread runs on. Its old grant is let go before it speaks, so the new one is kept:
+    its check then waits for nothing (it waited for ever, seen under CI's load)."""
+    import threading
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+    from kerneleval_server.framing import encode
+    from kerneleval_server.jobproc import runtime
+
+    ours, theirs = socket.socketpair()
+    channel = runtime._Channel(theirs)
+    reporter = runtime._Reporter(channel, "j")
+    channel.grant_event("j", job_pb2.PHASE_VALIDATING).set()  # its check ahead, granted
+    reporter._granted.add(job_pb2.PHASE_VALIDATING)
+    real_send = channel.send
+
+    def send_then_answer(msg: job_channel_pb2.JobProcessMessage) -> None:
+        real_send(msg)
+        if msg.HasField("judge_prepared"):  # the front end answers before this thread goes on
+            for reply in (
+                job_channel_pb2.FrontendMessage(judge_go=job_channel_pb2.JudgeGo(job_id="j")),
+                job_channel_pb2.FrontendMessage(
+                    grant=job_channel_pb2.GpuGrant(job_id="j", phase=job_pb2.PHASE_VALIDATING)
+                ),
+                job_channel_pb2.FrontendMessage(  # a marker: what came before it is read
+                    extension=job_channel_pb2.ExtensionBuilt(request_id=99)
+                ),
+            ):
+                ours.sendall(encode(reply.SerializeToString()))
+            threading.Thread(target=channel.read_loop, daemon=True).start()
+            assert channel._replies.wait(("extension", 99)) is not None
+
+    channel.send = send_then_answer  # type: ignore[method-assign]
+    assert runtime._judge_go(channel, reporter, "j") is not None
+    checked = threading.Thread(
+        target=reporter.phase, args=(job_pb2.PHASE_VALIDATING,), daemon=True
+    )
+    checked.start()
+    checked.join(10)
+    assert not checked.is_alive(), "the check waits for a grant that was let go"
+    ours.close()

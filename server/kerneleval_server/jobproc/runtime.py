@@ -809,13 +809,15 @@ def _judge_go(
     channel: _Channel, reporter: _Reporter, job_id: str
 ) -> tuple[Any, bool, tuple[Any, float] | None] | None:
     """A judge started ahead has run the reference: it says so (the front end takes back its
-    GPU grant: the kernel's timing must not wait for it) and waits for the kernel's report."""
+    GPU grant: the kernel's timing must not wait for it) and waits for the kernel's report.
+    Its grant is let go before it says so: the front end may ask for its next one as soon as
+    it has read that (GpuUse.ask_early), and that grant may be in before this thread runs on."""
+    reporter.let_go(job_pb2.PHASE_VALIDATING)
     channel.send(
         job_channel_pb2.JobProcessMessage(
             judge_prepared=job_channel_pb2.JudgePrepared(job_id=job_id)
         )
     )
-    reporter.let_go(job_pb2.PHASE_VALIDATING)
     go = channel.wait_go(job_id)
     if go is None or go.abandon:
         return None
