@@ -94,3 +94,32 @@ def test_an_infinite_reference_value_is_matched_only_by_the_same_infinity() -> N
     assert not check.ok and check.mismatches == 3 and check.first_index == [1]
     close = torch.isclose(cand, ref, rtol=1e-4, atol=1e-4)
     assert check.mismatches == int((~close).sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+def test_a_small_output_compared_on_the_host_says_what_the_device_says(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Outputs of up to HOST_COMPARE_MAX elements are copied to the host and compared there
+    (a comparison's kernel launches cost more than the copy): the same verdict, errors and
+    first index as on the device, for each dtype."""
+    torch.manual_seed(1)
+    ref = (torch.randn(64, 64) * 100).to(dtype).cuda()
+    ref.view(-1)[77], ref.view(-1)[1000] = 1, 2
+    cand = ref.clone()
+    flat = cand.view(-1)
+    flat[77] += 3
+    flat[1000] += 5
+    if dtype.is_floating_point:
+        flat[2000] = float("nan")
+        flat[5] = ref.view(-1)[5] + 1e-5 * ref.view(-1)[5].abs()  # within tolerance
+    assert ref.numel() <= compare.HOST_COMPARE_MAX
+    checks = []
+    for host_max in (compare.HOST_COMPARE_MAX, 0):
+        monkeypatch.setattr(compare, "HOST_COMPARE_MAX", host_max)
+        checks.append(compare.compare_outputs([cand], [ref], ["out"], None, None))
+    on_host, on_device = checks
+    assert not on_host.ok and on_host == on_device
+    assert on_host.first_index == [1, 13]

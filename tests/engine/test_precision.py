@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import KERNELBENCH, TORCH, V, job, needs_kernelbench, source, tensor
 from kerneleval_server.api.validation import Limits
-from kerneleval_server.engine import integrity, precision
+from kerneleval_server.engine import compare, integrity, precision
 
 LEVEL1 = KERNELBENCH / "level1"
 KB_TOL = {"atol": 1e-2, "rtol": 1e-2}  # KernelBench's tolerances for float32
@@ -303,3 +303,22 @@ def test_cost_on_a_large_level1_matmul_on_the_cpu() -> None:
                         device=torch.device("cpu"))  # fmt: skip
     assert c.flag is None and c.note == ""
     assert c.seconds < 10 * ref_s + 1.0, (c.seconds, ref_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_small_outputs_errors_on_the_host_are_those_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small output's errors against its float64 run are measured on the host (as
+    compare does): the same numbers as on the device."""
+    torch.manual_seed(2)
+    gold = torch.randn(4096, dtype=torch.float64, device="cuda")
+    ref = gold.float()
+    cand = ref.half().float()
+    got = []
+    for host_max in (compare.HOST_COMPARE_MAX, 0):
+        monkeypatch.setattr(compare, "HOST_COMPARE_MAX", host_max)
+        got.append(precision._errors(cand, ref, gold))
+    assert got[0] is not None and got[0][0] > got[0][1] > 0
+    assert got[0] == got[1]

@@ -681,8 +681,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     tmp_path: Path,
 ) -> None:
     """--judge-ahead: when a judged job's kernel starts, an idle standing judge of its
-    reference on its GPU is given the job ahead, with its record. Its check asks the GPU gate
-    for a share of the GPU, JudgePrepared gives it back, and its phases are not the job's.
+    reference on its GPU is given the job ahead, with its record, and its check's share of
+    the GPU is asked for with it (its PHASE_VALIDATING then asks nothing more: the grant is in
+    when it has built the reference); JudgePrepared gives it back, and its phases are not the
+    job's.
     The kernel's outcome sends it the JudgeGo (not a second AssignJob), and it is the job's
     worker from then on: its check, next, is asked for with the go (GpuUse.ask_early), not by
     the judge a round trip later. A job that ends first (here: its kernel INCORRECT) sends it
@@ -739,7 +741,9 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
             return job_channel_pb2.JobProcessMessage(**kw)
 
         checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
+        assert gate == [("ask", "d0-ja")] and judge.ahead_check_asked  # asked with its job
         m.on_worker_message(judge, frame(phase=checking))
+        assert gate == [("ask", "d0-ja")] and not judge.ahead_check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
         kernel = m.workers.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
@@ -786,16 +790,16 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         third = kernel_started("j3", "d0-k2")
         assert third.ahead is judge2
         judge2.writer.received()
+        gate.clear()
         m._drop_record(third)  # the job ended first
         m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
         assert judge2.writer.frames[-1].judge_go.abandon and gate == []  # nothing asked
-        # Its check, asked before it read the abandon, is still granted: else it waits for
-        # ever and never reads it.
-        gate.clear()
+        # Its check, asked for with its job, stays asked (not released) when it is left: it
+        # is granted, else the judge waits for ever and never reads the abandon.
         late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
         m.on_worker_message(judge2, frame(phase=late))
-        assert gate == [("ask", "d0-jc")]
+        assert gate == [] and not judge2.ahead_check_asked
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
         m.on_worker_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone

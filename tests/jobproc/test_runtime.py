@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -317,4 +318,45 @@ def test_a_judges_grant_asked_for_with_its_go_is_not_lost_to_its_let_go() -> Non
     checked.start()
     checked.join(10)
     assert not checked.is_alive(), "the check waits for a grant that was let go"
+    ours.close()
+
+
+def test_a_grant_sent_with_the_next_job_is_kept_through_the_last_ones_cleanup() -> None:
+    """A launch process (or a standing judge) sends its outcome, then cleans up; the front
+    end may send the next job and that job's check's grant meanwhile (GpuUse.ask_early). The
+    cleanup forgets the finished job's grants only: the next job's check waits for nothing
+    (before, it waited for a grant that was never asked for again)."""
+    import threading
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+    from kerneleval_server.framing import encode
+    from kerneleval_server.jobproc import runtime
+
+    ours, theirs = socket.socketpair()
+    channel = runtime._Channel(theirs)
+    threading.Thread(target=channel.read_loop, daemon=True).start()
+    channel.grant_event("done", job_pb2.PHASE_VALIDATING).set()  # the last job's, used
+    for msg in (
+        job_channel_pb2.FrontendMessage(assign=job_channel_pb2.AssignJob(job_id="next")),
+        job_channel_pb2.FrontendMessage(
+            grant=job_channel_pb2.GpuGrant(job_id="next", phase=job_pb2.PHASE_VALIDATING)
+        ),
+    ):
+        ours.sendall(encode(msg.SerializeToString()))
+    assert channel.assigned.get(timeout=10).job_id == "next"
+    deadline = time.monotonic() + 10
+    while not channel.grant_event("next", job_pb2.PHASE_VALIDATING).is_set():
+        assert time.monotonic() < deadline, "the grant never came in"
+        time.sleep(0.01)
+    channel.accept_next("done")
+    assert not channel.grant_event("done", job_pb2.PHASE_VALIDATING).is_set()
+    checked = threading.Thread(
+        target=runtime._Reporter(channel, "next").phase,
+        args=(job_pb2.PHASE_VALIDATING,),
+        daemon=True,
+    )
+    checked.start()
+    checked.join(10)
+    assert not checked.is_alive(), "the next job's check waits for a grant it was sent"
     ours.close()

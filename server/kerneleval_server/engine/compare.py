@@ -82,12 +82,18 @@ def _fail(check: TrialCheck, name: str, message: str) -> TrialCheck:
 # KernelBench level-1 output (1.6e9 float32s, 6.4 GB) compared whole needs ~60 GB more; in
 # chunks it needs ~2 GB.
 COMPARE_CHUNK = 1 << 26
+# Outputs of at most this many elements are compared on the host: the comparison is about
+# twenty small kernels, and on an H100 their launches took ~1 ms for 4096 float32s, where the
+# copy and the same float64 arithmetic on the host take ~0.1 ms (bench/probe/timeline_probe.py).
+HOST_COMPARE_MAX = 1 << 14
 
 
 def _compare_tensor(
     check: TrialCheck, name: str, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
 ) -> None:
-    if c.device != r.device:
+    if r.numel() <= HOST_COMPARE_MAX:
+        c, r = c.cpu(), r.cpu()
+    elif c.device != r.device:
         c = c.to(r.device)
     cflat, rflat = c.reshape(-1), r.reshape(-1)
     bad, first = 0, -1

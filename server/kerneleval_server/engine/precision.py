@@ -59,7 +59,7 @@ import torch
 from kerneleval.v1 import job_pb2
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import integrity
+from . import compare, integrity
 from .backends.base import as_outputs
 
 FLOOR = 3e-5  # float32 outputs; float64 ones: scaled by eps(float64) / eps(float32)
@@ -297,6 +297,8 @@ def _errors(c: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> tuple[float, f
     left out (NaN never passed the comparison; an infinity the candidate shares with the
     reference did)."""
     gf = g.detach().reshape(-1)
+    if gf.numel() <= compare.HOST_COMPARE_MAX:  # small: on the host, as compare does
+        gf = gf.cpu()
     flat = [x.detach().reshape(-1).to(gf.device) for x in (c, r)]
     scale, errs = 0.0, [0.0, 0.0]
     for start in range(0, gf.numel(), CHUNK):

@@ -308,12 +308,15 @@ class _Channel:
         self.finishing = False  # the outcome is on its way: a close now is not "gone"
         self.record_fds: dict[str, list[int]] = {}  # job id -> the descriptors its frame held
 
-    def accept_next(self) -> None:
-        """The job is over and the process stays: the next AssignJob is a new job."""
+    def accept_next(self, done_job_id: str) -> None:
+        """The job is over and the process stays: the next AssignJob is a new job. Only the
+        finished job's grants are forgotten: the next job and its grant, asked for with it
+        (GpuUse.ask_early), may have come in while this process cleaned up."""
         self.job_running = False
         self.finishing = False
         with self._grants_lock:
-            self._grants.clear()
+            for key in [k for k in self._grants if k.startswith(done_job_id + "/")]:
+                del self._grants[key]
 
     def send(self, msg: job_channel_pb2.JobProcessMessage) -> None:
         data = encode(msg.SerializeToString())
@@ -799,7 +802,7 @@ def _run_one(
         shutil.rmtree(job_dir, ignore_errors=True)
     shutil.rmtree(cache_dir, ignore_errors=True)
     if reusable and _clean_for_next_job():
-        channel.accept_next()
+        channel.accept_next(assign.job_id)
     else:
         reusable = False
     return poisoned, reusable

@@ -243,6 +243,12 @@ class Judges:
         if not sent:
             run.ahead = None
             self.m._worker_lost(judge)
+            return
+        # Its check (it shares the GPU) is asked for with its job, as a launch's is
+        # (GpuUse.ask_early): the grant is in by the time it has built the reference, and it
+        # is prepared before the kernel's outputs are, not a round trip later.
+        judge.used_gpu = judge.ahead_check_asked = True
+        self.m.gate.request(device, judge.worker_id, False)
 
     @staticmethod
     def answers_ahead(worker: WorkerState, job_id: str, run: Running | None) -> bool:
@@ -267,7 +273,10 @@ class Judges:
             self.m.on_protocol_violation(judge, "a timing phase from a judge started ahead")
         elif kind == "phase" and msg.phase.phase in GATED_PHASES:
             judge.used_gpu = True
-            self.m.gate.request(judge.device_index, judge.worker_id, False)
+            if judge.ahead_check_asked:
+                judge.ahead_check_asked = False  # asked for with its job: granted or waiting
+            else:
+                self.m.gate.request(judge.device_index, judge.worker_id, False)
         elif kind == "log" and run is not None and run.ahead is judge:
             self.m.hub.log(run.job.job_id, msg.log.text)
 
@@ -279,6 +288,7 @@ class Judges:
         if run is not None and run.ahead is judge:
             run.ahead = None
         judge.ahead_job = judge.prepared_job = ""
+        judge.ahead_check_asked = False
         self.m._free_worker(judge, completed=False)
         self.m.memory.release(judge.device_index, judge.worker_id)
         if outcome.reusable and not outcome.context_poisoned and not judge.gone:

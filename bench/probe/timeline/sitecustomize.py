@@ -1,0 +1,244 @@
+"""Timeline probe hooks (bench/probe/timeline_probe.py): on PYTHONPATH, named functions
+of the front end and of job processes record when they start and end (time.time_ns, so that
+processes line up). The front end appends to $KE_TIMELINE_FE; a job process prints
+"KE_TL <ns> <pid> <label>" lines to stderr (the watchdog puts them in the service's log).
+Installed by an import hook: each module is patched as it is first imported, before any
+snapshot a job process takes of its own code (engine/tamper.py)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import os
+import sys
+import threading
+import time
+
+WRAP = {
+    # the front end
+    "kerneleval_server.api.kernel_eval_service": [
+        "KernelEvalService.Evaluate",
+        "KernelEvalService._submit",
+        "KernelEvalService._run_to_end",
+    ],
+    "kerneleval_server.jobs.manager": [
+        "JobManager.submit",
+        "JobManager.dispatch",
+        "JobManager._start",
+        "JobManager._flag_late",
+        "JobManager.on_worker_message",
+        "JobManager._on_outcome",
+        "JobManager._finish",
+        "JobManager._finish_outcome",
+        "JobManager._built_earlier",
+        "JobManager.wait_finished",
+        "JobManager._mark_started",
+        "JobManager._enqueue_or_wait",
+        "JobManager._cache_key",
+    ],
+    "kerneleval_server.jobs.judging": [
+        "Judges.start_ahead",
+        "Judges.await_judge",
+        "Judges.judged",
+        "Judges._start",
+        "Judges.on_ahead_message",
+        "Judges.ahead_answered",
+        "Judges._seal_and_queue",
+        "Judges.start",
+        "Record.seal",
+        "Record.make",
+    ],
+    "kerneleval_server.jobs.gpu_use": [
+        "GpuUse.ask",
+        "GpuUse.ask_early",
+        "GpuUse._send_grant",
+        "GpuUse.admit",
+    ],
+    "kerneleval_server.jobs.store.base": [
+        "SqlStore.insert",
+        "SqlStore.update",
+        "SqlStore.add_event",
+        "SqlStore.get",
+    ],
+    "kerneleval_server.jobs.events": ["EventHub.publish"],
+    "kerneleval_server.jobs.static_checks": ["check"],
+    "kerneleval_server.fleet.job_processes": [
+        "WorkerState.send",
+        "WorkerState.assign",
+        "WorkerState._send_with_fds",
+    ],
+    # job processes
+    "kerneleval_server.jobproc.runtime": [
+        "_run_one",
+        "_job_dirs",
+        "_judge_go",
+        "compile_cache_added",
+        "_clean_for_next_job",
+        "_Reporter.phase",
+        "_Reporter.let_go",
+        "_reset_peak_memory",
+        "_peak_memory",
+        "_launch_only",
+    ],
+    "kerneleval_server.engine.runner": [
+        "run_job",
+        "_Job.__init__",
+        "_Job.run",
+        "_Job._build",
+        "_Job._validate",
+        "_Job._run",
+        "_Job._record",
+        "_Job._preflight_triton",
+        "_Job._check_precision",
+        "_Job._float64_ahead",
+        "_Job._input_source",
+        "_Job._record_trials",
+        "_Job._written_inputs",
+        "_Job._poison_outputs",
+        "_Job._output_names",
+    ],
+    "kerneleval_server.engine.judge": [
+        "judge_job",
+        "_Judge.judge",
+        "_Judge._prepare_ahead",
+        "_Judge._await_go",
+        "_Judge._read",
+    ],
+    "kerneleval_server.engine.compare": ["compare_outputs"],
+    "kerneleval_server.engine.record": ["Recorder.__init__", "Recorder.record", "read"],
+    "kerneleval_server.engine.loader": ["import_source"],
+    "kerneleval_server.engine.inputs": ["build_args"],
+    "kerneleval_server.engine.integrity": ["aliasing"],
+    "kerneleval_server.engine.backends.prebuilt": ["build_prebuilt"],
+    "kerneleval_server.engine.device": ["device_info"],
+}
+KEEP_FD_MODULE = "kerneleval_server.jobproc.sandbox"
+
+_FE_PATH = os.environ.get("KE_TIMELINE_FE", "")
+# A job process's stderr is /dev/null (zygote.py): its records go to a copy of the zygote's
+# stderr (the watchdog's log pipe) kept open through sandbox.keep_only_fd.
+_JOB_FD = 200
+_out = None
+_lock = threading.Lock()
+
+
+def rec(label: str) -> None:
+    # Job processes are PID 1 of their own namespaces: named by their worker id.
+    who = os.environ.get("KERNELEVAL_WORKER_ID") or str(os.getpid())
+    line = f"KE_TL {time.time_ns()} {who} {label}\n"
+    global _out
+    if _FE_PATH:
+        with _lock:
+            if _out is None:
+                _out = open(_FE_PATH, "a", buffering=1)  # noqa: SIM115
+            _out.write(line)
+    else:
+        try:
+            os.write(_JOB_FD, line.encode())
+        except OSError:
+            pass
+
+
+def _detail(name: str, args: tuple) -> str:
+    """What the call is about, for the few whose argument says it (frames, phases)."""
+    try:
+        if name in ("WorkerState.send",):
+            return ":" + args[1].WhichOneof("kind")
+        if name == "JobManager.on_worker_message":
+            return ":" + args[2].WhichOneof("kind")
+        if name == "_Reporter.phase":
+            return f":{args[1]}"
+        if name == "_run_one":
+            return ":judge" if args[2].HasField("judge") else ":kernel"
+    except Exception:  # noqa: BLE001 - a probe
+        pass
+    return ""
+
+
+def _wrap(owner: object, attr: str, name: str) -> None:
+    raw = inspect.getattr_static(owner, attr)
+    if isinstance(raw, (staticmethod, classmethod)):
+        return
+    fn = getattr(owner, attr)
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def awrapper(*a, **k):  # type: ignore[no-untyped-def]
+            label = name + _detail(name, a)
+            rec(label + " >")
+            try:
+                return await fn(*a, **k)
+            finally:
+                rec(label + " <")
+
+        setattr(owner, attr, awrapper)
+        return
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+        label = name + _detail(name, a)
+        rec(label + " >")
+        try:
+            return fn(*a, **k)
+        finally:
+            rec(label + " <")
+
+    setattr(owner, attr, wrapper)
+
+
+def _patch(module: object, names: list[str]) -> None:
+    for name in names:
+        owner: object = module
+        parts = name.split(".")
+        try:
+            for p in parts[:-1]:
+                owner = getattr(owner, p)
+            _wrap(owner, parts[-1], name)
+        except AttributeError:
+            sys.stderr.write(f"KE_TL_MISSING {name}\n")
+
+
+def _keep_our_fd(module: object) -> None:
+    real = module.keep_only_fd  # type: ignore[attr-defined]
+
+    def keep_only_fd(fd, target=3, keep_stderr=False, also_keep=()):  # type: ignore[no-untyped-def]
+        return real(fd, target, keep_stderr, (*also_keep, _JOB_FD))
+
+    module.keep_only_fd = keep_only_fd  # type: ignore[attr-defined]
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, names: list[str]) -> None:
+        self.inner, self.names = inner, names
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        self.inner.exec_module(module)
+        if module.__name__ == KEEP_FD_MODULE:
+            _keep_our_fd(module)
+        else:
+            _patch(module, self.names)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+        if fullname not in WRAP and fullname != KEEP_FD_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, WRAP.get(fullname, []))
+        return spec
+
+
+# On PYTHONPATH only while probing: the front end (KE_TIMELINE_FE names its file) and every
+# process of its job environment (main.job_env passes PYTHONPATH on, nothing else of ours).
+sys.meta_path.insert(0, _Finder())
+if not _FE_PATH:
+    try:
+        os.dup2(2, _JOB_FD, inheritable=True)
+    except OSError:
+        pass
