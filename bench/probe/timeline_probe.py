@@ -113,6 +113,15 @@ def main() -> int:
         f"{kind}: {len(windows)} calls, wall p50 {statistics.median(walls):.2f} ms, "
         f"verdicts {collections.Counter(v for _, _, v in windows)}"
     )
+    # The last call, record by record (loop waits included): what the medians smooth over.
+    t0, t1, _ = windows[-1]
+    print("last call, every record (ms from its send):")
+    for ns, pid, label in recs:
+        if t0 <= ns <= t1 + 2_000_000:
+            print(f"    {(ns - t0) / 1e6:8.3f}  {pid[-7:]:7s} {label}")
+    offsets = {
+        k: v for k, v in offsets.items() if not k.split(" ", 1)[-1].strip().startswith("loop.wait")
+    }
     rows = sorted(offsets, key=lambda k: statistics.median(offsets[k]))
     for key in rows:
         v = offsets[key]

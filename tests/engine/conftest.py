@@ -33,3 +33,12 @@ def run(engine_dir: Path) -> RunFn:
         return run_job(spec, rep, cfg), rep
 
     return _run
+
+
+@pytest.fixture(autouse=True)
+def _judge_keeps_nothing_from_another_test() -> None:
+    """A judge keeps what it prepared ahead for its next job with the same inputs
+    (engine/judge.py KEPT_MAX_BYTES): each test starts as a fresh judge."""
+    from kerneleval_server.engine import judge
+
+    judge.forget_kept()

@@ -450,3 +450,25 @@ def test_a_judge_started_ahead_flags_a_kernel_in_lower_precision(engine_dir: Pat
     r = final.result
     assert r.verdict == V.VERDICT_OK and r.correctness, r
     assert [f.rule_id for f in r.flags] == [integrity.LOWER_PRECISION], list(r.notes)
+
+
+def test_a_standing_judge_prepares_a_next_job_with_the_same_inputs_from_the_last(
+    engine_dir: Path,
+) -> None:
+    """A standing judge keeps what it prepared ahead (the inputs, the reference's outputs
+    on them, its float64 run): the next job with the same reference, IOContract and options
+    runs the reference nothing ahead and is judged as the first was (a forgery still
+    INCORRECT); a job with another seed prepares afresh."""
+    from kerneleval_server.engine import judge as judge_mod
+
+    own, first, before, _ = _judged_ahead(engine_dir, ADD_NEW)
+    assert first.result.verdict == V.VERDICT_OK and before == 5 + 1
+    assert judge_mod._kept is not None
+    _own, again, before, _ = _judged_ahead(engine_dir, ADD_NEW)
+    assert before == 0  # nothing ran ahead: its last job's preparation
+    assert again.result.verdict == V.VERDICT_OK and again.result.correctness
+    assert again.result.validation.max_abs_error == first.result.validation.max_abs_error
+    _own, forged, before, _ = _judged_ahead(engine_dir, FORGED_COMPARE)
+    assert before == 0 and forged.result.verdict == V.VERDICT_INCORRECT, forged.result
+    _own, other, before, _ = _judged_ahead(engine_dir, ADD_NEW, seed=7)
+    assert before == 5 + 1 and other.result.verdict == V.VERDICT_OK
