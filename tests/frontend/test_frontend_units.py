@@ -741,9 +741,9 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
             return job_channel_pb2.JobProcessMessage(**kw)
 
         checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
-        assert gate == [("ask", "d0-ja")] and judge.ahead_check_asked  # asked with its job
+        assert gate == [("ask", "d0-ja")] and judge.check_asked  # asked with its job
         m.on_worker_message(judge, frame(phase=checking))
-        assert gate == [("ask", "d0-ja")] and not judge.ahead_check_asked
+        assert gate == [("ask", "d0-ja")] and not judge.check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
         kernel = m.workers.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
@@ -764,10 +764,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert judge.writer.sent == ["judge_go"]
         go = judge.writer.frames[-1].judge_go
         assert go.job_id == "j" and not go.abandon
-        assert gate == [("ask", "d0-ja")] and run.check_asked
+        assert gate == [("ask", "d0-ja")] and judge.check_asked
         # Its PHASE_VALIDATING then is the job's event, and asks nothing more.
         m.on_worker_message(judge, frame(phase=checking))
-        assert gate == [("ask", "d0-ja")] and not run.check_asked
+        assert gate == [("ask", "d0-ja")] and not judge.check_asked
         assert run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
         # A judge still preparing (no JudgePrepared yet: it holds its share) asks for its
@@ -781,7 +781,15 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         gate.clear()
         m.judges.start([], [], {})
         assert fourth.worker is judge4 and judge4.writer.sent == ["judge_go"]
-        assert gate == [] and not fourth.check_asked
+        assert gate == [] and judge4.check_asked  # only the ask made with its job
+        # Its check ahead, read after its go (the job's frame now), asks nothing a second
+        # time: a second grant, in after its JudgePrepared let the first go, would let its
+        # next check run without a share of the GPU.
+        m.on_worker_message(
+            judge4,
+            frame(phase=job_channel_pb2.PhaseUpdate(job_id="j4", phase=job_pb2.PHASE_VALIDATING)),
+        )
+        assert gate == [] and not judge4.check_asked
         fourth.record.close()
 
         # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
@@ -799,7 +807,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # is granted, else the judge waits for ever and never reads the abandon.
         late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
         m.on_worker_message(judge2, frame(phase=late))
-        assert gate == [] and not judge2.ahead_check_asked
+        assert gate == [] and not judge2.check_asked
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
         m.on_worker_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
@@ -855,16 +863,16 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
     async def main() -> None:
         run, worker = launch("j", "d0-w0", timed=False)
         assert worker.writer.sent == ["assign"] and asked == [("d0-w0", False)]
-        assert run.check_asked and worker.used_gpu
+        assert worker.check_asked and worker.used_gpu
         phase(worker, "j", job_pb2.PHASE_COMPILING)
         phase(worker, "j", job_pb2.PHASE_VALIDATING)
-        assert asked == [("d0-w0", False)] and not run.check_asked  # not asked again
+        assert asked == [("d0-w0", False)] and not worker.check_asked  # not asked again
         assert run.phase == job_pb2.PHASE_VALIDATING
         assert phases("j") == [job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING]
 
         asked.clear()
         timed, tw = launch("t", "d0-w1", timed=True)
-        assert asked == [] and not timed.check_asked
+        assert asked == [] and not tw.check_asked
         phase(tw, "t", job_pb2.PHASE_COMPILING)
         phase(tw, "t", job_pb2.PHASE_VALIDATING)
         assert asked == [("d0-w1", True)]  # its window, once the kernel is loaded

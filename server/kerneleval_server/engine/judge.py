@@ -117,7 +117,7 @@ def _inputs_key(spec: kernel_pb2.JobSpec) -> bytes:
 
 
 def forget_kept() -> None:
-    """Drops what the last job prepared ahead (tests; a process that judges no more)."""
+    """Drops what the last job prepared ahead (the tests: each starts as a fresh judge)."""
     global _kept
     _kept = None
 

@@ -61,7 +61,10 @@ class WorkerState:
     # Until the JudgeGo its frames are not its job's (jobs/judging.py, judge ahead).
     ahead_job: str = ""
     prepared_job: str = ""  # the job it said JudgePrepared for: it waits for that JudgeGo
-    ahead_check_asked: bool = False  # its check ahead was asked for with its job
+    # Its next check was asked for before it says so (GpuUse.ask_early; a judge ahead's, with
+    # its job): its PHASE_VALIDATING asks nothing more. The process's, not a job's: a judge's
+    # frame ahead read after its go is the job's, and must not ask a second time.
+    check_asked: bool = False
     idle_since: float = 0.0  # loop time it last became reusable
     completed: int = 0
     # Its job was let use the GPU (a check or timing): it holds GPU memory until it exits (a
@@ -150,7 +153,7 @@ class WorkerState:
         self.assigned_job_id = self.job_id = job_id
         self.ahead_job = job_id if judge is not None and judge.ahead else ""
         self.prepared_job = ""  # an attempt before may have had the same job id
-        self.ahead_check_asked = False
+        self.check_asked = False
         self.build_job = assign.build_only
         self.reusable = self.outcome_seen = False
         if self.writer is None or self.writer.is_closing():

@@ -58,7 +58,7 @@ class GpuUse:
         for when the kernel is loaded, as before."""
         if self._exclusive(run, job_pb2.PHASE_VALIDATING):
             return
-        run.check_asked = True
+        run.worker.check_asked = True
         run.grant_asked_at = asyncio.get_running_loop().time()
         self.ask(run)
 

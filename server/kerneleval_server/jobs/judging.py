@@ -247,7 +247,7 @@ class Judges:
         # Its check (it shares the GPU) is asked for with its job, as a launch's is
         # (GpuUse.ask_early): the grant is in by the time it has built the reference, and it
         # is prepared before the kernel's outputs are, not a round trip later.
-        judge.used_gpu = judge.ahead_check_asked = True
+        judge.used_gpu = judge.check_asked = True
         self.m.gate.request(device, judge.worker_id, False)
 
     @staticmethod
@@ -273,8 +273,8 @@ class Judges:
             self.m.on_protocol_violation(judge, "a timing phase from a judge started ahead")
         elif kind == "phase" and msg.phase.phase in GATED_PHASES:
             judge.used_gpu = True
-            if judge.ahead_check_asked:
-                judge.ahead_check_asked = False  # asked for with its job: granted or waiting
+            if judge.check_asked:
+                judge.check_asked = False  # asked for with its job: granted or waiting
             else:
                 self.m.gate.request(judge.device_index, judge.worker_id, False)
         elif kind == "log" and run is not None and run.ahead is judge:
@@ -288,7 +288,7 @@ class Judges:
         if run is not None and run.ahead is judge:
             run.ahead = None
         judge.ahead_job = judge.prepared_job = ""
-        judge.ahead_check_asked = False
+        judge.check_asked = False
         self.m._free_worker(judge, completed=False)
         self.m.memory.release(judge.device_index, judge.worker_id)
         if outcome.reusable and not outcome.context_poisoned and not judge.gone:
@@ -527,7 +527,6 @@ class Judges:
             self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
-        run.check_asked = False  # its kernel's process's ask is not the judge's
         if known is not None:
             self.given_time.add(job_id)
         if run.record.gpu_held_on is not None:

@@ -123,7 +123,6 @@ class Running:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     deadline: Deadline | None = None
     grant_asked_at: float = 0.0  # loop time of a pending GPU request
-    check_asked: bool = False  # its check was asked for before it said so (GpuUse.ask_early)
     outcome_wait: asyncio.TimerHandle | None = None
     outcome: job_channel_pb2.JobOutcome | None = None
     compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
@@ -896,7 +895,7 @@ class JobManager:
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
-            run.awaiting_launch, run.built, run.check_asked = False, [], False
+            run.awaiting_launch, run.built = False, []
         run.record = record
         assert run.deadline is not None
         if waiting is not None:
@@ -1012,8 +1011,8 @@ class JobManager:
             if msg.phase.phase not in GATED_PHASES:
                 self.hub.publish(event)
                 return
-            if run.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
-                run.check_asked = False  # asked for already: granted or waiting
+            if worker.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
+                worker.check_asked = False  # asked for already: granted or waiting
                 self.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
