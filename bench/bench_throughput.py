@@ -106,7 +106,8 @@ def held_of_wanted(
 
 def window_costs(svc: C.Service) -> dict[str, float]:
     """Medians over the service's timing windows so far, from its log: the OpenWindow and
-    CloseWindow round trips (freeze and thaw, GPU conditions read) and the time held."""
+    CloseWindow round trips (freeze and thaw, GPU conditions read) and the time held; with
+    how many were held and for how long in all (a batch's windows are its bound)."""
     values: dict[str, list[float]] = {"open_ms": [], "close_ms": [], "held_ms": []}
     if svc.log.exists():
         for line in svc.log.read_text(errors="replace").splitlines():
@@ -116,7 +117,10 @@ def window_costs(svc: C.Service) -> dict[str, float]:
             for key, got in values.items():
                 if key in rec:
                     got.append(float(rec[key]))
-    return {k: statistics.median(v) for k, v in values.items() if v}
+    out = {k: statistics.median(v) for k, v in values.items() if v}
+    out["count"] = len(values["held_ms"])
+    out["held_total_s"] = sum(values["held_ms"]) / 1e3
+    return out
 
 
 def run_batch(svc: C.Service, specs: list[kernel_pb2.JobSpec], in_flight: int) -> dict[str, Any]:
@@ -370,7 +374,8 @@ def main() -> int:
         notes.append(
             "Timing windows (medians, from the service's log, both runs): OpenWindow "
             f"{w.get('open_ms', 0):.1f} ms, CloseWindow {w.get('close_ms', 0):.1f} ms, held "
-            f"{w.get('held_ms', 0):.1f} ms (grant to release: drain, warm-ups, timed trials)."
+            f"{w.get('held_ms', 0):.1f} ms (grant to release: drain, warm-ups, timed trials); "
+            f"{w.get('count', 0)} windows held {w.get('held_total_s', 0):.2f} s in all."
         )
     unfrozen = data.get("batch_1gpu_unfrozen")
     if unfrozen:

@@ -217,6 +217,20 @@ print(result.verdict, result.correctness, timed)
     assert int(verdict) == job_pb2.VERDICT_OK and correct == timed == "True", out
 
 
+def test_the_warm_up_job_compares_its_outputs_on_the_device() -> None:
+    """The warm-up's outputs are over the size compared on the host, so that the device
+    comparison's kernels load in the warm-up (CUDA loads kernels on first use): with them
+    compared on the host, every fresh process loaded them in its first job's timing window
+    (~7 ms a window on an H100, bench/results/gpu/h100-warm-compare)."""
+    from kerneleval_server.engine import compare
+    from kerneleval_server.jobproc import warm_job
+
+    outputs = [a for a in warm_job.spec().kernel.io.args if a.role == kernel_pb2.ARG_ROLE_OUTPUT]
+    assert [list(a.tensor.shape) for a in outputs] == [[warm_job.N]]
+    assert warm_job.N > compare.HOST_COMPARE_MAX
+    assert warm_job.REFERENCE.count(f"torch.randn({warm_job.N})") == 2
+
+
 def test_the_outcome_goes_out_before_the_job_folders_are_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
