@@ -163,13 +163,14 @@ def test_a_job_process_imports_nothing_for_its_job() -> None:
     """A job forked from the zygote finds every module its evaluation needs loaded already
     (each first import compiles or reads files in the job's time: 1-4 ms apiece): a Compare of
     a Model with get_inputs(), and a Triton kernel launched from its IOContract and timed
-    (np.median imported numpy.ma in the first timed job's window)."""
+    (np.median imported numpy.ma in the first timed job's window). On a GPU its warm-up
+    loads Triton's launcher modules first, as in a job process."""
     probe = """
 import json, os, sys, tempfile
 from pathlib import Path
 from kerneleval.v1 import kernel_pb2
 from kerneleval_server.jobproc import warm_job
-from kerneleval_server.jobproc.runtime import load_engine
+from kerneleval_server.jobproc.runtime import load_engine, warm_up
 engine, _ = load_engine()
 model = kernel_pb2.JobSpec()
 model.kernel.type = model.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
@@ -181,6 +182,7 @@ new = {}
 for name, spec in (("model", model), ("triton", warm_job.spec())):
     pid = os.fork()
     if pid == 0:
+        warm_up()  # as a job process does before its job (with a GPU; nothing without one)
         before = set(sys.modules)
         work = Path(tempfile.mkdtemp())
         out = engine.run_job(spec, engine.NullReporter(), engine.EngineConfig(work_dir=work))
