@@ -123,3 +123,42 @@ def test_a_small_output_compared_on_the_host_says_what_the_device_says(
     on_host, on_device = checks
     assert not on_host.ok and on_host == on_device
     assert on_host.first_index == [1, 13]
+
+
+def _edge_cases(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(candidate, reference) pairs with what the comparison's rules are about: NaN, equal and
+    unequal infinities, a zero reference (no relative error there), tolerances, empty."""
+    torch.manual_seed(3)
+    ref = (torch.randn(32, 50) * 10).to(dtype)
+    ref.view(-1)[:4] = 0
+    near = ref.clone()
+    if dtype.is_floating_point:
+        near.view(-1)[10] += 1e-5 * float(ref.view(-1)[10].abs())  # within the tolerance
+    wrong = ref.clone()
+    wrong.view(-1)[[3, 99, 1000]] += 7  # one where the reference is 0
+    pairs = [(ref.clone(), ref), (near, ref), (wrong, ref), (ref[:0], ref[:0])]
+    if dtype.is_floating_point:
+        special = ref.clone()
+        special.view(-1)[[5, 6, 7]] = float("inf")
+        cand = special.clone()
+        cand.view(-1)[6] = float("-inf")  # the reference's +inf
+        cand.view(-1)[8] = float("nan")
+        pairs += [(special.clone(), special), (cand, special)]
+    return pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+def test_the_host_comparison_in_numpy_says_what_torchs_says(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A small output is compared on the host in numpy (compare._compare_on_host), a large
+    one in torch: for every rule, the same verdict, errors, mismatch count and first index."""
+    for cand, ref in _edge_cases(dtype):
+        checks = []
+        for host_max in (compare.HOST_COMPARE_MAX, 0):
+            monkeypatch.setattr(compare, "HOST_COMPARE_MAX", host_max)
+            checks.append(compare.compare_outputs([cand], [ref], ["out"], None, None))
+        assert checks[0] == checks[1], (cand, ref)
+    wrong, ref = _edge_cases(dtype)[2]
+    check = compare.compare_outputs([wrong], [ref], ["out"], None, None)
+    assert not check.ok and check.mismatches == 3 and check.first_index == [0, 3]

@@ -322,3 +322,23 @@ def test_a_small_outputs_errors_on_the_host_are_those_on_the_device(
         got.append(precision._errors(cand, ref, gold))
     assert got[0] is not None and got[0][0] > got[0][1] > 0
     assert got[0] == got[1]
+
+
+def test_a_small_outputs_errors_in_numpy_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small output's errors against its float64 run are measured in numpy on the host
+    (precision._errors_on_host), a large one's in torch: the same numbers, infinities and
+    NaN left out, None where the float64 run has no finite magnitude."""
+    torch.manual_seed(2)
+    gold = torch.randn(4096, dtype=torch.float64)
+    ref = gold.float()
+    cand = ref.half().float()
+    cand[7], ref[9], gold[11] = float("nan"), float("inf"), float("-inf")
+    cases = [(cand, ref, gold), (cand, ref, torch.zeros_like(gold)), (cand[:0], ref[:0], gold[:0])]
+    for c, r, g in cases:
+        got = []
+        for host_max in (compare.HOST_COMPARE_MAX, 0):
+            monkeypatch.setattr(compare, "HOST_COMPARE_MAX", host_max)
+            got.append(precision._errors(c, r, g))
+        assert got[0] == got[1]
+    assert precision._errors(cand, ref, gold) is not None
+    assert precision._errors(cand, ref, torch.zeros_like(gold)) is None

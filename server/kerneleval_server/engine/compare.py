@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # Default tolerance (used for both atol and rtol) by output dtype; 0 means exact.
@@ -85,6 +86,8 @@ COMPARE_CHUNK = 1 << 26
 # Outputs of at most this many elements are compared on the host: the comparison is about
 # twenty small kernels, and on an H100 their launches took ~1 ms for 4096 float32s, where the
 # copy and the same float64 arithmetic on the host take ~0.1 ms (bench/probe/timeline_probe.py).
+# On the host it runs in numpy: torch's CPU ops cost ~10 us of dispatch each, numpy's ~1 (an
+# H100 host's 4096-element comparison: 243 -> ~100 us; bench/probe/host_compare_probe.py).
 HOST_COMPARE_MAX = 1 << 14
 
 
@@ -92,8 +95,49 @@ def _compare_tensor(
     check: TrialCheck, name: str, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
 ) -> None:
     if r.numel() <= HOST_COMPARE_MAX:
-        c, r = c.cpu(), r.cpu()
-    elif c.device != r.device:
+        bad, first = _compare_on_host(check, as_float64(c), as_float64(r), atol, rtol)
+    else:
+        bad, first = _compare_on_device(check, c, r, atol, rtol)
+    if bad and check.ok:
+        cflat, rflat = c.reshape(-1), r.reshape(-1)
+        check.ok = False
+        check.output_name = name
+        check.mismatches = bad
+        check.elements = r.numel()
+        check.first_index = [int(i) for i in _unravel(first, tuple(r.shape))]
+        where = check.first_index
+        check.message = (
+            f"{name}: {bad} of {r.numel()} elements differ (atol={atol:g}, rtol={rtol:g}); "
+            f"first at {where}: got {cflat[first].item()!r}, "
+            f"expected {rflat[first].item()!r}"
+        )
+
+
+def as_float64(t: torch.Tensor) -> np.ndarray:
+    """A small tensor's values as a flat float64 array on the host (for numpy's arithmetic)."""
+    return t.detach().reshape(-1).cpu().to(torch.float64).numpy()
+
+
+def _compare_on_host(
+    check: TrialCheck, cf: np.ndarray, rf: np.ndarray, atol: float, rtol: float
+) -> tuple[int, int]:
+    """The device comparison's rules, in numpy: (mismatches, the first one's flat index)."""
+    with np.errstate(all="ignore"):
+        diff = np.abs(cf - rf)
+        finite = np.isfinite(diff)
+        ok = (cf == rf) | (finite & (diff <= atol + rtol * np.abs(rf)))
+        check.max_abs = max(check.max_abs, float(np.max(diff, where=finite, initial=0.0)))
+        rel = np.divide(diff, np.abs(rf), out=np.zeros_like(diff), where=finite & (rf != 0))
+        check.max_rel = max(check.max_rel, float(np.max(rel, initial=0.0)))
+    wrong = np.flatnonzero(~ok)
+    return len(wrong), int(wrong[0]) if len(wrong) else -1
+
+
+def _compare_on_device(
+    check: TrialCheck, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
+) -> tuple[int, int]:
+    """(mismatches, the first one's flat index), in chunks on r's device."""
+    if c.device != r.device:
         c = c.to(r.device)
     cflat, rflat = c.reshape(-1), r.reshape(-1)
     bad, first = 0, -1
@@ -120,18 +164,7 @@ def _compare_tensor(
             first = start + int(wrong.nonzero()[0, 0])
         bad += chunk_bad
         del cf, rf, diff, ok, finite, max_abs, max_rel, wrong
-    if bad and check.ok:
-        check.ok = False
-        check.output_name = name
-        check.mismatches = bad
-        check.elements = r.numel()
-        check.first_index = [int(i) for i in _unravel(first, tuple(r.shape))]
-        where = check.first_index
-        check.message = (
-            f"{name}: {bad} of {r.numel()} elements differ (atol={atol:g}, rtol={rtol:g}); "
-            f"first at {where}: got {cflat[first].item()!r}, "
-            f"expected {rflat[first].item()!r}"
-        )
+    return bad, first
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:

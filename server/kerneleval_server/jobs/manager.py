@@ -1448,8 +1448,17 @@ class JobManager:
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
         done = self._finished.pop(job.job_id, None)
-        if done is not None:
-            done.set()
+        if done is None:
+            self._after_finish(job, state, result)
+            return
+        # An Evaluate or a Compare waits for it: its task runs only once this callback
+        # returns, so it answers first and the bookkeeping follows (~0.3 ms of each such
+        # call on an H100 host: bench/probe/timeline_probe.py).
+        done.set()
+        asyncio.get_running_loop().call_soon(self._after_finish, job, state, result)
+
+    def _after_finish(self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult) -> None:
+        """What follows a job's end: jobs identical to it answered, counts, the next jobs."""
         self.finish_times.append(time.monotonic())
         self._leader_ended(job)
         state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
