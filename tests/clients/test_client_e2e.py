@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kerneleval import contracts, errors
+from kerneleval import cli, contracts, errors
 from kerneleval.client import Client
 from kerneleval.kernelbench import job_from_files, kernel_source
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -265,6 +265,10 @@ def test_kerneleval_serve_starts_a_working_server(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             assert list(c.list_jobs()) == []
+        # In an interpreter of its own, which loads gRPC after the server has set what gRPC
+        # reads as it loads (tests/frontend/test_grpc_settings.py).
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[1:4] == [b"-c", cli.SERVE.encode(), b"serve"], cmdline
     finally:
         proc.terminate()
         assert proc.wait(60) == 0

@@ -971,9 +971,15 @@ def _kernelbench_jobs(
     return False
 
 
+SERVE = (  # `kerneleval serve`'s interpreter: named `kerneleval` in --help (program_name)
+    "import sys; from kerneleval_server.main import main; sys.argv[0] = 'kerneleval'; "
+    "sys.exit(main())"
+)
+
+
 def cmd_serve(argv: Sequence[str]) -> int:
     try:
-        from kerneleval_server.main import main as server_main  # type: ignore[import-not-found]
+        import kerneleval_server  # type: ignore[import-not-found]  # noqa: F401
     except ImportError as e:
         print(
             "kerneleval serve needs the server package (kerneleval-server), which is not "
@@ -982,8 +988,9 @@ def cmd_serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    result = server_main(["serve", *argv])  # the server's own `serve` subcommand
-    return int(result or 0)
+    # The server's own `serve` subcommand, in a fresh interpreter: this one loaded gRPC
+    # already, before the server could set what gRPC reads as it loads (its __init__).
+    os.execv(sys.executable, [sys.executable, "-c", SERVE, "serve", *argv])
 
 
 def _credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
