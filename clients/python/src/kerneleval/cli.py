@@ -11,6 +11,7 @@ the command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -979,7 +980,8 @@ SERVE = (  # `kerneleval serve`'s interpreter: named `kerneleval` in --help (pro
 
 def cmd_serve(argv: Sequence[str]) -> int:
     try:
-        import kerneleval_server  # type: ignore[import-not-found]  # noqa: F401
+        if importlib.util.find_spec("kerneleval_server.main") is None:
+            raise ImportError("No module named 'kerneleval_server.main'")
     except ImportError as e:
         print(
             "kerneleval serve needs the server package (kerneleval-server), which is not "
