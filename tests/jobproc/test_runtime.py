@@ -386,3 +386,44 @@ def test_a_grant_sent_with_the_next_job_is_kept_through_the_last_ones_cleanup() 
     checked.join(10)
     assert not checked.is_alive(), "the next job's check waits for a grant it was sent"
     ours.close()
+
+
+def test_a_grant_for_a_finished_job_that_comes_late_is_not_kept() -> None:
+    """A process takes up to 500 jobs: a grant for one it finished (the front end granted it
+    as the job ended) is dropped, not kept for ever; the same job assigned again (it runs
+    again here) takes its grants again."""
+    import threading
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+    from kerneleval_server.framing import encode
+    from kerneleval_server.jobproc import runtime
+
+    ours, theirs = socket.socketpair()
+    channel = runtime._Channel(theirs)
+    threading.Thread(target=channel.read_loop, daemon=True).start()
+
+    def send(msg: job_channel_pb2.FrontendMessage) -> None:
+        ours.sendall(encode(msg.SerializeToString()))
+
+    def grant(job_id: str) -> job_channel_pb2.FrontendMessage:
+        return job_channel_pb2.FrontendMessage(
+            grant=job_channel_pb2.GpuGrant(job_id=job_id, phase=job_pb2.PHASE_VALIDATING)
+        )
+
+    def assign(job_id: str) -> job_channel_pb2.FrontendMessage:
+        return job_channel_pb2.FrontendMessage(assign=job_channel_pb2.AssignJob(job_id=job_id))
+
+    channel.accept_next("done")
+    send(grant("done"))  # late
+    send(assign("next"))  # read after it: once "next" is in, the late grant was handled
+    assert channel.assigned.get(timeout=10).job_id == "next"
+    assert not [key for key in channel._grants if key.startswith("done/")]
+    send(assign("done"))  # the same job, again
+    send(grant("done"))
+    assert channel.assigned.get(timeout=10).job_id == "done"
+    deadline = time.monotonic() + 10
+    while not channel._grants.get(f"done/{job_pb2.PHASE_VALIDATING}"):
+        assert time.monotonic() < deadline, "the job assigned again lost its grant"
+        time.sleep(0.01)
+    ours.close()

@@ -30,6 +30,7 @@ Standalone (tests, debugging): python -m kerneleval_server.jobproc.runtime [FD]
 # No `from __future__ import annotations`: the Triton warm-up kernel's `tl.constexpr`
 # annotation must be a real object when Triton reads it.
 
+import collections
 import contextlib
 import functools
 import gc
@@ -300,6 +301,9 @@ class _Channel:
         self.assigned: queue.Queue[job_channel_pb2.AssignJob | None] = queue.Queue()
         self._grants: dict[str, threading.Event] = {}  # "job id/phase" -> granted
         self._grants_lock = threading.Lock()
+        # Jobs this process finished: a grant for one that comes late is dropped, not kept
+        # for a job that never asks again (a process takes up to 500).
+        self._ended: collections.deque[str] = collections.deque(maxlen=64)
         # load_inline calls the service builds (by ("extension", request id)) and a judge
         # started ahead's JudgeGo (by ("go", job id))
         self._replies = _Replies()
@@ -315,6 +319,7 @@ class _Channel:
         self.job_running = False
         self.finishing = False
         with self._grants_lock:
+            self._ended.append(done_job_id)
             for key in [k for k in self._grants if k.startswith(done_job_id + "/")]:
                 del self._grants[key]
 
@@ -349,9 +354,15 @@ class _Channel:
                 if kind == "assign":  # the runtime takes the next once its job is over
                     # a judged job's record (and its socket) ride on its AssignJob (fd_count 0-2)
                     self.record_fds[msg.assign.job_id] = reader.take_fds(msg.assign.fd_count)
+                    with self._grants_lock:  # the same job again (it runs again here)
+                        if msg.assign.job_id in self._ended:
+                            self._ended.remove(msg.assign.job_id)
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
-                    self.grant_event(msg.grant.job_id, msg.grant.phase).set()
+                    with self._grants_lock:
+                        late = msg.grant.job_id in self._ended
+                    if not late:
+                        self.grant_event(msg.grant.job_id, msg.grant.phase).set()
                 elif kind == "judge_go":
                     self._replies.put(("go", msg.judge_go.job_id), msg.judge_go)
                 elif kind == "extension":
