@@ -23,6 +23,7 @@ Results: <out>/bench_overhead.json and .md.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,33 +54,55 @@ def breakdown(c: Any, job: job_pb2.Job, client_done: float) -> dict[str, float]:
     return S.breakdown(c.watch(job.job_id), C.ts(job.create_time), client_done)
 
 
+SENT = "client sent -> accepted"  # create_time less the client's clock at the send
+
+
 def service_latencies(
     svc: C.Service, kind: str, n: int, count: int, perf: int, warmup_calls: int, pace_s: float
-) -> tuple[list[float], int, dict[str, list[float]]]:
-    """Wall seconds per Evaluate, how many came back OK, and where the time went."""
+) -> tuple[list[float], int, list[dict[str, float]]]:
+    """Wall seconds per Evaluate, how many came back OK, and where each call's time went
+    (its segments, `SENT`, and "wall")."""
     spec = SPECS[kind](n)
     spec.options.CopyFrom(K.options(correct=1, perf=perf, warmup=3 if perf else 0))
     walls: list[float] = []
     ok = 0
-    timed: list[tuple[job_pb2.Job, float]] = []
+    timed: list[tuple[job_pb2.Job, float, float, float]] = []
     with svc.client() as c:
         for i in range(warmup_calls + count):
             time.sleep(pace_s)  # the pool refills: a warm job process waits for this call
+            sent = time.time()
             t = time.perf_counter()
             job = c.evaluate(spec)
             wall = time.perf_counter() - t
             if i < warmup_calls:
                 continue
             walls.append(wall)
-            timed.append((job, time.time()))
+            timed.append((job, sent, time.time(), wall))
             ok += job.result.verdict == job_pb2.VERDICT_OK
             if job.result.verdict != job_pb2.VERDICT_OK and ok == 0 and len(walls) == 1:
                 print("first Evaluate not OK:", job.result, flush=True)
-        parts: dict[str, list[float]] = {name: [] for name in S.SEGMENTS}
-        for job, done in timed:  # after the calls: reading events does not slow them
-            for name, seconds in breakdown(c, job, done).items():
-                parts[name].append(seconds)
-    return walls, ok, parts
+        calls = []
+        for job, sent, done, wall in timed:  # after the calls: reading events does not slow them
+            parts = breakdown(c, job, done)
+            parts[SENT] = C.ts(job.create_time) - sent
+            calls.append({"wall": wall, **parts})
+    return walls, ok, calls
+
+
+def slowest(calls: list[dict[str, float]], k: int = 3) -> list[dict[str, Any]]:
+    """The k slowest calls: each one's wall and the segments longest past their medians."""
+    medians = {
+        name: statistics.median([c[name] for c in calls if name in c])
+        for name in {name for c in calls for name in c}
+    }
+    out = []
+    for call in sorted(calls, key=lambda c: -c["wall"])[:k]:
+        over = sorted(
+            ((name, call[name] - medians[name]) for name in call if name != "wall"),
+            key=lambda item: -item[1],
+        )
+        out.append({"wall": call["wall"], "over_median": dict(over[:3])})
+    return out
 
 
 def fresh_latencies(kernel: Path, ref: Path, count: int, perf: int) -> tuple[list[float], int]:
@@ -150,16 +173,20 @@ def main() -> int:
     flags += C.service_flags(args)
     svc = C.Service(flags, root=tmp / "svc", nvml="none" if smoke else "real").start()
     rows: list[list[Any]] = []
-    data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}}
+    data: dict[str, Any] = {"elements": n, "modes": {}, "breakdown": {}, "slowest": {}}
     try:
         svc.wait_workers(1)
         for kind in SPECS:
             for perf in perfs:
-                walls, ok, parts = service_latencies(svc, kind, n, requests, perf, 3, pace)
-                data["modes"][f"{kind}_perf{perf}"] = {"ok": ok, **C.summary(walls)}
-                data["breakdown"][f"{kind}_perf{perf}"] = {
-                    name: C.summary(v) for name, v in parts.items() if v
+                walls, ok, calls = service_latencies(svc, kind, n, requests, perf, 3, pace)
+                mode = f"{kind}_perf{perf}"
+                data["modes"][mode] = {"ok": ok, **C.summary(walls)}
+                data["breakdown"][mode] = {
+                    name: C.summary([c[name] for c in calls if name in c])
+                    for name in [*S.SEGMENTS, SENT]
+                    if any(name in c for c in calls)
                 }
+                data["slowest"][mode] = slowest(calls)
                 print(f"{kind} perf={perf}: {ok}/{len(walls)} OK", flush=True)
         walls, ok, _ = service_latencies(svc, "triton_io", n, requests, 0, 0, 0.0)
         data["modes"]["triton_io_back_to_back"] = {"ok": ok, **C.summary(walls)}
@@ -218,8 +245,14 @@ def main() -> int:
     modes = list(data["breakdown"])
     parts_rows = [
         [name, *(data["breakdown"][m].get(name, {}).get("median", 0.0) * 1e3 for m in modes)]
-        for name in S.SEGMENTS
+        for name in [SENT, *S.SEGMENTS]
     ]
+    slow_rows = [
+        [mode, f"{call['wall'] * 1e3:.2f}",
+         ", ".join(f"{name} +{extra * 1e3:.2f}" for name, extra in call["over_median"].items())]
+        for mode, calls in data["slowest"].items()
+        for call in calls
+    ]  # fmt: skip
     notes.append(
         "Where the time goes: medians of each segment of the service's jobs, from the jobs' "
         "own event timestamps (the rest of the wall time is gRPC and the client)."
@@ -229,7 +262,9 @@ def main() -> int:
         data,
         [("Latency per evaluation (ms)",
           ["mode", "n", "OK", "median ms", "p99 ms", "x service"], rows),
-         ("Where an Evaluate's time goes (median ms)", ["segment", *modes], parts_rows)],
+         ("Where an Evaluate's time goes (median ms)", ["segment", *modes], parts_rows),
+         ("The slowest calls: the segments longest past their medians (ms)",
+          ["mode", "wall ms", "segments over their median"], slow_rows)],
         notes,
     )  # fmt: skip
     ok_all = all(m["ok"] == m["n"] for m in data["modes"].values())

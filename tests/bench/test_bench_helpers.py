@@ -26,6 +26,7 @@ import _common as C  # noqa: E402
 import _kernels as K  # noqa: E402
 import bench_interference  # noqa: E402
 import bench_kernelbench  # noqa: E402
+import bench_overhead  # noqa: E402
 import bench_throughput  # noqa: E402
 import bench_timing_fidelity  # noqa: E402
 import fault_soak  # noqa: E402
@@ -252,3 +253,16 @@ def test_a_judged_jobs_time_is_split_at_its_judge() -> None:
     }
     summary = S.medians_ms([S.breakdown(events, 1000.0)] * 3)
     assert summary["accepted -> started"]["n"] == 3
+
+
+def test_the_slowest_calls_name_the_segments_that_grew() -> None:
+    """bench_overhead's outliers: the slowest calls, slowest first, each with the segments
+    longest past their medians (an outlier's p99 says nothing of where its time went)."""
+    calls = [{"wall": 0.010, "a": 0.004, "b": 0.003} for _ in range(8)]
+    calls.append({"wall": 0.050, "a": 0.004, "b": 0.043})
+    calls.append({"wall": 0.020, "a": 0.013, "b": 0.003})
+    worst = bench_overhead.slowest(calls, k=2)
+    assert [w["wall"] for w in worst] == [0.050, 0.020]
+    assert next(iter(worst[0]["over_median"])) == "b"
+    assert worst[0]["over_median"]["b"] == pytest.approx(0.040)
+    assert next(iter(worst[1]["over_median"])) == "a"
