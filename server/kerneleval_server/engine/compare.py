@@ -87,7 +87,8 @@ COMPARE_CHUNK = 1 << 26
 # twenty small kernels, and on an H100 their launches took ~1 ms for 4096 float32s, where the
 # copy and the same float64 arithmetic on the host take ~0.1 ms (bench/probe/timeline_probe.py).
 # On the host it runs in numpy: torch's CPU ops cost ~10 us of dispatch each, numpy's ~1 (an
-# H100 host's 4096-element comparison: 243 -> ~100 us; bench/probe/host_compare_probe.py).
+# H100 host's 4096-element comparison, the copies included: 244 -> 170 us;
+# bench/probe/host_compare_probe.py).
 HOST_COMPARE_MAX = 1 << 14
 
 

@@ -315,6 +315,7 @@ def _errors(c: torch.Tensor, r: torch.Tensor, g: torch.Tensor) -> tuple[float, f
 
 
 def _errors_on_host(c: np.ndarray, r: np.ndarray, g: np.ndarray) -> tuple[float, float] | None:
+    """_errors in numpy, for a small output's float64 values."""
     with np.errstate(all="ignore"):
         magnitude = np.abs(g)
         scale = float(np.max(magnitude, where=np.isfinite(magnitude), initial=0.0))
