@@ -152,7 +152,20 @@ def _flusher() -> None:
                 _flush_at = 0.0
                 break
         time.sleep(wait)
-    text = "".join(lines)
+    _write("".join(lines))
+
+
+def _flush_now() -> None:
+    """A job process's records at the end of its job (_run_one, after its outcome and
+    cleanup): a process that takes one job exits before the flusher's 0.3 s are up."""
+    with _lock:
+        lines, _records[:] = list(_records), []
+    _write("".join(lines))
+
+
+def _write(text: str) -> None:
+    if not text:
+        return
     try:
         if _FE_PATH:
             with open(_FE_PATH, "a") as out:
@@ -206,6 +219,8 @@ def _wrap(owner: object, attr: str, name: str) -> None:
             return fn(*a, **k)
         finally:
             rec(label + " <")
+            if name == "_run_one":
+                _flush_now()
 
     setattr(owner, attr, wrapper)
 
