@@ -472,3 +472,21 @@ def test_a_standing_judge_prepares_a_next_job_with_the_same_inputs_from_the_last
     assert before == 0 and forged.result.verdict == V.VERDICT_INCORRECT, forged.result
     _own, other, before, _ = _judged_ahead(engine_dir, ADD_NEW, seed=7)
     assert before == 5 + 1 and other.result.verdict == V.VERDICT_OK
+
+
+def test_a_recorded_output_stays_where_its_judge_compares_it() -> None:
+    """A judge's recorded outputs of at most HOST_COMPARE_MAX elements stay on the host (the
+    comparison and the precision check run there: no copy to the device and back); larger
+    ones go to the job's device (here `meta`, which any host tensor can go to)."""
+    from kerneleval_server.engine import record
+    from kerneleval_server.engine.runner import RecordedProgram, where_compared
+
+    device = torch.device("meta")
+    small = torch.ones(compare.HOST_COMPARE_MAX)
+    large = torch.ones(compare.HOST_COMPARE_MAX + 1)
+    assert where_compared(small, device).device.type == "cpu"
+    assert where_compared(large, device).device.type == "meta"
+    assert where_compared(3.5, device) == 3.5
+    trial = record.Trial(0, False, False, 0, [small, large, None], 0, "")
+    out = RecordedProgram([trial], device, launch=False).run(None)  # type: ignore[arg-type]
+    assert [getattr(v, "device", None) for v in out] == [small.device, device, None]

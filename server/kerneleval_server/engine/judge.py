@@ -31,6 +31,7 @@ from .runner import (
     _Stop,
     internal_error,
     preserved_torch_state,
+    where_compared,
 )
 from .types import EngineConfig, Outcome, Reporter
 
@@ -333,7 +334,7 @@ class _Judge(_Job):
         fresh = make_args(self.opts.correct_trials + 1)
         ref_out = self._run(ref, fresh.clone(), REFERENCE_PREFIX)
         names = self._output_names(cand, ref, fresh)
-        out = [v.to(self.dev) if hasattr(v, "to") else v for v in replay.values]
+        out = [where_compared(v, self.dev) for v in replay.values]
         check = compare.compare_outputs(out, ref_out, names, self.opts.atol, self.opts.rtol)
         if not check.ok:
             why = (
