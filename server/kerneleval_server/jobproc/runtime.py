@@ -291,6 +291,11 @@ class _Replies:
                 event.set()
 
 
+def _grant_key(job_id: str, phase: int) -> str:
+    """A grant's key in _Channel._grants (accept_next forgets a job's by the prefix)."""
+    return f"{job_id}/{phase}"
+
+
 class _Channel:
     """Descriptor 3: one writer lock, one reader thread. AssignJobs queue; the runtime takes
     a next one only when its process is reusable (the front end sends one only then)."""
@@ -330,12 +335,20 @@ class _Channel:
 
     def grant_event(self, job_id: str, phase: int) -> threading.Event:
         with self._grants_lock:
-            return self._grants.setdefault(f"{job_id}/{phase}", threading.Event())
+            return self._grants.setdefault(_grant_key(job_id, phase), threading.Event())
+
+    def _granted(self, job_id: str, phase: int) -> None:
+        """A GpuGrant came in. One for a job this process has finished (it came late) is
+        dropped: checked under the lock that accept_next ends a job under, so that it cannot
+        slip in between and be kept."""
+        with self._grants_lock:
+            if job_id not in self._ended:
+                self._grants.setdefault(_grant_key(job_id, phase), threading.Event()).set()
 
     def let_go(self, job_id: str, phase: int) -> None:
         """The phase's grant is used up: the next ask waits for a new one."""
         with self._grants_lock:
-            self._grants.pop(f"{job_id}/{phase}", None)
+            self._grants.pop(_grant_key(job_id, phase), None)
 
     def wait_go(self, job_id: str) -> job_channel_pb2.JudgeGo | None:
         """A judge started ahead: its JudgeGo (None when the channel closed first)."""
@@ -359,10 +372,7 @@ class _Channel:
                             self._ended.remove(msg.assign.job_id)
                     self.assigned.put(msg.assign)
                 elif kind == "grant":
-                    with self._grants_lock:
-                        late = msg.grant.job_id in self._ended
-                    if not late:
-                        self.grant_event(msg.grant.job_id, msg.grant.phase).set()
+                    self._granted(msg.grant.job_id, msg.grant.phase)
                 elif kind == "judge_go":
                     self._replies.put(("go", msg.judge_go.job_id), msg.judge_go)
                 elif kind == "extension":
