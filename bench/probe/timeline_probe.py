@@ -90,6 +90,16 @@ def main() -> int:
         _, ns, _, label = line.split(" ", 3)
         recs.append((int(ns), "fe", label))
     recs += job_records(svc.log)
+    log_text = svc.log.read_text(errors="replace")
+    missing = sorted(
+        {
+            line.split("KE_TL_MISSING ", 1)[1].split()[0].strip('",\\')
+            for line in log_text.splitlines()
+            if "KE_TL_MISSING " in line
+        }
+    )
+    if missing:
+        print("not found to time:", ", ".join(missing))
     recs.sort()
     offsets: dict[str, list[float]] = collections.defaultdict(list)
     order: dict[str, list[int]] = collections.defaultdict(list)

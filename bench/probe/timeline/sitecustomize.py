@@ -113,6 +113,25 @@ WRAP = {
     "kerneleval_server.engine.integrity": ["aliasing"],
     "kerneleval_server.engine.backends.prebuilt": ["build_prebuilt"],
     "kerneleval_server.engine.device": ["device_info"],
+    # Triton's first call of a kernel (names of triton 3.6; a missing one is reported)
+    "triton.runtime.jit": [
+        "JITFunction.run",
+        "JITFunction._do_compile",
+        "JITFunction.create_binder",
+        "JITFunction.cache_key",
+        "JITCallable.cache_key",
+        "JITFunction.__init__",
+    ],
+    "triton.runtime.cache": ["FileCacheManager.get_group", "get_cache_manager"],
+    "triton.runtime.build": ["compile_module_from_src"],
+    "triton.compiler.compiler": [
+        "compile",
+        "ASTSource.hash",
+        "CompiledKernel.__init__",
+        "CompiledKernel._init_handles",
+        "CompiledKernel.launch_metadata",
+    ],
+    "triton.backends.nvidia.driver": ["CudaLauncher.__init__", "CudaLauncher.__call__"],
 }
 KEEP_FD_MODULE = "kerneleval_server.jobproc.sandbox"
 
@@ -195,6 +214,21 @@ def _detail(name: str, args: tuple) -> str:
 def _wrap(owner: object, attr: str, name: str) -> None:
     raw = inspect.getattr_static(owner, attr)
     if isinstance(raw, (staticmethod, classmethod)):
+        return
+    if isinstance(raw, property) and raw.fget is not None:  # timed through its getter
+        get = raw.fget
+
+        def getter(self):  # type: ignore[no-untyped-def]
+            rec(name + " >")
+            try:
+                return get(self)
+            finally:
+                rec(name + " <")
+
+        setattr(owner, attr, property(getter, raw.fset, raw.fdel))
+        return
+    if not callable(raw):  # a cached_property or other descriptor: not timed
+        sys.stderr.write(f"KE_TL_MISSING {name}\n")
         return
     fn = getattr(owner, attr)
     if inspect.iscoroutinefunction(fn):
