@@ -135,6 +135,7 @@ def test_job_process_is_sealed(
     env = report["env"]
     assert env["JP_JOB_VAR"] == "from job_env" and env["KERNELEVAL_WORKER_ID"] == "w-1"
     assert env["JP_LIGHT_ENGINE_CONFIGURED"] == "1" and env["TRITON_INTERPRET"] == "1"
+    assert env["TRITON_STORE_BINARY_ONLY"] == "1"  # a compile cache of binaries only
     assert "JP_ZYGOTE_ONLY" not in env and "KERNELEVAL_JOB_MAIN" not in env
     # private, size-limited /tmp
     assert report["tmp_bytes"] == TMP_BYTES

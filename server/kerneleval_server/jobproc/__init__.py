@@ -36,6 +36,7 @@ MAX_JOBS_PER_LAUNCH_PROCESS = 500
 MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+TRITON_BINARY_ONLY_ENV = "TRITON_STORE_BINARY_ONLY"  # Triton's knob: cache binaries only
 # What torch's allocator raises instead of its out-of-memory error where NVML cannot start (in
 # the sandbox): read as an out-of-memory by the engine and by the front end.
 NVML_OOM_ASSERT = "nvmlInit_v2_() INTERNAL ASSERT FAILED"
