@@ -490,3 +490,94 @@ def test_a_recorded_output_stays_where_its_judge_compares_it() -> None:
     trial = record.Trial(0, False, False, 0, [small, large, None], 0, "")
     out = RecordedProgram([trial], device, launch=False).run(None)  # type: ignore[arg-type]
     assert [getattr(v, "device", None) for v in out] == [small.device, device, None]
+
+
+# A reference that counts its runs in this (pytest's) process: the kernel's and the judge's
+# engine calls share it here, as they do not in the service.
+COUNTED_REF = ADD_MODEL.replace(
+    "        return a + b",
+    "        import builtins\n"
+    "        builtins.KE_REF_RUNS = getattr(builtins, 'KE_REF_RUNS', 0) + 1\n"
+    "        return a + b",
+)
+
+
+def _ref_runs() -> int:
+    return int(getattr(builtins, "KE_REF_RUNS", 0))
+
+
+def test_untimed_the_kernels_process_leaves_the_comparison_to_its_judge(
+    engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """perf_trial_count 0: the kernel's process records its outputs and neither runs the
+    reference nor compares (the judge does both); a wrong kernel is the judge's INCORRECT.
+    Timed, it compares first: an incorrect kernel is not timed."""
+    monkeypatch.setattr(builtins, "KE_REF_RUNS", 0, raising=False)
+    fd = os.memfd_create("record")
+    try:
+        spec = job(source(TORCH, ADD_NEW), source(TORCH, COUNTED_REF), perf_trial_count=0)
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT))
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert own.result.verdict == V.VERDICT_OK, own.result
+        assert _ref_runs() == 0
+        final = judge_job(
+            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT
+        )
+        assert final.result.verdict == V.VERDICT_OK and final.result.correctness, final.result
+        assert final.result.validation.trials_passed == 5
+        assert _ref_runs() >= 5  # its trials (and its float64 run for the precision check)
+    finally:
+        os.close(fd)
+
+    wrong = ADD_NEW.replace("a + b", "a - b")
+    own, final = judged(engine_dir, job(source(TORCH, wrong), source(TORCH, COUNTED_REF),
+                                        perf_trial_count=0))  # fmt: skip
+    assert own.result.verdict == V.VERDICT_OK  # nothing compared there
+    assert final is not None and final.result.verdict == V.VERDICT_INCORRECT, final.result
+
+    monkeypatch.setattr(builtins, "KE_REF_RUNS", 0)
+    own, final = judged(engine_dir, job(source(TORCH, wrong), source(TORCH, COUNTED_REF)))
+    assert own.result.verdict == V.VERDICT_INCORRECT and final is None  # compared, not timed
+    assert _ref_runs() > 0 and not own.result.HasField("runtime")
+
+
+# Correct, but computed into its input and handed back: the input itself.
+IN_PLACE_NEW = """
+import torch
+class ModelNew(torch.nn.Module):
+    def forward(self, a, b):
+        return a.add_(b)
+"""
+
+
+def test_the_judge_flags_an_output_its_kernels_process_saw_alias_an_input(
+    engine_dir: Path,
+) -> None:
+    """Untimed, the kernel's process says in the record which outputs share memory with an
+    input; the judge flags them (output_aliases_input) unless its reference's do so too."""
+    own, final = judged(engine_dir, job(source(TORCH, IN_PLACE_NEW), source(TORCH, ADD_MODEL),
+                                        perf_trial_count=0))  # fmt: skip
+    assert not own.result.flags  # not the untrusted process's call
+    assert final is not None and final.result.verdict == V.VERDICT_OK, final.result
+    assert [f.rule_id for f in final.result.flags] == ["output_aliases_input"]
+    assert "output 0 shares memory with an input" in final.result.flags[0].message
+    assert any("modified its input tensors in place" in n for n in final.result.notes)
+
+    view_ref = ADD_MODEL.replace("return a + b", "return a.view(-1)")
+    view_new = IN_PLACE_NEW.replace("return a.add_(b)", "return a.view(-1)")
+    own, final = judged(engine_dir, job(source(TORCH, view_new), source(TORCH, view_ref),
+                                        perf_trial_count=0))  # fmt: skip
+    assert final is not None and final.result.verdict == V.VERDICT_OK, final.result
+    assert not final.result.flags  # the reference hands back a view of its input too
+
+
+def test_a_record_keeps_what_its_writer_said_of_aliasing() -> None:
+    fd = os.memfd_create("record")
+    try:
+        r = Recorder(fd, LIMIT)
+        assert r.record(0, [torch.zeros(4), torch.ones(2)], aliased={1, 7})  # 7: no such output
+        assert r.record(1, [torch.zeros(4)])
+        trials = rec.read(fd)
+        assert [t.aliased for t in trials] == [frozenset({1}), frozenset()]
+    finally:
+        os.close(fd)

@@ -231,7 +231,7 @@ def test_a_false_claim_of_no_room_for_shares_is_tampering(
 ) -> None:
     """A kernel's process that hands nothing over and says its outputs fit nowhere, where the
     shares had room: the judge would see nothing."""
-    monkeypatch.setattr(Recorder, "_share", lambda self, head, outputs: False)
+    monkeypatch.setattr(Recorder, "_share", lambda self, head, outputs, aliased: False)
     _, final, shared = judged(engine_dir, big_job(), pair)
     assert shared == 0
     assert final is not None and final.result.verdict == V.VERDICT_RUNTIME_ERROR, final.result

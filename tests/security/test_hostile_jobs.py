@@ -1137,8 +1137,9 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
 ) -> None:
     """--judge-ahead: a standing judge of the reference runs it while the kernel runs. A
     forger whose own process passes it (a patched comparison, zeros out) is judged there:
-    INCORRECT. A kernel that fails in its own process ends its job before its outputs are in:
-    its judge, started ahead, leaves it, keeps nothing of it and stands. The next tenant of
+    INCORRECT. A kernel that fails in its own process (timed, it is compared there first) ends
+    its job before its outputs are in: its judge, started ahead, leaves it, keeps nothing of it
+    and stands. The next tenant of
     that reference is judged ahead by the same process, right, and so are the tenants after."""
     reference = hs.REFERENCE + "\n# a reference of this test's own: its own standing judge\n"
     honest, wrong_source = hs.victim_source(wrong=False), hs.victim_source(wrong=True)
@@ -1150,7 +1151,8 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
     assert forger.verdict == job_pb2.VERDICT_INCORRECT, forger.describe()
     assert AHEAD in forger.logs and _judge_of(forger) == judge, forger.describe()
     _idle(svc, judge)
-    wrong = run_job(stub, spec(wrong_source, reference=reference, client_tag="eve-ahead"), svc)
+    wrong_spec = spec(wrong_source, reference=reference, client_tag="eve-ahead", perf_trials=1)
+    wrong = run_job(stub, wrong_spec, svc)
     assert wrong.verdict == job_pb2.VERDICT_INCORRECT, wrong.describe()
     assert "judged by" not in wrong.logs, wrong.describe()  # ended in its own process
     _idle(svc, judge)  # it left the job and stands

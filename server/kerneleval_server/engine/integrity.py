@@ -83,14 +83,26 @@ def aliasing(
     for i, value in enumerate(outputs):
         if not isinstance(value, torch.Tensor) or (span := _span(value)) is None:
             continue
-        name = names[i] if i < len(names) else f"output {i}"
         if _overlaps(span, refs):
+            name = _output_name(i, names)
             out.append(
                 flag(ALIASES_REFERENCE, f"{name} shares memory with the reference's outputs")
             )
         elif i not in allowed and _overlaps(span, ins):
-            out.append(flag(ALIASES_INPUT, f"{name} shares memory with an input"))
+            out.extend(input_aliases([i], names))
     return out
+
+
+def input_aliases(indices: Iterable[int], names: list[str]) -> list[job_pb2.IntegrityFlag]:
+    """The flags of outputs that share memory with an input (their reference's do not)."""
+    return [
+        flag(ALIASES_INPUT, f"{_output_name(i, names)} shares memory with an input")
+        for i in sorted(indices)
+    ]
+
+
+def _output_name(i: int, names: list[str]) -> str:
+    return names[i] if i < len(names) else f"output {i}"
 
 
 @cache

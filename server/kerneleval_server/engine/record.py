@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +93,11 @@ class Recorder:
         os.pwrite(fd, MAGIC, 0)
 
     def record(
-        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = ""
-    ) -> bool:
-        """Writes one trial's outputs (`structure`: RecordedTrial.structure); False when they
+        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = "",
+        aliased: Collection[int] = (),
+    ) -> bool:  # fmt: skip
+        """Writes one trial's outputs (`structure`: RecordedTrial.structure; `aliased`: the
+        outputs that share memory with an input, RecordedValue.aliases_input); False when they
         did not fit (or an earlier one did not)."""
         if self.full:
             return False
@@ -102,7 +105,7 @@ class Recorder:
         # Sized on the device first: KernelBench's 6.4 GB outputs must not reach the host.
         need = trial_bytes(outputs)
         if self._end + need > self._max:
-            if self._share(head, outputs):
+            if self._share(head, outputs, aliased):
                 return True
             self.full = True
             head.over_limit, head.bytes = True, need - MAX_HEADER
@@ -118,10 +121,12 @@ class Recorder:
             entry.shape.extend(t.shape)
             entry.nbytes = t.numel() * t.element_size()
             offset = _aligned(offset + entry.nbytes)
-        self._append(head, values)
+        self._append(head, values, aliased)
         return True
 
-    def _share(self, head: job_channel_pb2.RecordedTrial, outputs: list[Any]) -> bool:
+    def _share(
+        self, head: job_channel_pb2.RecordedTrial, outputs: list[Any], aliased: Collection[int]
+    ) -> bool:
         """The trial's tensors by descriptor, its header in the file; False when they would
         not fit the shares' limit (nothing is sent then)."""
         tensors = [_device_value(v) for v in outputs]
@@ -139,12 +144,16 @@ class Recorder:
             entry = head.values.add(dtype=str(t.dtype).removeprefix("torch."), share=self._slots)
             entry.shape.extend(t.shape)
             entry.nbytes = t.numel() * t.element_size()
-        self._append(head, [None] * len(head.values))
+        self._append(head, [None] * len(head.values), aliased)
         return True
 
     def _append(
-        self, head: job_channel_pb2.RecordedTrial, values: list[torch.Tensor | None]
-    ) -> None:
+        self, head: job_channel_pb2.RecordedTrial, values: list[torch.Tensor | None],
+        aliased: Collection[int] = (),
+    ) -> None:  # fmt: skip
+        for i in aliased:
+            if 0 <= i < len(head.values):
+                head.values[i].aliases_input = True
         data = head.SerializeToString()
         os.pwrite(self._fd, struct.pack(">I", len(data)) + data, self._end)
         end = self._end + 4 + len(data)
@@ -198,6 +207,7 @@ class Trial:
     values: list[Any]  # host tensors, or _NotATensor stand-ins
     at: int = 0  # where its header starts: what the record held before it
     structure: str = ""  # RecordedTrial.structure: "" for a Model's outputs
+    aliased: frozenset[int] = frozenset()  # outputs said to share memory with an input
 
 
 def fits_after(at: int, outputs: list[Any], max_bytes: int, share_room: int = 0) -> bool:
@@ -254,9 +264,13 @@ def read(fd: int, shares: dict[int, torch.Tensor] | None = None) -> list[Trial]:
             t, stop = _tensor(mem, size, v, used)
             values.append(t)
             end = max(end, stop)
+        aliased = frozenset(i for i, v in enumerate(head.values) if v.aliases_input)
         trials.append(
-            Trial(head.trial, head.replay, head.over_limit, head.bytes, values, pos, head.structure)
-        )
+            Trial(
+                head.trial, head.replay, head.over_limit, head.bytes, values, pos,
+                head.structure, aliased,
+            )
+        )  # fmt: skip
         pos = _aligned(end) if head.values else end
         if head.over_limit:
             break

@@ -22,7 +22,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -567,17 +567,24 @@ class _Job:
         # are neither copied nor poisoned, nor checked for writes (its own process did that).
         recorded = isinstance(cand, RecordedProgram)
         for t in range(trials):
+            # Outputs its judge will compare (they fit the record so far), of a job that times
+            # nothing: the reference does not run here, nor is anything compared (the judge
+            # does both anyway). A timed job compares here too: an incorrect kernel is not
+            # timed (its timing window would hold the GPU for nothing).
+            judged = self.judged_elsewhere and not recorded and self.opts.perf_trials == 0
             ref_out: list[Any] | None = None
+            ref_args: TrialArgs | None = None  # made when the reference runs here
             if t in self.ahead:
                 pristine, ref_args, ref_out, ref_seconds = self.ahead.pop(t)
                 cand_args = pristine if recorded else pristine.clone()
             else:
                 pristine = make_args(t)
-                ref_args = pristine.clone()
                 cand_args = pristine if recorded else pristine.clone()
             if not recorded:
                 self._poison_outputs(cand_args, t)
-            if ref_out is None and t % 2 == 1:  # reference first; alive while the kernel runs
+            if ref_out is None and t % 2 == 1 and not judged:
+                # reference first; alive while the kernel runs
+                ref_args = pristine.clone()
                 ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
                 out_bytes = compare.nbytes_of(ref_out)
             if cand.kind == "model":
@@ -586,7 +593,15 @@ class _Job:
                         out_bytes or compare.nbytes_of(pristine.values), self.dev
                     )
             cand_out = self._run(cand, cand_args, "")
-            self._record(t, cand_out)
+            inputs = _inputs_of(cand, cand_args)
+            aliased = integrity.aliased_outputs(cand_out, inputs) if judged else set()
+            if self._record(t, cand_out, aliased=aliased) and judged:
+                wrote_inputs |= self._judged_trial(cand, pristine, cand_args, cand_out)
+                report.trial_count = t + 1
+                self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, trials)
+                continue
+            if ref_args is None:
+                ref_args = pristine.clone()  # the kernel ran on a copy: pristine still
             if ref_out is None:
                 ref_start = time.perf_counter()
                 ref_out = self._run(ref, ref_args, REFERENCE_PREFIX)
@@ -594,12 +609,10 @@ class _Job:
                 out_bytes = compare.nbytes_of(ref_out)
             names = self._output_names(cand, ref, pristine)
             self._output_bytes = out_bytes
-            self._flag(
-                integrity.aliasing(
-                    cand_out, names, _inputs_of(cand, cand_args), ref_out,
-                    allowed=integrity.aliased_outputs(ref_out, _inputs_of(ref, ref_args)),
-                )
-            )  # fmt: skip
+            allowed = integrity.aliased_outputs(ref_out, _inputs_of(ref, ref_args))
+            self._flag(integrity.aliasing(cand_out, names, inputs, ref_out, allowed))
+            if isinstance(cand, RecordedProgram):  # what the kernel's process saw of them
+                self._flag(integrity.input_aliases(cand.aliased() - allowed, names))
             check = compare.compare_outputs(
                 cand_out, ref_out, names, self.opts.atol, self.opts.rtol
             )
@@ -646,6 +659,27 @@ class _Job:
         self.result.correctness = True
         self.result.correctness_status = job_pb2.CORRECTNESS_PASSED
 
+    def _judged_trial(
+        self, cand: Program, pristine: TrialArgs, args: TrialArgs, out: list[Any]
+    ) -> bool:
+        """A trial whose outputs went to the judge, which compares them and flags what the
+        record says of their aliasing: whether the kernel wrote its inputs (a launch's
+        declared ARG_ROLE_INPUT ends the job here)."""
+        self._output_bytes = compare.nbytes_of(out)
+        written = self._written_inputs(pristine, args)
+        if written and cand.kind == "launch":
+            self._wrote_input(written[0])
+        return bool(written)
+
+    def _wrote_input(self, name: str) -> NoReturn:
+        self.result.validation_error = (
+            f"the kernel wrote its input {name!r} (declared ARG_ROLE_INPUT)"
+        )
+        self.result.verdict = job_pb2.VERDICT_INCORRECT
+        self.result.failed_side = job_pb2.SIDE_KERNEL
+        self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
+        raise _Stop
+
     def _record_trials(self, cand: Program, make_args: Callable[[int], TrialArgs]) -> None:
         """The correctness trials with the reference judged elsewhere: each one's outputs
         recorded for the judge, nothing compared here. Inputs the kernel wrote (it declared
@@ -660,13 +694,7 @@ class _Job:
             names = self._output_names(cand, None, pristine)
             self._flag(integrity.aliasing(out, names, _inputs_of(cand, args), []))
             if written := self._written_inputs(pristine, args):
-                self.result.validation_error = (
-                    f"the kernel wrote its input {written[0]!r} (declared ARG_ROLE_INPUT)"
-                )
-                self.result.verdict = job_pb2.VERDICT_INCORRECT
-                self.result.failed_side = job_pb2.SIDE_KERNEL
-                self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
-                raise _Stop
+                self._wrote_input(written[0])
             self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, self.opts.correct_trials)
 
     def _check_precision(
@@ -792,15 +820,17 @@ class _Job:
             self._flag([floor] if floor is not None else [])
 
     def _record(
-        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = ""
-    ) -> bool:
-        """The kernel's outputs of a trial, for its judge (record.py). Handing them over by
-        descriptor copies them on the GPU: out of memory there is the job's OUT_OF_MEMORY (a
-        job that shared its GPU runs again with the GPU to itself)."""
+        self, trial: int, outputs: list[Any], replay: bool = False, structure: str = "",
+        aliased: Collection[int] = (),
+    ) -> bool:  # fmt: skip
+        """The kernel's outputs of a trial, for its judge (record.py; `aliased`: the outputs
+        sharing memory with an input, for the judge to flag). Handing them over by descriptor
+        copies them on the GPU: out of memory there is the job's OUT_OF_MEMORY (a job that
+        shared its GPU runs again with the GPU to itself)."""
         if self.recorder is None:
             return False
         with self._guard("handing the outputs to the judge: ", side=job_pb2.SIDE_KERNEL):
-            recorded = bool(self.recorder.record(trial, outputs, replay, structure))
+            recorded = bool(self.recorder.record(trial, outputs, replay, structure, aliased))
         if not recorded and self.reference_judged:  # the front end sends none such here
             self.result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
             self.result.error.exception_type = "OutputsTooLarge"
@@ -985,6 +1015,10 @@ class RecordedProgram:
         trial = self.trials[self.done]
         self.done += 1
         return [where_compared(v, self.device) for v in trial.values]
+
+    def aliased(self) -> frozenset[int]:
+        """The last run trial's outputs that its process saw share memory with an input."""
+        return self.trials[self.done - 1].aliased if self.done else frozenset()
 
 
 def where_compared(value: Any, device: torch.device) -> Any:
