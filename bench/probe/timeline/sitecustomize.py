@@ -95,6 +95,7 @@ WRAP = {
         "_Job._float64_ahead",
         "_Job._input_source",
         "_Job._record_trials",
+        "_Job._judged_trial",
         "_Job._written_inputs",
         "_Job._poison_outputs",
         "_Job._output_names",

@@ -750,7 +750,6 @@ def _run_one(
     job_dir, cache_dir, seeded = _job_dirs(assign)
     channel.job_running = True
     prebuilt = list(assign.prebuilt)
-    _reset_peak_memory()
     # The record (a memfd), and with share_max_bytes the record's socket (its outputs past the
     # record, by descriptor: engine/device_share.py).
     fds = channel.record_fds.pop(assign.job_id, [])
@@ -902,6 +901,10 @@ def main(channel_fd: int) -> int:
         return OK_EXIT  # the front end is gone
     threading.Thread(target=channel.read_loop, name="job-channel", daemon=True).start()
     for done in range(MAX_JOBS_PER_LAUNCH_PROCESS):
+        # The job's peak memory counts from here: reset while the process waits for it, not
+        # on its way (and nothing runs on the GPU in between: the warm-up, the last job's
+        # cleanup are done).
+        _reset_peak_memory()
         assign = channel.assigned.get()
         if assign is None:
             return OK_EXIT
