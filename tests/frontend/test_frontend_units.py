@@ -455,6 +455,50 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     store.close()
 
 
+def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
+    tmp_path: Path,
+) -> None:
+    """PhaseUpdate.ahead (a whole job's process, its kernel built): the grant goes out at once,
+    with no event; the PHASE_VALIDATING that follows is stored and asks nothing more. An ahead
+    for another phase, or a second one, asks nothing."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.metrics import Metrics
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    hub = EventHub(store)
+    m = JobManager(config_mod.Config(), store, hub, OpsLog(), Metrics(), 600.0)
+    job = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_RUNNING)
+    queued = hub.next_event("j1")
+    queued.queued.position = 0
+    store.insert(job, queued)
+    worker = _process("d0-w0")
+    worker.job_id = "j1"
+    m.workers.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+
+    def phase(p: int, ahead: bool = False) -> job_channel_pb2.JobProcessMessage:
+        return job_channel_pb2.JobProcessMessage(
+            phase=job_channel_pb2.PhaseUpdate(job_id="j1", phase=p, ahead=ahead)  # type: ignore[arg-type]
+        )
+
+    def events() -> list[str]:
+        return [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
+
+    async def main() -> None:
+        m.on_worker_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
+        assert worker.writer.sent == [] and events() == ["queued"]
+        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        assert worker.writer.sent == ["grant"] and events() == ["queued"]
+        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING))
+        assert worker.writer.sent == ["grant"]
+        assert events() == ["queued", "phase"]
+
+    asyncio.run(main())
+    store.close()
+
+
 def _judging_manager(tmp_path: Path) -> Any:
     """A JobManager with no job processes (dispatch off), for the judge's front-end steps."""
     from kerneleval_server.jobs.manager import JobManager

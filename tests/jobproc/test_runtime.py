@@ -427,3 +427,37 @@ def test_a_grant_for_a_finished_job_that_comes_late_is_not_kept() -> None:
         assert time.monotonic() < deadline, "the job assigned again lost its grant"
         time.sleep(0.01)
     ours.close()
+
+
+def test_a_grant_asked_for_ahead_is_the_one_its_phase_waits_for() -> None:
+    """_Reporter.ask_ahead sends PhaseUpdate(ahead) and does not wait; phase() then sends the
+    phase and waits for that same grant (here in before it is called)."""
+    import threading
+
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+    from kerneleval_server.framing import FdFrameReader, encode
+    from kerneleval_server.jobproc import runtime
+
+    ours, theirs = socket.socketpair()
+    channel = runtime._Channel(theirs)
+    threading.Thread(target=channel.read_loop, daemon=True).start()
+    reporter = runtime._Reporter(channel, "j1")
+    reporter.ask_ahead(job_pb2.PHASE_PROFILING)  # only VALIDATING is asked for ahead
+    reporter.ask_ahead(job_pb2.PHASE_VALIDATING)
+    reader = FdFrameReader(ours)
+    frame = reader.recv_frame()
+    assert frame is not None
+    asked = job_channel_pb2.JobProcessMessage.FromString(frame).phase
+    assert asked.ahead and asked.phase == job_pb2.PHASE_VALIDATING
+    grant = job_channel_pb2.GpuGrant(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
+    ours.sendall(encode(job_channel_pb2.FrontendMessage(grant=grant).SerializeToString()))
+    entered = threading.Thread(target=reporter.phase, args=(job_pb2.PHASE_VALIDATING,))
+    entered.start()
+    entered.join(timeout=10)
+    assert not entered.is_alive(), "phase() did not take the grant asked for ahead"
+    frame = reader.recv_frame()
+    assert frame is not None
+    said = job_channel_pb2.JobProcessMessage.FromString(frame).phase
+    assert not said.ahead and said.phase == job_pb2.PHASE_VALIDATING
+    ours.close()

@@ -110,6 +110,11 @@ class _SafeReporter:
     def phase(self, phase: int) -> None:
         self._call(lambda: self.inner.phase(phase))
 
+    def ask_ahead(self, phase: int) -> None:
+        ask = getattr(self.inner, "ask_ahead", None)
+        if ask is not None:
+            self._call(lambda: ask(phase))
+
     def progress(self, phase: int, done: int, total: int) -> None:
         self._call(lambda: self.inner.progress(phase, done, total))
 
@@ -346,6 +351,10 @@ class _Job:
             return
         cand = self._build(self.spec.kernel, "kernel", ctx)
         self.result.compiled = True
+        # The candidate's own code has run (its import, its build): what is left before its
+        # checks (the reference's import, the inputs) is short. The GPU's grant for them is
+        # asked for now, and comes while that runs (a round trip saved).
+        self.reporter.ask_ahead(job_pb2.PHASE_VALIDATING)
         ref = None
         if self.compare_mode and not self.reference_judged:
             ref = self._build(self.spec.reference, "reference", ctx)

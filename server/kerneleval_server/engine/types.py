@@ -17,6 +17,8 @@ from .device import DeviceLimits
 class Reporter(Protocol):
     def phase(self, phase: int) -> None: ...  # job_pb2.Phase; PROFILING may block
 
+    # Optional: ask_ahead(phase) asks for a gated phase's grant before phase(phase) enters it.
+
     def progress(self, phase: int, done: int, total: int) -> None: ...
 
     def log(self, text: str) -> None: ...

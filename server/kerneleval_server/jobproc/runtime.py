@@ -433,6 +433,18 @@ class _Reporter:
             if phase == job_pb2.PHASE_PROFILING:
                 self.window_drain = drain.wait_for_idle_gpu(on_busy=self.drain_status)
 
+    def ask_ahead(self, phase: int) -> None:
+        """Asks for PHASE_VALIDATING's grant before entering it (PhaseUpdate.ahead: the
+        front end takes no other phase ahead); phase() then waits for that grant."""
+        if phase != job_pb2.PHASE_VALIDATING or phase in self._granted:
+            return
+        self._channel.grant_event(self._job_id, phase)
+        self._channel.send(
+            job_channel_pb2.JobProcessMessage(
+                phase=job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase, ahead=True)  # type: ignore[arg-type]
+            )
+        )
+
     def let_go(self, phase: int) -> None:
         """The GPU's grant for the phase is given back (the front end was told): the next
         phase(phase) waits for a new one."""

@@ -51,7 +51,8 @@ class GpuUse:
 
     def ask_early(self, run: Running) -> None:
         """A check asked for as its process is sent the job (a launch: its kernel built ahead,
-        it loads it, then checks it) or its go (a judge started ahead), when that check shares
+        it loads it, then checks it), its go (a judge started ahead) or its process asks ahead
+        (a whole job, its kernel built: PhaseUpdate.ahead), when that check shares
         the GPU: the grant is there by the time the process says PHASE_VALIDATING (it waits
         for it as always; manager.on_worker_message asks nothing more), not a round trip
         later. A check that asks for the GPU alone (a timed launch's: its window) is asked

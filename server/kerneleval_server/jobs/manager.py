@@ -781,6 +781,16 @@ class JobManager:
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
 
+    def _ask_ahead(self, run: Running, phase: int) -> None:
+        """PhaseUpdate.ahead: a check's grant asked for before its phase (its process says
+        PHASE_VALIDATING later and waits for it there). Only before that phase, once."""
+        if (
+            phase == job_pb2.PHASE_VALIDATING
+            and run.phase < job_pb2.PHASE_VALIDATING
+            and not run.worker.check_asked
+        ):
+            self.gpu_use.ask_early(run)
+
     def _track(
         self,
         job: job_pb2.Job,
@@ -1003,6 +1013,9 @@ class JobManager:
             self.judges.on_ahead_message(run, worker, msg)
             return
         if run is None or run.worker is not worker or run.outcome is not None:
+            return
+        if kind == "phase" and msg.phase.ahead:
+            self._ask_ahead(run, msg.phase.phase)
             return
         event = self.hub.next_event(run.job.job_id)
         if kind == "phase":
