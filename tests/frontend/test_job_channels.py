@@ -213,6 +213,40 @@ def run_async(fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(fn())
 
 
+def test_a_waiter_answers_from_the_finished_job_before_the_store_has_it(tmp_path: Path) -> None:
+    """An Evaluate's wait (finished) gets the job as it ended, before its store write, which
+    follows in the loop's next turn; wait_finished returns only once the store has it."""
+
+    async def scenario() -> None:
+        m, _ = new_manager(tmp_path)
+        proc = await start_process(m, "c-w1")
+        job = m.submit(job_spec())
+        assert (await proc.receive()).assign.job_id == job.job_id
+        stored_when_answered: list[int] = []
+
+        async def evaluate() -> job_pb2.Job | None:
+            got = await m.finished(job.job_id)
+            stored_when_answered.append(m.store.get(job.job_id).state)  # type: ignore[union-attr]
+            return got
+
+        waiter = asyncio.create_task(evaluate())
+        stored = asyncio.create_task(m.wait_finished(job.job_id, 5))
+        await asyncio.sleep(0.05)
+        outcome = job_channel_pb2.JobOutcome(job_id=job.job_id)
+        outcome.result.verdict = job_pb2.VERDICT_OK
+        await proc.send(outcome=outcome)
+        got = await asyncio.wait_for(waiter, 5)
+        assert got is not None and got.state == job_pb2.JOB_STATE_DONE
+        assert got.result.verdict == job_pb2.VERDICT_OK and got.spec == job.spec
+        assert stored_when_answered == [job_pb2.JOB_STATE_RUNNING]  # answered first
+        await asyncio.wait_for(stored, 5)
+        assert m.store.get(job.job_id) == got  # then stored, as it was answered
+        assert await m.finished(job.job_id) == got  # from the store, once it has it
+        proc.writer.close()
+
+    run_async(scenario)
+
+
 def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
     async def scenario() -> None:
         m, wd = new_manager(tmp_path)

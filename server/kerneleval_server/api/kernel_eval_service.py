@@ -167,8 +167,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             await abort(context, err)
 
     async def _run_to_end(self, job_id: str) -> job_pb2.Job:
-        await self.m.wait_finished(job_id)
-        job = self.m.store.get(job_id)
+        job = await self.m.finished(job_id)
         assert job is not None
         return job
 
