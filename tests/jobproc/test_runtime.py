@@ -97,8 +97,14 @@ def test_one_job_then_exit(tmp_path: os.PathLike[str]) -> None:
     seen += _messages(sock)  # nothing after the outcome; then the channel closes
     assert proc.wait(timeout=60) == 0
 
-    phases = [m.phase.phase for m in seen if m.WhichOneof("kind") == "phase"]
+    said = [m.phase for m in seen if m.WhichOneof("kind") == "phase"]
+    phases = [p.phase for p in said if not p.ahead]
     assert phases == [job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING]
+    # its check's grant asked for once its kernel was built, before the phase itself
+    assert [(p.phase, p.ahead) for p in said[1:3]] == [
+        (job_pb2.PHASE_VALIDATING, True),
+        (job_pb2.PHASE_VALIDATING, False),
+    ]
     outcomes = [m.outcome for m in seen if m.WhichOneof("kind") == "outcome"]
     assert len(outcomes) == 1 and seen[-1].WhichOneof("kind") == "outcome"
     assert outcomes[0].job_id == "job-1" and not outcomes[0].context_poisoned
@@ -338,9 +344,7 @@ def test_a_judges_grant_asked_for_with_its_go_is_not_lost_to_its_let_go() -> Non
 
     channel.send = send_then_answer  # type: ignore[method-assign]
     assert runtime._judge_go(channel, reporter, "j") is not None
-    checked = threading.Thread(
-        target=reporter.phase, args=(job_pb2.PHASE_VALIDATING,), daemon=True
-    )
+    checked = threading.Thread(target=reporter.phase, args=(job_pb2.PHASE_VALIDATING,), daemon=True)
     checked.start()
     checked.join(10)
     assert not checked.is_alive(), "the check waits for a grant that was let go"

@@ -599,12 +599,26 @@ def compile_cache_added(root: Path, seeded: set[str]) -> list[job_channel_pb2.Ca
     return out
 
 
-def _job_dirs(assign: job_channel_pb2.AssignJob) -> tuple[Path, Path, set[str]]:
-    """The job's private folder and compile cache (seeded with what the front end sent)."""
+_ready_dirs: tuple[Path, Path] | None = None  # the next job's, made while the process waits
+
+
+def make_job_dirs() -> None:
+    """The next job's private folder and (empty) compile cache, made before it comes."""
+    global _ready_dirs
     base = os.environ.get("TMPDIR") or "/tmp"
     job_dir = Path(tempfile.mkdtemp(prefix="job-", dir=base))
     cache_dir = Path(tempfile.mkdtemp(prefix="compile-cache-", dir=base))
     os.environ[TRITON_CACHE_ENV] = str(cache_dir)  # read by Triton when it compiles
+    _ready_dirs = (job_dir, cache_dir)
+
+
+def _job_dirs(assign: job_channel_pb2.AssignJob) -> tuple[Path, Path, set[str]]:
+    """The job's private folder and compile cache (seeded with what the front end sent)."""
+    global _ready_dirs
+    if _ready_dirs is None:
+        make_job_dirs()
+    assert _ready_dirs is not None
+    (job_dir, cache_dir), _ready_dirs = _ready_dirs, None
     return job_dir, cache_dir, seed_compile_cache(cache_dir, assign.compile_cache)
 
 
@@ -913,9 +927,10 @@ def main(channel_fd: int) -> int:
         return OK_EXIT  # the front end is gone
     threading.Thread(target=channel.read_loop, name="job-channel", daemon=True).start()
     for done in range(MAX_JOBS_PER_LAUNCH_PROCESS):
-        # The job's peak memory counts from here: reset while the process waits for it, not
-        # on its way (and nothing runs on the GPU in between: the warm-up, the last job's
-        # cleanup are done).
+        # Made while the process waits for its job, not on the job's way: its folders, and
+        # its peak memory's start (nothing runs on the GPU in between: the warm-up, the last
+        # job's cleanup are done).
+        make_job_dirs()
         _reset_peak_memory()
         assign = channel.assigned.get()
         if assign is None:
