@@ -143,7 +143,9 @@ def _edge_cases(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cand = special.clone()
         cand.view(-1)[6] = float("-inf")  # the reference's +inf
         cand.view(-1)[8] = float("nan")
-        pairs += [(special.clone(), special), (cand, special)]
+        both_nan = ref.clone()
+        both_nan.view(-1)[9] = float("nan")  # NaN never passes, not even against NaN
+        pairs += [(special.clone(), special), (cand, special), (both_nan.clone(), both_nan)]
     return pairs
 
 
@@ -162,3 +164,10 @@ def test_the_host_comparison_in_numpy_says_what_torchs_says(
     wrong, ref = _edge_cases(dtype)[2]
     check = compare.compare_outputs([wrong], [ref], ["out"], None, None)
     assert not check.ok and check.mismatches == 3 and check.first_index == [0, 3]
+    # Identical on the host (compare.identical_small: one op): passes with no error...
+    same = compare.compare_outputs([ref.clone()], [ref], ["out"], None, None)
+    assert same.ok and same.max_abs == same.max_rel == 0.0
+    if dtype.is_floating_point:  # ...where no NaN is: a NaN in both still fails
+        nan_cand, nan_ref = _edge_cases(dtype)[-1]
+        assert not compare.identical_small(nan_cand, nan_ref)
+        assert not compare.compare_outputs([nan_cand], [nan_ref], ["out"], None, None).ok

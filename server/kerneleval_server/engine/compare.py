@@ -92,10 +92,22 @@ COMPARE_CHUNK = 1 << 26
 HOST_COMPARE_MAX = 1 << 14
 
 
+def identical_small(c: torch.Tensor, r: torch.Tensor) -> bool:
+    """Outputs of at most HOST_COMPARE_MAX elements, equal element by element on the host
+    (torch.equal: NaN equals nothing): every rule passes and no error is left to work out, in
+    one op instead of the comparison's dozen (~0.45 ms of a tiny job's judge on an H100)."""
+    if r.numel() > HOST_COMPARE_MAX or c.shape != r.shape or c.dtype != r.dtype:
+        return False
+    return bool(torch.equal(c.detach().cpu(), r.detach().cpu()))
+
+
 def _compare_tensor(
     check: TrialCheck, name: str, c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float
 ) -> None:
     if r.numel() <= HOST_COMPARE_MAX:
+        c, r = c.cpu(), r.cpu()
+        if identical_small(c, r):
+            return
         bad, first = _compare_on_host(check, as_float64(c), as_float64(r), atol, rtol)
     else:
         bad, first = _compare_on_device(check, c, r, atol, rtol)

@@ -262,6 +262,8 @@ def _judge(
             return _skip(f"{name} has another shape in float64")
         if g.dtype != torch.float64:
             return _skip(f"the reference computes {name} in {g.dtype} when given float64")
+        if compare.identical_small(c, r):
+            continue  # the reference's own error: nothing it could be flagged for
         errors = _errors(c, r, g)
         if errors is None:
             continue
