@@ -247,6 +247,42 @@ def test_a_waiter_answers_from_the_finished_job_before_the_store_has_it(tmp_path
     run_async(scenario)
 
 
+def test_a_job_is_sent_to_its_process_before_it_is_stored(tmp_path: Path) -> None:
+    """submit: a process ready for it gets the job first, then the store has it (queued, then
+    started); one that waits is stored by submit, queued. Submit answers with it queued."""
+
+    async def scenario() -> None:
+        m, _ = new_manager(tmp_path)
+        proc = await start_process(m, "c-w1")
+        worker = m.workers.by_id["c-w1"]
+        order: list[str] = []
+        insert, assign = m.store.insert, worker.assign
+
+        def stored(*a: Any, **k: Any) -> Any:
+            order.append("stored")
+            return insert(*a, **k)
+
+        def sent(*a: Any, **k: Any) -> Any:
+            order.append("sent")
+            return assign(*a, **k)
+
+        m.store.insert = stored  # type: ignore[method-assign]
+        worker.assign = sent  # type: ignore[method-assign]
+        job = m.submit(job_spec())
+        assert order == ["sent", "stored"]
+        assert job.state == job_pb2.JOB_STATE_QUEUED
+        assert m.store.get(job.job_id).state == job_pb2.JOB_STATE_RUNNING  # type: ignore[union-attr]
+        kinds = [e.WhichOneof("kind") for e in m.store.events_after(job.job_id, 0)]
+        assert kinds == ["queued", "started"]
+        assert (await proc.receive()).assign.job_id == job.job_id
+        waits = m.submit(job_spec())  # no process is ready for it
+        assert order == ["sent", "stored", "stored"]
+        assert m.store.get(waits.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
+        proc.writer.close()
+
+    run_async(scenario)
+
+
 def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
     async def scenario() -> None:
         m, wd = new_manager(tmp_path)

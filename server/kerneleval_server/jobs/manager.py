@@ -156,8 +156,24 @@ class Running:
         return self.record is not None and self.record.kernel_outcome is not None
 
 
+@dataclass
+class _Unstored:
+    """A job submit made and has not stored yet (it is stored as it is sent to a process)."""
+
+    job: job_pb2.Job
+    event: job_pb2.JobEvent  # its queued event
+    cache_key: str
+    idempotency_key: str
+
+
 def _stamp(ts: Any) -> None:
     ts.FromNanoseconds(time.time_ns())
+
+
+def _copy(job: job_pb2.Job) -> job_pb2.Job:
+    out = job_pb2.Job()
+    out.CopyFrom(job)
+    return out
 
 
 def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
@@ -218,6 +234,7 @@ class JobManager:
         self.run_latency: deque[float] = deque(maxlen=2000)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finished: dict[str, asyncio.Event] = {}
+        self._unstored: dict[str, _Unstored] = {}  # submitted, stored once sent (submit)
         # Jobs just finished whose waiters are woken before the store has them (_finish).
         self._handed: dict[str, job_pb2.Job] = {}
         self.inflight = result_cache.InFlight()
@@ -273,9 +290,15 @@ class JobManager:
         self.hub.set_labels(job.job_id, spec.labels)
         event = self.hub.next_event(job.job_id)
         event.queued.position = len(self.queue)
-        self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)
-        self.hub.publish(event, persisted=True)
-        if flags and spec.options.reject_flagged:
+        rejected = bool(flags) and spec.options.reject_flagged
+        if hit is None and self.shared is None and not rejected:
+            # Stored as the dispatch below sends it to a process, or right after it if none
+            # takes it (_store_new): the process starts on it while the store is written.
+            self._unstored[job.job_id] = _Unstored(job, event, key, idempotency_key)
+        else:
+            self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)
+            self.hub.publish(event, persisted=True)
+        if rejected:
             self._reject(job)
             return job
         if hit is not None:
@@ -289,12 +312,25 @@ class JobManager:
             self.metrics.result_cache.labels("bypass" if not key else "miss").inc()
             log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
             return job
-        self.metrics.result_cache.labels(self._enqueue_or_wait(job, key)).inc()
+        cached = self._enqueue_or_wait(job, key)
+        try:
+            self.dispatch()
+        finally:
+            self._store_new(job.job_id)
+        self.metrics.result_cache.labels(cached).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
-        self.dispatch()
         if late:
             job.result.flags.extend(self._flag_late(job.job_id, spec))
         return job
+
+    def _store_new(self, job_id: str) -> None:
+        """A job submit has not stored yet: stored now, with its queued event."""
+        new = self._unstored.pop(job_id, None)
+        if new is not None:
+            self.store.insert(
+                new.job, new.event, cache_key=new.cache_key, idempotency_key=new.idempotency_key
+            )
+            self.hub.publish(new.event, persisted=True)
 
     def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
         """The static checks of a job started before them (submit): their flags join the job
@@ -725,6 +761,7 @@ class JobManager:
     def _built_earlier(self, job_id: str, arch: str) -> bool:
         """A job with exactly this code was built for this architecture: it skips its build
         and waits for a launch process with what was built then."""
+        self._store_new(job_id)
         job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return True  # nothing to build
@@ -849,8 +886,9 @@ class JobManager:
 
     def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
-        built ahead, its launch."""
-        job = self.store.get(job_id)
+        built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
+        new = self._unstored.get(job_id)
+        job = _copy(new.job) if new is not None else self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
         waiting = self.running.get(job_id)  # built ahead: this is its launch
@@ -895,8 +933,14 @@ class JobManager:
             # never got it. The process stays ready for the next job.
             reason = f"the job cannot be sent to a job process: {exc}"
             log.error(reason, extra={"job_id": job_id})
+            self._store_new(job_id)
             self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
             return
+        try:
+            self._store_new(job_id)
+        except Exception:
+            self._worker_lost(worker)  # it has a job the service could not keep
+            raise
         if not build_arch:
             job.device_index = worker.device_index
         # A build and its launch are one attempt.
