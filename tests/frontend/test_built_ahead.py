@@ -103,6 +103,10 @@ def test_what_was_built_serves_later_jobs_with_the_same_code(stub) -> None:  # t
     assert [w[:4] for w in started_on(events)] == ["d0-w"]  # no build process this time
     logs = [e.log.text for e in events if e.WhichOneof("kind") == "log"]
     assert "built ahead for a job with the same code: waits for a launch process" in logs
+    # Sent to its launch process before it was stored; its events in order all the same.
+    kinds = [e.WhichOneof("kind") for e in events]
+    assert kinds[:3] == ["queued", "log", "started"], kinds
+    assert [e.sequence for e in events] == list(range(1, len(events) + 1))
     assert again.result.notes[0] == first.result.notes[0]  # the same artifact ran
     other, other_events = evaluate(stub, io_spec({"do": "build"}, code="other"))
     assert started_on(other_events)[0].startswith("build-w")

@@ -164,6 +164,7 @@ class _Unstored:
     event: job_pb2.JobEvent  # its queued event
     cache_key: str
     idempotency_key: str
+    later: list[job_pb2.JobEvent] = field(default_factory=list)  # stored after it
 
 
 def _stamp(ts: Any) -> None:
@@ -316,21 +317,29 @@ class JobManager:
         try:
             self.dispatch()
         finally:
-            self._store_new(job.job_id)
+            self._store_new(job.job_id, as_it_is=True)
         self.metrics.result_cache.labels(cached).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         if late:
             job.result.flags.extend(self._flag_late(job.job_id, spec))
         return job
 
-    def _store_new(self, job_id: str) -> None:
-        """A job submit has not stored yet: stored now, with its queued event."""
+    def _store_new(self, job_id: str, as_it_is: bool = False) -> None:
+        """A job submit has not stored yet: stored now, as submitted, with its queued event
+        and the events made since. `as_it_is`: then as it is now (the dispatch is over: built
+        earlier, it waits for a launch process, RUNNING)."""
         new = self._unstored.pop(job_id, None)
-        if new is not None:
-            self.store.insert(
-                new.job, new.event, cache_key=new.cache_key, idempotency_key=new.idempotency_key
-            )
-            self.hub.publish(new.event, persisted=True)
+        if new is None:
+            return
+        self.store.insert(
+            new.job, new.event, cache_key=new.cache_key, idempotency_key=new.idempotency_key
+        )
+        self.hub.publish(new.event, persisted=True)
+        run = self.running.get(job_id) if as_it_is else None
+        if run is not None:
+            self.store.update(run.job)
+        for event in new.later:
+            self.hub.publish(event)
 
     def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
         """The static checks of a job started before them (submit): their flags join the job
@@ -760,9 +769,10 @@ class JobManager:
 
     def _built_earlier(self, job_id: str, arch: str) -> bool:
         """A job with exactly this code was built for this architecture: it skips its build
-        and waits for a launch process with what was built then."""
-        self._store_new(job_id)
-        job = self.store.get(job_id)
+        and waits for a launch process with what was built then. (A job just submitted is
+        stored as its launch is sent, or after the dispatch: submit.)"""
+        new = self._unstored.get(job_id)
+        job = _copy(new.job) if new is not None else self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return True  # nothing to build
         files = self.compile_cache.files_for(job.spec, built_key(arch))
@@ -775,8 +785,11 @@ class JobManager:
         _stamp(job.start_time)
         event = self.hub.next_event(job_id)
         event.log.text = "built ahead for a job with the same code: waits for a launch process"
-        self.store.update(job)
-        self.hub.publish(event)
+        if new is not None:
+            new.later.append(event)
+        else:
+            self.store.update(job)
+            self.hub.publish(event)
         run = self._track(job, WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True))
         self._await_launch(run, artifacts)
         return True
@@ -887,11 +900,14 @@ class JobManager:
     def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
+        waiting = self.running.get(job_id)  # built ahead: this is its launch
         new = self._unstored.get(job_id)
-        job = _copy(new.job) if new is not None else self.store.get(job_id)
+        if new is not None:
+            job: job_pb2.Job | None = waiting.job if waiting is not None else _copy(new.job)
+        else:
+            job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
-        waiting = self.running.get(job_id)  # built ahead: this is its launch
         prebuilt = waiting.built if waiting is not None else []
         given = self._reference_built_before(job.spec, build_arch) if build_arch else []
         cached = (
