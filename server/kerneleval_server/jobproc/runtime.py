@@ -532,10 +532,20 @@ def seed_compile_cache(root: Path, files: Any) -> set[str]:
         data = f.data
         if name.startswith("__grp__") and name.endswith(".json"):
             data = _regroup(base, data)
-        with open(os.path.join(folder, name), "wb") as out:
-            out.write(data)
+        _write_new(os.path.join(folder, name), data)
         seeded.add(f.path)
     return seeded
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """A file's bytes, written with bare descriptors (no file object: ~5 files a job)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _regroup(base: str, data: bytes) -> bytes:
