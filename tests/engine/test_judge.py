@@ -520,6 +520,8 @@ def test_untimed_the_kernels_process_leaves_the_comparison_to_its_judge(
         own = run_job(spec, RecordingReporter(), cfg)
         assert own.result.verdict == V.VERDICT_OK, own.result
         assert _ref_runs() == 0
+        assert own.result.correctness_status == V.CORRECTNESS_NOT_CHECKED  # here, that is
+        assert own.result.validation.trial_count == 0
         final = judge_job(
             spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT
         )

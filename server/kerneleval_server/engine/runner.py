@@ -606,7 +606,6 @@ class _Job:
             aliased = integrity.aliased_outputs(cand_out, inputs) if judged else set()
             if self._record(t, cand_out, aliased=aliased) and judged:
                 wrote_inputs |= self._judged_trial(cand, pristine, cand_args, cand_out)
-                report.trial_count = t + 1
                 self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, trials)
                 continue
             if ref_args is None:
@@ -666,7 +665,11 @@ class _Job:
             self.notes.append("incorrect: not timed")
             raise _Stop
         self.result.correctness = True
-        self.result.correctness_status = job_pb2.CORRECTNESS_PASSED
+        self.result.correctness_status = (
+            job_pb2.CORRECTNESS_PASSED
+            if report.trial_count or not trials
+            else job_pb2.CORRECTNESS_NOT_CHECKED  # every trial went to its judge
+        )
 
     def _judged_trial(
         self, cand: Program, pristine: TrialArgs, args: TrialArgs, out: list[Any]
