@@ -513,8 +513,8 @@ class JobManager:
         remote = self.extensions.remote
         if remote is not None:  # built ahead: the shared artifact store and builders first
             ahead = self.queue.waiting(self._built_ahead)
-            for queued in ahead:  # it looks for them in the store
-                self._store_new(queued.job_id)
+            for waiting in ahead:  # it looks for them in the store
+                self._store_new(waiting.job_id)
             remote.offer_ahead([(q.job_id, self._build_arch(q)) for q in ahead])
         for worker in ready:
             while worker.device_index == BUILD_DEVICE and len(self.queue):
