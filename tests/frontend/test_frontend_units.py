@@ -411,13 +411,9 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
     assert target([h100, h200], pinned=1).endswith(";H200/580")
 
 
-def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> None:
-    """PHASE_VALIDATING: the job process waits for its grant, which goes out before the event
-    is written to the store (one store write less on the way to every result); the event is
-    stored, with the next sequence, right after."""
-    from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import JobManager, Running
+def _one_running_job(tmp_path: Path) -> tuple[Any, SqliteStore, job_pb2.Job]:
+    """A JobManager whose store holds one RUNNING job, "j1", with its queued event."""
+    from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -427,6 +423,18 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     queued = hub.next_event("j1")
     queued.queued.position = 0
     store.insert(job, queued)
+    return m, store, job
+
+
+def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> None:
+    """PHASE_VALIDATING: the job process waits for its grant, which goes out before the event
+    is written to the store (one store write less on the way to every result); the event is
+    stored, with the next sequence, right after."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.manager import Running
+
+    m, store, job = _one_running_job(tmp_path)
     stored_at_grant: list[list[str]] = []
 
     class Writer:
@@ -462,16 +470,9 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
     with no event; the PHASE_VALIDATING that follows is stored and asks nothing more. An ahead
     for another phase, or a second one, asks nothing."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.jobs.manager import JobManager, Running
-    from kerneleval_server.metrics import Metrics
+    from kerneleval_server.jobs.manager import Running
 
-    store = SqliteStore(tmp_path / "db.sqlite")
-    hub = EventHub(store)
-    m = JobManager(config_mod.Config(), store, hub, OpsLog(), Metrics(), 600.0)
-    job = job_pb2.Job(job_id="j1", state=job_pb2.JOB_STATE_RUNNING)
-    queued = hub.next_event("j1")
-    queued.queued.position = 0
-    store.insert(job, queued)
+    m, store, job = _one_running_job(tmp_path)
     worker = _process("d0-w0")
     worker.job_id = "j1"
     m.workers.by_id[worker.worker_id] = worker
