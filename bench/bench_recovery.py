@@ -158,6 +158,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=60, help="job timeout, s")
     ap.add_argument("--hangs", type=int, default=None, help="hung kernels (5; 2 smoke)")
     ap.add_argument("--hang-timeout", type=int, default=3, help="their job timeout, s")
+    C.add_service_flags(ap)
     args = ap.parse_args()
     smoke = args.cpu_smoke
     faults = args.faults or (3 if smoke else 10)
@@ -166,6 +167,7 @@ def main() -> int:
     n = 4096
     info = C.machine_info()
     flags = [] if smoke else ["--devices", args.device]
+    flags += C.service_flags(args)
     svc = C.Service(flags, nvml="none" if smoke else "real").start()
     samples: list[dict[str, Any]] = []
     hung: list[dict[str, Any]] = []
