@@ -50,7 +50,11 @@ class Config:
     )
     workers_per_device: int = field(default=1, metadata={"help": "job-taking workers per GPU"})
     warm_spare: bool = field(default=True, metadata={"help": "keep warm spare workers per GPU"})
-    spare_count: int = field(default=2, metadata={"help": "warm spares per GPU (with warm-spare)"})
+    # Three: a fault costs the pool two processes (the poisoned one, and the spare the next
+    # job takes); with two, ten faults back to back on an H100 saw the next job wait 100-250
+    # ms for a warm-up about half the time (p50 95-128 ms), with three it started at once
+    # (bench/README.md, latency-trims-2). A spare holds ~1-3 GiB of host memory.
+    spare_count: int = field(default=3, metadata={"help": "warm spares per GPU (with warm-spare)"})
     build_processes: int = field(
         default=-1,
         metadata={

@@ -492,4 +492,4 @@ def test_read_only_paths_and_job_env() -> None:
     assert list(configure.worker_command)[1:] == ["-m", "kerneleval_server.jobproc.zygote"]
     sb = configure.sandbox
     assert sb.memory_bytes == 8192 << 20 and sb.tmp_bytes == 1024 << 20 and sb.max_pids == 1024
-    assert configure.spare_count == 2 and list(configure.retire_exit_codes) == [3]
+    assert configure.spare_count == 3 and list(configure.retire_exit_codes) == [3]
