@@ -443,16 +443,16 @@ def test_list_devices_and_stats(svc: ServiceProcess, stub, opstub) -> None:  # t
     assert gpu.name == "FakeGPU-H200" and gpu.uuid == "GPU-fake-0000"
     assert gpu.memory_total_bytes == 150000000000
     assert gpu.health == ops.DEVICE_HEALTH_HEALTHY
-    # One job-taking process and two warm spares; the one that ran the job has exited (a
+    # One job-taking process and three warm spares; the one that ran the job has exited (a
     # spare took its place), so none lists a completed job.
     deadline = time.monotonic() + 30
     while True:
         workers = opstub.ListDevices(ops.ListDevicesRequest(), metadata=svc.auth()).devices[0]
         shape = (len([w for w in workers.workers if not w.spare]), len(workers.workers))
-        if shape == (1, 3) or time.monotonic() > deadline:
+        if shape == (1, 4) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert shape == (1, 3), workers
+    assert shape == (1, 4), workers
     stats = opstub.GetStats(ops.GetStatsRequest(), metadata=svc.auth())
     assert stats.jobs_by_state["JOB_STATE_DONE"] >= 1
     assert stats.jobs_by_verdict["VERDICT_OK"] >= 1
