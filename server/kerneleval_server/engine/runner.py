@@ -674,9 +674,8 @@ class _Job:
     def _judged_trial(
         self, cand: Program, pristine: TrialArgs, args: TrialArgs, out: list[Any]
     ) -> bool:
-        """A trial whose outputs went to the judge, which compares them and flags what the
-        record says of their aliasing: whether the kernel wrote its inputs (a launch's
-        declared ARG_ROLE_INPUT ends the job here)."""
+        """A trial whose outputs went to the judge, which compares them: whether the kernel
+        wrote its inputs (a launch's declared ARG_ROLE_INPUT ends the job here)."""
         self._output_bytes = compare.nbytes_of(out)
         written = self._written_inputs(pristine, args)
         if written and cand.kind == "launch":
@@ -702,11 +701,9 @@ class _Job:
             self._poison_outputs(args, t)
             out = self._run(cand, args, "")
             self._record(t, out, replay=False)
-            self._output_bytes = compare.nbytes_of(out)
             names = self._output_names(cand, None, pristine)
             self._flag(integrity.aliasing(out, names, _inputs_of(cand, args), []))
-            if written := self._written_inputs(pristine, args):
-                self._wrote_input(written[0])
+            self._judged_trial(cand, pristine, args, out)
             self.reporter.progress(job_pb2.PHASE_VALIDATING, t + 1, self.opts.correct_trials)
 
     def _check_precision(
