@@ -335,6 +335,32 @@ def test_a_wrong_launch_with_its_reference_judged_elsewhere_is_incorrect(
     assert not final.result.correctness and not final.result.HasField("runtime")
 
 
+def test_a_launch_that_writes_its_input_ends_incorrect_where_it_ran(engine_dir: Path) -> None:
+    """With its reference judged elsewhere, a launch whose outputs are right but which wrote
+    an input it declared ARG_ROLE_INPUT ends INCORRECT in its own process (no judge needed)."""
+    writes_y = TRITON_ADD.replace(
+        "             mask=mask)\n",
+        "             mask=mask)\n    tl.store(y_ptr + offs, tl.zeros_like(offs).to(tl.float32),"
+        " mask=mask)\n",
+    )
+    assert writes_y != TRITON_ADD
+    spec = job(
+        source(TRITON, writes_y, add_args(), grid=(4, 1, 1)), source(TORCH, MARKING_MODEL),
+        perf_trial_count=0,
+    )  # fmt: skip
+    fd = os.memfd_create("record")
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT), reference_judged=True)
+        own = run_job(spec, RecordingReporter(), cfg)
+    finally:
+        os.close(fd)
+        if hasattr(builtins, "_ke_reference_imported_here"):
+            del builtins._ke_reference_imported_here
+    assert own.result.verdict == V.VERDICT_INCORRECT, own.result
+    assert "wrote its input 'y'" in own.result.validation_error
+    assert own.result.correctness_status == V.CORRECTNESS_FAILED
+
+
 COUNTING_MODEL = """
 import builtins
 import torch
