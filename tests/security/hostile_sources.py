@@ -756,6 +756,30 @@ def module_attack():
 """
 )
 
+# 10b'. Grants asked for ahead (PhaseUpdate.ahead) from the module body, before its kernel is
+#      built: for a timing window (PROFILING), and again and again for its check; with
+#      CFG["other"], for a job that is not its own too. The front end takes only its own
+#      job's check, once; a frame for another job breaks the protocol.
+AHEAD_ASKS = (
+    _CHANNEL
+    + """
+def module_attack():
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import job_pb2
+
+    job_id = reporter()._job_id
+    asks = [(job_id, job_pb2.PHASE_PROFILING)] * 3 + [(job_id, job_pb2.PHASE_VALIDATING)] * 3
+    if CFG.get("other"):
+        asks.append(("not-" + job_id, job_pb2.PHASE_VALIDATING))
+    for target, phase in asks:
+        msg = job_channel_pb2.JobProcessMessage()
+        msg.phase.job_id, msg.phase.phase, msg.phase.ahead = target, phase, True
+        send_frame(msg)
+    note(f"asked ahead {len(asks)} times")
+    report()
+"""
+)
+
 # 10c. The channel closed by the candidate, with os._exit disarmed first so that the runtime
 #      cannot leave when it sees the channel end; then it stays.
 CHANNEL_CLOSED = (

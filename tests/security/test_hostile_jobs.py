@@ -619,6 +619,34 @@ def test_an_outcome_sent_by_the_candidate_neither_keeps_its_process_nor_poisons_
     next_tenants_are_judged_right(stub, svc, again)
 
 
+def test_grants_asked_ahead_give_no_window_and_no_second_check(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
+    """PhaseUpdate.ahead sent by the candidate's module body: for a timing window, for its
+    check again and again. No window is held for it (the GPU's timing-window time does not
+    move) and its untimed job ends as any. One asked for another job too breaks the channel's
+    protocol: killed. The next tenants are judged right."""
+
+    def window_seconds() -> float:
+        occupancy = (
+            ops_grpc.OperationsServiceStub(svc.channel())
+            .GetStats(ops.GetStatsRequest(), metadata=svc.auth(), timeout=10)
+            .device_occupancy
+        )
+        return sum(o.timing_window.ToNanoseconds() / 1e9 for o in occupancy)
+
+    before = window_seconds()
+    ran = attack(stub, svc, "ahead", hs.AHEAD_ASKS, base_cfg(svc))
+    assert_reported(ran, "ahead")
+    assert "asked ahead 6 times" in ran.logs, ran.describe()
+    assert ran.job.state == job_pb2.JOB_STATE_DONE, ran.describe()
+    assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert window_seconds() == before
+    other = attack(stub, svc, "ahead", hs.AHEAD_ASKS, {**base_cfg(svc), "other": True})
+    assert other.verdict == job_pb2.VERDICT_RUNTIME_ERROR, other.describe()
+    assert other.job.result.error.exception_type == "ProtocolViolation", other.describe()
+    assert window_seconds() == before
+    next_tenants_are_judged_right(stub, svc, other)
+
+
 def test_a_candidate_that_closes_its_channel_and_stays_is_killed(stub, svc: ServiceProcess) -> None:  # type: ignore[no-untyped-def]
     """It closes fd 3 after disarming os._exit: its job is lost (run again, then CRASHED), its
     process killed seconds later each time, and the device goes on judging the next jobs."""
