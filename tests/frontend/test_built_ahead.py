@@ -217,11 +217,12 @@ def test_a_job_waiting_for_its_launch_can_be_cancelled(stub) -> None:  # type: i
             break
         time.sleep(0.05)
     waiting = stub.Submit(pb.SubmitRequest(spec=io_spec({"do": "build"})), timeout=30).job
-    while time.monotonic() < deadline:  # built, waiting: the one launch process is busy
-        job = stub.GetJob(pb.GetJobRequest(job_id=waiting.job_id)).job
-        if job.state == job_pb2.JOB_STATE_RUNNING and job.worker_id.startswith("build-w"):
+    events = stub.Watch(pb.WatchRequest(job_id=waiting.job_id), timeout=60)
+    for response in events:  # built, waiting: the one launch process is busy (not building)
+        event = response.event
+        if event.WhichOneof("kind") == "log" and "waits for a launch process" in event.log.text:
             break
-        time.sleep(0.05)
+    events.cancel()
     slow_now = stub.GetJob(pb.GetJobRequest(job_id=slow.job_id)).job
     assert slow_now.state == job_pb2.JOB_STATE_RUNNING, "the slow launch ended first"
     started = time.monotonic()

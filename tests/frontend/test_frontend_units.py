@@ -1080,3 +1080,43 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
     # A build that was given it never keeps it again (what it answers holds the given one).
     m._keep_reference(cuda, later, kernel_only)
     store.close()
+
+
+def test_a_build_that_answers_after_its_cancel_ends_cancelled_and_never_launches(
+    tmp_path: Path,
+) -> None:
+    """The build's answer was on its way when a client cancelled the job (CI saw it): the
+    answer is dropped, the kill's exit ends the job CANCELLED, and it never waits for a
+    launch process."""
+    from kerneleval.internal.v1 import job_channel_pb2
+    from kerneleval.v1 import kernel_pb2
+    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.jobs.deadline import Deadline
+    from kerneleval_server.jobs.manager import Running
+
+    m, store, job = _one_running_job(tmp_path)
+    job.spec.kernel.type, job.spec.kernel.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "kernel"
+    job.spec.kernel.io.args.add(name="n", int_value=4)
+    worker = WorkerState("build-w0", 100, -3, False, 0, job_id="j1")
+    m.workers.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+    built = job_channel_pb2.BuildOutcome(job_id="j1")
+    built.artifacts.add(role="kernel", cubin=b"\x7fELF kernel", function="f")
+
+    async def main() -> job_pb2.Job | None:
+        run = m.running["j1"]
+        run.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
+        cancel = asyncio.create_task(m.cancel("j1"))
+        await asyncio.sleep(0)  # the kill is asked for
+        assert m.running["j1"].pending == "cancel"
+        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
+        assert not m.running["j1"].awaiting_launch and "j1" not in m.launch_queue
+        exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
+        exited.worker.worker_id = worker.worker_id
+        m.job_process_exited(worker, exited)
+        return await asyncio.wait_for(cancel, 5)
+
+    ended = asyncio.run(main())
+    assert ended is not None and ended.state == job_pb2.JOB_STATE_CANCELLED, ended
+    assert "j1" not in m.launch_queue
+    store.close()

@@ -1225,6 +1225,8 @@ class JobManager:
         run = self.running.get(built.job_id)
         if run is None or run.worker is not worker:
             return
+        if run.pending:  # cancelled or timed out as it answered: its exit ends the job so
+            return
         worker.gone = True  # a build process builds once, then exits
         self._watch_exit(worker)
         self._free_worker(worker, completed=True)
