@@ -89,6 +89,21 @@ def service_latencies(
     return walls, ok, calls
 
 
+def transport_floor(svc: C.Service, job_id: str, n: int, pace_s: float) -> list[float]:
+    """Wall seconds of GetJob (a finished job: one store read, no job process), paced like the
+    Evaluate calls: what gRPC and the front end's loop cost a call that waits for nothing.
+    After an idle pause it is far slower than back to back (the host's threads wake)."""
+    walls: list[float] = []
+    with svc.client() as c:
+        for i in range(n + 3):
+            time.sleep(pace_s)
+            t = time.perf_counter()
+            c.get_job(job_id)
+            if i >= 3:
+                walls.append(time.perf_counter() - t)
+    return walls
+
+
 def slowest(calls: list[dict[str, float]], k: int = 3) -> list[dict[str, Any]]:
     """The k slowest calls: each one's wall and the segments longest past their medians."""
     medians = {
@@ -191,6 +206,11 @@ def main() -> int:
         walls, ok, _ = service_latencies(svc, "triton_io", n, requests, 0, 0, 0.0)
         data["modes"]["triton_io_back_to_back"] = {"ok": ok, **C.summary(walls)}
         print(f"back to back: {ok}/{len(walls)} OK", flush=True)
+        with svc.client() as c:
+            finished = c.list_jobs_page(page_size=1).jobs[0].job_id
+        for key, gap in (("floor_paced", pace), ("floor_back_to_back", 0.0)):
+            walls = transport_floor(svc, finished, requests, gap)
+            data["modes"][key] = {"ok": len(walls), **C.summary(walls)}
     finally:
         svc.stop()
     timed_fresh = max(3, fresh // 4)
@@ -212,6 +232,8 @@ def main() -> int:
         "modelnew_perf0": "service, Triton ModelNew, perf_trial_count=0",
         "modelnew_perf20": "service, Triton ModelNew, perf_trial_count=20",
         "triton_io_back_to_back": "service, IOContract, back to back (no pause: pool-bound)",
+        "floor_paced": "gRPC floor: GetJob of a finished job, paced as above",
+        "floor_back_to_back": "gRPC floor: GetJob of a finished job, back to back",
         "fresh_process_perf0": "(a) fresh process, no timing",
         "fresh_process_perf20": "(a) fresh process, 20 timed runs",
         "forked_perf0": "(b) forked from torch parent, no timing",
@@ -234,6 +256,9 @@ def main() -> int:
         f"{'cpu' if smoke else args.device}, each in a fresh job process from the warm pool; "
         f"{pace} s pause before each call so that a warm process waits for it.",
         "x service = this median / the service's ModelNew median with the same timing setting.",
+        "gRPC floor: a call that runs no job, through the same client and front end; paced, it "
+        "pays what waking an idle host costs (gRPC's threads, the front end's loop), which "
+        "every paced Evaluate above pays too.",
     ]
     if not args.service_only:
         notes.append(
