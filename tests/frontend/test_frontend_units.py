@@ -1082,12 +1082,13 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
     store.close()
 
 
-def test_a_build_that_answers_after_its_cancel_ends_cancelled_and_never_launches(
-    tmp_path: Path,
+@pytest.mark.parametrize("asked", ["cancel", "timeout"])
+def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_launches(
+    tmp_path: Path, asked: str
 ) -> None:
-    """The build's answer was on its way when a client cancelled the job (CI saw it): the
-    answer is dropped, the kill's exit ends the job CANCELLED, and it never waits for a
-    launch process."""
+    """The build's answer was on its way when a client cancelled the job (CI saw it) or its
+    deadline fired: the answer is dropped, the kill's exit ends the job as asked, and it never
+    waits for a launch process (where it would have run after all)."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
@@ -1106,17 +1107,27 @@ def test_a_build_that_answers_after_its_cancel_ends_cancelled_and_never_launches
     async def main() -> job_pb2.Job | None:
         run = m.running["j1"]
         run.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
-        cancel = asyncio.create_task(m.cancel("j1"))
-        await asyncio.sleep(0)  # the kill is asked for
-        assert m.running["j1"].pending == "cancel"
+        if asked == "cancel":
+            ask = asyncio.create_task(m.cancel("j1"))
+            await asyncio.sleep(0)  # the kill is asked for
+        else:
+            m._on_deadline("j1")
+        assert m.running["j1"].pending == asked
         m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
         assert not m.running["j1"].awaiting_launch and "j1" not in m.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id
         m.job_process_exited(worker, exited)
-        return await asyncio.wait_for(cancel, 5)
+        if asked == "cancel":
+            return await asyncio.wait_for(ask, 5)
+        await m.wait_finished("j1", 5)
+        return store.get("j1")
 
     ended = asyncio.run(main())
-    assert ended is not None and ended.state == job_pb2.JOB_STATE_CANCELLED, ended
+    assert ended is not None, ended
+    if asked == "cancel":
+        assert ended.state == job_pb2.JOB_STATE_CANCELLED, ended
+    else:
+        assert ended.result.verdict == job_pb2.VERDICT_TIMEOUT, ended
     assert "j1" not in m.launch_queue
     store.close()
