@@ -1225,7 +1225,7 @@ class JobManager:
         run = self.running.get(built.job_id)
         if run is None or run.worker is not worker:
             return
-        if run.pending:  # cancelled or timed out as it answered: its exit ends the job so
+        if run.pending:  # its cancel or timeout crossed this answer: the kill's exit ends it
             return
         worker.gone = True  # a build process builds once, then exits
         self._watch_exit(worker)
