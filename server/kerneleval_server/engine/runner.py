@@ -632,9 +632,7 @@ class _Job:
             written = [] if recorded else self._written_inputs(pristine, cand_args)
             if written and cand.kind == "launch" and check.ok:
                 check.ok = False
-                check.message = (
-                    f"the kernel wrote its input {written[0]!r} (declared ARG_ROLE_INPUT)"
-                )
+                check.message = _wrote_input_message(written[0])
                 check.output_name = written[0]
             elif written and cand.kind == "model":
                 wrote_inputs = True
@@ -683,9 +681,7 @@ class _Job:
         return bool(written)
 
     def _wrote_input(self, name: str) -> NoReturn:
-        self.result.validation_error = (
-            f"the kernel wrote its input {name!r} (declared ARG_ROLE_INPUT)"
-        )
+        self.result.validation_error = _wrote_input_message(name)
         self.result.verdict = job_pb2.VERDICT_INCORRECT
         self.result.failed_side = job_pb2.SIDE_KERNEL
         self.result.correctness_status = job_pb2.CORRECTNESS_FAILED
@@ -1028,6 +1024,11 @@ class RecordedProgram:
     def aliased(self) -> frozenset[int]:
         """The last run trial's outputs that its process saw share memory with an input."""
         return self.trials[self.done - 1].aliased if self.done else frozenset()
+
+
+def _wrote_input_message(name: str) -> str:
+    """Why a launch that wrote an input it declared ARG_ROLE_INPUT is incorrect."""
+    return f"the kernel wrote its input {name!r} (declared ARG_ROLE_INPUT)"
 
 
 def where_compared(value: Any, device: torch.device) -> Any:
