@@ -32,6 +32,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,41 @@ def phases(events: list[job_pb2.JobEvent]) -> dict[str, float]:
     }
 
 
+class Progress(threading.Thread):
+    """While a step runs: every PROGRESS_S, how many verdicts are in, and what the service
+    log says jobs have waited long for (jobs/waits.py), so that a stall says what it waits for
+    as it happens, not after the run is cut."""
+
+    def __init__(self, svc: C.Service, t0: float, done: Any, count: int) -> None:
+        super().__init__(daemon=True)
+        self.svc, self.t0, self.done, self.count = svc, t0, done, count
+        self.stop = threading.Event()
+        log = svc.root / "service.log"
+        self.log, self.offset = log, log.stat().st_size if log.exists() else 0
+
+    def __enter__(self) -> Progress:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+
+    def run(self) -> None:
+        while not self.stop.wait(PROGRESS_S):
+            lines = []
+            if self.log.exists():
+                with open(self.log, errors="replace") as f:
+                    f.seek(self.offset)
+                    text = f.read()
+                    self.offset = f.tell()
+                lines = [ln for ln in text.splitlines() if "has waited" in ln or "waited" in ln
+                         and "never came" in ln]  # fmt: skip
+            print(f"  {time.perf_counter() - self.t0:6.1f} s: {self.done()}/{self.count} "
+                  "verdicts in", flush=True)  # fmt: skip
+            for line in lines[-12:]:
+                print("    " + line[:600], flush=True)
+
+
 def step(
     svc: C.Service,
     specs: list[kernel_pb2.JobSpec],
@@ -260,7 +296,8 @@ def step(
     refused = []
     windows = timing_windows(svc)
     t0 = time.perf_counter()
-    with svc.client() as c:
+    watch = Progress(svc, t0, lambda: len(finished) + len(refused), len(specs))
+    with watch, svc.client() as c:
         for be in c.run_batch(specs, max_in_flight=len(specs)):
             i = int(be.request_tag)
             if be.error is not None:
@@ -298,6 +335,7 @@ def step(
     }  # fmt: skip
 
 
+PROGRESS_S = 15.0
 PHASES = ("wait_for_process", "build", "correctness", "wait_for_window", "timed_alone")
 
 

@@ -165,6 +165,14 @@ class Config:
     retention_hours: float = field(default=168.0, metadata={"help": "keep finished jobs this long"})
     sweep_interval_s: float = field(default=600.0, metadata={"help": "retention sweep period"})
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "running jobs' grace on stop"})
+    max_wait_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "a started job that waits this long for one thing (a job process, a judge, "
+            "GPU memory, the GPU) ends FAILED with VERDICT_SERVICE_ERROR; a queued job too, "
+            "while no job has started for this long; 0 = no bound (jobs/waits.py)"
+        },
+    )
     xid_wait_s: float = field(
         default=-1.0,
         metadata={
@@ -371,6 +379,8 @@ class Config:
             out.append("--builder-wait-s must be >= 0")
         if self.lease_seconds < 0.5:
             out.append("--lease-seconds must be >= 0.5")
+        if self.max_wait_s < 0:
+            out.append("--max-wait-s must be >= 0 (0: no bound)")
         if not 0 <= self.gpu_memory_share <= 1:
             out.append("--gpu-memory-share: from 0 (off) to 1")
         if self.build_processes < -1:

@@ -438,6 +438,7 @@ class Server:
             return 2
         if cfg.role != BUILDER:  # a builder's store holds the nodes' jobs, not its own
             self.manager.recover()
+            self.manager.start_watching_waits()
         await server.start()
         # What start-up made (modules, descriptors, the servicers) lives as long as the
         # service: frozen, a full collection no longer walks it. One took 9 ms of the event
@@ -537,6 +538,7 @@ class Server:
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         log.info("shutting down: draining")
         self.manager.draining = True
+        self.manager.waits.stop()
         self._update_health()
         deadline = time.monotonic() + self.cfg.shutdown_grace_s
         while self.manager.running and time.monotonic() < deadline:

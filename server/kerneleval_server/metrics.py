@@ -38,6 +38,7 @@ KILL_PROTOCOL = "protocol"
 KILL_LOST = "lost"
 KILL_NO_CHANNEL = "no_channel"
 KILL_AFTER_OUTCOME = "after_outcome"
+KILL_STALLED = "stalled"  # a wait of its job passed --max-wait-s (jobs/waits.py)
 KILL_REASONS = (
     KILL_TIMEOUT,
     KILL_CANCEL,
@@ -45,6 +46,7 @@ KILL_REASONS = (
     KILL_LOST,
     KILL_NO_CHANNEL,
     KILL_AFTER_OUTCOME,
+    KILL_STALLED,
     "gpu_outside_phase",  # the watchdog's own: GPU work outside a job's timing window
 )
 WATCHDOG_EXIT_REASONS = (

@@ -1274,3 +1274,78 @@ def test_malformed_requests_get_client_error_codes(stub, svc: ServiceProcess) ->
         if info.value.code() != grpc.StatusCode.NOT_FOUND:
             wrong.append(("RestartWorkers device 7", info.value.code(), info.value.details()))
     assert not wrong, wrong
+
+
+# Raises the engine's own stop exception from its forward: the engine fills in a verdict before
+# each stop of its own, so one without a verdict is the candidate's.
+STOP_RAISER = """
+import torch
+from kerneleval_server.engine import runner
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        raise runner._Stop()
+
+
+def get_inputs():
+    return [torch.randn(64)]
+
+
+def get_init_inputs():
+    return []
+"""
+# Returns a tensor subclass whose every torch operation raises after the first few: the
+# engine's own handling of the output (recording it for the judge, checking it) meets it.
+RAISING_SUBCLASS = """
+import torch
+
+
+class Sly(torch.Tensor):
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Sly.calls += 1
+        if Sly.calls > 2:
+            raise RuntimeError("sly tensor says no")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        return (x + 0).as_subclass(Sly)
+
+
+def get_inputs():
+    return [torch.randn(64)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        (STOP_RAISER, "the kernel's code raised the engine's own stop exception"),
+        (RAISING_SUBCLASS, "sly tensor says no"),
+    ],
+    ids=["stop-exception", "raising-tensor-subclass"],
+)
+def test_what_a_candidate_raises_inside_the_engine_is_a_verdict_on_it(  # type: ignore[no-untyped-def]
+    stub, svc: ServiceProcess, source: str, said: str
+) -> None:
+    """Issue 40: a candidate that raises the engine's stop exception (it ended DONE with
+    VERDICT_UNSPECIFIED) or returns an object whose methods raise in the engine's hands (an
+    "internal engine error") ends VERDICT_RUNTIME_ERROR on the kernel's side, saying what
+    it did; the next tenants are judged right."""
+    s = spec(source, reference=hs.REFERENCE, client_tag="mallory-raiser", perf_trials=3)
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert ran.job.state == job_pb2.JOB_STATE_DONE, ran.describe()
+    assert r.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert r.failed_side == job_pb2.SIDE_KERNEL, ran.describe()
+    assert said in r.error.message and "internal engine error" not in r.error.message
+    next_tenants_are_judged_right(stub, svc, ran)

@@ -26,11 +26,13 @@ from .inputs import TrialArgs
 from .runner import (
     REFERENCE_PREFIX,
     RecordedProgram,
+    _Abandoned,
     _Job,
     _SafeReporter,
     _Stop,
-    internal_error,
     preserved_torch_state,
+    stopped_by_a_source,
+    unexpected_error,
     where_compared,
 )
 from .types import EngineConfig, Outcome, Reporter
@@ -96,10 +98,13 @@ def judge_job(
     try:
         with preserved_torch_state(), loader.forgetting_modules():
             job.judge(candidate, record_fd)
-    except _Stop:
+    except _Abandoned:
         pass
-    except Exception as e:  # a bug here: still a result, with the traceback
-        internal_error(job.result, e)
+    except _Stop as e:
+        if not job.result.verdict:  # only the reference's code stops without one
+            stopped_by_a_source(job.result, e, job.files_of)
+    except Exception as e:  # the reference's object, the memory, or a bug here
+        unexpected_error(job.result, e, job.files_of)
     if job.result.verdict != job_pb2.VERDICT_OK:
         job.result.ClearField("runtime")  # a time is only given with a verdict of OK
     job.result.notes.extend(job.notes)
@@ -230,7 +235,7 @@ class _Judge(_Job):
             self.ahead.clear()
             self.ahead_gold = None
             self.notes.append("the job ended before its kernel's outputs were in: not judged")
-            raise _Stop
+            raise _Abandoned
         candidate, self.kernel_gone, self.reference_time = got
         self.start_from(candidate)
         self.validating = False  # the gated phase is asked for again: its grant was let go

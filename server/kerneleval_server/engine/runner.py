@@ -90,7 +90,12 @@ class Options:
 
 
 class _Stop(Exception):
-    """Ends the job early with the result as filled so far."""
+    """Ends the job early with the result as filled so far (its verdict filled in first)."""
+
+
+class _Abandoned(_Stop):
+    """The job left this process before it had anything to judge (a judge started ahead):
+    the one stop with no verdict, which is not this process's to give."""
 
 
 class _ReporterError(Exception):
@@ -149,16 +154,74 @@ def run_job(
                 return isolated_outcome
         with preserved_torch_state(), loader.forgetting_modules():
             job.run()
-    except _Stop:
-        pass
+    except _Stop as e:
+        if not job.result.verdict:  # the engine says why before it stops; a source did not
+            stopped_by_a_source(job.result, e, job.files_of)
     except _ReporterError as e:
         raise (e.__cause__ or e) from None
-    except Exception as e:  # a bug in the engine: still a result, with the traceback
-        internal_error(job.result, e)
+    except Exception as e:  # a source's object, the memory, or a bug in the engine
+        unexpected_error(job.result, e, job.files_of)
         job.poisoned = job.poisoned or errors.context_dead()
     if job.notes:
         job.result.notes.extend(job.notes)
     return Outcome(result=job.result, context_poisoned=job.poisoned)
+
+
+def _raised_by(e: BaseException, files_of: dict[str, job_pb2.Side]) -> job_pb2.Side:
+    """The side whose source file holds the innermost frame of `e`'s traceback that is in
+    one (SIDE_UNSPECIFIED: none is)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    for frame in reversed(frames):
+        side = files_of.get(frame.filename)
+        if side is not None:
+            return side
+    return job_pb2.SIDE_UNSPECIFIED
+
+
+def stopped_by_a_source(
+    result: job_pb2.EvalResult, e: BaseException, files_of: dict[str, job_pb2.Side]
+) -> None:
+    """The engine's stop reached run_job without a verdict: the engine fills one in before
+    every stop of its own, so a source's code raised it (it can import the engine). A
+    failure of that source (of the kernel, when no frame says which)."""
+    side = _raised_by(e, files_of) or job_pb2.SIDE_KERNEL
+    who = "the reference's" if side == job_pb2.SIDE_REFERENCE else "the kernel's"
+    result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+    result.failed_side = side
+    result.error.CopyFrom(
+        job_pb2.ErrorInfo(
+            message=f"{who} code raised the engine's own stop exception before any verdict",
+            exception_type=type(e).__name__,
+            traceback=traceback.format_exc()[-8000:],
+        )
+    )
+
+
+def unexpected_error(
+    result: job_pb2.EvalResult, e: BaseException, files_of: dict[str, job_pb2.Side]
+) -> None:
+    """An exception outside a source's guarded code: the memory or the device ran out or
+    failed (their verdicts), a source's object raised inside the engine (a tensor subclass,
+    an output's method: a failure of that source), else a bug in the engine."""
+    f = errors.classify(e, tuple(files_of))
+    if f.verdict in (
+        job_pb2.VERDICT_OUT_OF_MEMORY,
+        job_pb2.VERDICT_DEVICE_FAULT,
+        job_pb2.VERDICT_RESOURCE_LIMIT,
+        job_pb2.VERDICT_CANNOT_RUN_HERE,
+    ):
+        result.verdict = f.verdict
+        result.error.CopyFrom(f.error)
+        return
+    side = _raised_by(e, files_of)
+    if side == job_pb2.SIDE_UNSPECIFIED:
+        internal_error(result, e)
+        return
+    who = "reference's" if side == job_pb2.SIDE_REFERENCE else "kernel's"
+    result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
+    result.failed_side = side
+    f.error.message = f"the {who} code raised inside the engine: {type(e).__name__}: {e}"[:8000]
+    result.error.CopyFrom(f.error)
 
 
 def internal_error(result: job_pb2.EvalResult, e: BaseException) -> None:
@@ -325,6 +388,8 @@ class _Job:
         # copy of them, its outputs and its run's seconds, made before the kernel's were in.
         self.ahead: dict[int, tuple[TrialArgs, TrialArgs, list[Any], float]] = {}
         self.ahead_gold: precision.Gold | None = None  # and trial 0's float64 run
+        # Each imported source file -> its side: whose code raised what reached run_job.
+        self.files_of: dict[str, job_pb2.Side] = {}
 
     @property
     def judged_elsewhere(self) -> bool:
@@ -389,6 +454,7 @@ class _Job:
 
     def _build(self, k: kernel_pb2.KernelSource, role: str, ctx: BuildContext) -> Program:
         who = "" if role == "kernel" else REFERENCE_PREFIX
+        before = len(ctx.source_files)
         try:
             with self._cpu_shim():
                 artifact = self.prebuilt.get(role)
@@ -400,6 +466,10 @@ class _Job:
         except BaseException as e:
             poisoned = build_failure(e, who, self.result, ctx, self.notes)
             self.poisoned = self.poisoned or poisoned
+        finally:
+            side = job_pb2.SIDE_KERNEL if role == "kernel" else job_pb2.SIDE_REFERENCE
+            for path in ctx.source_files[before:]:
+                self.files_of.setdefault(path, side)
         raise _Stop
 
     def _fail(self, f: errors.Failure, who: str = "", side: job_pb2.Side | None = None) -> None:

@@ -138,6 +138,12 @@ class GpuMemory:
         if dev is not None and dev.budget > 0 and nbytes > 0:
             dev.holders[holder] = _Holder("", min(nbytes, dev.budget))
 
+    def only_shares(self, device: int) -> bool:
+        """Nothing but memory held by `hold` (judged kernels' outputs waiting for their
+        judges) is held on the GPU: no running job will give any back."""
+        dev = self._devices.get(device)
+        return dev is not None and all(h.key == "" for h in dev.holders.values())
+
     def release(self, device: int, worker_id: str) -> bool:
         """The worker's memory is given back. True if it held some (waiters may go)."""
         dev = self._devices.get(device)

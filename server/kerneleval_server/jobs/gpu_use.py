@@ -76,6 +76,9 @@ class GpuUse:
         device, worker_id = run.worker.device_index, run.worker.worker_id
         if not self.m.memory.admits_on(device) or self.m.memory.holds(device, worker_id):
             return True
+        shares = self._shares_held(run)
+        if shares:
+            return self._admit_with_shares(run, shares)
         if held_devices is None:
             held_devices = self.m._held_devices()
         held = held_devices.get(device)
@@ -83,6 +86,40 @@ class GpuUse:
             return False
         alone = run.job.job_id in self.m.alone
         return self.m.memory.admit(device, worker_id, self.memory_key(run), alone)
+
+    def _shares_held(self, run: Running) -> str:
+        """The holder name of what a judge's kernel handed over by descriptor, while it is
+        held on the judge's GPU (judging.Judges.kernel_exited); "" when none is."""
+        record = run.record
+        if (
+            record is None
+            or not run.judged_now
+            or record.gpu_held_on is None
+            or record.gpu_held_on != run.worker.device_index
+        ):
+            return ""
+        return record.holder
+
+    def _admit_with_shares(self, run: Running, holder: str) -> bool:
+        """A judge whose kernel's outputs are held on its GPU for it: its admission takes
+        their place (it reads them, then lets them go). It goes first, even on a GPU held for
+        a job re-run alone, which waits for exactly these bytes; and when nothing but such
+        shares holds the GPU's memory, the judge is admitted even if its problem's footprint
+        does not fit beside them: only judges give shares back, so waiting would be for ever."""
+        memory, device, worker_id = self.m.memory, run.worker.device_index, run.worker.worker_id
+        record = run.record
+        assert record is not None
+        size = record.shared_bytes
+        memory.release(device, holder)
+        if memory.admit(device, worker_id, self.memory_key(run)):
+            record.gpu_held_on = None
+            return True
+        if memory.only_shares(device):
+            memory.hold(device, worker_id, max(size, memory.footprint(self.memory_key(run)) or 0))
+            record.gpu_held_on = None
+            return True
+        memory.hold(device, holder, size)  # still theirs: the judge waits with the others
+        return False
 
     @staticmethod
     def memory_key(run: Running) -> str:
@@ -107,10 +144,17 @@ class GpuUse:
         blocked: set[int] = set()
         held_devices = self.m._held_devices()
         self._sweep({run.worker.device_index for run in self.waiting.values()})
-        for worker_id, run in list(self.waiting.items()):
+        # Judges whose kernels' outputs hold memory go first: they give it back.
+        order = sorted(self.waiting.items(), key=lambda item: not self._shares_held(item[1]))
+        for worker_id, run in order:
             device = run.worker.device_index
             if self.m.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
                 del self.waiting[worker_id]
+                continue
+            if self._shares_held(run):
+                if self.admit(run, held_devices):
+                    del self.waiting[worker_id]
+                    self.use(run)
                 continue
             held = held_devices.get(device)
             if device in blocked or (held is not None and held != run.job.job_id):

@@ -529,11 +529,11 @@ class Judges:
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
         if known is not None:
             self.given_time.add(job_id)
-        if run.record.gpu_held_on is not None:
-            # The judge's own admission covers them now (it copies them and lets them go):
-            # held apart, they would keep a judge that must have the GPU alone waiting.
-            self.m.memory.release(run.record.gpu_held_on, run.record.holder)
-            run.record.gpu_held_on = None
+        # What the kernel handed over by descriptor stays held (record.gpu_held_on) until
+        # the judge's own admission covers it (GpuUse.admit): the memory is on the GPU, in
+        # the judge's socket, until it has read it. Given back here, before the judge was
+        # admitted, admission over-admitted by those bytes (an H200 RL step: 43 jobs ran out
+        # of memory and re-ran alone, two of them out of memory again alone).
         job.worker_id = worker.worker_id
         worker.job_id = job_id
         event = self.m.hub.next_event(job_id)

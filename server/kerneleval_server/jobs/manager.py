@@ -56,6 +56,7 @@ from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBu
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
+from kerneleval_server.jobs.waits import Waits
 from kerneleval_server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -243,6 +244,8 @@ class JobManager:
         self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
         # --role gateway or node: the queue is the shared store's (jobs/shared_queue.py).
         self.shared: SharedQueue | None = None
+        # Every wait of a job named as it waits, and bounded (jobs/waits.py).
+        self.waits = Waits(self, config.max_wait_s)
 
     # ---- submission -------------------------------------------------------------------
 
@@ -497,6 +500,10 @@ class JobManager:
             self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED, service_fault=True)
         self.dispatch()
 
+    def start_watching_waits(self) -> None:
+        """From here on, every job's wait is named and bounded (jobs/waits.py)."""
+        self.waits.start()
+
     # ---- dispatch ---------------------------------------------------------------------
 
     def dispatch(self) -> None:
@@ -691,6 +698,17 @@ class JobManager:
             return False
         self.memory.ran_out(GpuUse.memory_key(run))
         self.alone.add(job.job_id)
+        device = job.device_index
+        for other in list(self.running.values()):
+            # A judge started ahead holds memory and counts as using the GPU, so this job
+            # waits for it; its kernel, not admitted yet, now waits for this job: neither
+            # would ever go. It leaves (its job's judge starts afresh once the kernel ran).
+            if (
+                other.ahead is not None
+                and other.worker.device_index == device
+                and not self.memory.holds(device, other.worker.worker_id)
+            ):
+                self.judges.leave_ahead(other)
         self.running.pop(job.job_id, None)
         self._drop_record(run)
         self._stop_following(run, completed=True)
@@ -910,6 +928,7 @@ class JobManager:
             job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
+        self.waits.started()
         prebuilt = waiting.built if waiting is not None else []
         given = self._reference_built_before(job.spec, build_arch) if build_arch else []
         cached = (
@@ -1513,6 +1532,15 @@ class JobManager:
             self._stop_following(run, completed=False)
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
+        if not result.verdict and state in (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED):
+            # No job leaves without a verdict: one its process ended without is the service's
+            # failure to get one (the engine's own verdicts are on the kernel or reference).
+            result.verdict = job_pb2.VERDICT_SERVICE_ERROR
+            if state == job_pb2.JOB_STATE_DONE:
+                state = job_pb2.JOB_STATE_FAILED
+                reason = reason or "the job process answered without a verdict"
+            if not result.error.message:
+                result.error.message = reason or result.fault.description
         job.state = state  # type: ignore[assignment]
         if job.HasField("start_time") and not job.result_origin:
             job.result_origin = job_pb2.RESULT_ORIGIN_RUN
