@@ -1,0 +1,454 @@
+"""Timed calls driven from outside the candidate's process (issue 40).
+
+Whatever shares a process with the candidate can lie about its time: swap or rewrite the
+clocks, rewrite the result through frames, return lazy outputs, cache on what it sees of its
+inputs. So a kernel's timed calls are driven by a process that never loads its code (its
+judge), through memory the two share:
+- the driver (trusted) owns the call's arguments and outputs: buffers it makes and hands to
+  the server by descriptor (device memory of the CUDA driver's VMM API exported as POSIX
+  descriptors on a GPU, memfds on the CPU), and a control block (a memfd of int64 words);
+- for each call it writes fresh inputs into the shared arguments itself (after the previous
+  call was answered: one call's inputs at a time), says go, waits until the server says done,
+  and copies the shared outputs into memory of its own; its clock spans all of that. Work
+  the candidate leaves running after it says done either ran before that copy (and is inside
+  the span: contexts of two processes share a GPU by time slices) or did not, and the copy
+  holds unfinished outputs (which the driver's check of the call finds wrong);
+- a call of no work through the same path (`NOOP`: the server copies outputs it kept, the
+  same bytes) calibrates what the path itself costs, in the same pair of processes;
+- the server (the candidate's process, `serve`) runs the candidate on views of the shared
+  arguments and copies what it returns into the shared outputs, and reports the call's own
+  device time (CUDA events around it; the host clock on the CPU): a claim, accepted only
+  where it agrees with the driver's bound (`decide`).
+Everything the server writes is hostile: the driver reads only the control block's words
+(their values bounded) and copies of the outputs, and never a byte of the server's otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import device_share
+
+# The control block: int64 words, each written by one side only.
+GO, MODE, DONE, STATUS, INSIDE_NS, READY = range(6)  # GO, MODE: the driver's; the rest: the server's
+WORDS = 8
+MESSAGE_AT = 256  # bytes from here: the server's message of a failed call (its words, hostile)
+CONTROL_BYTES = 4096
+CALL, NOOP, STOP = 1, 2, 3
+OK, FAILED, BAD_OUTPUTS = 0, 1, 2
+HEADER = struct.Struct(">I")
+MAX_LAYOUT_BYTES = 1 << 20
+SPIN_S = 200e-6  # spin this long, then sleep in short naps: two processes share the host's cores
+NAP_S = 20e-6
+_perf_counter_ns = time.perf_counter_ns  # bound at import, before any candidate code runs
+
+
+class TimedCallError(Exception):
+    """The session failed: the server did not answer in time, or broke the protocol (the
+    candidate's doing: a verdict on it)."""
+
+
+@dataclass
+class CallResult:
+    outside_ns: int  # the driver's span: inputs written, go, done seen, outputs copied
+    inside_ns: int  # the server's claim of the call's own time
+    outputs: list[torch.Tensor]  # the driver's copies of the shared outputs
+
+
+@dataclass
+class Decision:
+    """The kernel's time from its calls: the server's claims where they agree with the
+    driver's bound, else the bound (`flagged`)."""
+
+    times_ms: list[float]
+    flagged: bool
+    tolerance_us: float
+    gap_us: float  # median of (outside - calibration) - inside, per call
+    calibration_us: float  # median outside span of a call of no work
+    outside_ms: list[float] = field(default_factory=list)
+
+
+# ---- shared memory ------------------------------------------------------------------------
+
+
+def _control_block(fd: int) -> tuple[mmap.mmap, np.ndarray]:
+    block = mmap.mmap(fd, CONTROL_BYTES)
+    words = np.frombuffer(block, dtype=np.int64, count=WORDS)
+    return block, words
+
+
+@dataclass
+class _Buffer:
+    tensor: torch.Tensor
+    fd: int
+    kind: int
+    size: int
+    release: Callable[[], None]
+
+
+def _memfd_buffer(like: torch.Tensor, fd: int | None = None) -> _Buffer:
+    nbytes = like.numel() * like.element_size()
+    if fd is None:
+        fd = os.memfd_create("kerneleval-timed-call", os.MFD_CLOEXEC)
+        os.ftruncate(fd, max(nbytes, 1))
+    mapped = mmap.mmap(fd, max(nbytes, 1))
+    flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes) if nbytes else None
+    view = (
+        flat.view(like.dtype).view(like.shape)
+        if flat is not None
+        else torch.empty(like.shape, dtype=like.dtype)
+    )
+    return _Buffer(view, fd, device_share.MEMFD, max(nbytes, 1), mapped.close)
+
+
+def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _Buffer:
+    """Device memory both processes map: made and exported here (fd None), or imported."""
+    vmm = device_share._cuda()
+    device = like.device
+    nbytes = like.numel() * like.element_size()
+    prop = vmm._prop(device)
+    if fd is None:
+        granularity = ctypes.c_size_t()
+        vmm._call("cuMemGetAllocationGranularity", ctypes.byref(granularity),
+                  ctypes.byref(prop), 0)  # fmt: skip
+        g = granularity.value
+        size = max(g, (nbytes + g - 1) // g * g)
+        handle = vmm._create(size, prop)
+        out = ctypes.c_int(-1)
+        vmm._call("cuMemExportToShareableHandle", ctypes.byref(out), handle,
+                  device_share._POSIX_FD, ctypes.c_ulonglong(0))  # fmt: skip
+        fd = out.value
+    else:
+        handle = ctypes.c_ulonglong()
+        vmm._call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
+                  device_share._POSIX_FD)  # fmt: skip
+    ptr = vmm._map(handle, size, device)
+    vmm.lib.cuMemRelease(handle)  # the mapping and the descriptor keep it
+    raw = vmm._bytes_at(ptr, max(nbytes, 1), device)
+    view = raw[:nbytes].view(like.dtype).view(like.shape)
+
+    def release() -> None:
+        torch.cuda.synchronize(device)
+        vmm._unmap(ptr, size)
+
+    return _Buffer(view, fd, device_share.CUDA_VMM, size, release)
+
+
+def _buffer_like(like: torch.Tensor) -> _Buffer:
+    like = like.detach()
+    return _cuda_buffer(like) if like.device.type == "cuda" else _memfd_buffer(like)
+
+
+_DTYPES = {str(t).removeprefix("torch."): t for t in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+)}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wait(words: np.ndarray, index: int, want: int, deadline: float) -> bool:
+    """Until words[index] == want: a spin of SPIN_S, then naps. False at the deadline."""
+    spin_until = time.monotonic() + SPIN_S
+    while int(words[index]) != want:
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if now > spin_until:
+            time.sleep(NAP_S)
+    return True
+
+
+# ---- the driver: the trusted side ----------------------------------------------------------
+
+
+class Driver:
+    """Drives one kernel's timed calls in the server's process (module docstring)."""
+
+    def __init__(self, sock_fd: int, args: Any, outputs_like: Sequence[torch.Tensor],
+                 device: torch.device, answer_s: float = 60.0) -> None:  # fmt: skip
+        """Makes the shared arguments (like `args`, a TrialArgs: its tensors shared, its other
+        values sent as they are) and outputs (like `outputs_like`) and the control block, and
+        hands them to the server over `sock_fd`; returns once the server has mapped them."""
+        self.device = device
+        self.answer_s = answer_s
+        self.seq = 0
+        control_fd = os.memfd_create("kerneleval-timed-calls", os.MFD_CLOEXEC)
+        os.ftruncate(control_fd, CONTROL_BYTES)
+        self._block, self.words = _control_block(control_fd)
+        self.args: list[_Buffer | None] = []
+        layout_args = []
+        for v in args.values:
+            if isinstance(v, torch.Tensor):
+                buf = _buffer_like(v)
+                self.args.append(buf)
+                layout_args.append({"tensor": _describe(buf)})
+            else:
+                self.args.append(None)
+                layout_args.append({"value": _jsonable(v)})
+        self.outputs = [_buffer_like(o) for o in outputs_like]
+        layout = {
+            "args": layout_args,
+            "names": list(args.names), "roles": list(args.roles),
+            "is_meta": list(args.is_meta), "from_get_inputs": bool(args.from_get_inputs),
+            "outputs": [_describe(b) for b in self.outputs],
+        }  # fmt: skip
+        data = json.dumps(layout).encode()
+        fds = [control_fd] + [b.fd for b in self.args if b is not None]
+        fds += [b.fd for b in self.outputs]
+        sock = socket.socket(fileno=os.dup(sock_fd))
+        try:
+            socket.send_fds(sock, [HEADER.pack(len(data)) + data], fds)
+        except OSError as e:
+            raise TimedCallError(f"the kernel's process took no timed calls: {e}") from None
+        finally:
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+        if not _wait(self.words, READY, 1, time.monotonic() + answer_s):
+            raise TimedCallError("the kernel's process did not take its timed calls' buffers")
+
+    def call(self, inputs: Any, noop: bool = False) -> CallResult:
+        """One call: `inputs` (a TrialArgs like the session's) written into the shared
+        arguments, go, done, the outputs copied. The span is this process's clock."""
+        t0 = _perf_counter_ns()
+        for buf, v in zip(self.args, inputs.values, strict=True):
+            if buf is not None:
+                buf.tensor.copy_(v)
+        _sync(self.device)  # written before the go
+        self.seq += 1
+        self.words[MODE] = NOOP if noop else CALL
+        self.words[GO] = self.seq
+        if not _wait(self.words, DONE, self.seq, time.monotonic() + self.answer_s):
+            raise TimedCallError(f"a timed call got no answer in {self.answer_s:.0f} s")
+        copies = [b.tensor.clone() for b in self.outputs]
+        _sync(self.device)
+        t1 = _perf_counter_ns()
+        status = int(self.words[STATUS])
+        if status != OK:
+            raise TimedCallError(self._message(status))
+        inside = max(0, min(int(self.words[INSIDE_NS]), t1 - t0))
+        return CallResult(t1 - t0, inside, copies)
+
+    def _message(self, status: int) -> str:
+        said = bytes(self._block[MESSAGE_AT:CONTROL_BYTES]).split(b"\0", 1)[0]
+        text = said.decode("utf-8", "replace")[:1000]
+        if status == BAD_OUTPUTS:
+            return f"the kernel's outputs are not what the reference returns: {text}"
+        return f"the kernel failed in a timed call: {text}"
+
+    def close(self) -> None:
+        """Tells the server the calls are over; lets the shared memory go."""
+        with contextlib.suppress(Exception):
+            self.seq += 1
+            self.words[MODE] = STOP
+            self.words[GO] = self.seq
+            _wait(self.words, DONE, self.seq, time.monotonic() + 5.0)
+        for buf in [b for b in self.args if b is not None] + self.outputs:
+            with contextlib.suppress(Exception):
+                buf.release()
+        del self.words
+        with contextlib.suppress(Exception):
+            self._block.close()
+
+
+def _describe(buf: _Buffer) -> dict[str, Any]:
+    t = buf.tensor
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "kind": buf.kind, "size": buf.size}  # fmt: skip
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)) and all(
+        x is None or isinstance(x, (bool, int, float, str)) for x in v
+    ):
+        return list(v)
+    raise TimedCallError(f"an argument of type {type(v).__name__} cannot be sent to a timed call")
+
+
+def calibrate(driver: Driver, inputs: Any, calls: int) -> list[int]:
+    """Spans of calls of no work through the same path: what the path itself costs."""
+    return [driver.call(inputs, noop=True).outside_ns for _ in range(calls)]
+
+
+def decide(
+    inside_ns: Sequence[int], outside_ns: Sequence[int], calibration_ns: Sequence[int]
+) -> Decision:
+    """The kernel's times: its claims where their median agrees with the bound (each call's
+    outside span less the path's median cost) within the tolerance, else the bound, flagged.
+    The tolerance: the path's own spread (p90 - p10 of the calibration) plus 2% of the
+    bound's median, at least TOLERANCE_FLOOR_US. A claim over the bound is taken as it is: a
+    candidate may only make itself slower."""
+    calib = float(np.median(calibration_ns)) if len(calibration_ns) else 0.0
+    spread = (
+        float(np.percentile(calibration_ns, 90) - np.percentile(calibration_ns, 10))
+        if len(calibration_ns) > 2
+        else 0.0
+    )
+    bound = [max(0.0, o - calib) for o in outside_ns]
+    gap = float(np.median([b - i for b, i in zip(bound, inside_ns, strict=True)]))
+    tolerance = max(TOLERANCE_FLOOR_US * 1e3, spread + 0.02 * float(np.median(bound)))
+    flagged = gap > tolerance
+    chosen = bound if flagged else [float(i) for i in inside_ns]
+    return Decision(
+        times_ms=[t / 1e6 for t in chosen],
+        flagged=flagged,
+        tolerance_us=tolerance / 1e3,
+        gap_us=gap / 1e3,
+        calibration_us=calib / 1e3,
+        outside_ms=[b / 1e6 for b in bound],
+    )
+
+
+TOLERANCE_FLOOR_US = 10.0
+
+
+# ---- the server: the candidate's process ---------------------------------------------------
+
+
+def serve(
+    sock_fd: int,
+    run: Callable[[Any], list[Any]],
+    make_args: Callable[[list[Any], dict[str, Any]], Any],
+    device: torch.device,
+    idle_s: float = 600.0,
+) -> None:
+    """Takes the driver's buffers from `sock_fd`, then answers its calls until STOP: each
+    runs `run(args)` on the shared arguments (`make_args(values, layout)` builds the
+    TrialArgs) and copies its outputs into the shared outputs. Returns at STOP, or when the
+    driver is silent for `idle_s` (the front end ends the process anyway)."""
+    layout, fds = _receive_layout(sock_fd)
+    block, words = _control_block(fds[0])
+    os.close(fds[0])
+    values: list[Any] = []
+    i = 1
+    for a in layout["args"]:
+        if "tensor" in a:
+            values.append(_import(a["tensor"], fds[i], device).tensor)
+            i += 1
+        else:
+            values.append(a["value"])
+    outputs = [_import(o, fds[i + k], device).tensor for k, o in enumerate(layout["outputs"])]
+    args = make_args(values, layout)
+    kept = [torch.zeros_like(o) for o in outputs]  # what a call of no work copies
+    words[READY] = 1
+    last = 0
+    cuda = device.type == "cuda"
+    while True:
+        if not _wait(words, GO, last + 1, time.monotonic() + idle_s):
+            return
+        last += 1
+        mode = int(words[MODE])
+        if mode == STOP:
+            words[DONE] = last
+            return
+        status, inside, message = OK, 0, ""
+        try:
+            if mode == CALL:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True
+                    )
+                    start.record()
+                    got = run(args)
+                    end.record()
+                else:
+                    t0 = time.perf_counter_ns()
+                    got = run(args)
+                    inside = time.perf_counter_ns() - t0
+                message = _copy_outputs(got, outputs)
+                if message:
+                    status = BAD_OUTPUTS
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    inside = int(start.elapsed_time(end) * 1e6)
+            else:
+                for dst, src in zip(outputs, kept, strict=True):
+                    dst.copy_(src)
+                _sync(device)
+        except Exception as e:  # noqa: BLE001 - the candidate's failure: told to the driver
+            status, message = FAILED, f"{type(e).__name__}: {e}"
+        if message:
+            data = message.encode("utf-8", "replace")[: CONTROL_BYTES - MESSAGE_AT - 1]
+            block[MESSAGE_AT : MESSAGE_AT + len(data) + 1] = data + b"\0"
+        words[INSIDE_NS] = inside
+        words[STATUS] = status
+        words[DONE] = last
+
+
+def _copy_outputs(got: list[Any], outputs: list[torch.Tensor]) -> str:
+    """The call's outputs into the shared ones; what does not fit them, said."""
+    if len(got) != len(outputs):
+        return f"{len(got)} outputs where {len(outputs)} are expected"
+    for k, (value, dst) in enumerate(zip(got, outputs, strict=True)):
+        if not isinstance(value, torch.Tensor):
+            return f"output {k} is a {type(value).__name__}, not a tensor"
+        if tuple(value.shape) != tuple(dst.shape):
+            return f"output {k} has shape {tuple(value.shape)}, not {tuple(dst.shape)}"
+        dst.copy_(value.detach())
+    return ""
+
+
+def _receive_layout(sock_fd: int) -> tuple[dict[str, Any], list[int]]:
+    sock = socket.socket(fileno=os.dup(sock_fd))
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 253)
+        if len(data) < HEADER.size:
+            raise TimedCallError("no layout from the driver")
+        (n,) = HEADER.unpack(data[: HEADER.size])
+        if n > MAX_LAYOUT_BYTES:
+            raise TimedCallError("a layout over its limit")
+        body = data[HEADER.size :]
+        while len(body) < n:
+            more = sock.recv(n - len(body))
+            if not more:
+                raise TimedCallError("the layout was cut short")
+            body += more
+    finally:
+        sock.close()
+    return json.loads(body), list(fds)
+
+
+def _import(desc: dict[str, Any], fd: int, device: torch.device) -> _Buffer:
+    like = torch.empty(desc["shape"], dtype=_DTYPES[desc["dtype"]], device="meta")
+    if desc["kind"] == device_share.CUDA_VMM:
+        buf = _cuda_buffer(_Meta(like, device), fd, int(desc["size"]))  # type: ignore[arg-type]
+    else:
+        buf = _memfd_buffer(_Meta(like, torch.device("cpu")), fd)  # type: ignore[arg-type]
+    os.close(fd)
+    return buf
+
+
+class _Meta:
+    """What the buffer makers read of a tensor: its shape, dtype, device and size."""
+
+    def __init__(self, like: torch.Tensor, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = like.shape, like.dtype, device
+        self._numel, self._size = like.numel(), like.element_size()
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return self._size
+
+    def detach(self) -> _Meta:
+        return self

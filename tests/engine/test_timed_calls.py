@@ -1,0 +1,157 @@
+"""Timed calls driven from outside the candidate's process (engine/timed_calls.py): a driver
+here, a server in a child process that imports nothing of the driver's state, a real socket
+and shared memory between them (the CPU: memfds). Honest calls are timed as the server
+claims; a server that lies about its time is timed by the driver's bound and flagged; what
+the driver copies is what the server wrote for the inputs the driver wrote."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from kerneleval.v1 import kernel_pb2
+from kerneleval_server.engine import timed_calls as tc
+from kerneleval_server.engine.inputs import TrialArgs
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+SERVER = """
+import os, sys, time, torch
+from kerneleval_server.engine import timed_calls as tc
+from kerneleval_server.engine.inputs import TrialArgs
+torch.set_num_threads(1)
+sock_fd = int(sys.argv[1])
+state = {"calls": 0, "cached": None}
+
+def make_args(values, layout):
+    return TrialArgs(values, layout["names"], layout["roles"], layout["is_meta"],
+                     layout["from_get_inputs"])
+
+def honest(args):
+    a, b = args.values
+    time.sleep(0.004)
+    return [a + b]
+
+def fake_clock(args):
+    # rewrites the clock the server reads, then works 4 ms
+    time.perf_counter_ns = lambda: 1
+    a, b = args.values
+    time.sleep(0.004)
+    return [a + b]
+
+def cached(args):
+    # the first call's result, for ever (a cache keyed on the input's pointer)
+    a, b = args.values
+    if state["cached"] is None:
+        state["cached"] = a + b
+    return [state["cached"]]
+
+def sorter(args):
+    # sorts its input in place (later calls would see sorted data, were inputs not rewritten)
+    a, b = args.values
+    a.copy_(a.sort().values)
+    return [a + b]
+
+def wrong_shape(args):
+    return [args.values[0][:3]]
+
+def raiser(args):
+    raise ValueError("nope")
+
+tc.serve(sock_fd, globals()[sys.argv[2]], make_args, torch.device("cpu"), idle_s=30)
+"""
+
+
+def _args(seed: int) -> TrialArgs:
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
+    role = kernel_pb2.ARG_ROLE_INPUT
+    return TrialArgs([a, b], ["a", "b"], [role, role], [False, False], True)
+
+
+def _session(kind: str, tmp_path: Path) -> tuple[tc.Driver, subprocess.Popen[bytes]]:
+    ours, theirs = socket.socketpair()
+    script = tmp_path / "server.py"
+    script.write_text(textwrap.dedent(SERVER))
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'clients/python/src'}"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(theirs.fileno()), kind],
+        pass_fds=[theirs.fileno()], env=env,
+    )  # fmt: skip
+    theirs.close()
+    driver = tc.Driver(ours.fileno(), _args(0), [torch.empty(4096)], torch.device("cpu"), 30)
+    ours.close()
+    return driver, proc
+
+
+def _run(driver: tc.Driver, calls: int) -> tuple[tc.Decision, list[bool]]:
+    calib = tc.calibrate(driver, _args(1), 10)
+    results, right = [], []
+    for i in range(calls):
+        args = _args(100 + i)
+        r = driver.call(args)
+        results.append(r)
+        right.append(torch.equal(r.outputs[0], args.values[0] + args.values[1]))
+    return tc.decide([r.inside_ns for r in results], [r.outside_ns for r in results], calib), right
+
+
+def _end(driver: tc.Driver, proc: subprocess.Popen[bytes]) -> None:
+    driver.close()
+    assert proc.wait(30) == 0
+
+
+def test_honest_calls_are_timed_as_they_claim(tmp_path: Path) -> None:
+    driver, proc = _session("honest", tmp_path)
+    decision, right = _run(driver, 8)
+    _end(driver, proc)
+    assert all(right)
+    assert not decision.flagged, decision
+    assert all(3.9 < t < 30 for t in decision.times_ms), decision
+
+
+def test_a_rewritten_clock_is_caught_by_the_bound_and_flagged(tmp_path: Path) -> None:
+    driver, proc = _session("fake_clock", tmp_path)
+    decision, right = _run(driver, 8)
+    _end(driver, proc)
+    assert all(right)
+    assert decision.flagged and decision.gap_us > 3000, decision
+    assert all(t > 3.9 for t in decision.times_ms), decision  # the driver's bound
+
+
+@pytest.mark.parametrize("kind", ["cached", "sorter"])
+def test_stale_or_rewritten_inputs_give_outputs_that_do_not_match(tmp_path: Path, kind: str) -> None:
+    """A cache on what it can see of its inputs returns the first call's result; a sort in
+    place changes only the server's view: every call's inputs are the driver's, written anew,
+    so the outputs the driver copies are wrong for the inputs it wrote."""
+    driver, proc = _session(kind, tmp_path)
+    _decision, right = _run(driver, 6)
+    _end(driver, proc)
+    if kind == "cached":
+        assert right == [True] + [False] * 5
+    else:
+        assert not any(right)  # a + b on sorted a is not a + b
+
+
+@pytest.mark.parametrize(("kind", "said"), [
+    ("wrong_shape", r"output 0 has shape \(3,\)"), ("raiser", "ValueError: nope"),
+])  # fmt: skip
+def test_a_failed_call_is_the_candidates(tmp_path: Path, kind: str, said: str) -> None:
+    driver, proc = _session(kind, tmp_path)
+    with pytest.raises(tc.TimedCallError, match=said):
+        driver.call(_args(5))
+    _end(driver, proc)
+
+
+def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    with pytest.raises(tc.TimedCallError, match="did not take"):
+        tc.Driver(ours.fileno(), _args(0), [torch.empty(4096)], torch.device("cpu"), 0.5)
+    ours.close()
+    theirs.close()
