@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
+from collections.abc import Sequence
 
 import pytest
 from kerneleval.internal.v1 import watchdog_pb2
@@ -128,10 +129,16 @@ def test_drain_without_a_cuda_context_is_immediate(monkeypatch: pytest.MonkeyPat
 class _RecordingWatchdog:
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.partners: list[tuple[str, ...]] = []
 
     async def open_window(
-        self, device_index: int, holder_worker_id: str, freeze_others: bool
+        self,
+        device_index: int,
+        holder_worker_id: str,
+        freeze_others: bool,
+        partner_worker_ids: Sequence[str] = (),
     ) -> watchdog_pb2.WindowReport:
+        self.partners.append(tuple(partner_worker_ids))
         self.calls.append(f"open {device_index} {holder_worker_id} start")
         await asyncio.sleep(0.05)
         self.calls.append(f"open {device_index} {holder_worker_id} end")
@@ -177,3 +184,18 @@ def test_a_window_without_freezing_or_watchdog_says_others_were_not_frozen() -> 
         return report.ok, off.frozen(0), none.ok
 
     assert asyncio.run(main()) == (False, False, False)
+
+
+def test_a_window_passes_its_partners_to_the_watchdog_and_none_by_default() -> None:
+    """A judge's window names the kernel's job process as its partner (never frozen)."""
+
+    async def main() -> list[tuple[str, ...]]:
+        wd = _RecordingWatchdog()
+        windows = TimingWindows(freeze_others=True)
+        assert (await windows.open(wd, 0, "judge", ["kernel"])).ok
+        await windows.close(wd, 0)
+        assert (await windows.open(wd, 0, "a")).ok  # every existing caller: no partners
+        await windows.close(wd, 0)
+        return wd.partners
+
+    assert asyncio.run(main()) == [("kernel",), ()]

@@ -198,6 +198,57 @@ def test_window_closes_when_its_holder_exits(harness: Harness) -> None:
     run(body())
 
 
+def test_window_partners_run_beside_the_holder(harness: Harness) -> None:
+    """A judge holds the window and the kernel's job process it drives is its partner: both
+    run while the rest of the device is frozen. A partner frozen for an earlier window thaws,
+    StopGpuUsers leaves it alone, and a partner that is no job process of the device changes
+    nothing."""
+
+    async def body() -> None:
+        wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))
+        require_freezer(harness)
+        workers = await harness.started(3)
+        await burning(harness, workers)
+        judge, kernel, other = workers
+        pids = [w.pid for w in workers]
+        # An earlier window (other's) froze both.
+        report = await wd.open_window(0, other.worker_id, True)
+        assert sorted(report.frozen_worker_ids) == sorted([judge.worker_id, kernel.worker_id])
+        assert freezer_state(kernel.pid) == "FROZEN"
+
+        report = await wd.open_window(0, judge.worker_id, True, [kernel.worker_id])
+        assert report.ok and report.message == ""
+        assert list(report.frozen_worker_ids) == [other.worker_id]
+        assert [freezer_state(p) for p in pids] == ["THAWED", "THAWED", "FROZEN"]
+        assert await running(pids) == {judge.pid: True, kernel.pid: True, other.pid: False}
+        # The kernel's GPU use is the window's own work, long after its earlier freeze.
+        await asyncio.sleep(SAMPLE_MARGIN_S)
+        harness.nvml(f"utilization 0 {kernel.pid} sm=90")
+        harness.nvml(f"utilization 0 {judge.pid} sm=5")
+        users = await wd.stop_gpu_users(0)
+        assert users.known and not users.killed_worker_ids, users.message
+        assert f"{kernel.pid} ({kernel.worker_id}, a partner)" in users.message
+        assert f"{judge.pid} ({judge.worker_id}, the holder)" in users.message
+
+        # A partner that is no job process of the device: refused, the window unchanged.
+        report = await wd.open_window(0, judge.worker_id, True, [kernel.worker_id, "d0-w999"])
+        assert not report.ok and not report.frozen_worker_ids
+        assert "'d0-w999' (a partner)" in report.message and "unchanged" in report.message
+        assert [freezer_state(p) for p in pids] == ["THAWED", "THAWED", "FROZEN"]
+        # Reopened without partners, the window freezes the kernel's process like any other.
+        report = await wd.open_window(0, judge.worker_id, True)
+        assert sorted(report.frozen_worker_ids) == sorted([kernel.worker_id, other.worker_id])
+        assert await running(pids) == {judge.pid: True, kernel.pid: False, other.pid: False}
+
+        assert (await wd.close_window(0)).ok
+        assert all(freezer_state(p) == "THAWED" for p in pids)
+        assert all((await running(pids)).values())
+        assert not harness.of("worker_exited")
+        await wd.shutdown(0)
+
+    run(body())
+
+
 def test_window_reports_the_gpu_conditions(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(gpus=1))

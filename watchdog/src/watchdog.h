@@ -71,14 +71,29 @@ struct ResetRun {
 };
 
 // A device's timing window, from OpenWindow to CloseWindow (windows.cc): the job process that
-// times, and the other job processes frozen meanwhile.
+// times, its partners (job processes that must run beside it, e.g. the kernel's process its
+// judge drives), and the other job processes frozen meanwhile.
 struct Window {
   std::string holder;
+  std::set<std::string> partners;  // dropped when they exit
   bool freeze_others = false;
   // Worker ids whose cgroups it froze (dropped when they exit) -> when their freeze completed
   // (nvml_clock_us(): NVML's sample clock), the start of what StopGpuUsers counts as theirs.
   std::map<std::string, uint64_t> frozen;
+  // The holder or a partner: never frozen, never killed by StopGpuUsers.
+  bool runs(const std::string& id) const { return id == holder || partners.count(id) > 0; }
 };
+
+// Why OpenWindow o cannot open on device `index` ("" when it can): its holder or a partner is
+// not a job process of that device. Frozen with the others, such a holder's or partner's job
+// would wait for ever, so nothing changes.
+std::string window_refusal(const pb::OpenWindow& o, int index,
+                           const std::map<std::string, Worker>& workers);
+// The job processes of device `index` that win freezes: every spawned one it does not run,
+// but one already SIGKILLed (dying, it must run: v1 delivers no signal to a frozen process).
+// None when it does not freeze the others.
+std::set<std::string> window_wants_frozen(const Window& win, int index,
+                                          const std::map<std::string, Worker>& workers);
 
 struct Device {
   DeviceInfo info;

@@ -3,6 +3,11 @@
 // through their cgroups' freezer, so that none of them starts GPU work meanwhile. Part of class
 // Watchdog (watchdog.h).
 //
+// Partners: when a trusted judge process drives and times each call of the kernel's job
+// process from outside it, both must run during the window; the holder (the judge) names the
+// others (OpenWindow.partner_worker_ids). They are never frozen: one frozen for an earlier
+// window is thawed, and StopGpuUsers never kills one.
+//
 // Freezing stops a process's threads, not the GPU: work it queued before keeps running (the
 // holder's job process waits for the GPU to drain before it times). A job process started while
 // the window is open is frozen when the zygote reports it, before WorkerStarted; not when its
@@ -54,16 +59,12 @@ void Watchdog::open_window(Device& d, uint64_t command_id, const pb::OpenWindow&
   ev.set_command_id(command_id);
   auto* report = ev.mutable_window();
   report->set_device_index(d.info.index);
-  const Worker* holder = find_worker(o.holder_worker_id());
-  std::string why;
+  std::string why = window_refusal(o, d.info.index, workers_);
   bool ok = false;
-  if (!holder || holder->device != d.info.index) {
-    // Frozen with the others, a wrong holder's job would wait for ever: change nothing.
-    why = "no job process '" + o.holder_worker_id() + "' on device " +
-          std::to_string(d.info.index) + "; the window is unchanged";
-  } else {
+  if (why.empty()) {
     if (!d.window) d.window.emplace();
     d.window->holder = o.holder_worker_id();
+    d.window->partners = {o.partner_worker_ids().begin(), o.partner_worker_ids().end()};
     d.window->freeze_others = o.freeze_others();
     ok = match_window(d, &why);
     for (const auto& [id, at] : d.window->frozen) report->add_frozen_worker_ids(id);
@@ -92,22 +93,40 @@ void Watchdog::close_window(Device& d, uint64_t command_id) {
   emit(ev);
 }
 
-// Makes what is frozen match the window: every other job process of the device when it freezes
-// the others, none otherwise. Thaws first (a new holder may have been frozen for the last one),
-// then asks every cgroup to freeze before waiting for any, so that they stop together. A cgroup
-// that does not read frozen in time stays on the list: CloseWindow thaws it. Each newly frozen
-// one's time is taken once all have been waited for.
+std::string window_refusal(const pb::OpenWindow& o, int index,
+                           const std::map<std::string, Worker>& workers) {
+  auto on_device = [&](const std::string& id) {
+    const auto it = workers.find(id);
+    return it != workers.end() && it->second.device == index;
+  };
+  const std::string where = " on device " + std::to_string(index) + "; the window is unchanged";
+  if (!on_device(o.holder_worker_id()))
+    return "no job process '" + o.holder_worker_id() + "'" + where;
+  for (const auto& id : o.partner_worker_ids())
+    if (!on_device(id)) return "no job process '" + id + "' (a partner)" + where;
+  return "";
+}
+
+std::set<std::string> window_wants_frozen(const Window& win, int index,
+                                          const std::map<std::string, Worker>& workers) {
+  std::set<std::string> wanted;
+  if (!win.freeze_others) return wanted;
+  for (const auto& [id, w] : workers) {
+    const bool killed = !w.exit_reason.empty() && !w.kill_at_ms;
+    if (w.device == index && w.spawned() && !killed && !win.runs(id)) wanted.insert(id);
+  }
+  return wanted;
+}
+
+// Makes what is frozen match the window: every job process of the device it does not run when
+// it freezes the others, none otherwise. Thaws first (a new holder or partner may have been
+// frozen for the last one), then asks every cgroup to freeze before waiting for any, so that
+// they stop together. A cgroup that does not read frozen in time stays on the list:
+// CloseWindow thaws it. Each newly frozen one's time is taken once all have been waited for.
 bool Watchdog::match_window(Device& d, std::string* why) {
   Window& win = *d.window;
-  const bool freeze = win.freeze_others && cgroups_.can_freeze();
   std::set<std::string> wanted;
-  for (auto& [id, w] : workers_) {
-    // One already SIGKILLed is left alone: dying, it must run (v1 delivers no signal to a
-    // frozen process).
-    const bool killed = !w.exit_reason.empty() && !w.kill_at_ms;
-    if (freeze && w.device == d.info.index && w.spawned() && !killed && id != win.holder)
-      wanted.insert(id);
-  }
+  if (cgroups_.can_freeze()) wanted = window_wants_frozen(win, d.info.index, workers_);
   std::vector<std::string> failed;
   std::string error;
   for (auto it = win.frozen.begin(); it != win.frozen.end();) {
@@ -143,19 +162,21 @@ bool Watchdog::match_window(Device& d, std::string* why) {
 void Watchdog::freeze_for_window(Worker& w) {
   Device* d = device(w.device);
   if (!d || !d->window || !d->window->freeze_others || !cgroups_.can_freeze()) return;
-  if (w.id == d->window->holder) return;
+  if (d->window->runs(w.id)) return;
   std::string error;
   if (!cgroups_.freeze(w.cgroup, true, kFreezeWaitMs, &error))
     log_line("job process " + w.id + ", started in a timing window: " + error);
   d->window->frozen[w.id] = nvml_clock_us();
 }
 
-// A job process exited: it is off its window's list. When it held the window, nothing times any
-// more: the others run again (a later CloseWindow finds no window).
+// A job process exited: it is off its window's lists. When it held the window, nothing times
+// any more: the others run again (a later CloseWindow finds no window). A partner's exit leaves
+// the window to its holder (a judge reports its kernel's crash).
 void Watchdog::window_worker_exited(const Worker& w) {
   Device* d = device(w.device);
   if (!d || !d->window) return;
   d->window->frozen.erase(w.id);
+  d->window->partners.erase(w.id);
   if (w.id != d->window->holder) return;
   log_line("the holder of device " + std::to_string(w.device) + "'s timing window exited: closed");
   d->window->freeze_others = false;
@@ -177,8 +198,9 @@ void Watchdog::thaw_windows() {
 
 // StopGpuUsers: the frozen job processes of the device's window that NVML saw use the GPU after
 // their freeze completed are killed as KillWorker kills (their slots go to spares). The holder,
-// other devices' job processes, the zygote and anything outside a job cgroup are never touched:
-// only a sampled pid whose cgroup (or own pid) is a frozen job process of this window counts.
+// its partners, other devices' job processes, the zygote and anything outside a job cgroup are
+// never touched: only a sampled pid whose cgroup (or own pid) is a frozen job process of this
+// window counts.
 void Watchdog::stop_gpu_users(Device& d, uint64_t command_id) {
   pb::WatchdogEvent ev;
   ev.set_command_id(command_id);
@@ -209,13 +231,16 @@ void Watchdog::stop_gpu_users(Device& d, uint64_t command_id) {
   std::set<std::string> doomed;             // worker ids to kill
   for (const auto& [pid, last_us] : users) {
     Worker* w = worker_for_pid(pid);
-    const auto f = w ? d.window->frozen.find(w->id) : d.window->frozen.end();
+    // One the window runs is never on its frozen list; checked anyway, as a kill is final.
+    const bool runs = w && d.window->runs(w->id);
+    const auto f = w && !runs ? d.window->frozen.find(w->id) : d.window->frozen.end();
     if (w && f != d.window->frozen.end() && last_us > f->second + kSampleMarginUs) {
       culprits.push_back(std::to_string(pid) + " (" + w->id + ")");
       doomed.insert(w->id);
     } else {
       std::string who = "not a frozen job process";
       if (w && w->id == d.window->holder) who = w->id + ", the holder";
+      else if (runs) who = w->id + ", a partner";
       else if (w && f != d.window->frozen.end()) who = w->id + ", before its freeze";
       else if (w) who = w->id + ", not frozen here";
       kept.push_back(std::to_string(pid) + " (" + who + ")");

@@ -7,6 +7,10 @@ device (their cgroups' freezer) before the holder hears of its grant, and thaws 
 window ends. Kernels they had already queued still run: the holder's runtime waits for them to
 drain before it times (jobproc/drain.py). A frozen job's timeout stands still (deadline.py).
 
+A window's holder may name partners: job processes of the device that run beside it and are
+never frozen while the window lasts, e.g. the kernel's process whose calls a trusted judge (the
+holder) drives and times from outside it.
+
 Per device, OpenWindow and CloseWindow go to the watchdog one at a time in the order they
 were asked for, so the end of one window always reaches it before the next one's start.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +47,11 @@ THROTTLE_REASONS = {
 
 class WindowWatchdog(Protocol):
     async def open_window(
-        self, device_index: int, holder_worker_id: str, freeze_others: bool
+        self,
+        device_index: int,
+        holder_worker_id: str,
+        freeze_others: bool,
+        partner_worker_ids: Sequence[str] = (),
     ) -> watchdog_pb2.WindowReport: ...
 
     async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
@@ -100,14 +108,22 @@ class TimingWindows:
         return device_index in self._frozen
 
     async def open(
-        self, watchdog: WindowWatchdog | None, device_index: int, holder_worker_id: str
+        self,
+        watchdog: WindowWatchdog | None,
+        device_index: int,
+        holder_worker_id: str,
+        partner_worker_ids: Sequence[str] = (),
     ) -> watchdog_pb2.WindowReport:
+        """Opens the device's window for the holder; its partners run beside it, unfrozen."""
+        partners = tuple(partner_worker_ids)  # as asked, whatever the caller's list becomes
         async with self._lock(device_index):
             report = await self._call(
                 watchdog,
                 device_index,
                 "open",
-                lambda w: w.open_window(device_index, holder_worker_id, self.freeze_others),
+                lambda w: w.open_window(
+                    device_index, holder_worker_id, self.freeze_others, partners
+                ),
             )
             if not self.freeze_others:
                 report.ok = False  # nothing was frozen

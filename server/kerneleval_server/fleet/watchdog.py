@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -225,16 +225,24 @@ class Watchdog:
         return event.status
 
     async def open_window(
-        self, device_index: int, holder_worker_id: str, freeze_others: bool
+        self,
+        device_index: int,
+        holder_worker_id: str,
+        freeze_others: bool,
+        partner_worker_ids: Sequence[str] = (),
     ) -> watchdog_pb2.WindowReport:
         """Opens the device's timing window for `holder_worker_id`: with `freeze_others`, every
-        other job process of the device is frozen (and any started before the window closes).
-        The report says whether all froze (`ok`), which, and the GPU's conditions."""
+        other job process of the device is frozen (and any started before the window closes)
+        but `partner_worker_ids`, which run beside the holder (the kernel's process its judge
+        drives); one frozen for an earlier window thaws. The report says whether all froze
+        (`ok`; false, changing nothing, when the holder or a partner is no job process of the
+        device), which, and the GPU's conditions."""
         cmd = watchdog_pb2.WatchdogCommand(
             open_window=watchdog_pb2.OpenWindow(
                 device_index=device_index,
                 holder_worker_id=holder_worker_id,
                 freeze_others=freeze_others,
+                partner_worker_ids=partner_worker_ids,
             )
         )
         event = await self._call(cmd, "window")
