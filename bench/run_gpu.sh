@@ -18,6 +18,9 @@
 #                                               # build cache vs in-job builds (~7 min)
 #   OUT=/some/dir bench/run_gpu.sh rl_step      # one RL step: 64 KernelBench candidates, on
 #                                               # every GPU of the machine (~5 min)
+#   OUT=/some/dir bench/run_gpu.sh outside      # issue 40: level-1 problems against
+#                                               # themselves and lying candidates, timed
+#                                               # from outside their process (~4 min)
 #   OUT=/some/dir bench/run_gpu.sh hygiene      # a launch process's cleanup between jobs
 #                                               # (~2 min)
 #   OUT=/some/dir bench/run_gpu.sh hardening    # the tamper defences on a job's warm path,
@@ -113,6 +116,7 @@ case "$STAGE" in
       --query-gpu=index --format=csv,noheader | paste -sd, -)"
     ;;
   hygiene) run 120 gpu_launch_hygiene_check ;;
+  outside) run 300 bench_outside_timing --budget-s "${BUDGET_S:-150}" ;;
   hardening) run 300 bench_hardening ;;
   cpu)
     run 300 bench_frontend_scale

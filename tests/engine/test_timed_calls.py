@@ -126,7 +126,9 @@ def test_a_rewritten_clock_is_caught_by_the_bound_and_flagged(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("kind", ["cached", "sorter"])
-def test_stale_or_rewritten_inputs_give_outputs_that_do_not_match(tmp_path: Path, kind: str) -> None:
+def test_stale_or_rewritten_inputs_give_outputs_that_do_not_match(
+    tmp_path: Path, kind: str
+) -> None:
     """A cache on what it can see of its inputs returns the first call's result; a sort in
     place changes only the server's view: every call's inputs are the driver's, written anew,
     so the outputs the driver copies are wrong for the inputs it wrote."""

@@ -17,6 +17,9 @@ candidate's host code, that code could suppress them (never add them to another 
   (those beyond its L2 cache) at its peak memory bandwidth, a floor no honest kernel beats.
 - persisting_l2: the kernel set part of the L2 aside as persisting (its data would survive
   the flush between timed trials); timing found it before a trial and reset it (timing.py).
+- time_outside_bound: the kernel's own device times of its timed calls disagree with its judge's
+  clock around those calls (less a call of no work) by more than the tolerance: its process
+  made its time look shorter. Its time is the judge's bound instead (timed_calls.py).
 - lower_precision: the kernel's outputs are much further from a float64 run of the reference
   than the reference's own float32 outputs are: computed in float16, bfloat16 or TF32
   (precision.py). Compare with a Model reference only.
@@ -37,6 +40,7 @@ FASTER_THAN_MEMORY = "faster_than_memory"
 REPLAYED_OUTPUTS = "replayed_outputs"
 PERSISTING_L2 = "persisting_l2"
 LOWER_PRECISION = "lower_precision"
+TIME_OUTSIDE_BOUND = "time_outside_bound"
 FLOOR_MARGIN = 0.9  # below 90% of the floor: clock and counter noise cannot explain it
 
 

@@ -6,21 +6,37 @@ limit, by descriptor on the record's socket (device_share.py). Here only the ref
 imported: it makes the same inputs from the seed, runs, and the engine's comparison, the
 lower-precision check, the replay check and the reference's timing run on what was recorded.
 The kernel's process can report its verdict, notes and time as it likes; from here only its
-time (and its own flags) is kept (docs/INTERNALS.md "The judge").
+own flags are kept. Its time is this process's to take: with `kernel_serves`, the kernel's
+process waits on the record's socket, and the judge drives each timed call there and bounds it
+with its own clock (timed_calls.py); the reference is timed here through the same steps
+(docs/INTERNALS.md "The judge", "Times from outside").
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import random
+import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, device_share, errors, gpumode, loader, record, tamper
+from . import (
+    compare,
+    device_share,
+    errors,
+    gpumode,
+    integrity,
+    loader,
+    record,
+    tamper,
+    timed_calls,
+    timing,
+)
 from .backends import Program
 from .inputs import TrialArgs
 from .runner import (
@@ -38,12 +54,15 @@ from .runner import (
 from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
+CALIBRATION_CALLS = 20  # calls of no work: what the path of a timed call costs by itself
+CHECKED_MIN = 3  # timed calls checked against the reference, at least (else a quarter)
 SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 # What the kernel's process sent at last, to a judge started ahead: its report, whether it
 # has exited, and the reference's time from an earlier job with its age (or None). None: the
 # job ended without it.
 GivenTime = tuple[job_pb2.RuntimeStats, float]
-Go = Callable[[], "tuple[job_pb2.EvalResult, bool, GivenTime | None] | None"]
+# (the report, its process gone, the reference's given time, its process serves timed calls)
+Go = Callable[[], "tuple[job_pb2.EvalResult, bool, GivenTime | None, bool] | None"]
 # A judge started ahead keeps the trials' inputs and the reference's outputs up to this many
 # bytes; the trials past it run once the kernel's outputs are in, as without one.
 AHEAD_MAX_BYTES = 256 << 20
@@ -77,6 +96,7 @@ def judge_job(
     kernel_gone: bool = False,
     reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
     go: Go | None = None,
+    kernel_serves: bool = False,
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
     every verdict replaced by this process's. Never raises for what either source does.
@@ -93,6 +113,7 @@ def judge_job(
     job.share_fd, job.share_max, job.kernel_gone = share_fd, share_max_bytes, kernel_gone
     job.reference_time = reference_time
     job.go = go
+    job.kernel_serves = kernel_serves
     job.share_room = 0
     job.validating = False
     try:
@@ -139,6 +160,7 @@ class _Judge(_Job):
     validating: bool  # the gated phase was asked for (the shares' copies needed it)
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
     go: Go | None  # started ahead: waits for the kernel's report
+    kernel_serves: bool  # the kernel's process waits for its timed calls (timed_calls.py)
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -186,12 +208,103 @@ class _Judge(_Job):
                 f"{len(checked)} of {wanted} correctness trials judged outside the kernel's "
                 f"process (its outputs are over {self._limits()}); the rest only in it"
             )
-        timed = candidate.HasField("runtime") and candidate.runtime.median_ms > 0
-        if timed:
+        if self.kernel_serves and self.opts.perf_trials > 0:
+            base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee
+            # The reference first, in a window with the kernel's process frozen (nothing it
+            # leaves running can slow it); then the kernel's calls, that process running.
+            reference = self._reference_calls(ref, make_args, base)
+            self._time_kernel_outside(cand, ref, make_args, base)
+            self._time_reference(self.result, ref, make_args, reference)
+        elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
                 self._check_replay(cand, ref, make_args, replay)
             self._time_reference(candidate, ref, make_args)
         self.result.verdict = job_pb2.VERDICT_OK
+
+    def _time_kernel_outside(
+        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, base: int
+    ) -> None:
+        """The kernel's timed calls, driven in its process from here (timed_calls.py): each
+        on inputs made here from trial numbers it cannot foresee, written into the shared
+        arguments after the last call was answered; a share of them, picked at random,
+        checked against the reference on the same inputs; its time its own claim only where
+        that agrees with this process's clock, else that clock's bound (flagged)."""
+        self.reporter.drive_kernel()
+        n = self.opts.perf_trials
+        first = make_args(base)
+        ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
+        names = self._output_names(cand, ref, first)
+        picked = set(random.SystemRandom().sample(range(n), min(n, max(CHECKED_MIN, n // 4))))
+        inside: list[int] = []
+        outside: list[int] = []
+        try:
+            driver = timed_calls.Driver(self.share_fd, first, [_like(o) for o in ref_out], self.dev)
+        except timed_calls.TimedCallError as e:
+            self._kernel_failed_timed(str(e))
+        try:
+            calibration = timed_calls.calibrate(driver, first, CALIBRATION_CALLS)
+            for _ in range(max(1, self.opts.warmup)):
+                driver.call(first)
+            flush = _L2Flush(self.dev, self.opts.flush_l2)
+            for i in range(n):
+                args = make_args(base + 1 + i)
+                pristine = args.clone() if i in picked else None
+                flush()
+                call = driver.call(args)
+                inside.append(call.inside_ns)
+                outside.append(call.outside_ns)
+                if pristine is not None:
+                    self._check_timed_call(i, call.outputs, ref, pristine, names)
+                self._progress(i + 1, n)
+        except timed_calls.TimedCallError as e:
+            self._kernel_failed_timed(str(e))
+        finally:
+            driver.close()
+        decision = timed_calls.decide(inside, outside, calibration)
+        source = (
+            job_pb2.TIMING_SOURCE_OUTSIDE_BOUND if decision.flagged
+            else job_pb2.TIMING_SOURCE_CUDA_EVENTS if self.dev.type == "cuda"
+            else job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
+        )  # fmt: skip
+        self.result.runtime.CopyFrom(
+            timing.stats(
+                decision.times_ms, source, flushed=self.opts.flush_l2 and self.dev.type == "cuda"
+            )
+        )
+        said = (
+            f"timed from outside its process: {n} calls driven by its judge on fresh inputs "
+            f"({len(picked)} checked against the reference), the path's own cost "
+            f"{decision.calibration_us:.1f} us a call, the kernel's clock within "
+            f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us)"
+        )
+        if decision.flagged:
+            self._flag([integrity.flag(
+                integrity.TIME_OUTSIDE_BOUND,
+                f"its own times were {decision.gap_us:.1f} us a call under the judge's bound "
+                f"(tolerance {decision.tolerance_us:.1f} us): timed by that bound",
+            )])  # fmt: skip
+        self.notes.append(said)
+
+    def _check_timed_call(
+        self, i: int, outputs: list[Any], ref: Program, args: TrialArgs, names: list[str]
+    ) -> None:
+        ref_out = self._run(ref, args, REFERENCE_PREFIX)
+        got = [where_compared(v, self.dev) for v in outputs]
+        check = compare.compare_outputs(got, ref_out, names, self.opts.atol, self.opts.rtol)
+        if not check.ok:
+            self._replayed_incorrect(
+                f"timed call {i + 1}, on new inputs the judge wrote, returned outputs that do "
+                f"not match the reference on them ({check.message}): not computed from them "
+                "(a cache, a lazy or an unfinished result)"
+            )
+
+    def _kernel_failed_timed(self, why: str) -> NoReturn:
+        """The kernel's process failed its timed calls: what it said, or its silence."""
+        f = errors.classify(RuntimeError(why))
+        if f.verdict == job_pb2.VERDICT_RUNTIME_ERROR:
+            f.error.exception_type = "TimedCallFailed"
+        self._fail(f, "", job_pb2.SIDE_KERNEL)
+        raise _Stop
 
     def _prepare_ahead(
         self, placeholder: RecordedProgram, ref: Program, ctx: Any
@@ -236,7 +349,7 @@ class _Judge(_Job):
             self.ahead_gold = None
             self.notes.append("the job ended before its kernel's outputs were in: not judged")
             raise _Abandoned
-        candidate, self.kernel_gone, self.reference_time = got
+        candidate, self.kernel_gone, self.reference_time, self.kernel_serves = got
         self.start_from(candidate)
         self.validating = False  # the gated phase is asked for again: its grant was let go
         return candidate
@@ -269,7 +382,9 @@ class _Judge(_Job):
         if self.share_fd < 0:
             return []
         got = device_share.receive(self.share_fd, self.share_max, until_end=self.kernel_gone)
-        if got and not self.kernel_gone:
+        # A kernel's process that serves its timed calls is there still: everything it
+        # handed over was sent before its outcome, so it is queued.
+        if got and not self.kernel_gone and not self.kernel_serves:
             device_share.close(got)
             raise device_share.ShareError(
                 "it handed outputs over by descriptor and said it handed over none"
@@ -348,9 +463,51 @@ class _Judge(_Job):
             )
             self._replayed_incorrect(why)
 
+    def _reference_calls(
+        self, ref: Program, make_args: MakeArgs, base: int
+    ) -> job_pb2.RuntimeStats | None:
+        """The reference through the same steps as the kernel's calls, here: its arguments
+        written in place, the L2 flushed, the call on an idle GPU, its outputs copied; its
+        time the device time around the call (the kernel's claim, where it is taken). None
+        when an earlier job's time of it is given."""
+        if self.reference_time is not None:
+            return None
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
+        n = self.opts.perf_trials
+        args = make_args(base)
+        flush = _L2Flush(self.dev, self.opts.flush_l2)
+        cuda = self.dev.type == "cuda"
+        times: list[float] = []
+        with self._guard(REFERENCE_PREFIX):
+            for _ in range(max(1, self.opts.warmup)):
+                ref.run(args)
+            for i in range(n):
+                fresh = make_args(base + 1 + i)
+                flush()
+                for dst, src in zip(args.values, fresh.values, strict=True):
+                    if isinstance(dst, torch.Tensor):
+                        dst.copy_(src)
+                if cuda:
+                    start, end = _timing_event(), _timing_event()
+                    torch.cuda.synchronize(self.dev)
+                    start.record()
+                    out = ref.run(args)
+                    end.record()
+                    [o.clone() for o in out if isinstance(o, torch.Tensor)]
+                    torch.cuda.synchronize(self.dev)
+                    times.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter_ns()
+                    ref.run(args)
+                    times.append((time.perf_counter_ns() - t0) / 1e6)
+                self._progress(i + 1, n)
+        source = job_pb2.TIMING_SOURCE_CUDA_EVENTS if cuda else job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
+        return timing.stats(times, source, flushed=self.opts.flush_l2 and cuda)
+
     def _time_reference(
-        self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs
-    ) -> None:
+        self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,
+        timed: job_pb2.RuntimeStats | None = None,
+    ) -> None:  # fmt: skip
         if self.reference_time is not None:
             # No timing window of its own: the GPU times one kernel more in that time.
             stats, age = self.reference_time
@@ -360,6 +517,8 @@ class _Judge(_Job):
                 f"settings on this GPU, {age:.1f} s ago (the service's --reference-time-reuse-s; "
                 "bypass_cache times it again)"
             )
+        elif timed is not None:  # timed call by call, as the kernel was
+            stats = timed
         else:
             self.reporter.phase(job_pb2.PHASE_PROFILING)
             args = make_args(0)
@@ -373,3 +532,33 @@ class _Judge(_Job):
             self.result.speedup = stats.median_ms / kernel_ms
             self._judge_speedup()
         self._memory_floor(kernel_ms)
+
+
+def _like(value: Any) -> torch.Tensor:
+    """A shared output's shape and dtype: the reference's output (a tensor, or refused)."""
+    if not isinstance(value, torch.Tensor):
+        raise timed_calls.TimedCallError(
+            f"the reference returns a {type(value).__name__}: only tensors are shared"
+        )
+    return value
+
+
+def _timing_event() -> Any:
+    return timing._Event(enable_timing=True)
+
+
+class _L2Flush:
+    """Before each timed call, the L2 flushed as timing.py does (outside the call's span)."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.device = device
+        self.buffer = (
+            torch.empty(timing.L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+            if on and device.type == "cuda"
+            else None
+        )
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.zero_()
+            torch.cuda.synchronize(self.device)

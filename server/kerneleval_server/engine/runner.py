@@ -43,6 +43,7 @@ from . import (
     preflight,
     record,
     tamper,
+    timed_calls,
     timing,
 )  # fmt: skip
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
@@ -120,6 +121,15 @@ class _SafeReporter:
         if ask is not None:
             self._call(lambda: ask(phase))
 
+    def drive_kernel(self) -> None:
+        """A judge's timing of its kernel's calls: a timing window in which the kernel's
+        process runs beside it (a reporter without it: the plain timing phase)."""
+        drive = getattr(self.inner, "drive_kernel", None)
+        if drive is not None:
+            self._call(drive)
+        else:
+            self._call(lambda: self.inner.phase(job_pb2.PHASE_PROFILING))
+
     def progress(self, phase: int, done: int, total: int) -> None:
         self._call(lambda: self.inner.progress(phase, done, total))
 
@@ -164,7 +174,10 @@ def run_job(
         job.poisoned = job.poisoned or errors.context_dead()
     if job.notes:
         job.result.notes.extend(job.notes)
-    return Outcome(result=job.result, context_poisoned=job.poisoned)
+    outcome = Outcome(result=job.result, context_poisoned=job.poisoned)
+    if job.serves is not None and job.result.verdict == job_pb2.VERDICT_OK and not job.poisoned:
+        outcome.serve = job.serve_timed_calls
+    return outcome
 
 
 def _raised_by(e: BaseException, files_of: dict[str, job_pb2.Side]) -> job_pb2.Side:
@@ -390,6 +403,7 @@ class _Job:
         self.ahead_gold: precision.Gold | None = None  # and trial 0's float64 run
         # Each imported source file -> its side: whose code raised what reached run_job.
         self.files_of: dict[str, job_pb2.Side] = {}
+        self.serves: Program | None = None  # the kernel, for its judge's timed calls
 
     @property
     def judged_elsewhere(self) -> bool:
@@ -435,11 +449,34 @@ class _Job:
             self._run_once(cand, make_args)
         else:
             self._validate(cand, ref, make_args)
-        if self.opts.perf_trials > 0:
+        if self.opts.perf_trials > 0 and self._timed_by_judge():
+            self.serves = cand  # timed after the outcome, by the judge (serve_timed_calls)
+        elif self.opts.perf_trials > 0:
             self._time(cand, ref, make_args)
         else:
             self.notes.append("perf_trial_count is 0: not timed")
         self.result.verdict = job_pb2.VERDICT_OK
+
+    def _timed_by_judge(self) -> bool:
+        """The judge drives and times the kernel's calls (EngineConfig.timed_by_judge):
+        only while its outputs reach the judge (a full record: it judges and times itself)."""
+        return self.config.timed_by_judge and self.judged_elsewhere
+
+    def serve_timed_calls(self, share_fd: int) -> None:
+        """After the outcome: the judge's timed calls of the kernel, on views of its shared
+        arguments, until it stops them (timed_calls.serve). Whatever this process claims of
+        their time is checked against the judge's own clock."""
+        cand = self.serves
+        assert cand is not None
+
+        def make_args(values: list[Any], layout: dict[str, Any]) -> TrialArgs:
+            return TrialArgs(
+                values, list(layout["names"]), list(layout["roles"]), list(layout["is_meta"]),
+                bool(layout["from_get_inputs"]),
+            )  # fmt: skip
+
+        with self._cpu_shim(), torch.no_grad():
+            timed_calls.serve(share_fd, cand.run, make_args, self.dev)
 
     def _context(self) -> BuildContext:
         limits = self.config.device_limits or device.gpu_limits()

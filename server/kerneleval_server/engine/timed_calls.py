@@ -43,7 +43,9 @@ import torch
 from . import device_share
 
 # The control block: int64 words, each written by one side only.
-GO, MODE, DONE, STATUS, INSIDE_NS, READY = range(6)  # GO, MODE: the driver's; the rest: the server's
+GO, MODE, DONE, STATUS, INSIDE_NS, READY = range(
+    6
+)  # GO, MODE: the driver's; the rest: the server's
 WORDS = 8
 MESSAGE_AT = 256  # bytes from here: the server's message of a failed call (its words, hostile)
 CONTROL_BYTES = 4096
@@ -364,8 +366,9 @@ def serve(
         try:
             if mode == CALL:
                 if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                        enable_timing=True
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
                     )
                     start.record()
                     got = run(args)

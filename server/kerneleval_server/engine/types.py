@@ -40,6 +40,10 @@ class EngineConfig:
     # With a recorder: the reference is never built here, its judge runs it (a launch process
     # never loads a job's host code). The kernel's IOContract gives the inputs.
     reference_judged: bool = False
+    # With a recorder: the kernel's timed calls are its judge's to drive and time, from a
+    # process that never loads its code (timed_calls.py); this process serves them after its
+    # outcome (Outcome.serve) instead of timing itself.
+    timed_by_judge: bool = False
 
 
 @dataclass
@@ -49,6 +53,9 @@ class Outcome:
     # Peak device memory, where the engine knows better than torch's allocator; 0: the job
     # process reads the allocator's.
     peak_memory_bytes: int = 0
+    # The kernel checked, its timed calls its judge's (EngineConfig.timed_by_judge): serves
+    # them on the record's socket (its descriptor the argument) until the judge stops it.
+    serve: Callable[[int], None] | None = None
 
 
 class NullReporter:

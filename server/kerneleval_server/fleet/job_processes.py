@@ -119,6 +119,7 @@ class WorkerState:
         judge: job_channel_pb2.JudgeRequest | None = None,
         share_fd: int = -1,
         share_max_bytes: int = 0,
+        timed_by_judge: bool = False,
     ) -> bool:
         """Sends the process a job: its one job, a build job (`build_arch`: build for it), or
         a job of prebuilt kernels. FrameError (nothing sent, nothing changed) when the job does
@@ -142,6 +143,7 @@ class WorkerState:
         assign.fd_count = len(fds)
         if share_fd >= 0 and record_fd >= 0:
             assign.share_max_bytes = share_max_bytes
+            assign.timed_by_judge = timed_by_judge
         msg = job_channel_pb2.FrontendMessage(assign=assign)
         if compile_cache:
             with_cache = job_channel_pb2.FrontendMessage()

@@ -85,6 +85,7 @@ class Window:
     at_end: job_pb2.GpuConditions | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False  # the holder waits for a GPU others' queued work keeps busy
+    partners: list[str] = field(default_factory=list)  # job processes it lets run too
 
     def fill(self, out: job_pb2.TimingWindow) -> None:
         out.exclusive = True

@@ -445,6 +445,19 @@ class _Reporter:
             )
         )
 
+    def drive_kernel(self) -> None:
+        """A judge about to drive its kernel's timed calls: a new grant of its timing
+        window, in which the kernel's process runs too (PhaseUpdate.drives_kernel). No drain:
+        the work left on the GPU can only be that process's, and slows only its own calls."""
+        phase = job_pb2.PHASE_PROFILING
+        self._granted.discard(phase)
+        self._channel.let_go(self._job_id, phase)
+        event = self._channel.grant_event(self._job_id, phase)
+        update = job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase, drives_kernel=True)  # type: ignore[arg-type]
+        self._channel.send(job_channel_pb2.JobProcessMessage(phase=update))
+        event.wait()
+        self._granted.add(phase)
+
     def let_go(self, phase: int) -> None:
         """The GPU's grant for the phase is given back (the front end was told): the next
         phase(phase) waits for a new one."""
@@ -794,6 +807,7 @@ def _run_one(
     judging = assign.HasField("judge") and record_fd >= 0
     recorder = None
     launch_only = False  # every source came prebuilt: the process may take another job
+    outcome: Any = None
     try:
         config = engine.EngineConfig(work_dir=job_dir)
         if not prebuilt and hasattr(config, "extension_builder"):
@@ -808,6 +822,7 @@ def _run_one(
                 assign.record_max_bytes, share_fd, assign.share_max_bytes,
                 assign.judge.kernel_gone, _reference_time(assign.judge),
                 go=go if assign.judge.ahead else None,
+                **({"kernel_serves": True} if assign.judge.kernel_serves else {}),
             )  # fmt: skip
         else:
             if assign.record_max_bytes and record_fd >= 0:
@@ -818,6 +833,8 @@ def _run_one(
                 # A launch's reference, not built ahead (it has host code), runs only in
                 # its judge: never in a process that takes job after job.
                 config.reference_judged = bool(prebuilt)
+                if hasattr(config, "timed_by_judge"):
+                    config.timed_by_judge = assign.timed_by_judge and share_fd >= 0
             launch_only = _launch_only(assign, recorder is not None)
             if prebuilt and not launch_only:
                 # Its reference's host code would run in a process that ran others' jobs.
@@ -831,8 +848,11 @@ def _run_one(
         peak = getattr(outcome, "peak_memory_bytes", 0) or (0 if poisoned else _peak_memory())
     except Exception as exc:  # noqa: BLE001 - the engine should not raise; report, not die
         result, poisoned, peak = _engine_error(exc), False, 0
+    serve = getattr(outcome, "serve", None)
+    serving = serve is not None and share_fd >= 0 and not poisoned and not judging
     for fd in fds:
-        os.close(fd)
+        if not (serving and fd == share_fd):  # the record: closed, so that it can be sealed
+            os.close(fd)
     shared = recorder.shared_bytes if recorder is not None else 0
     peak += shared  # device memory outside torch's allocator, held until the process exits
     reusable = (
@@ -852,9 +872,20 @@ def _run_one(
         reusable=reusable,
         peak_memory_bytes=peak,
         shared_bytes=shared,
+        serves_timed_calls=serving,
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
+    if serving:
+        # Its judge drives the kernel's timed calls now (engine/timed_calls.py); then this
+        # process exits as after any job.
+        assert serve is not None
+        try:
+            serve(share_fd)
+        except Exception:  # noqa: BLE001 - the judge sees the calls end, and says why
+            pass
+        finally:
+            os.close(share_fd)
     # The result (and the GPU's timing window) does not wait for the cleanup; the next job
     # does: it is read only once the process is clean, and a failed cleanup ends the process
     # (a job given meanwhile runs again elsewhere: the exit is not its doing). The job's
@@ -872,7 +903,7 @@ def _run_one(
 
 def _judge_go(
     channel: _Channel, reporter: _Reporter, job_id: str
-) -> tuple[Any, bool, tuple[Any, float] | None] | None:
+) -> tuple[Any, bool, tuple[Any, float] | None, bool] | None:
     """A judge started ahead has run the reference: it says so (the front end takes back its
     GPU grant: the kernel's timing must not wait for it) and waits for the kernel's report.
     Its grant is let go before it says so: the front end may ask for its next one as soon as
@@ -886,7 +917,8 @@ def _judge_go(
     go = channel.wait_go(job_id)
     if go is None or go.abandon:
         return None
-    return go.request.candidate, go.request.kernel_gone, _reference_time(go.request)
+    r = go.request
+    return r.candidate, r.kernel_gone, _reference_time(r), r.kernel_serves
 
 
 def _reference_time(judge: job_channel_pb2.JudgeRequest) -> tuple[Any, float] | None:

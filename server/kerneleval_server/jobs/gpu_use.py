@@ -209,6 +209,26 @@ class GpuUse:
         timed = is_timed(run.job.spec.options)
         return timed and run.job.job_id in self.m._launched and not run.judged_now
 
+    def drive_kernel(self, run: Running) -> None:
+        """A judge asks to drive its kernel's timed calls (PhaseUpdate.drives_kernel): a
+        timing window in which the kernel's process, still there, runs beside it (a partner:
+        never frozen). Asked like any timing phase; a judge holding its window already (the
+        reference was timed in it, the kernel's process frozen) has it opened again with
+        that partner."""
+        if run.kernel_worker is None or not run.kernel_serves or not run.judged_now:
+            self.m.on_protocol_violation(
+                run.worker, "a kernel's timing asked with no kernel to time"
+            )
+            return
+        run.drives_kernel = True
+        run.phase = job_pb2.PHASE_PROFILING
+        run.grant_asked_at = asyncio.get_running_loop().time()
+        self.use(run)
+
+    def _partners(self, run: Running | None) -> list[str]:
+        kernel = run.kernel_worker if run is not None and run.drives_kernel else None
+        return [kernel.worker_id] if kernel is not None else []
+
     def grant(self, worker_id: str, exclusive: bool) -> None:
         """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
         once; a timing window once the device's other job processes are frozen (a job whose
@@ -220,7 +240,11 @@ class GpuUse:
         phase = run.phase if run is not None else job_pb2.PHASE_PROFILING
         if not exclusive:
             self._send_grant(worker, job_pb2.PHASE_VALIDATING)
-        elif run is not None and run.window is not None:
+        elif (
+            run is not None
+            and run.window is not None
+            and run.window.partners == self._partners(run)
+        ):
             self._send_grant(worker, phase)  # its window is open: its check ran in it
         else:
             self.m._spawn(self._open_window(worker, phase))
@@ -228,7 +252,11 @@ class GpuUse:
     async def _open_window(self, worker: WorkerState, phase: int) -> None:
         device = worker.device_index
         began = time.perf_counter()
-        report = await self.m.windows.open(self.m.watchdog, device, worker.worker_id)
+        run = self.m.running.get(worker.job_id) if worker.job_id else None
+        partners = self._partners(run)
+        report = await self.m.windows.open(
+            self.m.watchdog, device, worker.worker_id, partner_worker_ids=partners
+        )
         log.info(
             "timing window opened",
             extra={"worker_id": worker.worker_id, "device_index": device,
@@ -237,11 +265,16 @@ class GpuUse:
         run = self.m.running.get(worker.job_id) if worker.job_id else None
         if run is None or self.m.gate.holders(device)[0] != worker.worker_id:
             return  # it ended while the others froze; its release closes the window
+        if run.window is not None:  # opened again, its partner thawed: the same window
+            run.window.partners = partners
+            self._send_grant(worker, phase)
+            return
         if self.m.windows.frozen(device):
             for other in self.m.running.values():
                 if other.worker.device_index == device and other is not run and other.deadline:
                     other.deadline.pause()
         run.window = Window(others_frozen=report.ok, at_start=public_conditions(report.conditions))
+        run.window.partners = partners
         if not report.ok and self.m.windows.freeze_others:
             log.warning(
                 "timing window of job %s on device %d: others not frozen: %s",

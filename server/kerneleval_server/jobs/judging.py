@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
+from kerneleval_server.api.validation import is_timed
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
@@ -60,6 +61,17 @@ def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> boo
         return False
     o = spec.options
     return not (o.sanitize or o.device_metrics or o.launch_blocking or o.device_side_assertions)
+
+
+def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
+    """Whether the judge of a job drives and times its kernel's calls in the kernel's process
+    (engine/timed_calls.py; AssignJob.timed_by_judge): every timed job whose kernel's host code
+    runs there (not a launch of kernels built ahead, nor a GPU MODE task: their own paths)."""
+    return (
+        is_timed(spec.options)
+        and not prebuilt
+        and spec.kernel.type != kernel_pb2.KERNEL_TYPE_GPU_MODE
+    )
 
 
 def reference_key(spec: kernel_pb2.JobSpec) -> str:
@@ -255,8 +267,10 @@ class Judges:
         """Whether the process's frame for `job_id` is a judge's started ahead, not the
         job's: before its JudgeGo, or with the job gone from it (ended, or another attempt's
         `run`)."""
-        return bool(job_id) and worker.ahead_job == job_id and (
-            run is None or run.worker is not worker
+        return (
+            bool(job_id)
+            and worker.ahead_job == job_id
+            and (run is None or run.worker is not worker)
         )
 
     def on_ahead_message(
@@ -321,12 +335,13 @@ class Judges:
         run.kernel_worker = run.worker
         run.deadline.pause()
         run.awaiting_judge = True
-        # Should the kernel's exit never be heard of (it is killed before this).
-        run.timers.append(
-            asyncio.get_running_loop().call_later(
-                self.exit_grace_s + self.kill_fallback_s, self.kernel_exited, run
+        if not run.kernel_serves:
+            # Should the kernel's exit never be heard of (it is killed before this).
+            run.timers.append(
+                asyncio.get_running_loop().call_later(
+                    self.exit_grace_s + self.kill_fallback_s, self.kernel_exited, run
+                )
             )
-        )
         self._seal_and_queue(run.job.job_id, 0)
 
     def judged(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
@@ -357,8 +372,11 @@ class Judges:
             return
         if job_id in self.queue:
             return
-        if run.record.shared_bytes and run.kernel_worker is not None:
-            return  # what it handed over by descriptor is read once nothing can write it
+        if run.record.shared_bytes and run.kernel_worker is not None and not run.kernel_serves:
+            # What it handed over by descriptor is read once nothing can write it. (One that
+            # serves its timed calls stays: rewriting its checked outputs gains it nothing,
+            # since its timed calls are checked on inputs it never saw.)
+            return
         if run.record.seal():
             self.queue.append(job_id)
             self.m.dispatch()
@@ -447,9 +465,7 @@ class Judges:
                 self.free_later.add(device)
                 loop.call_later(wait, self._free_later_due, device)
             return
-        idle = next(
-            (w for w in fresh if w.ready and w.device_index == device and w.launches), None
-        )
+        idle = next((w for w in fresh if w.ready and w.device_index == device and w.launches), None)
         if idle is not None:  # a busy one is idle after its job: that outcome asks again
             self.freed_for_judge[device] = loop.time()
             self.retire(idle, "its slot goes to a judge (a judged job found none on its GPU)")
@@ -506,6 +522,7 @@ class Judges:
         job = run.job
         known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
         request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
+        request.kernel_serves = run.kernel_serves and run.kernel_worker is not None
         ahead = run.ahead is worker
         try:
             if ahead:
@@ -542,9 +559,7 @@ class Judges:
             if worker.judge_key
             else ""
         )
-        timed = (
-            f"its time an earlier job's, {known[1]:.1f} s ago" if known else "is timed there"
-        )
+        timed = f"its time an earlier job's, {known[1]:.1f} s ago" if known else "is timed there"
         ran = "ran there on the trials' inputs while the kernel ran" if ahead else "runs there"
         event.log.text = (
             f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,6 +84,7 @@ RUNTIME_RULES = (
     "persisting_l2",
     "lower_precision",
     "timer_tampered",
+    "time_outside_bound",
 )
 
 
@@ -107,7 +108,11 @@ class WatchdogLike(Protocol):
     async def status(self) -> watchdog_pb2.StatusReport: ...
     async def shutdown(self, grace_ms: int = 2000) -> None: ...
     async def open_window(
-        self, device_index: int, holder_worker_id: str, freeze_others: bool
+        self,
+        device_index: int,
+        holder_worker_id: str,
+        freeze_others: bool,
+        partner_worker_ids: Sequence[str] = (),
     ) -> watchdog_pb2.WindowReport: ...
     async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
     async def stop_gpu_users(self, device_index: int) -> watchdog_pb2.GpuUsersReport: ...
@@ -150,6 +155,10 @@ class Running:
     timing_waits_kernel: bool = False
     # Its judge, started ahead with its kernel (judging.start_ahead), until its JudgeGo.
     ahead: WorkerState | None = None
+    # Its kernel's process stays after its outcome, serving its timed calls to the judge
+    # (JobOutcome.serves_timed_calls), and the judge's window lets it run (drives_kernel).
+    kernel_serves: bool = False
+    drives_kernel: bool = False
 
     @property
     def judged_now(self) -> bool:
@@ -907,8 +916,12 @@ class JobManager:
 
     def _drop_record(self, run: Running) -> None:
         """The job is done with its record: closed, what its shares held of the GPU given
-        back, and a judge started ahead with it (which holds it too) told to leave it."""
+        back, a judge started ahead with it (which holds it too) told to leave it, and a
+        kernel's process that served its timed calls watched to its exit."""
         self.judges.leave_ahead(run)
+        kernel = run.kernel_worker
+        if run.kernel_serves and kernel is not None:
+            self._watch_exit(kernel)
         record = run.record
         if record is None:
             return
@@ -960,6 +973,7 @@ class JobManager:
                 record_max_bytes=record.max_bytes if record is not None else 0,
                 share_fd=record.share_theirs if record is not None else -1,
                 share_max_bytes=record.share_max_bytes if record is not None else 0,
+                timed_by_judge=record is not None and judging.times_kernel(job.spec, prebuilt),
             )
             if record is not None:
                 record.given_to_kernel()
@@ -1112,10 +1126,15 @@ class JobManager:
                 self.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
+            if msg.phase.drives_kernel:
+                self.gpu_use.drive_kernel(run)
+                self.hub.publish(event)
+                return
             if (
                 msg.phase.phase == job_pb2.PHASE_PROFILING
                 and run.kernel_worker is not None
                 and run.kernel_worker is not worker
+                and not run.kernel_serves
             ):
                 # A judge, before its kernel's process has exited: nothing of the kernel may
                 # still run on the GPU while the reference is timed (judges.kernel_exited asks).
@@ -1191,7 +1210,12 @@ class JobManager:
                 worker.launches += 1
         else:
             worker.gone = True
-            self._watch_exit(worker)
+            if outcome.serves_timed_calls and run.record is not None and not judge:
+                # It stays, for its judge's timed calls; it is watched to its exit once the
+                # job is done with it (_drop_record). Its slot goes to a spare all the same.
+                run.kernel_serves = True
+            else:
+                self._watch_exit(worker)
             if self.watchdog is not None:
                 self._spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
         if outcome.context_poisoned:
