@@ -51,7 +51,7 @@ import time
 import torch
 """
 
-HOSTILE_HONEST = """
+HONEST = """
 import torch
 
 
@@ -168,7 +168,7 @@ def test_outputs_not_computed_from_the_calls_inputs_are_incorrect(stub, svc, att
 def test_an_honest_candidate_is_timed_by_its_own_clock_unflagged(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """The same path for an honest kernel: its own times agree with the judge's bound, it is
     not flagged, and the result says how it was timed."""
-    honest = HOSTILE_HONEST
+    honest = HONEST
     s = spec(honest, reference=REFERENCE, client_tag="alice-honest", perf_trials=8)
     ran = run_job(stub, s, svc)
     r = ran.job.result
