@@ -48,6 +48,7 @@ def judge_job(
     spec: Any, reporter: Any, config: Any, candidate: job_pb2.EvalResult, record_fd: int,
     record_max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0,
     kernel_gone: bool = False, reference_time: Any = None, go: Any = None,
+    kernel_serves: bool = False,
 ) -> Outcome:  # fmt: skip
     global _judged
     _judged += 1
@@ -61,7 +62,7 @@ def judge_job(
         got = go()
         if got is None:
             return Outcome(job_pb2.EvalResult(notes=["left: the job ended first"]))
-        candidate, kernel_gone, reference_time = got
+        candidate, kernel_gone, reference_time = got[:3]
         reporter.phase(job_pb2.PHASE_VALIDATING)
     result = job_pb2.EvalResult()
     result.CopyFrom(candidate)

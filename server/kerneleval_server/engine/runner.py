@@ -18,6 +18,7 @@ VERDICT_CANNOT_RUN_HERE, `compiled` saying whether its sources were compiled.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -475,6 +476,9 @@ class _Job:
                 bool(layout["from_get_inputs"]),
             )  # fmt: skip
 
+        if self.dev.type == "cuda":  # its checks' tensors are gone: their memory too
+            gc.collect()
+            torch.cuda.empty_cache()
         with self._cpu_shim(), torch.no_grad():
             timed_calls.serve(share_fd, cand.run, make_args, self.dev)
 

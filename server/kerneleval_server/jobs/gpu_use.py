@@ -79,6 +79,10 @@ class GpuUse:
         shares = self._shares_held(run)
         if shares:
             return self._admit_with_shares(run, shares)
+        if self._judges_a_serving_kernel(run):
+            # Its kernel's process waits for it (and a job alone waits for that process to
+            # exit): it is not held back by a GPU held for a job alone.
+            return self.m.memory.admit(device, worker_id, self.memory_key(run))
         if held_devices is None:
             held_devices = self.m._held_devices()
         held = held_devices.get(device)
@@ -86,6 +90,17 @@ class GpuUse:
             return False
         alone = run.job.job_id in self.m.alone
         return self.m.memory.admit(device, worker_id, self.memory_key(run), alone)
+
+    @staticmethod
+    def _judges_a_serving_kernel(run: Running) -> bool:
+        """The run's process is the judge of a kernel whose process stays for its timed
+        calls (JobOutcome.serves_timed_calls)."""
+        return run.judged_now and run.kernel_serves and run.worker is not run.kernel_worker
+
+    def _goes_first(self, run: Running) -> bool:
+        """Judges whose kernels hold something of the GPU until they are done: shares, or
+        a process waiting for its timed calls."""
+        return bool(self._shares_held(run)) or self._judges_a_serving_kernel(run)
 
     def _shares_held(self, run: Running) -> str:
         """The holder name of what a judge's kernel handed over by descriptor, while it is
@@ -144,14 +159,14 @@ class GpuUse:
         blocked: set[int] = set()
         held_devices = self.m._held_devices()
         self._sweep({run.worker.device_index for run in self.waiting.values()})
-        # Judges whose kernels' outputs hold memory go first: they give it back.
-        order = sorted(self.waiting.items(), key=lambda item: not self._shares_held(item[1]))
+        # Judges whose kernels hold memory or a process go first: they give it back.
+        order = sorted(self.waiting.items(), key=lambda item: not self._goes_first(item[1]))
         for worker_id, run in order:
             device = run.worker.device_index
             if self.m.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
                 del self.waiting[worker_id]
                 continue
-            if self._shares_held(run):
+            if self._goes_first(run):
                 if self.admit(run, held_devices):
                     del self.waiting[worker_id]
                     self.use(run)

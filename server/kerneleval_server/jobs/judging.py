@@ -417,9 +417,10 @@ class Judges:
             alone = held.get(device)
             shares_held = run.record.gpu_held_on is not None
             if alone is not None and (alone != job_id or self.m._busy_on(device)):
-                # Unless its kernel's shares hold memory there: the job that waits for the
-                # GPU to itself waits for them, and only this judge's start lets them go.
-                if not shares_held:
+                # Unless its kernel's shares hold memory there, or its kernel's process waits
+                # for its timed calls: the job that waits for the GPU to itself waits for
+                # them, and only this judge lets them go.
+                if not shares_held and not run.kernel_serves:
                     continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]

@@ -1212,8 +1212,12 @@ class JobManager:
             worker.gone = True
             if outcome.serves_timed_calls and run.record is not None and not judge:
                 # It stays, for its judge's timed calls; it is watched to its exit once the
-                # job is done with it (_drop_record). Its slot goes to a spare all the same.
+                # job is done with it (_drop_record). Its slot goes to a spare all the same,
+                # and its memory to its judge's admission: it let go of its checks' tensors,
+                # and what its calls use is the judge's (timed_calls.py); held apart, the
+                # judges its processes wait for would wait for them (seen on an H200).
                 run.kernel_serves = True
+                self.memory.release(worker.device_index, worker.worker_id)
             else:
                 self._watch_exit(worker)
             if self.watchdog is not None:
