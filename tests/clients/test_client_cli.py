@@ -599,10 +599,10 @@ class Recorder:
 
 
 def test_the_profiling_bars_count_the_real_trials():
-    """The service counts a candidate's and its reference's timed trials as one series of 2n:
-    shown as n for the kernel, then n for the reference."""
+    """A job run whole in one process counts a candidate's and its reference's timed trials
+    as one series of 2n: shown as n for the kernel, then n for the reference."""
     rec = Recorder()
-    view = progress.JobView(rec, has_reference=True)
+    view = progress.JobView(rec, has_reference=True, trials=10)
     view.event(job_pb2.JobEvent(phase=job_pb2.JobPhase(phase=job_pb2.PHASE_PROFILING)))
     for done in (5, 10, 15, 20):
         view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
@@ -618,6 +618,41 @@ def test_the_profiling_bars_count_the_real_trials():
     view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
         phase=job_pb2.PHASE_PROFILING, done_count=3, total_count=5)))  # fmt: skip
     assert rec.bars == [("profiling", 3, 5)]
+
+
+def test_a_judged_job_shows_each_phase_once_in_the_terminal_and_in_jsonl(fake, capsys, tmp_path):
+    """The kernel's process and then its judge each send compiling, validating and profiling:
+    one bar each, the judge's timing the reference's."""
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    kernel = tmp_path / "k.py"
+    kernel.write_text("# JUDGED\nimport torch\nclass ModelNew(torch.nn.Module):\n    pass\n")
+    code, _, err = run(fake, capsys, "compare", str(ref), str(kernel), "--perf-trials", "3")
+    assert code == 0, err
+    shown = [ln.split()[:2] for ln in err.splitlines() if ln.startswith("  ")]
+    assert shown == [
+        ["waiting", "in"],
+        ["compiling"],
+        ["validating"], ["validating", "3/3"],
+        ["profiling", "kernel"], ["profiling", "kernel"],  # "3/3 ..." on the line's end
+        ["profiling", "reference"], ["profiling", "reference"],
+    ], err  # fmt: skip
+    assert "profiling kernel 3/3" in err and "profiling reference 3/3" in err
+    code, out, _ = run(fake, capsys, "compare", str(ref), str(kernel), "--perf-trials", "3",
+                       "--jsonl")  # fmt: skip
+    lines = [json.loads(line) for line in out.splitlines()]
+    bars = [(b["label"], b["done"], b["total"]) for e in lines for b in e.get("bars", [])]
+    assert bars == [
+        ("compiling", 0, 0),
+        ("validating", 0, 0), ("validating", 1, 3), ("validating", 2, 3), ("validating", 3, 3),
+        ("profiling kernel", 0, 0), ("profiling kernel", 1, 3), ("profiling kernel", 2, 3),
+        ("profiling kernel", 3, 3),
+        ("profiling reference", 0, 0), ("profiling reference", 1, 3),
+        ("profiling reference", 2, 3), ("profiling reference", 3, 3),
+    ]  # fmt: skip
+    # Every event is still there: the judge's phases too, without a bar of their own.
+    phases = [e["event"]["phase"]["phase"] for e in lines if "phase" in e["event"]]
+    assert phases.count("PHASE_VALIDATING") == 2 and phases.count("PHASE_COMPILING") == 2
 
 
 def test_meter_rate_and_eta():

@@ -350,10 +350,13 @@ class _GpuModeRun:
     def _time_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
         job, r = self.job, self.result
         n = job.opts.perf_trials
-        total = 2 * n * len(self.benchmarks)
+        # Judged elsewhere, this process times the kernel alone (its judge, the reference):
+        # n steps a case; else the kernel's n and ref_kernel's n, case by case.
+        per_case = n if job.judged_elsewhere else 2 * n
+        total = per_case * len(self.benchmarks)
         job.reporter.phase(job_pb2.PHASE_PROFILING)
         for i, case in enumerate(self.benchmarks):
-            self._time_case(ref, cand, case, r.benchmark_cases[i], 2 * n * i, total)
+            self._time_case(ref, cand, case, r.benchmark_cases[i], per_case * i, total)
         r.runtime.CopyFrom(geometric_means([c.runtime for c in r.benchmark_cases]))
         if not job.judged_elsewhere:
             self._speedups()

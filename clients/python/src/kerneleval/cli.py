@@ -497,12 +497,6 @@ def _exit_code(results: Iterable[job_pb2.Job | str]) -> int:
     return EXIT_OK if ok else EXIT_NOT_RUN
 
 
-def _splits_profiling(spec: kernel_pb2.JobSpec) -> bool:
-    """Whether a job's timed trials are the kernel's and then the reference's, each on a bar
-    of its own (a GPU MODE job times both per benchmark case: one bar)."""
-    return spec.HasField("reference") and spec.kernel.type != kernel_pb2.KERNEL_TYPE_GPU_MODE
-
-
 def _show_job(out: _Output, job: job_pb2.Job) -> int:
     if out.json:
         _dump(as_dict(job))
@@ -529,11 +523,11 @@ def _run_one(
     a: argparse.Namespace, c: Client, out: _Output, name: str, spec: kernel_pb2.JobSpec
 ) -> int:
     """One job on a Run stream: its progress, then its result."""
-    view = progress.JobView(out.display, has_reference=_splits_profiling(spec))
+    view = progress.JobView(out.display, bars=progress.PhaseBars.for_spec(spec))
 
     def emit(ev: job_pb2.JobEvent) -> None:
         if out.jsonl:
-            _dump({"file": name, "event": as_dict(ev)}, lines=True)
+            _dump({"file": name, "event": as_dict(ev), **_bars(view)}, lines=True)
 
     follower = _Follower(c, out, view, emit=emit)
     try:
@@ -546,6 +540,12 @@ def _run_one(
         _dump([{"file": name, "job": as_dict(job)}])
         return _exit_code([job])
     return _show_job(out, job)
+
+
+def _bars(view: progress.JobView) -> dict[str, Any]:
+    """--jsonl's "bars": what the event moved of the job's bars, one per phase (none when
+    it repeats a phase another of the job's processes reported already)."""
+    return {"bars": [b.as_dict() for b in view.moved]} if view.moved else {}
 
 
 def _refusal_text(error: Any) -> str:
@@ -666,9 +666,9 @@ def _gpumode_specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]
 
 
 def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    has_reference: bool | None = None
+    bars = progress.PhaseBars()
     try:  # to count the candidate's and the reference's timed trials apart
-        has_reference = _splits_profiling(c.get_job(a.job).spec)
+        bars = progress.PhaseBars.for_spec(c.get_job(a.job).spec)
     except errors.NotFound:
         raise
     except errors.KernelEvalError:
@@ -676,9 +676,9 @@ def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
 
     def emit(ev: job_pb2.JobEvent) -> None:
         if out.jsonl:
-            _dump(as_dict(ev), lines=True)
+            _dump({**as_dict(ev), **_bars(view)}, lines=True)
 
-    view = progress.JobView(out.display, has_reference=has_reference)
+    view = progress.JobView(out.display, bars=bars)
     follower = _Follower(c, out, view, job_id=a.job, after=a.after, emit=emit)
     try:
         job = follower.follow(None)
