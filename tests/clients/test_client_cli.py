@@ -749,3 +749,88 @@ def test_live_progress_with_rich_on_a_tty(tmp_path, triton_file):
         assert "verdict" in table and "\x1b[32mOK" in table
     finally:
         server.stop()
+
+
+# -- clear first errors -------------------------------------------------------------------
+
+
+def usage_error(capsys, *args: str) -> str:  # type: ignore[no-untyped-def]
+    """argparse's error for `args` (exit code 2)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(args))
+    assert e.value.code == cli.EXIT_USAGE
+    return capsys.readouterr().err
+
+
+def test_mistyped_commands_and_options_get_a_suggestion(capsys):
+    err = usage_error(capsys, "evalute", "k.py")
+    assert "invalid choice: 'evalute'" in err and "did you mean 'evaluate'?" in err
+    err = usage_error(capsys, "evaluate", "k.py", "--perf-trails", "5")
+    assert "--perf-trails: did you mean --perf-trials?" in err
+    err = usage_error(capsys, "gpumode", "task", "--colr=never")
+    assert "--colr: did you mean --color?" in err
+    err = usage_error(capsys, "evaluate", "k.py", "--zzzzzz")
+    assert "did you mean" not in err  # nothing close: nothing made up
+
+
+def test_a_missing_file_names_its_role(fake, capsys, tmp_path, triton_file):
+    code, _, err = run(fake, capsys, "compare", str(tmp_path / "nope.py"), str(triton_file))
+    assert (
+        code == cli.EXIT_USAGE
+        and f"the reference file {tmp_path / 'nope.py'} does not exist" in err
+    )
+    code, _, err = run(fake, capsys, "compare", str(triton_file), str(tmp_path / "k.py"))
+    assert code == cli.EXIT_USAGE and "the kernel file" in err and "k.py does not exist" in err
+    code, _, err = run(
+        fake, capsys, "evaluate", str(triton_file), "--io", str(tmp_path / "io.json")
+    )
+    assert code == cli.EXIT_USAGE and "the --io file" in err and "io.json does not exist" in err
+    code, _, err = run(fake, capsys, "evaluate", str(triton_file), "--io", '{"args": 3}')
+    assert code == cli.EXIT_USAGE and "--io is not an IOContract" in err
+    code, _, err = run(fake, capsys, "evaluate", str(tmp_path))
+    assert code == cli.EXIT_USAGE and "is a folder, not a file" in err
+
+
+def test_a_bare_triton_file_without_io_is_told_about_io_once(fake, capsys, tmp_path):
+    bare = tmp_path / "bare.py"
+    bare.write_text("# REFUSE_WITHOUT_IO\n" + TRITON_FILE)
+    code, _, err = run(fake, capsys, "evaluate", str(bare))
+    assert code == cli.EXIT_SERVICE
+    assert err.count("a TRITON source without a ModelNew class") == 1, err
+    assert "--io JSON|FILE gives the kernel's IOContract" in err
+    code, out, _ = run(fake, capsys, "evaluate", str(bare), str(bare), "--json")  # a batch
+    (first, _) = json.loads(out)
+    assert first["error"].count("a TRITON source without a ModelNew class") == 1, first
+    assert first["error"].endswith("(--io JSON|FILE gives the kernel's IOContract)")
+
+
+def test_a_host_without_a_port_dials_the_services_port():
+    from kerneleval.client import Client, resolve_address
+
+    assert resolve_address("gpu-host") == "gpu-host:50051"
+    assert resolve_address("gpu-host:7000") == "gpu-host:7000"
+    assert resolve_address("[::1]") == "[::1]:50051" and resolve_address("::1") == "[::1]:50051"
+    assert resolve_address("dns:///gpu-host") == "dns:///gpu-host:50051"
+    assert resolve_address("unix:/run/ke.sock") == "unix:/run/ke.sock"
+    assert resolve_address("ipv4:10.0.0.1:80,10.0.0.2:80") == "ipv4:10.0.0.1:80,10.0.0.2:80"
+    with Client("localhost") as c:
+        assert c.address == "localhost:50051"
+
+
+def test_the_cli_reaches_a_server_named_without_its_port(fake, capsys, monkeypatch):
+    """`--server HOST` dials the service's port: a fake listening on it answers."""
+    from kerneleval import client as client_mod
+
+    port = int(fake.address.rsplit(":", 1)[1])
+    monkeypatch.setattr(client_mod, "DEFAULT_PORT", port)
+    code = cli.main(["--server", "127.0.0.1", "--timeout", "20", "jobs"])
+    assert code == cli.EXIT_OK, capsys.readouterr().err
+
+
+def test_a_missing_admin_token_says_where_the_right_one_is(fake, capsys, monkeypatch):
+    monkeypatch.delenv("KERNELEVAL_ADMIN_TOKEN", raising=False)
+    code, _, err = run(fake, capsys, "devices")
+    assert code == cli.EXIT_SERVICE and "no admin token was given" in err
+    assert "--admin-token-file STATE_DIR/admin_token" in err
+    code, _, err = run(fake, capsys, "devices", "--admin-token", "wrong")
+    assert code == cli.EXIT_SERVICE and "no admin token was given" not in err

@@ -9,6 +9,7 @@ log output stored per job, so that the front end, the store and the engine agree
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -397,17 +398,33 @@ def _check_kernel(
         and not has_args
         and "ModelNew" not in (k.source_code)
     ):
-        out.append(
-            FieldViolation(
-                f"{path}.io.args",
-                "a TRITON source without a ModelNew class is launched from its IOContract",
-            )
-        )
+        out.append(FieldViolation(f"{path}.io.args", _triton_without_model_new(k.source_code)))
     if k.type in (kernel_pb2.KERNEL_TYPE_CUDA, kernel_pb2.KERNEL_TYPE_TRITON) and has_args:
         launch_needed = k.type == kernel_pb2.KERNEL_TYPE_CUDA or "ModelNew" not in k.source_code
         if launch_needed and not k.io.launch.HasField("grid"):
             out.append(FieldViolation(f"{path}.io.launch.grid", "required to launch the kernel"))
     _check_io(f"{path}.io", k.io, limits, out, literals)
+
+
+_CLASS = re.compile(r"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
+
+
+def _triton_without_model_new(source: str) -> str:
+    """What to do about a Triton source that is neither launched from an IOContract nor run
+    through a ModelNew; a class whose name is close to ModelNew is named."""
+    text = (
+        "a TRITON source without a ModelNew class is launched from its IOContract: give its "
+        "args (the kernel's arguments) and launch.grid"
+    )
+    near = [
+        name
+        for name in _CLASS.findall(source)
+        if name.replace("_", "").lower() == "modelnew"
+        or difflib.get_close_matches(name, ["ModelNew"], n=1, cutoff=0.75)
+    ]
+    if near:
+        text += f"; or, to run it through its class {near[0]}, name that class ModelNew"
+    return text
 
 
 def _check_io(
