@@ -37,7 +37,7 @@ from kerneleval.v1 import (
 
 from kerneleval_server import config as config_mod
 from kerneleval_server import logs, reflection
-from kerneleval_server.api import validation
+from kerneleval_server.api import auth, validation
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
@@ -405,7 +405,8 @@ class Server:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         # Auth before decoding: a caller without the token learns nothing of its request.
-        interceptors = [MetricsInterceptor(self.metrics), AdminAuth(token), DecodeErrors()]
+        where = auth.CONFIGURED if cfg.admin_token else auth.IN_STATE_DIR
+        interceptors = [MetricsInterceptor(self.metrics), AdminAuth(token, where), DecodeErrors()]
         return grpc.aio.server(interceptors=interceptors, options=options)
 
     async def run(self) -> int:

@@ -3,8 +3,9 @@
 It speaks real gRPC on a real socket; jobs finish with a scripted event sequence. Knobs let
 tests drop streams (UNAVAILABLE mid-stream), fail calls (`FakeState.fail`: a status, with a
 google.rpc.RetryInfo when asked) and check what the client sent. Submit keeps idempotency keys,
-ListJobs filters by labels, events carry the job's labels, and a source containing "CACHED"
-finishes as a cached result (result_origin CACHE).
+ListJobs filters by labels, events carry the job's labels, a source containing "CACHED"
+finishes as a cached result (result_origin CACHE), and one containing "JUDGED" (with a
+reference) sends its judge's phases after its own, as the service's judge process does.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def violations(spec: kernel_pb2.JobSpec, require_reference: bool = False) -> lis
         for j, d in enumerate(arg.tensor.shape):
             if d < 0:
                 out.append((f"spec.kernel.io.args[{i}].tensor.shape[{j}]", "must be >= 0"))
+    if "REFUSE_WITHOUT_IO" in spec.kernel.source_code and not spec.kernel.io.args:
+        # The service's words for a Triton source without a ModelNew (api/validation.py); the
+        # other tests' Triton files without --io are accepted here.
+        out.append(("spec.kernel.io.args", "a TRITON source without a ModelNew class is "
+                    "launched from its IOContract: give its args and launch.grid"))  # fmt: skip
     if require_reference and not spec.HasField("reference"):
         out.append(("spec.reference", "required by Compare"))
     return out
@@ -57,8 +63,9 @@ def bad_request(context: grpc.ServicerContext, bad: list[tuple[str, str]]) -> No
             ]
         )
     )
+    summary = "; ".join(f"{f}: {d}" for f, d in bad[:5])  # as the service writes it
     status = status_pb2.Status(
-        code=code_pb2.INVALID_ARGUMENT, message="invalid job spec", details=[detail]
+        code=code_pb2.INVALID_ARGUMENT, message=f"invalid JobSpec: {summary}", details=[detail]
     )
     context.abort_with_status(rpc_status.to_status(status))
 
@@ -217,6 +224,8 @@ class FakeState:
             if spec.HasField("reference"):
                 result.reference_runtime.median_ms = 2.5
                 result.speedup = 2.0
+            if "JUDGED" in spec.kernel.source_code and spec.HasField("reference"):
+                self._judge_series(fj)
         fj.job.result.CopyFrom(result)
         if "CACHED" in spec.kernel.source_code:
             fj.job.result_origin = job_pb2.RESULT_ORIGIN_CACHE
@@ -224,6 +233,16 @@ class FakeState:
         else:
             fj.job.result_origin = job_pb2.RESULT_ORIGIN_RUN
         self._finish(fj, job_pb2.JOB_STATE_DONE)
+
+    def _judge_series(self, fj: FakeJob) -> None:
+        """A source marked JUDGED: after its kernel's process, the job's judge (a process of
+        its own, as the service's) sends its phases again: it builds the reference, checks
+        the recorded trials and times the reference."""
+        for phase in (job_pb2.PHASE_COMPILING, job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
+            self._emit(fj, phase=job_pb2.JobPhase(phase=phase))
+            for done in range(1, PROGRESS_STEPS + 1) if phase != job_pb2.PHASE_COMPILING else ():
+                p = job_pb2.JobProgress(phase=phase, done_count=done, total_count=PROGRESS_STEPS)
+                self._emit(fj, progress=p)
 
     def _finish(self, fj: FakeJob, state: int, reason: str = "") -> None:
         fj.job.state = state  # type: ignore[assignment]

@@ -599,10 +599,10 @@ class Recorder:
 
 
 def test_the_profiling_bars_count_the_real_trials():
-    """The service counts a candidate's and its reference's timed trials as one series of 2n:
-    shown as n for the kernel, then n for the reference."""
+    """A job run whole in one process counts a candidate's and its reference's timed trials
+    as one series of 2n: shown as n for the kernel, then n for the reference."""
     rec = Recorder()
-    view = progress.JobView(rec, has_reference=True)
+    view = progress.JobView(rec, has_reference=True, trials=10)
     view.event(job_pb2.JobEvent(phase=job_pb2.JobPhase(phase=job_pb2.PHASE_PROFILING)))
     for done in (5, 10, 15, 20):
         view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
@@ -618,6 +618,41 @@ def test_the_profiling_bars_count_the_real_trials():
     view.event(job_pb2.JobEvent(progress=job_pb2.JobProgress(
         phase=job_pb2.PHASE_PROFILING, done_count=3, total_count=5)))  # fmt: skip
     assert rec.bars == [("profiling", 3, 5)]
+
+
+def test_a_judged_job_shows_each_phase_once_in_the_terminal_and_in_jsonl(fake, capsys, tmp_path):
+    """The kernel's process and then its judge each send compiling, validating and profiling:
+    one bar each, the judge's timing the reference's."""
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    kernel = tmp_path / "k.py"
+    kernel.write_text("# JUDGED\nimport torch\nclass ModelNew(torch.nn.Module):\n    pass\n")
+    code, _, err = run(fake, capsys, "compare", str(ref), str(kernel), "--perf-trials", "3")
+    assert code == 0, err
+    shown = [ln.split()[:2] for ln in err.splitlines() if ln.startswith("  ")]
+    assert shown == [
+        ["waiting", "in"],
+        ["compiling"],
+        ["validating"], ["validating", "3/3"],
+        ["profiling", "kernel"], ["profiling", "kernel"],  # "3/3 ..." on the line's end
+        ["profiling", "reference"], ["profiling", "reference"],
+    ], err  # fmt: skip
+    assert "profiling kernel 3/3" in err and "profiling reference 3/3" in err
+    code, out, _ = run(fake, capsys, "compare", str(ref), str(kernel), "--perf-trials", "3",
+                       "--jsonl")  # fmt: skip
+    lines = [json.loads(line) for line in out.splitlines()]
+    bars = [(b["label"], b["done"], b["total"]) for e in lines for b in e.get("bars", [])]
+    assert bars == [
+        ("compiling", 0, 0),
+        ("validating", 0, 0), ("validating", 1, 3), ("validating", 2, 3), ("validating", 3, 3),
+        ("profiling kernel", 0, 0), ("profiling kernel", 1, 3), ("profiling kernel", 2, 3),
+        ("profiling kernel", 3, 3),
+        ("profiling reference", 0, 0), ("profiling reference", 1, 3),
+        ("profiling reference", 2, 3), ("profiling reference", 3, 3),
+    ]  # fmt: skip
+    # Every event is still there: the judge's phases too, without a bar of their own.
+    phases = [e["event"]["phase"]["phase"] for e in lines if "phase" in e["event"]]
+    assert phases.count("PHASE_VALIDATING") == 2 and phases.count("PHASE_COMPILING") == 2
 
 
 def test_meter_rate_and_eta():
@@ -714,3 +749,88 @@ def test_live_progress_with_rich_on_a_tty(tmp_path, triton_file):
         assert "verdict" in table and "\x1b[32mOK" in table
     finally:
         server.stop()
+
+
+# -- clear first errors -------------------------------------------------------------------
+
+
+def usage_error(capsys, *args: str) -> str:  # type: ignore[no-untyped-def]
+    """argparse's error for `args` (exit code 2)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(args))
+    assert e.value.code == cli.EXIT_USAGE
+    return capsys.readouterr().err
+
+
+def test_mistyped_commands_and_options_get_a_suggestion(capsys):
+    err = usage_error(capsys, "evalute", "k.py")
+    assert "invalid choice: 'evalute'" in err and "did you mean 'evaluate'?" in err
+    err = usage_error(capsys, "evaluate", "k.py", "--perf-trails", "5")
+    assert "--perf-trails: did you mean --perf-trials?" in err
+    err = usage_error(capsys, "gpumode", "task", "--colr=never")
+    assert "--colr: did you mean --color?" in err
+    err = usage_error(capsys, "evaluate", "k.py", "--zzzzzz")
+    assert "did you mean" not in err  # nothing close: nothing made up
+
+
+def test_a_missing_file_names_its_role(fake, capsys, tmp_path, triton_file):
+    code, _, err = run(fake, capsys, "compare", str(tmp_path / "nope.py"), str(triton_file))
+    assert (
+        code == cli.EXIT_USAGE
+        and f"the reference file {tmp_path / 'nope.py'} does not exist" in err
+    )
+    code, _, err = run(fake, capsys, "compare", str(triton_file), str(tmp_path / "k.py"))
+    assert code == cli.EXIT_USAGE and "the kernel file" in err and "k.py does not exist" in err
+    code, _, err = run(
+        fake, capsys, "evaluate", str(triton_file), "--io", str(tmp_path / "io.json")
+    )
+    assert code == cli.EXIT_USAGE and "the --io file" in err and "io.json does not exist" in err
+    code, _, err = run(fake, capsys, "evaluate", str(triton_file), "--io", '{"args": 3}')
+    assert code == cli.EXIT_USAGE and "--io is not an IOContract" in err
+    code, _, err = run(fake, capsys, "evaluate", str(tmp_path))
+    assert code == cli.EXIT_USAGE and "is a folder, not a file" in err
+
+
+def test_a_bare_triton_file_without_io_is_told_about_io_once(fake, capsys, tmp_path):
+    bare = tmp_path / "bare.py"
+    bare.write_text("# REFUSE_WITHOUT_IO\n" + TRITON_FILE)
+    code, _, err = run(fake, capsys, "evaluate", str(bare))
+    assert code == cli.EXIT_SERVICE
+    assert err.count("a TRITON source without a ModelNew class") == 1, err
+    assert "--io JSON|FILE gives the kernel's IOContract" in err
+    code, out, _ = run(fake, capsys, "evaluate", str(bare), str(bare), "--json")  # a batch
+    (first, _) = json.loads(out)
+    assert first["error"].count("a TRITON source without a ModelNew class") == 1, first
+    assert first["error"].endswith("(--io JSON|FILE gives the kernel's IOContract)")
+
+
+def test_a_host_without_a_port_dials_the_services_port():
+    from kerneleval.client import Client, resolve_address
+
+    assert resolve_address("gpu-host") == "gpu-host:50051"
+    assert resolve_address("gpu-host:7000") == "gpu-host:7000"
+    assert resolve_address("[::1]") == "[::1]:50051" and resolve_address("::1") == "[::1]:50051"
+    assert resolve_address("dns:///gpu-host") == "dns:///gpu-host:50051"
+    assert resolve_address("unix:/run/ke.sock") == "unix:/run/ke.sock"
+    assert resolve_address("ipv4:10.0.0.1:80,10.0.0.2:80") == "ipv4:10.0.0.1:80,10.0.0.2:80"
+    with Client("localhost") as c:
+        assert c.address == "localhost:50051"
+
+
+def test_the_cli_reaches_a_server_named_without_its_port(fake, capsys, monkeypatch):
+    """`--server HOST` dials the service's port: a fake listening on it answers."""
+    from kerneleval import client as client_mod
+
+    port = int(fake.address.rsplit(":", 1)[1])
+    monkeypatch.setattr(client_mod, "DEFAULT_PORT", port)
+    code = cli.main(["--server", "127.0.0.1", "--timeout", "20", "jobs"])
+    assert code == cli.EXIT_OK, capsys.readouterr().err
+
+
+def test_a_missing_admin_token_says_where_the_right_one_is(fake, capsys, monkeypatch):
+    monkeypatch.delenv("KERNELEVAL_ADMIN_TOKEN", raising=False)
+    code, _, err = run(fake, capsys, "devices")
+    assert code == cli.EXIT_SERVICE and "no admin token was given" in err
+    assert "--admin-token-file STATE_DIR/admin_token" in err
+    code, _, err = run(fake, capsys, "devices", "--admin-token", "wrong")
+    assert code == cli.EXIT_SERVICE and "no admin token was given" not in err

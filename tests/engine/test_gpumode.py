@@ -16,6 +16,7 @@ from kerneleval.v1 import kernel_pb2
 from kerneleval_server.api.validation import validate_spec
 
 TASK = Path(__file__).resolve().parents[1] / "gpumode_tasks" / "softmax_py"
+LIST_TASK = TASK.parent / "grouped_matmul_py"  # cases that hold lists
 GPU_MODE = kernel_pb2.KERNEL_TYPE_GPU_MODE
 FAST = kernel_pb2.EvalOptions(perf_trial_count=3, warmup_count=1)
 
@@ -37,6 +38,12 @@ def inline_spec(reference: str, submission: str, tests: int = 2) -> kernel_pb2.J
     )
     for i in range(tests):
         spec.gpu_mode.tests.append(gpumode.task_case({"n": 4 + i, "seed": 10 + i}, f"tests[{i}]"))
+    return spec
+
+
+def spec_with_tests(tests: list[kernel_pb2.TaskCase]) -> kernel_pb2.JobSpec:
+    spec = inline_spec(DOUBLE_REFERENCE, DOUBLE, tests=0)
+    spec.gpu_mode.tests.extend(tests)
     return spec
 
 
@@ -74,7 +81,7 @@ def test_spec_from_directory_reads_the_task_as_gpu_mode_lays_it_out() -> None:
     assert validate_spec(spec) == []
 
 
-def test_task_yml_subset_block_style_comments_and_scalars() -> None:
+def test_task_yml_is_yaml_block_style_comments_and_scalars() -> None:
     text = (
         "# name: x\n"
         "description: |\n"
@@ -86,15 +93,16 @@ def test_task_yml_subset_block_style_comments_and_scalars() -> None:
         "  - size: 8   # a comment\n"
         "    dtype: 'float16'\n"
         "    scale: 0.5\n"
-        "    causal: true\n"
-        "  - {size: 16, dtype: \"bf16\", note: 'it''s # not a comment'}\n"
+        "    causal: True\n"  # YAML 1.1, as GPU MODE's task files write it
+        "  - {size: 16, dtype: \"bf16\", note: 'it''s # not a comment', \"seed\":402}\n"
         "ranking_by: geom\n"
     )
     parsed = gpumode.parse_task_yml(text)
-    assert parsed["description"] is None and parsed["config"] is None
+    assert parsed["description"] == "tests: not a key here\n- nor an item\n"
+    assert parsed["config"] == {"main": "eval.py"}
     assert parsed["tests"] == [
         {"size": 8, "dtype": "float16", "scale": 0.5, "causal": True},
-        {"size": 16, "dtype": "bf16", "note": "it's # not a comment"},
+        {"size": 16, "dtype": "bf16", "note": "it's # not a comment", "seed": 402},
     ]
     assert parsed["ranking_by"] == "geom"
     case = gpumode.task_case(parsed["tests"][0], "tests[0]")
@@ -102,12 +110,52 @@ def test_task_yml_subset_block_style_comments_and_scalars() -> None:
     assert kinds == ["int_value", "string_value", "float_value", "bool_value"]
 
 
+def test_list_and_nested_values_of_a_case_travel_as_they_are_written() -> None:
+    """nvfp4_group_gemm's shape: `{"m": [96, 128], ...}`; and a mapping, nested."""
+    parsed = gpumode.parse_task_yml(
+        'tests:\n  - {"m": [96, 128], "g": 2, "opts": {"scale": [0.5, 2], "tag": "a"},'
+        ' "none": [], "seed": 1111}\n'
+    )
+    case = gpumode.task_case(parsed["tests"][0], "tests[0]")
+    m, g, opts, none, _ = case.args
+    assert [v.int_value for v in m.list_value.values] == [96, 128]
+    assert g.int_value == 2
+    scale, tag = opts.map_value.entries
+    assert scale.key == "scale" and [v.WhichOneof("value") for v in scale.value.list_value.values] \
+        == ["float_value", "int_value"]  # fmt: skip
+    assert (tag.key, tag.value.string_value) == ("tag", "a")
+    assert none.WhichOneof("value") == "list_value" and len(none.list_value.values) == 0
+    # What the engine gives generate_input: lists as tuples (GPU MODE's harness does so).
+    from kerneleval_server.engine.gpumode import cases
+
+    (c,) = cases("test", [case], None)
+    assert c.kwargs == {"m": (96, 128), "g": 2, "opts": {"scale": (0.5, 2), "tag": "a"},
+                        "none": (), "seed": 1111}  # fmt: skip
+    assert c.spec == "m: [96, 128]; g: 2; opts: {scale: [0.5, 2], tag: a}; none: []; seed: 1111"
+    assert validate_spec(spec_with_tests([case])) == []
+
+
+def test_the_list_valued_fixture_reads_as_a_task() -> None:
+    spec = gpumode.spec_from_directory(LIST_TASK, options=FAST)
+    first = {a.name: a for a in spec.gpu_mode.tests[0].args}
+    assert [v.int_value for v in first["m"].list_value.values] == [8, 16]
+    block = {a.name: a for a in spec.gpu_mode.tests[2].args}  # the block-style case
+    assert [v.int_value for v in block["k"].list_value.values] == [5]
+    assert len(spec.gpu_mode.benchmarks) == 1
+    assert validate_spec(spec) == []
+
+
 def test_task_errors_name_the_place(tmp_path: Path) -> None:
     with pytest.raises(gpumode.TaskError, match=r"tests\[0\]: seed has no value"):
         parsed = gpumode.parse_task_yml('tests:\n  - {"B": 1, "seed":}\n')
         gpumode.task_case(parsed["tests"][0], "tests[0]")
-    with pytest.raises(gpumode.TaskError, match=r"task.yml:2: a \{...\} mapping must end"):
+    with pytest.raises(gpumode.TaskError, match=r"tests\[0\]: m\[1\] has no value"):
+        parsed = gpumode.parse_task_yml('tests:\n  - {"m": [1, null]}\n')
+        gpumode.task_case(parsed["tests"][0], "tests[0]")
+    with pytest.raises(gpumode.TaskError, match=r"task.yml:3: not YAML"):
         gpumode.parse_task_yml('tests:\n  - {"B": 1,\n')
+    with pytest.raises(gpumode.TaskError, match=r"task.yml: a task file is a mapping"):
+        gpumode.parse_task_yml("- just\n- a list\n")
     with pytest.raises(gpumode.TaskError, match="task.yml: no such file"):
         gpumode.load_task(tmp_path)
     (tmp_path / "task.yml").write_text("tests:\n  - {n: 1}\n")
@@ -154,6 +202,39 @@ def test_validation_pairs_the_types_and_checks_the_task() -> None:
     assert "no IOContract" in got["spec.kernel.io"]
 
 
+def test_validation_of_list_and_mapping_values() -> None:
+    from kerneleval_server.api.validation import Limits
+
+    case = gpumode.task_case(
+        {"m": [1.0, 2.0], "opts": {"a": [1, "x" * 300], "b": 2}, "seed": 1}, "tests[0]"
+    )
+    case.args[0].list_value.values[1].float_value = math.nan
+    case.args[1].map_value.entries[1].key = "a"  # a duplicate key
+    case.args.add(name="empty").list_value.values.add()  # a value without one
+    got = {v.field: v.description for v in validate_spec(spec_with_tests([case]))}
+    base = "spec.gpu_mode.tests[0].args"
+    assert got == {
+        f"{base}[0].list_value.values[1].float_value": "must be finite",
+        f"{base}[1].map_value.entries[0].value.list_value.values[1].string_value":
+            "300 bytes, the limit is 256 bytes",
+        f"{base}[1].map_value.entries[1].key": "duplicate key 'a'",
+        f"{base}[3].list_value.values[0].value":
+            "required: an int, float, string, bool, list or map",
+    }  # fmt: skip
+    deep: object = 1
+    for _ in range(4):
+        deep = [deep]
+    spec = spec_with_tests([gpumode.task_case({"d": deep, "wide": list(range(10))}, "t")])
+    small = Limits(max_task_depth=3, max_task_values=14)
+    got = {v.field: v.description for v in validate_spec(spec, small)}
+    assert got == {f"{base}[0].list_value.values[0].list_value.values[0].list_value.values[0]"
+                   ".list_value": "lists and mappings nested deeper than 3"}  # fmt: skip
+    small = Limits(max_task_depth=8, max_task_values=13)
+    assert {v.field: v.description for v in validate_spec(spec, small)} == {
+        f"{base}": "14 values in lists and mappings; at most 13"
+    }
+
+
 # -- the engine --------------------------------------------------------------------------------
 
 
@@ -196,6 +277,25 @@ def test_wrong_submission_fails_the_cases_it_gets_wrong_and_is_not_timed(run) ->
         "1 of 5 cases passed; test 1 (rows: 4; cols: 33; seed: 5236): 117 of 132 elements differ"
     )
     assert V.PHASE_PROFILING not in rep.phases() and r.runtime.trial_count == 0
+
+
+def test_list_values_reach_generate_input_as_the_task_expects(run) -> None:
+    """The fixture's generate_input raises unless m, n and k are tuples of g ints."""
+    out, _ = run(gpumode.spec_from_directory(LIST_TASK, options=FAST))
+    r = out.result
+    assert r.verdict == V.VERDICT_OK and r.correctness_status == V.CORRECTNESS_PASSED, r
+    assert [c.spec for c in r.test_cases] == [
+        "m: [8, 16]; n: [16, 8]; k: [32, 16]; g: 2; seed: 1111",
+        "m: [4, 12, 20]; n: [8, 8, 24]; k: [16, 8, 8]; g: 3; seed: 2222",
+        "m: [1]; n: [3]; k: [5]; g: 1; seed: 3333",
+    ]
+    assert r.benchmark_cases[0].runtime.trial_count == 3
+    out, _ = run(gpumode.spec_from_directory(LIST_TASK, LIST_TASK / "wrong_submission.py",
+                                             options=FAST))  # fmt: skip
+    r = out.result
+    assert r.verdict == V.VERDICT_INCORRECT
+    assert [c.passed for c in r.test_cases] == [False, False, True]
+    assert r.test_cases[0].message == "group 1: values differ"
 
 
 def test_raising_submission_is_a_runtime_error_of_the_kernel(run) -> None:

@@ -187,3 +187,19 @@ def test_api_limits_from_environment() -> None:
     )
     assert limits.max_spec_bytes == 1000 and limits.max_log_bytes == 4096
     assert Limits().max_log_bytes == 1 << 20 and Limits().max_client_tag_bytes == 256
+
+
+def test_a_triton_source_without_model_new_or_io_says_what_to_give() -> None:
+    bare = "import triton\n@triton.jit\ndef add(x_ptr, n):\n    pass\n"
+    why = fields(job(source(TRITON, bare)))["spec.kernel.io.args"]
+    assert why == (
+        "a TRITON source without a ModelNew class is launched from its IOContract: give its "
+        "args (the kernel's arguments) and launch.grid"
+    )
+    # A class named almost so is named: it is probably meant to be the ModelNew.
+    for name in ("Modelnew", "Model_New", "ModelNEW", "ModeNew"):
+        misnamed = bare + f"class {name}(torch.nn.Module):\n    pass\n"
+        why = fields(job(source(TRITON, misnamed)))["spec.kernel.io.args"]
+        assert why.endswith(f"; or, to run it through its class {name}, name that class ModelNew")
+    unrelated = bare + "class Helper:\n    pass\n"
+    assert "Helper" not in fields(job(source(TRITON, unrelated)))["spec.kernel.io.args"]

@@ -25,7 +25,7 @@ from kerneleval.v1 import dtype_pb2, job_pb2, kernel_pb2, operations_service_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import kernel_eval_service_pb2_grpc as pb_grpc
 from kerneleval.v1 import operations_service_pb2 as ops_pb
-from kerneleval_server.api import validation
+from kerneleval_server.api import auth, validation
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
@@ -446,6 +446,13 @@ def test_unknown_devices_are_not_found(tmp_path: Path) -> None:
         # Without the token: UNAUTHENTICATED before anything else.
         err = await error_of(h.ops.RestartWorkers(ops_pb.RestartWorkersRequest(device_index=99)))
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert err.details().startswith(auth.MESSAGE) and "admin_token" in err.details()
+        # A wrong one is told so, and where the right one is (not the token, not the path).
+        wrong = [("authorization", "Bearer not-it")]
+        err = await error_of(h.ops.RestartWorkers(ops_pb.RestartWorkersRequest(), metadata=wrong))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert err.details() == f"{auth.WRONG}; {auth.IN_STATE_DIR}"
+        assert ADMIN not in err.details() and str(tmp_path) not in err.details()
 
     run(tmp_path, scenario)
 

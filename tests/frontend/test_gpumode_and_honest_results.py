@@ -19,6 +19,7 @@ from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
 TASK = Path(__file__).resolve().parents[1] / "gpumode_tasks" / "softmax_py"
+LIST_TASK = TASK.parent / "grouped_matmul_py"  # its cases hold lists
 FAST = kernel_pb2.EvalOptions(perf_trial_count=3, warmup_count=1)
 MODEL = """
 import torch
@@ -77,6 +78,22 @@ def test_a_gpu_mode_task_runs_as_its_harness_runs_it(stub) -> None:  # type: ign
     r = evaluate(stub, wrong).result
     assert r.verdict == job_pb2.VERDICT_INCORRECT and r.failed_side == job_pb2.SIDE_KERNEL
     assert r.validation_error.startswith("1 of 5 cases passed; test 1 (rows: 4; cols: 33;")
+
+
+def test_a_task_whose_cases_hold_lists_runs(stub) -> None:  # type: ignore[no-untyped-def]
+    """nvfp4_group_gemm's shape through the service: the fixture's generate_input raises
+    unless it gets m, n and k as tuples of g ints; the submission's process records a list of
+    tensors per case and its judge checks them."""
+    job = evaluate(stub, gpumode.spec_from_directory(LIST_TASK, options=FAST))
+    r = job.result
+    assert job.state == job_pb2.JOB_STATE_DONE and r.verdict == job_pb2.VERDICT_OK, r
+    assert r.test_cases[1].spec == "m: [4, 12, 20]; n: [8, 8, 24]; k: [16, 8, 8]; g: 3; seed: 2222"
+    assert [c.passed for c in r.test_cases] == [True, True, True]
+    assert r.benchmark_cases[0].runtime.trial_count == 3 and r.speedup > 0
+    wrong = gpumode.spec_from_directory(LIST_TASK, LIST_TASK / "wrong_submission.py", options=FAST)
+    r = evaluate(stub, wrong).result
+    assert r.verdict == job_pb2.VERDICT_INCORRECT, r
+    assert [c.passed for c in r.test_cases] == [False, False, True]
 
 
 def test_a_gpu_mode_kernel_without_its_reference_is_invalid(stub) -> None:  # type: ignore[no-untyped-def]

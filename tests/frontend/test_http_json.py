@@ -7,10 +7,14 @@ big-endian length, the JSON; the last one, flag 2, is the end-of-stream message)
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import re
 import shutil
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,9 @@ from typing import Any
 
 import fe_kernels as k
 import pytest
-from ke_service import ServiceProcess, free_port
+from google.rpc import error_details_pb2
+from ke_service import REPO, ServiceProcess, free_port
+from kerneleval.v1 import kernel_eval_service_pb2, kernel_pb2
 
 pytest.importorskip("connectrpc", reason="connectrpc (Python >= 3.11) serves --http-port")
 pytest.importorskip("kerneleval.v1.kernel_eval_service_connect", reason="`make gen` makes it")
@@ -124,6 +130,27 @@ def test_client_mistakes_are_4xx_with_connect_codes(svc: ServiceProcess, tmp_pat
     error = reply.json()
     assert error["code"] == "invalid_argument" and "spec.kernel" in error["message"], error
     assert [d["type"] for d in error["details"]] == ["google.rpc.BadRequest"]
+    # The details as JSON too, and the fields named as the JSON request named them.
+    body = b'{"spec": {"kernel": {"type": "KERNEL_TYPE_TORCH"}, "options": {"perfTrialCount": -1}}}'
+    error = curl(tmp_path, f"{url}/{KES}/Evaluate", body).json()
+    assert error["message"] == (
+        "invalid JobSpec: spec.kernel.sourceCode: required; "
+        "spec.options.perfTrialCount: must be in [0, 10000]"
+    ), error
+    (detail,) = error["details"]
+    assert detail["debug"] == {"fieldViolations": [
+        {"field": "spec.kernel.sourceCode", "description": "required"},
+        {"field": "spec.options.perfTrialCount", "description": "must be in [0, 10000]"},
+    ]}  # fmt: skip
+    bad = error_details_pb2.BadRequest.FromString(base64.b64decode(detail["value"] + "=="))
+    assert [v.field for v in bad.field_violations][0] == "spec.kernel.sourceCode"
+    # A binary (protobuf) request keeps the proto's own names.
+    request = kernel_eval_service_pb2.EvaluateRequest()
+    request.spec.kernel.type = kernel_pb2.KERNEL_TYPE_TORCH
+    reply = curl(
+        tmp_path, f"{url}/{KES}/Evaluate", request.SerializeToString(), "application/proto"
+    )
+    assert reply.status == 400 and "spec.kernel.source_code: required" in reply.json()["message"]
     # JSON that is not JSON, and a wrong type for a field: the Connect layer's own refusal.
     for body in (b'{"spec": ', b'{"spec": {"kernel": {"type": 3.5}}}'):
         reply = curl(tmp_path, f"{url}/{KES}/Submit", body)
@@ -170,6 +197,37 @@ def test_run_and_watch_stream_events(svc: ServiceProcess, tmp_path: Path) -> Non
         curl(tmp_path, f"{url}/{KES}/Watch", body, "application/connect+json")
     )
     assert messages == [] and end["error"]["code"] == "not_found", end
+
+
+def test_the_readme_examples_run_as_written(svc: ServiceProcess, tmp_path: Path) -> None:
+    """The README's HTTP/JSON examples, run by bash from a folder with the repository's proto/
+    and the service's state/, as a person would after `make serve` (the line that starts the
+    service is the only one left out; the port is this service's)."""
+    buf = Path(sys.executable).with_name("buf")
+    if shutil.which("jq") is None or not buf.exists():
+        pytest.skip("the examples use jq and buf (buf-bin, in .venv after make)")
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### HTTP/JSON (Connect)", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+    script = "".join(blocks).replace("8080", svc.http_url.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    lines = [ln for ln in script.splitlines() if not ln.startswith("KERNELEVAL_HTTP_PORT=")]
+    (tmp_path / "proto").symlink_to(REPO / "proto")
+    (tmp_path / "state").symlink_to(svc.state_dir)
+    env = {**os.environ, "PATH": f"{buf.parent}:{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(lines)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    out = done.stdout
+    assert '"verdict": "VERDICT_OK"' in out and '"timing": "TIMING_SOURCE_CPU_WALL_CLOCK"' in out
+    assert "JOB_STATE_" in out and '"field": "spec.kernel.sourceCode"' in out
+    assert '{"index":-1,"name":"cpu","health":"DEVICE_HEALTH_HEALTHY"}' in out
+    assert '"phase":{"phase":"PHASE_PROFILING"}' in out and '"verdict":"VERDICT_OK"}' in out
+    assert (
+        '{"requestTag":"b","verdict":null,"error":"invalid JobSpec: spec.kernel: required"}' in out
+    )
+    assert '{"requestTag":"a","verdict":"VERDICT_OK","error":null}' in out
 
 
 @pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "http2"])

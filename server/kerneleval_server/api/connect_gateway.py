@@ -11,9 +11,12 @@ The handlers hold no API logic: each call is forwarded to the service's own gRPC
 over a grpc.aio channel (its unix socket, or a loopback port opened for this), with the
 caller's `authorization` header as metadata and its `connect-timeout-ms` as the deadline. A
 gRPC status comes back as the Connect error of the same code, with the same message and
-details (the `google.rpc.BadRequest` of a refused JobSpec). So the admin token (AdminAuth),
-validation and error mapping stay in one place, the gRPC interceptors and servicers, and a
-method added to the proto is served here after `make gen` without a change to this file.
+details (the `google.rpc.BadRequest` of a refused JobSpec), each detail with its JSON in
+Connect's `debug` beside its bytes; to a JSON request, the field paths (in the details and the
+message) are in the JSON names the request used (`spec.kernel.sourceCode`). So the admin
+token (AdminAuth), validation and error mapping stay in one place, the gRPC interceptors and
+servicers, and a method added to the proto is served here after `make gen` without a change
+to this file.
 A client that goes away cancels the gRPC call, as a gRPC client's cancel does.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -29,7 +33,8 @@ import grpc
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError, ErrorDetail
 from connectrpc.request import RequestContext
-from google.rpc import status_pb2
+from google.protobuf import descriptor_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from kerneleval.v1 import (
@@ -40,7 +45,9 @@ from kerneleval.v1 import (
     operations_service_pb2,
     operations_service_pb2_grpc,
 )
+from protobuf import Registry
 from protobuf.wkt import Any as ConnectAny
+from protobuf.wkt import FileDescriptorSet
 
 log = logging.getLogger("kerneleval.http")
 
@@ -54,17 +61,80 @@ FORWARDED_HEADERS = ("authorization",)
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
-def connect_error(exc: grpc.aio.AioRpcError) -> ConnectError:
-    """The Connect error for a gRPC status: same code, message and details."""
+def _details_registry() -> Registry:
+    """connectrpc's message runtime (protobuf-py) for google.rpc's error details, from
+    google.protobuf's own descriptors: a detail it can decode goes out with its JSON too
+    (Connect's `debug`), besides the bytes Connect clients decode."""
+    files = descriptor_pb2.FileDescriptorSet()
+    for desc in (duration_pb2.DESCRIPTOR, error_details_pb2.DESCRIPTOR):
+        proto = files.file.add()
+        desc.CopyToProto(proto)
+        _json_names(proto.message_type, desc.message_types_by_name)  # CopyToProto leaves them
+    return FileDescriptorSet.from_binary(files.SerializeToString()).to_registry()
+
+
+def _json_names(messages: Any, descriptors: Any) -> None:
+    for proto in messages:
+        desc = descriptors[proto.name]
+        for field in proto.field:
+            field.json_name = desc.fields_by_name[field.name].json_name
+        _json_names(proto.nested_type, desc.nested_types_by_name)
+
+
+DETAILS = _details_registry()
+_PATH_PART = re.compile(r"\[[^\]]*\]|[A-Za-z_][A-Za-z0-9_]*")
+
+
+def json_path(path: str) -> str:
+    """A field path in the proto3 JSON mapping's names: spec.kernel.source_code ->
+    spec.kernel.sourceCode (what is in brackets, an index or a map key, as it is)."""
+    return _PATH_PART.sub(
+        lambda m: m.group(0) if m.group(0)[0] == "[" else _camel(m.group(0)), path
+    )
+
+
+def _camel(name: str) -> str:
+    """protobuf's json_name of a field name."""
+    return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)
+
+
+def connect_error(exc: grpc.aio.AioRpcError, json_names: bool = False) -> ConnectError:
+    """The Connect error for a gRPC status: same code, message and details, each detail with
+    its JSON (`debug`). `json_names`: the request was JSON, so the field paths of a
+    google.rpc.BadRequest, and the message's mentions of them, are in its lowerCamelCase names
+    (spec.kernel.sourceCode), as the request wrote them."""
+    message = exc.details() or ""
     details: list[ErrorDetail] = []
     trailing: Any = exc.trailing_metadata() or ()
     for key, value in trailing:
         if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
             status = status_pb2.Status.FromString(value)
-            details += [
-                ErrorDetail(ConnectAny(type_url=d.type_url, value=d.value)) for d in status.details
-            ]
-    return ConnectError(CODES.get(exc.code(), Code.UNKNOWN), exc.details() or "", details)
+            for d in status.details:
+                raw = d.value
+                if json_names and d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    raw, message = _json_field_paths(raw, message)
+                detail = ConnectAny(type_url=d.type_url, value=raw)
+                desc = DETAILS.message(d.TypeName())
+                decoded = detail.unpack(desc) if desc is not None else None
+                details.append(ErrorDetail(decoded if decoded is not None else detail))
+    return ConnectError(CODES.get(exc.code(), Code.UNKNOWN), message, details)
+
+
+def _json_field_paths(raw: bytes, message: str) -> tuple[bytes, str]:
+    bad = error_details_pb2.BadRequest.FromString(raw)
+    for v in bad.field_violations:
+        renamed = json_path(v.field)
+        if renamed != v.field:
+            pattern = re.compile(rf"{re.escape(v.field)}(?![\w.\[])")
+            message = pattern.sub(renamed.replace("\\", "\\\\"), message)
+            v.field = renamed
+    return bad.SerializeToString(), message
+
+
+def _wants_json(ctx: RequestContext[Any, Any]) -> bool:
+    """The request came as JSON (Connect's application/json or application/connect+json,
+    gRPC-Web's +json): its errors name fields as JSON does."""
+    return any("json" in value for value in ctx.request_headers.getall("content-type"))
 
 
 def _call_options(ctx: RequestContext[Any, Any]) -> dict[str, Any]:
@@ -84,7 +154,7 @@ def _unary_response(multicallable: Any) -> Callable[..., Awaitable[Any]]:
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            raise connect_error(exc) from None
+            raise connect_error(exc, _wants_json(ctx)) from None
         finally:
             call.cancel()  # a no-op once it ended; the caller left otherwise
 
@@ -100,7 +170,7 @@ def _stream_response(multicallable: Any) -> Callable[..., AsyncIterator[Any]]:
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as exc:
-            raise connect_error(exc) from None
+            raise connect_error(exc, _wants_json(ctx)) from None
         finally:
             call.cancel()
 

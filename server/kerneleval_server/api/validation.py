@@ -9,6 +9,7 @@ log output stored per job, so that the front end, the store and the engine agree
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -77,7 +78,9 @@ class Limits:
     max_page_token_bytes: int = 128  # ListJobsRequest.page_token
     max_task_cases: int = 256  # GpuModeTask.tests, and GpuModeTask.benchmarks
     max_task_files: int = 16  # GpuModeTask.files
-    max_task_string_bytes: int = 256  # a TaskArg's string_value
+    max_task_string_bytes: int = 256  # a TaskArg's string_value (and a TaskValue's, a key's)
+    max_task_values: int = 4096  # values of one case's lists and mappings, all levels counted
+    max_task_depth: int = 8  # lists and mappings inside each other in one argument
     # Log text stored per job (JobLog events); each log event also counts LOG_EVENT_OVERHEAD
     # bytes, so that a flood of empty lines is bounded too. Past it: one note, then nothing.
     max_log_bytes: int = 1 << 20
@@ -234,13 +237,69 @@ def _check_case(
         elif arg.name in names:
             out.append(FieldViolation(f"{ap}.name", f"duplicate argument name {arg.name!r}"))
         names.add(arg.name)
-        which = arg.WhichOneof("value")
-        if which is None:
-            out.append(FieldViolation(f"{ap}.value", "required: an int, float, string or bool"))
-        elif which == "float_value" and not math.isfinite(arg.float_value):
-            out.append(FieldViolation(f"{ap}.float_value", "must be finite"))
-        elif which == "string_value":
-            check_string(f"{ap}.string_value", arg.string_value, limits.max_task_string_bytes, out)
+    total = sum(_task_values(arg) for arg in case.args[: limits.max_args])
+    if total > limits.max_task_values:
+        out.append(
+            FieldViolation(
+                f"{path}.args",
+                f"{total} values in lists and mappings; at most {limits.max_task_values}",
+            )
+        )
+    for j, arg in enumerate(case.args[: limits.max_args]):
+        _check_task_value(f"{path}.args[{j}]", arg, limits, out, 1, total <= limits.max_task_values)
+
+
+def _task_values(v: kernel_pb2.TaskArg | kernel_pb2.TaskValue) -> int:
+    """The values inside v's lists and mappings, at every level (protobuf's own parser keeps
+    the nesting under 100)."""
+    which = v.WhichOneof("value")
+    if which == "list_value":
+        return sum(1 + _task_values(x) for x in v.list_value.values)
+    if which == "map_value":
+        return sum(1 + _task_values(e.value) for e in v.map_value.entries)
+    return 0
+
+
+def _check_task_value(
+    path: str,
+    v: kernel_pb2.TaskArg | kernel_pb2.TaskValue,
+    limits: Limits,
+    out: list[FieldViolation],
+    depth: int,
+    descend: bool,
+) -> None:
+    """One value of a case (TaskArg and TaskValue name their oneofs alike), and with
+    `descend` the values in its lists and mappings."""
+    which = v.WhichOneof("value")
+    if which is None:
+        out.append(
+            FieldViolation(f"{path}.value", "required: an int, float, string, bool, list or map")
+        )
+    elif which == "float_value" and not math.isfinite(v.float_value):
+        out.append(FieldViolation(f"{path}.float_value", "must be finite"))
+    elif which == "string_value":
+        check_string(f"{path}.string_value", v.string_value, limits.max_task_string_bytes, out)
+    elif which in ("list_value", "map_value") and descend:
+        if depth > limits.max_task_depth:
+            out.append(
+                FieldViolation(
+                    f"{path}.{which}",
+                    f"lists and mappings nested deeper than {limits.max_task_depth}",
+                )
+            )
+            return
+        if which == "list_value":
+            for i, x in enumerate(v.list_value.values):
+                _check_task_value(f"{path}.list_value.values[{i}]", x, limits, out, depth + 1, True)
+            return
+        keys: set[str] = set()
+        for i, e in enumerate(v.map_value.entries):
+            ep = f"{path}.map_value.entries[{i}]"
+            if check_string(f"{ep}.key", e.key, limits.max_task_string_bytes, out) is None:
+                if e.key in keys:
+                    out.append(FieldViolation(f"{ep}.key", f"duplicate key {e.key[:64]!r}"))
+                keys.add(e.key)
+            _check_task_value(f"{ep}.value", e.value, limits, out, depth + 1, True)
 
 
 def _check_files(path: str, files: Any, limits: Limits, out: list[FieldViolation]) -> None:
@@ -339,17 +398,33 @@ def _check_kernel(
         and not has_args
         and "ModelNew" not in (k.source_code)
     ):
-        out.append(
-            FieldViolation(
-                f"{path}.io.args",
-                "a TRITON source without a ModelNew class is launched from its IOContract",
-            )
-        )
+        out.append(FieldViolation(f"{path}.io.args", _triton_without_model_new(k.source_code)))
     if k.type in (kernel_pb2.KERNEL_TYPE_CUDA, kernel_pb2.KERNEL_TYPE_TRITON) and has_args:
         launch_needed = k.type == kernel_pb2.KERNEL_TYPE_CUDA or "ModelNew" not in k.source_code
         if launch_needed and not k.io.launch.HasField("grid"):
             out.append(FieldViolation(f"{path}.io.launch.grid", "required to launch the kernel"))
     _check_io(f"{path}.io", k.io, limits, out, literals)
+
+
+_CLASS = re.compile(r"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
+
+
+def _triton_without_model_new(source: str) -> str:
+    """What to do about a Triton source that is neither launched from an IOContract nor run
+    through a ModelNew; a class whose name is close to ModelNew is named."""
+    text = (
+        "a TRITON source without a ModelNew class is launched from its IOContract: give its "
+        "args (the kernel's arguments) and launch.grid"
+    )
+    near = [
+        name
+        for name in _CLASS.findall(source)
+        if name.replace("_", "").lower() == "modelnew"
+        or difflib.get_close_matches(name, ["ModelNew"], n=1, cutoff=0.75)
+    ]
+    if near:
+        text += f"; or, to run it through its class {near[0]}, name that class ModelNew"
+    return text
 
 
 def _check_io(

@@ -11,9 +11,11 @@ the command.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -101,7 +103,8 @@ def _add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         dest="address",
         default=d(None),
         metavar="ADDRESS",
-        help=f"server: host:port or unix:PATH (env {ADDRESS_ENV}; default 127.0.0.1:50051)",
+        help=f"server: host:port, a host alone (port 50051) or unix:PATH (env {ADDRESS_ENV}; "
+        "default 127.0.0.1:50051)",
     )
     g.add_argument(
         "--admin-token",
@@ -302,8 +305,24 @@ def _io(value: str | None) -> kernel_pb2.IOContract | None:
         return None
     text = value
     if not value.lstrip().startswith("{"):
-        text = Path(value).read_text(encoding="utf-8")
-    return json_format.Parse(text, kernel_pb2.IOContract())
+        text = _read_file(value, "the --io file")
+    try:
+        return json_format.Parse(text, kernel_pb2.IOContract())
+    except json_format.ParseError as e:
+        where = "--io" if text is value else f"the --io file {value}"
+        raise ValueError(f"{where} is not an IOContract in the proto3 JSON mapping: {e}") from None
+
+
+def _read_file(name: str, role: str) -> str:
+    """A file's text; a missing one is a usage error that says which file it was."""
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{role} {name} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{role} {name} is a folder, not a file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {role} {name}: {e}") from None
 
 
 class _Sources:
@@ -312,8 +331,9 @@ class _Sources:
     def __init__(self) -> None:
         self._stdin: str | None = None
 
-    def read(self, name: str) -> tuple[str, str]:
-        """(text, file name for type detection)."""
+    def read(self, name: str, role: str = "the source file") -> tuple[str, str]:
+        """(text, file name for type detection); `role` names the file in an error ("the
+        reference file")."""
         if name == STDIN:
             if self._stdin is None:
                 if sys.stdin.isatty():
@@ -321,7 +341,7 @@ class _Sources:
                           file=sys.stderr)  # fmt: skip
                 self._stdin = sys.stdin.read()
             return self._stdin, ""
-        return Path(name).read_text(encoding="utf-8"), Path(name).name
+        return _read_file(name, role), Path(name).name
 
 
 def _specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]]:
@@ -329,11 +349,11 @@ def _specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]]:
     reference = None
     ref_name = ""
     if a.reference is not None:
-        reference, ref_name = sources.read(a.reference)
+        reference, ref_name = sources.read(a.reference, "the reference file")
     options, io, labels = _options(a), _io(a.io), _labels(a)
     out = []
     for f in a.files:
-        text, name = sources.read(f)
+        text, name = sources.read(f, "the kernel file")
         spec = job_from_sources(
             text,
             reference,
@@ -497,12 +517,6 @@ def _exit_code(results: Iterable[job_pb2.Job | str]) -> int:
     return EXIT_OK if ok else EXIT_NOT_RUN
 
 
-def _splits_profiling(spec: kernel_pb2.JobSpec) -> bool:
-    """Whether a job's timed trials are the kernel's and then the reference's, each on a bar
-    of its own (a GPU MODE job times both per benchmark case: one bar)."""
-    return spec.HasField("reference") and spec.kernel.type != kernel_pb2.KERNEL_TYPE_GPU_MODE
-
-
 def _show_job(out: _Output, job: job_pb2.Job) -> int:
     if out.json:
         _dump(as_dict(job))
@@ -529,11 +543,11 @@ def _run_one(
     a: argparse.Namespace, c: Client, out: _Output, name: str, spec: kernel_pb2.JobSpec
 ) -> int:
     """One job on a Run stream: its progress, then its result."""
-    view = progress.JobView(out.display, has_reference=_splits_profiling(spec))
+    view = progress.JobView(out.display, bars=progress.PhaseBars.for_spec(spec))
 
     def emit(ev: job_pb2.JobEvent) -> None:
         if out.jsonl:
-            _dump({"file": name, "event": as_dict(ev)}, lines=True)
+            _dump({"file": name, "event": as_dict(ev), **_bars(view)}, lines=True)
 
     follower = _Follower(c, out, view, emit=emit)
     try:
@@ -548,10 +562,47 @@ def _run_one(
     return _show_job(out, job)
 
 
+def _bars(view: progress.JobView) -> dict[str, Any]:
+    """--jsonl's "bars": what the event moved of the job's bars, one per phase (none when
+    it repeats a phase another of the job's processes reported already)."""
+    return {"bars": [b.as_dict() for b in view.moved]} if view.moved else {}
+
+
 def _refusal_text(error: Any) -> str:
-    return f"refused: {error.message}" + "".join(
-        f"; {v.field}: {v.description}" for v in error.field_violations
+    """A refused submission of a batch: its message, and the violations it does not say."""
+    violations = [f"{v.field}: {v.description}" for v in error.field_violations]
+    text = f"refused: {error.message}" + "".join(
+        f"; {v}" for v in violations if v not in error.message
     )
+    hint = _flag_hint([v.field for v in error.field_violations])
+    return f"{text} ({hint})" if hint else text
+
+
+# The CLI's option for a field a refusal names (its hint says which to use).
+_FIELD_FLAGS = (
+    (re.compile(r"spec\.kernel\.io\b"), "--io JSON|FILE gives the kernel's IOContract"),
+    (re.compile(r"spec\.kernel\.type$"), "--type picks the kernel type"),
+    (re.compile(r"spec\.kernel\.entry_point$"), "--entry-point names what to run"),
+    (re.compile(r"spec\.options\.correct_trial_count$"), "--correct-trials sets it"),
+    (re.compile(r"spec\.options\.perf_trial_count$"), "--perf-trials sets it"),
+    (re.compile(r"spec\.options\.warmup_count$"), "--warmup sets it"),
+    (re.compile(r"spec\.options\.(atol|rtol)$"), "--atol and --rtol set them"),
+    (re.compile(r"spec\.options\.timeout$"), "--job-timeout sets it"),
+    (re.compile(r"spec\.options\.device_index$"), "--device sets it"),
+    (re.compile(r"spec\.options\.device_model$"), "--device-model sets it"),
+    (re.compile(r"spec\.labels\b"), "--label KEY=VALUE sets them"),
+    (re.compile(r"spec\.client_tag$"), "--tag sets it"),
+)
+
+
+def _flag_hint(fields: Iterable[str]) -> str:
+    """Which of the CLI's options set the fields a refusal names ("" for none)."""
+    hints: list[str] = []
+    for field in fields:
+        for pattern, hint in _FIELD_FLAGS:
+            if pattern.match(field) and hint not in hints:
+                hints.append(hint)
+    return "; ".join(hints)
 
 
 def _run_batch(
@@ -658,7 +709,7 @@ def _gpumode_specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]
     options, labels = _options(a), _labels(a)
     specs = []
     for name in names:
-        text, _ = sources.read(name)
+        text, _ = sources.read(name, "the submission file")
         spec = gpumode.spec_from_task(task, text, options=options, client_tag=a.tag, labels=labels)
         spec.kernel.entry_point = a.entry_point
         specs.append((name, spec))
@@ -666,9 +717,9 @@ def _gpumode_specs(a: argparse.Namespace) -> list[tuple[str, kernel_pb2.JobSpec]
 
 
 def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
-    has_reference: bool | None = None
+    bars = progress.PhaseBars()
     try:  # to count the candidate's and the reference's timed trials apart
-        has_reference = _splits_profiling(c.get_job(a.job).spec)
+        bars = progress.PhaseBars.for_spec(c.get_job(a.job).spec)
     except errors.NotFound:
         raise
     except errors.KernelEvalError:
@@ -676,9 +727,9 @@ def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
 
     def emit(ev: job_pb2.JobEvent) -> None:
         if out.jsonl:
-            _dump(as_dict(ev), lines=True)
+            _dump({**as_dict(ev), **_bars(view)}, lines=True)
 
-    view = progress.JobView(out.display, has_reference=has_reference)
+    view = progress.JobView(out.display, bars=bars)
     follower = _Follower(c, out, view, job_id=a.job, after=a.after, emit=emit)
     try:
         job = follower.follow(None)
@@ -1012,10 +1063,47 @@ class _Parser(argparse.ArgumentParser):
     secrets: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
+        message += _did_you_mean(self, message)
         for secret in _Parser.secrets:
             message = message.replace(secret, "***")
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """A suggestion to add to argparse's error: "; did you mean 'evaluate'?" for a mistyped
+    command or choice, the closest options for mistyped ones ("--perf-trails: did you mean
+    --perf-trials?"); "" when nothing is close."""
+    if m := _INVALID_CHOICE.search(message):
+        choices = re.findall(r"'([^']*)'", m.group(2)) or m.group(2).split(", ")
+        near = difflib.get_close_matches(m.group(1), choices, n=1)
+        return f"; did you mean '{near[0]}'?" if near else ""
+    if m := _UNRECOGNIZED.search(message):
+        known = _option_strings(parser)
+        found = []
+        for arg in m.group(1).split():
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("-") and flag not in known:
+                near = difflib.get_close_matches(flag, sorted(known), n=1)
+                if near:
+                    found.append(f"{flag}: did you mean {near[0]}?")
+        return "".join(f"; {f}" for f in found)
+    return ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option of the parser and its commands."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
 
 
 def _secrets(argv: Sequence[str]) -> tuple[str, ...]:
@@ -1285,10 +1373,19 @@ def cmd_mcp(a: argparse.Namespace) -> int:
     )
 
 
-def _error_text(e: errors.KernelEvalError, address: str) -> str:
+def _error_text(e: errors.KernelEvalError, address: str, token_given: bool = False) -> str:
     text = f"error: {e}"
     if e.code == grpc.StatusCode.UNAVAILABLE and "serve" not in text:
         text += f"\n(is the server running at {address}? start one with `kerneleval serve`)"
+    hint = _flag_hint(v.field for v in e.field_violations)
+    if hint:
+        text += f"\n({hint}; see `kerneleval evaluate --help`)"
+    if e.code == grpc.StatusCode.UNAUTHENTICATED and not token_given:
+        text += (
+            "\n(no admin token was given: the service's is in the file admin_token of its "
+            f"state folder: --admin-token-file STATE_DIR/admin_token, --admin-token TOKEN or "
+            f"${ADMIN_TOKEN_ENV})"
+        )
     return text
 
 
@@ -1320,7 +1417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.KernelEvalError as e:
         if out is not None:
             out.close()  # the error goes below the bars, not into them
-        print(render.printable(_error_text(e, address)), file=sys.stderr)
+        token_given = bool(_admin_token(a))
+        print(render.printable(_error_text(e, address, token_given)), file=sys.stderr)
         return EXIT_SERVICE
     except gpumode.TaskError as e:
         print(f"error: not a GPU MODE task: {e}\n(a task folder holds reference.py and "

@@ -49,7 +49,10 @@ from kerneleval.v1 import (
     operations_service_pb2_grpc,
 )
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_PORT = 50051
+# gRPC target schemes whose addresses have no port to add (dns: is handled on its own).
+_TARGET_SCHEMES = frozenset({"unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds"})
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
 ADDRESS_ENV = "KERNELEVAL_ADDRESS"
 ADMIN_TOKEN_ENV = "KERNELEVAL_ADMIN_TOKEN"
 
@@ -114,10 +117,36 @@ BatchItem = kernel_pb2.JobSpec | tuple[str, kernel_pb2.JobSpec]
 
 
 def resolve_address(address: str | None = None) -> str:
-    """The address to use: the argument, else $KERNELEVAL_ADDRESS, else 127.0.0.1:50051.
+    """The address to use: the argument, else $KERNELEVAL_ADDRESS, else 127.0.0.1:50051; a
+    host without a port gets the service's (50051), where gRPC would dial 443.
 
     `unix:/path/to.sock` reaches a unix socket."""
-    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+    return with_default_port(address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS)
+
+
+def with_default_port(address: str) -> str:
+    """`host`, `[v6]`, a bare IPv6 address or `dns:[//authority/]host` without a port: with
+    the service's port (DEFAULT_PORT); any other target (a port given, unix:, ipv4:, ...) as
+    it is."""
+    scheme = address.split(":", 1)[0]
+    if scheme in _TARGET_SCHEMES:
+        return address
+    prefix, host = "", address
+    if scheme == "dns":
+        prefix, host = "dns:", address[4:]
+        if host.startswith("//"):
+            authority, _, host = host[2:].partition("/")
+            prefix += f"//{authority}/"
+    if not host or "/" in host:
+        return address
+    if host.startswith("["):  # [v6] or [v6]:port
+        return address if "]:" in host else f"{prefix}{host}:{DEFAULT_PORT}"
+    colons = host.count(":")
+    if colons == 1:  # host:port
+        return address
+    if colons > 1:  # a bare IPv6 address
+        return f"{prefix}[{host}]:{DEFAULT_PORT}"
+    return f"{prefix}{host}:{DEFAULT_PORT}"
 
 
 def resolve_admin_token(token: str | None = None) -> str | None:

@@ -46,9 +46,12 @@ class KernelEvalError(Exception):
         super().__init__(self._message())
 
     def _message(self) -> str:
+        """The code, the message and each field violation the message does not say already
+        (the service's message lists the first few)."""
         text = f"{self.code.name}: {self.details}"
         for v in self.field_violations:
-            text += f"\n  {v}"
+            if str(v) not in self.details:
+                text += f"\n  {v}"
         return text
 
 

@@ -12,19 +12,21 @@ such as task.py and ../utils.py) and usually a submission.py (`custom_kernel`):
         for case in job.result.benchmark_cases:
             print(case.spec, case.runtime.median_ms, case.speedup)
 
-task.yml is read without a YAML library: the part of YAML that GPU MODE's task files use
-(top-level keys; lists of one-line `{...}` mappings or of indented `key: value` blocks;
-quoted or plain scalars). Anything else raises TaskError naming the line.
+task.yml is read with PyYAML (`yaml.safe_load`, YAML 1.1 as GPU MODE's own tools read it: `True`
+is a boolean). A case's values may be lists and mappings, nested (nvfp4_group_gemm's
+`{"m": [96, 128], ...}`): they travel as TaskArg's list_value and map_value, and
+generate_input gets a list as a tuple, as GPU MODE's harness gives it. Anything that is not a
+task raises TaskError naming the file, and the line where YAML itself failed.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kerneleval.v1 import kernel_pb2
 
@@ -126,18 +128,49 @@ def task_case(mapping: Any, where: str) -> kernel_pb2.TaskCase:
         raise TaskError(f"{where}: a case is a mapping of generate_input's arguments")
     case = kernel_pb2.TaskCase()
     for name, value in mapping.items():
-        arg = case.args.add(name=str(name))
-        if isinstance(value, bool):  # before int: a bool is an int in Python
-            arg.bool_value = value
-        elif isinstance(value, int):
-            arg.int_value = value
-        elif isinstance(value, float):
-            arg.float_value = value
-        elif isinstance(value, str):
-            arg.string_value = value
-        else:
-            raise TaskError(f"{where}: {name} has no value")
+        _set_value(case.args.add(name=str(name)), value, f"{where}: {name}")
     return case
+
+
+def _set_value(into: kernel_pb2.TaskArg | kernel_pb2.TaskValue, value: Any, where: str) -> None:
+    """A task.yml value into a TaskArg or TaskValue (their oneofs have the same names)."""
+    if isinstance(value, bool):  # before int: a bool is an int in Python
+        into.bool_value = value
+    elif isinstance(value, int):
+        into.int_value = value
+    elif isinstance(value, float):
+        into.float_value = value
+    elif isinstance(value, str):
+        into.string_value = value
+    elif isinstance(value, (list, tuple)):
+        into.list_value.SetInParent()  # an empty list is a value too
+        for i, item in enumerate(value):
+            _set_value(into.list_value.values.add(), item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        into.map_value.SetInParent()
+        for key, item in value.items():
+            _set_value(into.map_value.entries.add(key=str(key)).value, item, f"{where}.{key}")
+    elif value is None:
+        raise TaskError(f"{where} has no value")
+    else:  # a date, bytes (!!binary), ...: nothing generate_input is given by the harness
+        raise TaskError(f"{where}: a {type(value).__name__} is not a value of a case")
+
+
+def parse_task_yml(text: str, where: str = "task.yml") -> dict[str, Any]:
+    """task.yml as a mapping of its top-level keys (yaml.safe_load); TaskError naming the
+    line when it is not YAML, or not a mapping."""
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark is not None else where
+        problem = getattr(e, "problem", None) or str(e)
+        raise TaskError(f"{at}: not YAML: {problem}") from None
+    if parsed is None:
+        return {}
+    if not isinstance(parsed, dict):
+        raise TaskError(f"{where}: a task file is a mapping of keys (tests, benchmarks, ...)")
+    return {str(k): v for k, v in parsed.items()}
 
 
 def _shared_files(
@@ -180,137 +213,3 @@ def _list(parsed: dict[str, Any], key: str, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise TaskError(f"{where}: {key} is not a list")
     return value
-
-
-# --- the YAML that task.yml files use -------------------------------------------------------
-
-_TOP_KEY = re.compile(r"^([A-Za-z_][\w-]*)\s*:\s*(.*)$")
-_ITEM = re.compile(r"^(\s+)-\s*(.*)$")
-_BLOCK_KEY = re.compile(r"^(\s+)([A-Za-z_][\w-]*)\s*:\s*(.*)$")
-_INT = re.compile(r"[-+]?\d+")
-_FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
-
-
-def parse_task_yml(text: str, where: str = "task.yml") -> dict[str, Any]:
-    """Top-level keys to values: a scalar, or a list of mappings (or scalars). Nested
-    mappings and block scalars (description: |) are skipped; their keys map to None."""
-    out: dict[str, Any] = {}
-    key: str | None = None
-    item: dict[str, Any] | None = None
-    item_indent = 0
-    in_text = False  # inside a block scalar (description: |), whose lines are text
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip()
-        at = f"{where}:{number}"
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        if not line[0].isspace():
-            m = _TOP_KEY.match(line)
-            if m is None:
-                raise TaskError(f"{at}: expected `key: value`, got {line.strip()!r}")
-            key, value, item = m.group(1), _strip_comment(m.group(2)), None
-            in_text = value[:1] in ("|", ">")
-            out[key] = None if value == "" or in_text else _scalar(value, at)
-            continue
-        if in_text:
-            continue
-        if key is None:
-            raise TaskError(f"{at}: indented line before any key")
-        if (m := _ITEM.match(line)) is not None:
-            if out[key] is None:
-                out[key] = []
-            if not isinstance(out[key], list):
-                raise TaskError(f"{at}: a list item under {key}, which has a value")
-            body = _strip_comment(m.group(2))
-            item = None
-            if body.startswith("{"):
-                out[key].append(_flow_mapping(body, at))
-            elif (kv := _BLOCK_KEY.match(" " + body)) is not None:
-                item, item_indent = {}, len(m.group(1)) + 2
-                item[kv.group(2)] = _scalar(_strip_comment(kv.group(3)), at)
-                out[key].append(item)
-            else:
-                out[key].append(_scalar(body, at))
-            continue
-        if item is not None and (m := _BLOCK_KEY.match(line)) and len(m.group(1)) >= item_indent:
-            item[m.group(2)] = _scalar(_strip_comment(m.group(3)), at)
-        # Anything else is inside a block scalar or a nested mapping: not needed here.
-    return out
-
-
-def _strip_comment(text: str) -> str:
-    """The text less a ` # comment` outside quotes."""
-    quote = ""
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "#" and (i == 0 or text[i - 1].isspace()):
-            return text[:i].strip()
-    return text.strip()
-
-
-def _split_outside_quotes(text: str, sep: str, limit: int = -1) -> list[str]:
-    parts, quote, start = [], "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch == sep and limit != 0:
-            parts.append(text[start:i])
-            start = i + 1
-            limit -= 1
-    if quote:
-        raise ValueError("unterminated quote")
-    parts.append(text[start:])
-    return parts
-
-
-def _flow_mapping(text: str, at: str) -> dict[str, Any]:
-    """`{"size": 127, seed: 4242}` on one line."""
-    if not text.endswith("}"):
-        raise TaskError(f"{at}: a {{...}} mapping must end on its line")
-    out: dict[str, Any] = {}
-    try:
-        pairs = _split_outside_quotes(text[1:-1], ",")
-        for pair in pairs:
-            if not pair.strip():
-                continue
-            parts = _split_outside_quotes(pair, ":", 1)
-            if len(parts) != 2:
-                raise TaskError(f"{at}: {pair.strip()!r} is not `key: value`")
-            name = _scalar(parts[0].strip(), at)
-            out[str(name)] = _scalar(parts[1].strip(), at)
-    except ValueError as e:
-        if isinstance(e, TaskError):
-            raise
-        raise TaskError(f"{at}: {e}") from None
-    return out
-
-
-def _scalar(text: str, at: str) -> Any:
-    """A YAML scalar: quoted string, int, float, bool, null (also empty), or plain string."""
-    if text in ("", "~", "null", "Null", "NULL"):
-        return None
-    if text[0] == '"':
-        try:
-            return str(json.loads(text))
-        except json.JSONDecodeError:
-            raise TaskError(f"{at}: bad double-quoted string {text}") from None
-    if text[0] == "'":
-        if len(text) < 2 or text[-1] != "'":
-            raise TaskError(f"{at}: bad single-quoted string {text}")
-        return text[1:-1].replace("''", "'")
-    if text in ("true", "True", "TRUE"):
-        return True
-    if text in ("false", "False", "FALSE"):
-        return False
-    if _INT.fullmatch(text):
-        return int(text)
-    if _FLOAT.fullmatch(text):
-        return float(text)
-    return text

@@ -3,7 +3,9 @@
 One interface (`Display`), three kinds: rich's on a terminal where rich is installed
 (`pip install 'kerneleval-client[rich]'`), a plain one that redraws one line on other terminals,
 and one for logs and pipes that prints a line per step plus a heartbeat while nothing else is
-said. `JobView` and `BatchView` turn a job's events, or a batch's results, into those calls.
+said. `PhaseBars` turns a job's events into one bar per phase (the CLI's bars, its --jsonl
+"bars" and the MCP tools' progress alike); `JobView` and `BatchView` show a job's events, or a
+batch's results, on a display.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from kerneleval import render
-from kerneleval.v1 import job_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
 
 # The plain displays' refresh (a terminal) and heartbeat (a log) periods, seconds.
 REDRAW_S = 0.5
 HEARTBEAT_S = 10.0
 BAR_WIDTH = 24
 NO_RICH_ENV = "KERNELEVAL_NO_RICH"  # set: the plain terminal display even where rich is
+DEFAULT_PERF_TRIALS = 100  # EvalOptions.perf_trial_count unset
 
 
 @dataclass
@@ -287,41 +290,158 @@ def make_display(out: TextIO, *, enabled: bool, colour: bool) -> Display:
     return TerminalDisplay(out)
 
 
-class JobView:
-    """One job's events on a display: a bar per phase (the profiling of a candidate and of
-    its reference each counted on their own), its logs, faults and end."""
+@dataclass(frozen=True)
+class Bar:
+    """Where one of a job's bars stands: a phase (the timing split into the kernel's and the
+    reference's) with its counts."""
 
-    def __init__(self, display: Display, has_reference: bool | None = None) -> None:
-        self.display = display
+    label: str  # "compiling", "validating", "profiling kernel", "profiling reference", ...
+    phase: int  # job_pb2.Phase
+    done: int = 0
+    total: int = 0  # 0: no counts (a phase without steps, or not known yet)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The bar in --jsonl: {"label", "phase" (its enum name), "done", "total"}."""
+        return {"label": self.label, "phase": job_pb2.Phase.Name(self.phase),  # type: ignore[arg-type]
+                "done": self.done, "total": self.total}  # fmt: skip
+
+
+def timed_trials(spec: kernel_pb2.JobSpec) -> int:
+    """The timed trials of one side of a job as its progress counts them: perf_trial_count
+    (100 unset), for each benchmark case of a GPU MODE task."""
+    o = spec.options
+    n = o.perf_trial_count if o.HasField("perf_trial_count") else DEFAULT_PERF_TRIALS
+    if spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
+        n *= len(spec.gpu_mode.benchmarks)
+    return max(n, 0)
+
+
+class PhaseBars:
+    """A job's phase and progress events as one bar per phase, whatever processes sent them.
+
+    A compared job's phases come in two series: the kernel's process compiles, runs the
+    correctness trials and times the kernel; then its judge (a process of its own, the
+    reference's only) compiles, checks those trials and times the reference. A job run whole in
+    one process sends one series, its timing the kernel's trials then the reference's (2n
+    steps; a GPU MODE job alternates the two per benchmark case). Here a phase that comes
+    again in a later series moves its bar on (never back: counts only grow, as MCP's progress
+    must), and a timing series is the kernel's or the reference's: the bars' counts are the
+    result's (5 correctness trials, 100 timed trials each side).
+
+    `trials`: a side's timed trials (`timed_trials(spec)`), to tell a whole job's 2n series
+    from a kernel's n; None when not known (then such a series is one "profiling" bar)."""
+
+    def __init__(
+        self, has_reference: bool | None = None, trials: int | None = None, *,
+        interleaved: bool = False,
+    ) -> None:  # fmt: skip
         self.has_reference = has_reference
+        self.trials = trials
+        self.interleaved = interleaved  # GPU MODE: kernel and reference alternate per case
+        self.reset()
+
+    @classmethod
+    def for_spec(cls, spec: kernel_pb2.JobSpec) -> PhaseBars:
+        gpu_mode = spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE
+        return cls(spec.HasField("reference"), timed_trials(spec), interleaved=gpu_mode)
+
+    def reset(self) -> None:
+        """A new attempt of the job (JobStarted): its phases start again."""
+        self.bars: dict[str, Bar] = {}
+        self.phase = 0  # the phase of the series now coming in
+        self.timing_series = -1  # how many timing series came before this one, less one
+        self.provisional: str | None = None  # the bar a timing series started, before counts
+
+    def event(self, event: job_pb2.JobEvent) -> list[Bar]:
+        """The bars this event moves, in order (none: it repeats what a bar shows)."""
+        kind = event.WhichOneof("kind")
+        if kind == "started":
+            self.reset()
+        elif kind == "phase":
+            return self._phase(event.phase.phase)
+        elif kind == "progress":
+            p = event.progress
+            started = self._phase(p.phase) if p.phase != self.phase else []  # no phase event
+            counted = self._progress(p.phase, p.done_count, p.total_count)
+            return [b for b in started if b.label not in {c.label for c in counted}] + counted
+        return []
+
+    def _phase(self, phase: int) -> list[Bar]:
+        if phase == job_pb2.PHASE_PROFILING:
+            self.timing_series += 1  # a later timing series is always another process's
+        self.phase = phase
+        if phase == job_pb2.PHASE_PROFILING:
+            # Until its first counts, whose timing a series is may be a guess (a GPU MODE
+            # job's own process times the kernel alone when judged, both sides when not).
+            label = self._timing_label(0, 0)
+            moved = self._move(label, phase, 0, 0)
+            self.provisional = label if moved else None
+            return moved
+        return self._move(render.PHASE_NAMES.get(phase, "working"), phase, 0, 0)
+
+    def _timing_label(self, done: int, total: int) -> str:
+        if self.timing_series > 0:
+            return "profiling reference"  # a judge's: it times the reference only
+        if not self.has_reference or self.trials is None:
+            return "profiling"
+        if self.interleaved and total == 2 * self.trials and total:
+            return "profiling"  # both sides, case by case
+        return "profiling kernel"
+
+    def _progress(self, phase: int, done: int, total: int) -> list[Bar]:
+        if phase != job_pb2.PHASE_PROFILING:
+            return self._move(render.PHASE_NAMES.get(phase, "working"), phase, done, total)
+        label = self._timing_label(done, total)
+        if self.provisional not in (None, label) and self.bars[self.provisional].total == 0:
+            del self.bars[self.provisional]  # the guess was wrong: its empty bar goes
+        self.provisional = None
+        n = self.trials or 0
+        if label == "profiling kernel" and n and total == 2 * n:  # one process, both sides
+            if done <= n:
+                return self._move(label, phase, done, n)
+            return self._move(label, phase, n, n) + self._move(
+                "profiling reference", phase, done - n, n
+            )
+        return self._move(label, phase, done, total)
+
+    def _move(self, label: str, phase: int, done: int, total: int) -> list[Bar]:
+        old = self.bars.get(label)
+        if old is not None:
+            done, total = max(done, old.done), max(total, old.total)
+        bar = Bar(label, phase, done, total)
+        if bar == old:
+            return []
+        self.bars[label] = bar
+        return [bar]
+
+
+class JobView:
+    """One job's events on a display: a bar per phase (PhaseBars: the kernel's timing and the
+    reference's each counted on their own), its logs, faults and end."""
+
+    def __init__(
+        self, display: Display, has_reference: bool | None = None, trials: int | None = None, *,
+        interleaved: bool = False, bars: PhaseBars | None = None,
+    ) -> None:  # fmt: skip
+        self.display = display
+        self.bars = bars or PhaseBars(has_reference, trials, interleaved=interleaved)
+        self.meters: dict[str, Meter] = {}
         self.meter: Meter | None = None
         self.started = time.monotonic()
+        self.moved: list[Bar] = []  # what the last event moved (for --jsonl)
 
     def _show(self, label: str, done: int = 0, total: int = 0) -> None:
-        if self.meter is None or self.meter.label != label:
-            self.meter = Meter(label)
-        self.meter.done, self.meter.total = done, total
-        self.display.update(self.meter)
-
-    def _profiling(self, done: int, total: int) -> None:
-        """The service counts the candidate's trials and then the reference's as one series
-        (2n steps for n trials): shown as two bars of n."""
-        if not self.has_reference or total % 2:
-            self._show("profiling", done, total)
-            return
-        n = total // 2
-        if done <= n:
-            self._show("profiling kernel", done, n)
-            return
-        if (
-            self.meter is not None
-            and self.meter.label == "profiling kernel"
-            and self.meter.done < n
-        ):
-            self._show("profiling kernel", n, n)  # its last tick was not sent on its own
-        self._show("profiling reference", done - n, n)
+        meter = self.meters.get(label)
+        if meter is None:
+            meter = self.meters[label] = Meter(label)
+        meter.done, meter.total = done, total
+        self.meter = meter
+        self.display.update(meter)
 
     def event(self, event: job_pb2.JobEvent) -> None:
+        self.moved = self.bars.event(event)
+        for bar in self.moved:
+            self._show(bar.label, bar.done, bar.total)
         kind = event.WhichOneof("kind")
         if kind == "queued":
             self.display.line(f"job {event.job_id} queued (position {event.queued.position})")
@@ -333,18 +453,7 @@ class JobView:
             self.display.line(f"started on {where}, worker {s.worker_id}{attempt}")
             self.display.settle()
             self.meter = None
-        elif kind == "phase":
-            phase = event.phase.phase
-            if phase == job_pb2.PHASE_PROFILING:
-                self._profiling(0, 0)
-                return
-            self._show(render.PHASE_NAMES.get(phase, "working"))
-        elif kind == "progress":
-            p = event.progress
-            if p.phase == job_pb2.PHASE_PROFILING:
-                self._profiling(p.done_count, p.total_count)
-            else:
-                self._show(render.PHASE_NAMES.get(p.phase, "working"), p.done_count, p.total_count)
+            self.meters.clear()
         elif kind == "log":
             for line in render.printable(event.log.text).rstrip("\n").splitlines():
                 self.display.line(f"  | {line}")
