@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import fcntl
 import gc
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -403,6 +407,9 @@ class Server:
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # One service per port: with gRPC's default (SO_REUSEPORT) a second service on the
+            # same port started and the kernel spread connections over both.
+            ("grpc.so_reuseport", 0),
         ]
         # Auth before decoding: a caller without the token learns nothing of its request.
         interceptors = [MetricsInterceptor(self.metrics), AdminAuth(token), DecodeErrors()]
@@ -430,10 +437,13 @@ class Server:
 
         try:
             port = self._listen(server)
-            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-            self._http = self._http_gateway(server)
+            with _port_named("--metrics-port", cfg.metrics_host, cfg.metrics_port):
+                self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            with _port_named("--http-port", cfg.http_host or cfg.host, cfg.http_port):
+                self._http = self._http_gateway(server)
         except (RuntimeError, OSError) as exc:  # port taken, bad address, unreadable TLS files
             log.error("cannot listen: %s", exc)
+            await server.stop(None)  # not left to the garbage collector, after the loop
             self.store.close()
             return 2
         if cfg.role != BUILDER:  # a builder's store holds the nodes' jobs, not its own
@@ -494,13 +504,14 @@ class Server:
         port = 0
         if cfg.port >= 0:
             address = f"{cfg.host}:{cfg.port}"
-            if cfg.tls_cert:
-                creds = grpc.ssl_server_credentials(
-                    [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
-                )
-                port = server.add_secure_port(address, creds)
-            else:
-                port = server.add_insecure_port(address)
+            with _port_named("--port", cfg.host, cfg.port):
+                if cfg.tls_cert:
+                    creds = grpc.ssl_server_credentials(
+                        [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+                    )
+                    port = server.add_secure_port(address, creds)
+                else:
+                    port = server.add_insecure_port(address)
         if cfg.unix_socket:
             server.add_insecure_port(f"unix:{cfg.unix_socket}")
         return port
@@ -568,6 +579,36 @@ class Server:
         await self.manager.channels.close()
         self.store.close()
         log.info("stopped")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on host:port already (a bind fails with EADDRINUSE)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+@contextlib.contextmanager
+def _port_named(flag: str, host: str, port: int) -> Iterator[None]:
+    """A listener that cannot bind its port because another listens there: an error that
+    says so and names the flag (gRPC says only "Failed to bind")."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        if port > 0 and (
+            getattr(exc, "errno", None) == errno.EADDRINUSE or port_in_use(host, port)
+        ):
+            raise RuntimeError(
+                f"{flag} {port}: address in use: something already listens on {host}:{port} "
+                "(another kerneleval serve?); stop it, or choose another port"
+            ) from None
+        raise
 
 
 def program_name() -> str:
