@@ -92,6 +92,13 @@ SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/s
 # The sandbox's fresh root shows these anyway (watchdog/src/sandbox.*).
 SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 ZYGOTE_MODULE = "kerneleval_server.jobproc.zygote"
+# Said once at start: what job processes lack on purpose, whose own warnings about it are
+# silenced in them (jobproc/zygote.py, quiet_warnings).
+SANDBOX_HIDES = (
+    "the sandbox hides from job processes, on purpose: NVML (the watchdog reads it for them; "
+    "torch's \"Can't initialize NVML\" warnings are silenced), the network (only lo), the host's "
+    "other processes and files, the state folder and other jobs"
+)
 
 
 def code_dirs() -> tuple[Path, Path]:
@@ -200,7 +207,7 @@ def build_configure(
             isolate_network=cfg.isolate_network,
             user=cfg.job_user,
             read_only_paths=read_only_paths(cfg, env),
-            memory_bytes=cfg.job_memory_mib * mib,
+            memory_bytes=cfg.effective_job_memory_mib() * mib,
             tmp_bytes=cfg.job_tmp_mib * mib,
             max_pids=cfg.job_max_pids,
         ),
@@ -465,6 +472,14 @@ class Server:
             port,
             f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
         )
+        if cfg.role != GATEWAY:
+            log.info(
+                "job processes: %d MiB of memory each (%s), /tmp and /dev/shm %d MiB each",
+                cfg.effective_job_memory_mib(),
+                cfg.job_memory_source(),
+                cfg.job_tmp_mib,
+            )
+            log.info("%s", SANDBOX_HIDES)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)

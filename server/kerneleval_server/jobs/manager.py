@@ -199,6 +199,7 @@ class JobManager:
         self.ops = ops
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
+        self.memory_limits = faults.MemoryLimits.of(config)  # what OOM results are told
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
@@ -1514,6 +1515,7 @@ class JobManager:
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         job.state = state  # type: ignore[assignment]
+        faults.explain_memory(result, job.device_index, self.memory_limits)
         if job.HasField("start_time") and not job.result_origin:
             job.result_origin = job_pb2.RESULT_ORIGIN_RUN
         # The static flags are the front end's (submit), whatever the job process says; the
@@ -1648,9 +1650,8 @@ class JobManager:
         result = job_pb2.EvalResult(fault=decision.fault)
         result.verdict = decision.verdict  # type: ignore[assignment]
         result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
-        if exited.reason == faults.GPU_OUTSIDE_PHASE_KILL:
-            result.error.exception_type = "GpuWorkOutsidePhase"
-            result.error.message = decision.fault.description
+        if decision.error is not None:
+            result.error.CopyFrom(decision.error)
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(decision.fault)
         self.hub.publish(event)
