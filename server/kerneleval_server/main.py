@@ -47,6 +47,7 @@ from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
+from kerneleval_server.fleet import readiness as readiness_mod
 from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.artifact_store import SharedArtifacts
 from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
@@ -279,6 +280,16 @@ class Server:
         if cfg.build_pch and cfg.effective_build_processes() > 0 and cfg.role != GATEWAY:
             self.pch_dir = self.state / "pch"
             self.pch_dir.mkdir(mode=0o755, exist_ok=True)
+        # Ready for each kind of job (health "kerneleval.ready.<kind>", ListDevices).
+        self.readiness = readiness_mod.Readiness(
+            self.manager,
+            self._serving_now,
+            cfg.effective_build_processes() if cfg.role != GATEWAY else 0,
+            takes_jobs=cfg.role in (ALL, NODE),
+        )
+        if self.pch_dir is not None:
+            self.readiness.pch.set(readiness_mod.MAKING)
+        self._ready: dict[str, bool] = {}
         self.stopping = asyncio.Event()
         self._supervise_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
@@ -314,24 +325,26 @@ class Server:
         builder.start()
         return builder
 
-    def _update_health(self) -> None:
+    def _serving_now(self) -> bool:
         if self.cfg.role == BUILDER:
-            serving = (
-                self.builder is not None and self.builder.serving() and not self.manager.draining
-            )
-        else:
-            serving = self.manager.serving()
-        if serving == self._serving:
-            return
-        self._serving = serving
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
-        for name in ("", *SERVICES):
-            asyncio.get_running_loop().create_task(self.health.set(name, status))
+            return self.builder is not None and self.builder.serving() and not self.manager.draining
+        return self.manager.serving()
+
+    def _update_health(self) -> None:
+        serving = self._serving_now()
+        loop = asyncio.get_running_loop()
+        if serving != self._serving:
+            self._serving = serving
+            log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+            for name in ("", *SERVICES):
+                loop.create_task(self.health.set(name, _health_status(serving)))
+        # Each kind of job (fleet/readiness.py): "kerneleval.ready.<kind>".
+        for row in self.readiness.kinds() if self.cfg.role != GATEWAY else ():
+            name = readiness_mod.HEALTH_PREFIX + row.kind
+            if self._ready.get(name) != row.ready:
+                self._ready[name] = row.ready
+                log.info("ready for %s jobs: %s (%s)", row.kind, row.ready, row.detail)
+                loop.create_task(self.health.set(name, _health_status(row.ready)))
 
     async def _supervise_watchdog(self) -> None:
         from kerneleval_server.fleet.watchdog import Watchdog
@@ -371,8 +384,11 @@ class Server:
 
     async def _make_pch(self) -> None:
         """Makes the build processes' precompiled headers (a few minutes of CPU, once: they
-        are kept in the state folder); builds meanwhile go without them."""
+        are kept in the state folder, and a start with the same torch, compilers and flags
+        finds them ready); builds meanwhile go without them."""
         assert self.pch_dir is not None
+        pch = self.readiness.pch
+        pch.set(readiness_mod.MAKING)
         # The build processes' environment (their compiler: a PCH serves only the same
         # command), no GPU (no CUDA context for a header), any architecture (host headers).
         env = {**job_env(self.cfg), "CUDA_VISIBLE_DEVICES": "", "TORCH_CUDA_ARCH_LIST": "9.0"}
@@ -389,9 +405,18 @@ class Server:
             raise
         except OSError as exc:
             log.warning("precompiled headers not made: %s", exc)
+            pch.set(readiness_mod.FAILED, str(exc))
+            self._update_health()
             return
-        for line in out.decode(errors="replace").splitlines()[-10:]:
+        lines = out.decode(errors="replace").splitlines()
+        for line in lines[-10:]:
             log.info(line)
+        last = lines[-1].removeprefix("kerneleval pch: ") if lines else ""
+        if proc.returncode == 0 and last.startswith("ready"):
+            pch.set(readiness_mod.READY, last.removeprefix("ready").strip())
+        else:
+            pch.set(readiness_mod.FAILED, last or f"exit code {proc.returncode}")
+        self._update_health()
 
     async def _sweep(self, ops: OperationsService) -> None:
         while not self.stopping.is_set():
@@ -425,7 +450,7 @@ class Server:
     async def run(self) -> int:
         cfg = self.cfg
         server = self._grpc_server(admin_token(cfg, self.state))
-        ops = OperationsService(self.manager, self.shared)
+        ops = OperationsService(self.manager, self.shared, self.readiness.kinds)
         names: tuple[str, ...] = (health.SERVICE_NAME,)
         if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
             kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
@@ -439,7 +464,8 @@ class Server:
             )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable(names, server)
-        for name in ("", *SERVICES):
+        kinds = [k.kind for k in self.readiness.kinds()] if cfg.role != GATEWAY else []
+        for name in ("", *SERVICES, *(readiness_mod.HEALTH_PREFIX + k for k in kinds)):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
         try:
@@ -594,6 +620,14 @@ class Server:
         await self.manager.channels.close()
         self.store.close()
         log.info("stopped")
+
+
+def _health_status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
 
 
 def port_in_use(host: str, port: int) -> bool:

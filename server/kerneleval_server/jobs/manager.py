@@ -1006,6 +1006,8 @@ class JobManager:
 
     def on_worker_ready(self, worker: WorkerState) -> None:
         if worker.device_index == BUILD_DEVICE:
+            self.fleet.warm_devices.add(BUILD_DEVICE)  # builds are ready (fleet/readiness.py)
+            self.on_health_change()
             self.dispatch()
             return
         assert worker.hello is not None
