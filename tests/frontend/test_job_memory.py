@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from ke_service import ServiceProcess, real_watchdog_available
+from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
@@ -137,16 +138,12 @@ def test_config_auto_unless_given() -> None:
 LIMITS = faults.MemoryLimits(job_mib=16384, tmp_mib=1024, source="auto: this host's 128 GiB")
 
 
-def cgroup_oom(device_index: int) -> job_pb2.EvalResult:
+def cgroup_oom(device_index: int, phase: int = job_pb2.PHASE_VALIDATING) -> job_pb2.EvalResult:
     exited = job_pb2.EvalResult()
-    from kerneleval.internal.v1 import watchdog_pb2
-
     worker_exit = watchdog_pb2.WorkerExited(signal=9, reason="oom", restarting=True)
     worker_exit.worker.worker_id = "gpu0-w7"
     worker_exit.worker.device_index = device_index
-    decision = faults.classify_exit(
-        worker_exit, pending="", xid=None, phase=job_pb2.PHASE_COMPILING, timeout_s=120
-    )
+    decision = faults.classify_exit(worker_exit, pending="", xid=None, phase=phase, timeout_s=120)
     assert decision.verdict == job_pb2.VERDICT_OUT_OF_MEMORY and decision.error is not None
     exited.verdict = decision.verdict  # type: ignore[assignment]
     exited.fault.CopyFrom(decision.fault)
@@ -160,8 +157,8 @@ def test_a_job_killed_at_its_cgroups_limit_is_told_which_memory_how_much_and_the
     first = result.error.message.splitlines()[0]
     assert first.startswith("out of host memory: the job's processes used all 16384 MiB")
     assert "--job-memory-mib" in first and "auto: this host's 128 GiB" in first
-    assert "PHASE_COMPILING" in result.error.message  # the fault's description follows
-    assert "smaller inputs" not in result.error.message  # a GPU host: the model, not inputs
+    assert "PHASE_VALIDATING" in result.error.message  # the fault's description follows
+    assert "smaller inputs" not in result.error.message  # a GPU host: its inputs are the GPU's
 
 
 def test_on_a_host_without_a_gpu_it_says_smaller_inputs_would_run() -> None:
@@ -170,6 +167,15 @@ def test_on_a_host_without_a_gpu_it_says_smaller_inputs_would_run() -> None:
     assert "this host has no GPU" in result.error.message
     assert "smaller inputs would run: --io" in result.error.message
     assert "get_inputs" in result.error.message
+
+
+def test_while_its_model_is_built_it_is_the_limit_not_the_inputs() -> None:
+    """KernelBench level 3's 2_ShallowWideMLP under the old 8 GiB: killed building its
+    weights, on any host; smaller inputs would not help."""
+    result = cgroup_oom(-1, phase=job_pb2.PHASE_COMPILING)
+    faults.explain_memory(result, -1, LIMITS)
+    assert result.error.message.startswith("out of host memory: the job's processes used all")
+    assert "smaller inputs" not in result.error.message
 
 
 def test_gpu_memory_is_named_with_torchs_numbers() -> None:
@@ -217,17 +223,14 @@ CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 SERVICE_CGROUP_BYTES = 6 * GIB  # the service's "host": 2 GiB a job once the front end's 4 kept
 EXPECTED_JOB_MIB = 2048
 
+# Inputs sized for a GPU, on the CPU machine: 3 GiB, past the job's 2 GiB.
 HOG = """
 import torch
 class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.hog = torch.empty(3 << 30, dtype=torch.uint8)
-        self.hog.fill_(1)  # touched: charged to the job's cgroup
     def forward(self, x):
-        return x
+        return x[:8].float()
 def get_inputs():
-    return [torch.randn(8)]
+    return [torch.ones(3 << 30, dtype=torch.uint8)]  # touched: charged to the job's cgroup
 def get_init_inputs():
     return []
 """

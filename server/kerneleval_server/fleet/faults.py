@@ -159,11 +159,14 @@ class MemoryLimits:
 
     job_mib: int  # the job process's cgroup (--job-memory-mib, or worked out: auto)
     tmp_mib: int  # its private /tmp and /dev/shm (--job-tmp-mib)
-    source: str  # how job_mib was set ("--job-memory-mib", or "auto: ...")
+    source: str  # how job_mib was set ("set by --job-memory-mib", or "auto: ...")
 
     @classmethod
     def of(cls, cfg: Config) -> MemoryLimits:
-        return cls(cfg.effective_job_memory_mib(), cfg.job_tmp_mib, cfg.job_memory_source())
+        source = cfg.job_memory_source()
+        if source == "--job-memory-mib":
+            source = "set by --job-memory-mib"
+        return cls(cfg.effective_job_memory_mib(), cfg.job_tmp_mib, source)
 
 
 def explain_memory(result: job_pb2.EvalResult, device_index: int, limits: MemoryLimits) -> None:
@@ -174,16 +177,19 @@ def explain_memory(result: job_pb2.EvalResult, device_index: int, limits: Memory
     error = result.error
     said = "\n".join((error.message, result.compilation_error, error.traceback))
     lead: list[str] = []
-    host = False
+    inputs_may_be_why = False  # host memory, past building the model
     if result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY:
         if error.exception_type == JOB_MEMORY_LIMIT:
-            host = True
             lead.append(
                 f"out of host memory: the job's processes used all {limits.job_mib} MiB of "
                 "their limit (the job process's memory cgroup, its /tmp and /dev/shm files "
                 f"included) and were ended; change it with --job-memory-mib "
-                f"(KERNELEVAL_JOB_MEMORY_MIB), now {limits.job_mib} MiB ({limits.source})"
+                f"(KERNELEVAL_JOB_MEMORY_MIB; now {limits.job_mib} MiB, {limits.source})"
             )
+            # While the model was built (its weights are on the host first, on any host): the
+            # limit, not the inputs (classify_exit's message names the phase).
+            building = f"in {job_pb2.Phase.Name(job_pb2.PHASE_COMPILING)}" in error.message
+            inputs_may_be_why = not building
         elif device_index >= 0 and any(t in said for t in GPU_OOM_TEXTS):
             lead.append(
                 f"out of GPU memory on GPU {device_index}: the job's tensors did not fit in its "
@@ -192,13 +198,13 @@ def explain_memory(result: job_pb2.EvalResult, device_index: int, limits: Memory
                 "reference's get_inputs)"
             )
         elif any(t in said for t in HOST_OOM_TEXTS) or error.exception_type == "MemoryError":
-            host = True
+            inputs_may_be_why = True
             lead.append(
                 "out of host memory: an allocation was refused (torch's words below); a job "
                 f"process may hold {limits.job_mib} MiB (its memory cgroup); change it with "
-                f"--job-memory-mib (KERNELEVAL_JOB_MEMORY_MIB), now {limits.source}"
+                f"--job-memory-mib (KERNELEVAL_JOB_MEMORY_MIB; {limits.source})"
             )
-        if host and device_index < 0:
+        if inputs_may_be_why and device_index < 0:
             lead.append(
                 "this host has no GPU: a job's tensors are in host memory, within that limit, "
                 "and inputs sized for a GPU (KernelBench's) may need more; smaller inputs "
