@@ -39,7 +39,7 @@ SYS_CGROUP = Path("/sys/fs/cgroup")
 @dataclass(frozen=True)
 class HostMemory:
     bytes: int
-    source: str  # where it was read, e.g. "cgroup memory.max" or "MemTotal"
+    source: str  # where it was read: "the cgroup limit, <file>" or "MemTotal, /proc/meminfo"
 
     def describe(self) -> str:
         return f"{self.bytes / GIB:.1f} GiB ({self.source})"

@@ -209,6 +209,14 @@ def test_a_full_tmp_names_its_size_and_flag() -> None:
     assert "1024 MiB (--job-tmp-mib" in result.error.message
 
 
+def test_said_once() -> None:
+    result = cgroup_oom(0)
+    faults.explain_memory(result, 0, LIMITS)
+    once = result.error.message
+    faults.explain_memory(result, 0, LIMITS)
+    assert result.error.message == once
+
+
 def test_other_results_are_left_as_they_are() -> None:
     for verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RUNTIME_ERROR):
         result = job_pb2.EvalResult(verdict=verdict)

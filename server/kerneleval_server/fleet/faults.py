@@ -217,5 +217,5 @@ def explain_memory(result: job_pb2.EvalResult, device_index: int, limits: Memory
             "MiB (--job-tmp-mib, KERNELEVAL_JOB_TMP_MIB), whose files count to the job's "
             f"memory limit too ({limits.job_mib} MiB, --job-memory-mib)"
         )
-    if lead:
+    if lead and not error.message.startswith(lead[0]):  # once (a result can be handed on)
         error.message = "\n".join([*lead, error.message] if error.message else lead)

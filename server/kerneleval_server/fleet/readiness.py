@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from kerneleval_server.jobs.manager import JobManager
 
 HEALTH_PREFIX = "kerneleval.ready."
-KINDS = ("jobs", "load_inline", "built_ahead")
 BUILD_KINDS = ("load_inline", "built_ahead")
 
 OFF, MAKING, READY, FAILED = "off", "making", "ready", "failed"
@@ -98,10 +97,8 @@ class Readiness:
 
     def _build_kind(self, kind: str, base: bool) -> tuple[bool, str]:
         if self.build_processes <= 0:
-            where = "in the job's own process (torch's build)" if kind == "load_inline" else (
-                "in the job's own process"
-            )
-            return base, f"no build processes: built {where}; ready with jobs"
+            torchs = " (torch's build)" if kind == "load_inline" else ""
+            return base, f"no build processes: built in the job's own process{torchs}"
         warm = BUILD_DEVICE in self.m.fleet.warm_devices
         n = self.build_processes
         said = [f"{n} build process{'es' if n != 1 else ''}, " + ("warm" if warm else "starting")]
@@ -112,7 +109,3 @@ class Readiness:
         if not base:
             said.append("waiting for the service to serve")
         return ready, "; ".join(said)
-
-    def health(self) -> dict[str, bool]:
-        """Health-check name -> SERVING."""
-        return {HEALTH_PREFIX + k.kind: k.ready for k in self.kinds()}
