@@ -9,12 +9,15 @@ setting whose empty value means something worked out at start, metadata "default
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from kerneleval_server import host_memory
 
 
 def default_state_dir() -> Path:
@@ -238,7 +241,13 @@ class Config:
         },
     )
     job_memory_mib: int = field(
-        default=8192, metadata={"help": "memory of one job process's cgroup, its /tmp included"}
+        default=0,
+        metadata={
+            "help": "memory of one job process's cgroup, its /tmp included; 0 = auto: the "
+            "host's (its cgroup limit, else MemTotal) less a share for the service, over the "
+            "job slots, at least 16 GiB (4 GiB for --role builder)",
+            "default_text": "0 (auto: the host's memory over its job slots, at least 16 GiB)",
+        },
     )
     job_tmp_mib: int = field(default=1024, metadata={"help": "size of a job process's /tmp"})
     record_max_mib: int = field(
@@ -316,6 +325,38 @@ class Config:
             return min(32, max(2, cpus - 2))
         return min(32, max(2, cpus - 2)) if os.path.exists("/dev/nvidiactl") else 0
 
+    def effective_job_memory_mib(self) -> int:
+        """--job-memory-mib, or when 0 the limit worked out from this host (host_memory.py),
+        once: the watchdog's job processes and the results' messages name the same number."""
+        return self.job_memory_mib if self.job_memory_mib > 0 else self._auto_job_memory_mib
+
+    @functools.cached_property
+    def _auto_job_memory_mib(self) -> int:
+        return host_memory.auto_job_memory_mib(
+            self._host_memory.bytes, self.job_slots(), self._job_memory_floor_mib()
+        )
+
+    def job_slots(self) -> int:
+        devices = len(self.device_list()) or host_memory.gpu_count()
+        workers = 0 if self.role == BUILDER else self.workers_per_device
+        return host_memory.job_slots(workers, devices, self.effective_build_processes())
+
+    def _job_memory_floor_mib(self) -> int:
+        return host_memory.BUILD_FLOOR_MIB if self.role == BUILDER else host_memory.FLOOR_MIB
+
+    def job_memory_source(self) -> str:
+        """How the job memory limit was set, for the log and the results' messages."""
+        if self.job_memory_mib > 0:
+            return "--job-memory-mib"
+        return (
+            f"auto: this host's {self._host_memory.describe()}, {self.job_slots()} job slots, "
+            f"at least {self._job_memory_floor_mib()} MiB"
+        )
+
+    @functools.cached_property
+    def _host_memory(self) -> host_memory.HostMemory:
+        return host_memory.host_memory()
+
     def device_list(self) -> list[int]:
         return [int(d) for d in self.devices.replace(" ", "").split(",") if d]
 
@@ -345,7 +386,6 @@ class Config:
             "spare_count",
             "max_queue",
             "max_attempts",
-            "job_memory_mib",
             "job_tmp_mib",
             "job_max_pids",
             "max_restarts",
@@ -383,6 +423,8 @@ class Config:
             out.append("--max-wait-s must be >= 0 (0: no bound)")
         if not 0 <= self.gpu_memory_share <= 1:
             out.append("--gpu-memory-share: from 0 (off) to 1")
+        if self.job_memory_mib < 0:
+            out.append("--job-memory-mib must be >= 0 (0: auto, from the host's memory)")
         if self.build_processes < -1:
             out.append("--build-processes must be >= 0, or -1 for auto")
         if self.compile_cache_mib < 0:

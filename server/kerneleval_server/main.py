@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import fcntl
 import gc
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +47,7 @@ from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
+from kerneleval_server.fleet import readiness as readiness_mod
 from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
 from kerneleval_server.jobs.artifact_store import SharedArtifacts
 from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
@@ -88,6 +93,13 @@ SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/s
 # The sandbox's fresh root shows these anyway (watchdog/src/sandbox.*).
 SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 ZYGOTE_MODULE = "kerneleval_server.jobproc.zygote"
+# Said once at start: what job processes lack on purpose, whose own warnings about it are
+# silenced in them (jobproc/zygote.py, quiet_warnings).
+SANDBOX_HIDES = (
+    "the sandbox hides from job processes, on purpose: NVML (the watchdog reads it for them; "
+    "torch's \"Can't initialize NVML\" warnings are silenced), the network (only lo), the host's "
+    "other processes and files, the state folder and other jobs"
+)
 
 
 def code_dirs() -> tuple[Path, Path]:
@@ -196,7 +208,7 @@ def build_configure(
             isolate_network=cfg.isolate_network,
             user=cfg.job_user,
             read_only_paths=read_only_paths(cfg, env),
-            memory_bytes=cfg.job_memory_mib * mib,
+            memory_bytes=cfg.effective_job_memory_mib() * mib,
             tmp_bytes=cfg.job_tmp_mib * mib,
             max_pids=cfg.job_max_pids,
         ),
@@ -268,6 +280,16 @@ class Server:
         if cfg.build_pch and cfg.effective_build_processes() > 0 and cfg.role != GATEWAY:
             self.pch_dir = self.state / "pch"
             self.pch_dir.mkdir(mode=0o755, exist_ok=True)
+        # Ready for each kind of job (health "kerneleval.ready.<kind>", ListDevices).
+        self.readiness = readiness_mod.Readiness(
+            self.manager,
+            self._serving_now,
+            cfg.effective_build_processes() if cfg.role != GATEWAY else 0,
+            takes_jobs=cfg.role in (ALL, NODE),
+        )
+        if self.pch_dir is not None:
+            self.readiness.pch.set(readiness_mod.MAKING)
+        self._ready: dict[str, bool] = {}
         self.stopping = asyncio.Event()
         self._supervise_task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
@@ -303,24 +325,26 @@ class Server:
         builder.start()
         return builder
 
-    def _update_health(self) -> None:
+    def _serving_now(self) -> bool:
         if self.cfg.role == BUILDER:
-            serving = (
-                self.builder is not None and self.builder.serving() and not self.manager.draining
-            )
-        else:
-            serving = self.manager.serving()
-        if serving == self._serving:
-            return
-        self._serving = serving
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
-        for name in ("", *SERVICES):
-            asyncio.get_running_loop().create_task(self.health.set(name, status))
+            return self.builder is not None and self.builder.serving() and not self.manager.draining
+        return self.manager.serving()
+
+    def _update_health(self) -> None:
+        serving = self._serving_now()
+        loop = asyncio.get_running_loop()
+        if serving != self._serving:
+            self._serving = serving
+            log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+            for name in ("", *SERVICES):
+                loop.create_task(self.health.set(name, _health_status(serving)))
+        # Each kind of job (fleet/readiness.py): "kerneleval.ready.<kind>".
+        for row in self.readiness.kinds() if self.cfg.role != GATEWAY else ():
+            name = readiness_mod.HEALTH_PREFIX + row.kind
+            if self._ready.get(name) != row.ready:
+                self._ready[name] = row.ready
+                log.info("ready for %s jobs: %s (%s)", row.kind, row.ready, row.detail)
+                loop.create_task(self.health.set(name, _health_status(row.ready)))
 
     async def _supervise_watchdog(self) -> None:
         from kerneleval_server.fleet.watchdog import Watchdog
@@ -360,8 +384,11 @@ class Server:
 
     async def _make_pch(self) -> None:
         """Makes the build processes' precompiled headers (a few minutes of CPU, once: they
-        are kept in the state folder); builds meanwhile go without them."""
+        are kept in the state folder, and a start with the same torch, compilers and flags
+        finds them ready); builds meanwhile go without them."""
         assert self.pch_dir is not None
+        pch = self.readiness.pch
+        pch.set(readiness_mod.MAKING)
         # The build processes' environment (their compiler: a PCH serves only the same
         # command), no GPU (no CUDA context for a header), any architecture (host headers).
         env = {**job_env(self.cfg), "CUDA_VISIBLE_DEVICES": "", "TORCH_CUDA_ARCH_LIST": "9.0"}
@@ -378,9 +405,18 @@ class Server:
             raise
         except OSError as exc:
             log.warning("precompiled headers not made: %s", exc)
+            pch.set(readiness_mod.FAILED, str(exc))
+            self._update_health()
             return
-        for line in out.decode(errors="replace").splitlines()[-10:]:
+        lines = out.decode(errors="replace").splitlines()
+        for line in lines[-10:]:
             log.info(line)
+        last = lines[-1].removeprefix("kerneleval pch: ") if lines else ""
+        if proc.returncode == 0 and last.startswith("ready"):
+            pch.set(readiness_mod.READY, last.removeprefix("ready").strip())
+        else:
+            pch.set(readiness_mod.FAILED, last or f"exit code {proc.returncode}")
+        self._update_health()
 
     async def _sweep(self, ops: OperationsService) -> None:
         while not self.stopping.is_set():
@@ -403,6 +439,9 @@ class Server:
             ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # One service per port: with gRPC's default (SO_REUSEPORT) a second service on the
+            # same port started and the kernel spread connections over both.
+            ("grpc.so_reuseport", 0),
         ]
         # Auth before decoding: a caller without the token learns nothing of its request.
         where = auth.CONFIGURED if cfg.admin_token else auth.IN_STATE_DIR
@@ -412,7 +451,7 @@ class Server:
     async def run(self) -> int:
         cfg = self.cfg
         server = self._grpc_server(admin_token(cfg, self.state))
-        ops = OperationsService(self.manager, self.shared)
+        ops = OperationsService(self.manager, self.shared, self.readiness.kinds)
         names: tuple[str, ...] = (health.SERVICE_NAME,)
         if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
             kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
@@ -426,15 +465,19 @@ class Server:
             )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable(names, server)
-        for name in ("", *SERVICES):
+        kinds = [k.kind for k in self.readiness.kinds()] if cfg.role != GATEWAY else []
+        for name in ("", *SERVICES, *(readiness_mod.HEALTH_PREFIX + k for k in kinds)):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
         try:
             port = self._listen(server)
-            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-            self._http = self._http_gateway(server)
+            with _port_named("--metrics-port", cfg.metrics_host, cfg.metrics_port):
+                self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            with _port_named("--http-port", cfg.http_host or cfg.host, cfg.http_port):
+                self._http = self._http_gateway(server)
         except (RuntimeError, OSError) as exc:  # port taken, bad address, unreadable TLS files
             log.error("cannot listen: %s", exc)
+            await server.stop(None)  # not left to the garbage collector, after the loop
             self.store.close()
             return 2
         if cfg.role != BUILDER:  # a builder's store holds the nodes' jobs, not its own
@@ -457,6 +500,14 @@ class Server:
             port,
             f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
         )
+        if cfg.role != GATEWAY:
+            log.info(
+                "job processes: %d MiB of memory each (%s), /tmp and /dev/shm %d MiB each",
+                cfg.effective_job_memory_mib(),
+                cfg.job_memory_source(),
+                cfg.job_tmp_mib,
+            )
+            log.info("%s", SANDBOX_HIDES)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -496,13 +547,14 @@ class Server:
         port = 0
         if cfg.port >= 0:
             address = f"{cfg.host}:{cfg.port}"
-            if cfg.tls_cert:
-                creds = grpc.ssl_server_credentials(
-                    [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
-                )
-                port = server.add_secure_port(address, creds)
-            else:
-                port = server.add_insecure_port(address)
+            with _port_named("--port", cfg.host, cfg.port):
+                if cfg.tls_cert:
+                    creds = grpc.ssl_server_credentials(
+                        [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+                    )
+                    port = server.add_secure_port(address, creds)
+                else:
+                    port = server.add_insecure_port(address)
         if cfg.unix_socket:
             server.add_insecure_port(f"unix:{cfg.unix_socket}")
         return port
@@ -571,6 +623,44 @@ class Server:
         await self.manager.channels.close()
         self.store.close()
         log.info("stopped")
+
+
+def _health_status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on host:port already (a bind fails with EADDRINUSE)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+@contextlib.contextmanager
+def _port_named(flag: str, host: str, port: int) -> Iterator[None]:
+    """A listener that cannot bind its port because another listens there: an error that
+    says so and names the flag (gRPC says only "Failed to bind")."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        if port > 0 and (
+            getattr(exc, "errno", None) == errno.EADDRINUSE or port_in_use(host, port)
+        ):
+            raise RuntimeError(
+                f"{flag} {port}: address in use: something already listens on {host}:{port} "
+                "(another kerneleval serve?); stop it, or choose another port"
+            ) from None
+        raise
 
 
 def program_name() -> str:

@@ -13,6 +13,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from kerneleval_server import config as config_mod
+from kerneleval_server import host_memory
 from kerneleval_server.main import build_parser
 from kustomize_lite import pod_specs, render
 
@@ -186,7 +187,12 @@ def test_containers_start_the_service_as_configured(rendered: tuple[Path, list])
             cpus = float(c["resources"]["requests"]["cpu"])
             assert 0 < cfg.build_processes < cpus
             limit = quantity_bytes(c["resources"]["limits"]["memory"])
-            assert limit > cfg.build_processes * cfg.job_memory_mib * 2**20
+            # --job-memory-mib by default: worked out from the pod's limit (host_memory.py).
+            job_mib = cfg.job_memory_mib or host_memory.auto_job_memory_mib(
+                limit, cfg.job_slots(), host_memory.BUILD_FLOOR_MIB
+            )
+            assert cfg.job_slots() == cfg.build_processes
+            assert limit > cfg.build_processes * job_mib * 2**20
             assert "startupProbe" in c and "livenessProbe" in c and "readinessProbe" in c
         else:
             assert cfg.role == "node" and res["kind"] == "DaemonSet"

@@ -288,7 +288,7 @@ def test_job_sandbox_flags() -> None:
     assert cfg.job_user == "alice"  # --worker-user is the old spelling of --job-user
     assert cfg.sandbox_paths() == ["/a", "/b", "/c"]
     cfg = config_mod.from_args(parser.parse_args([]), {"KERNELEVAL_WORKER_USER": "bob"})
-    assert cfg.job_user == "bob" and cfg.spare_count == 3 and cfg.job_memory_mib == 8192
+    assert cfg.job_user == "bob" and cfg.spare_count == 3 and cfg.job_memory_mib == 0  # auto
     bad = config_mod.Config(job_user="root", sandbox_path="rel", job_max_pids=0).problems()
     text = " ".join(bad)
     assert "--job-user" in text and "--sandbox-path" in text and "--job-max-pids" in text

@@ -7,7 +7,7 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -50,8 +50,14 @@ def percentiles(samples: Sequence[float]) -> pb.LatencySummary:
 class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     """Behind the admin token (auth.AdminAuth checks it before any of these runs)."""
 
-    def __init__(self, manager: JobManager, shared: SharedQueue | None = None) -> None:
+    def __init__(
+        self,
+        manager: JobManager,
+        shared: SharedQueue | None = None,
+        readiness: Callable[[], list[pb.JobKindReadiness]] | None = None,
+    ) -> None:
         self.m = manager
+        self.readiness = readiness  # per kind of job (fleet/readiness.py)
         # A gateway (--role gateway) owns no device: it lists its nodes' and names the node
         # that owns a device for ResetGpu and RestartWorkers.
         self.gateway = shared if shared is not None and shared.role == GATEWAY else None
@@ -133,7 +139,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     ) -> pb.ListDevicesResponse:
         if self.gateway is not None:
             return pb.ListDevicesResponse(devices=self.gateway.node_devices())
-        return pb.ListDevicesResponse(devices=self.devices())
+        ready = self.readiness() if self.readiness is not None else []
+        return pb.ListDevicesResponse(devices=self.devices(), readiness=ready)
 
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Any

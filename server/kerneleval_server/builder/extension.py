@@ -94,6 +94,9 @@ _DEVICE_ONLY = re.compile(
 )
 
 
+FULL_PCH_MADE = "torch/extension.h precompiled"  # make_full_pchs's answer when it did
+
+
 class FastBuildError(Exception):
     """fast_build cannot build this the way torch would; torch's build runs instead."""
 
@@ -515,7 +518,7 @@ def make_full_pchs(build_dir: Path, pch_dir: Path) -> str:
         made = list(pool.map(lambda w: _pch(n.cxx, w[0], w[1], pch_dir, log), wanted))
     if not all(made):
         return f"torch/extension.h not precompiled: {' '.join(log)[-300:]}"
-    return f"torch/extension.h precompiled in {time.monotonic() - started:.1f} s"
+    return f"{FULL_PCH_MADE} in {time.monotonic() - started:.1f} s"
 
 
 def make_device_prelude(build_dir: Path, pch_dir: Path) -> str:
@@ -632,7 +635,10 @@ def _pch(
     if pch_dir is None:
         return []
     stable = [f for f in flags if not f.startswith("-DTORCH_EXTENSION_NAME=")]
-    key = hashlib.sha256(f"{cxx}\n{_compiler_id(cxx)}\n{stable}\n{header}".encode()).hexdigest()
+    # torch's version too: one installed over another keeps its include paths (the flags),
+    # and GCC does not check that a precompiled header's headers are still the same.
+    what = f"{cxx}\n{_compiler_id(cxx)}\n{_torch_id()}\n{stable}\n{header}"
+    key = hashlib.sha256(what.encode()).hexdigest()
     folder = pch_dir / key[:24]
     h = folder / "pch.h"
     gch = folder / "pch.h.gch"
@@ -669,6 +675,12 @@ def _evict_pch(pch_dir: Path) -> None:
 
 
 _COMPILER_IDS: dict[str, str] = {}
+
+
+def _torch_id() -> str:
+    import torch  # loaded already where headers are built or used (a build of torch's)
+
+    return f"{torch.__version__}|{torch.version.cuda}|{os.path.dirname(torch.__file__)}"
 
 
 def _compiler_id(cxx: str) -> str:

@@ -52,7 +52,8 @@ class Devices:
     def __init__(self, m: JobManager) -> None:
         self.m = m
         self.devices: dict[int, DeviceState] = {}
-        # Devices whose job processes have come up warm (a Hello) since the watchdog started.
+        # Devices whose job processes have come up warm (a Hello) since the watchdog started;
+        # BUILD_DEVICE once a build process has (fleet/readiness.py: builds are ready).
         self.warm_devices: set[int] = set()
         # GetStats' counts: jobs that ended with a fault (JobManager._finish), job process
         # restarts (not a process leaving after its one job), GPU resets, XIDs.
@@ -97,7 +98,7 @@ class Devices:
         Hello, jobs queue: that is no reason to flip the health check."""
         if self._gateway() is not None:
             return True  # no devices of its own: it serves while its store does
-        return any(self.device_takes_jobs(d) for d in self.warm_devices)
+        return any(self.device_takes_jobs(d) for d in self.warm_devices if d != BUILD_DEVICE)
 
     # ---- the watchdog's readings ------------------------------------------------------
 

@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -64,6 +65,36 @@ CHANNEL_FD = 3
 SPAWN_TIMEOUT_S = 30.0
 
 JobMain = Callable[[int], int]
+
+# Warnings that every zygote or job process would print to the service's log, about what the
+# operator can do nothing about: the sandbox hides NVML on purpose (the watchdog reads it; the
+# service says so once at start, main.SANDBOX_HIDES), which torch's device count warns about
+# twice in every job process; and the zygote forks after torch has started its threads, as
+# designed (a fork of a warm process: 0.35 s against 3 s for a fresh one, DESIGN.md), which
+# Python 3.12 warns about at every fork.
+QUIET_WARNINGS = (
+    (UserWarning, r"Can't initialize NVML"),
+    (UserWarning, r"Can't get nvml device count"),
+    (DeprecationWarning, r"This process \(pid=\d+\) is multi-threaded, use of fork\(\)"),
+)
+# What the zygote and its job processes are to the host's OOM killer: the first to go when
+# the host runs out of memory (their limits, --job-memory-mib, may add up to more than the
+# host has), never the front end or the watchdog; the largest of them goes first.
+OOM_SCORE_ADJ = 1000
+
+
+def quiet_warnings() -> None:
+    """Silences QUIET_WARNINGS in this process and in what it forks (job processes)."""
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def first_for_the_oom_killer() -> None:
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+    except OSError:
+        pass  # a /proc that refuses it: the host's OOM killer chooses as it would
 
 
 def resolve_job_main(spec: str) -> tuple[JobMain, Callable[[], None] | None]:
@@ -292,6 +323,8 @@ def _send(sock: socket.socket, event: zygote_pb2.ZygoteEvent) -> None:
 
 def serve(sock: socket.socket) -> int:
     """The zygote's loop on its socket to the watchdog; the exit code."""
+    quiet_warnings()
+    first_for_the_oom_killer()
     reader = FdFrameReader(sock)
     try:
         _, configured_env = runtime.load_engine()

@@ -209,6 +209,7 @@ class JobManager:
         self.ops = ops
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
+        self.memory_limits = faults.MemoryLimits.of(config)  # what OOM results are told
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
@@ -1038,6 +1039,8 @@ class JobManager:
 
     def on_worker_ready(self, worker: WorkerState) -> None:
         if worker.device_index == BUILD_DEVICE:
+            self.fleet.warm_devices.add(BUILD_DEVICE)  # builds are ready (fleet/readiness.py)
+            self.on_health_change()
             self.dispatch()
             return
         assert worker.hello is not None
@@ -1570,6 +1573,7 @@ class JobManager:
             if not result.error.message:
                 result.error.message = reason or result.fault.description
         job.state = state  # type: ignore[assignment]
+        faults.explain_memory(result, job.device_index, self.memory_limits)
         if job.HasField("start_time") and not job.result_origin:
             job.result_origin = job_pb2.RESULT_ORIGIN_RUN
         # The static flags are the front end's (submit), whatever the job process says; the
@@ -1704,9 +1708,8 @@ class JobManager:
         result = job_pb2.EvalResult(fault=decision.fault)
         result.verdict = decision.verdict  # type: ignore[assignment]
         result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
-        if exited.reason == faults.GPU_OUTSIDE_PHASE_KILL:
-            result.error.exception_type = "GpuWorkOutsidePhase"
-            result.error.message = decision.fault.description
+        if decision.error is not None:
+            result.error.CopyFrom(decision.error)
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(decision.fault)
         self.hub.publish(event)

@@ -704,6 +704,12 @@ class Client(_Base):
         resp = self._ops_call(self._ops.ListDevices, operations_service_pb2.ListDevicesRequest())
         return list(resp.devices)
 
+    def readiness(self) -> list[operations_service_pb2.JobKindReadiness]:
+        """Whether the service is ready for each kind of job ("jobs", "load_inline",
+        "built_ahead"), and what it waits for (ListDevices' `readiness`)."""
+        resp = self._ops_call(self._ops.ListDevices, operations_service_pb2.ListDevicesRequest())
+        return list(resp.readiness)
+
     def watch_events(self, replay_count: int = 0) -> Iterator[operations_service_pb2.OpsEvent]:
         """Operations events (XIDs, worker exits, resets, health) as they happen."""
         req = operations_service_pb2.WatchEventsRequest(replay_count=replay_count)
@@ -1009,6 +1015,15 @@ class AsyncClient(_Base):
             metadata=self._admin_metadata(),
         )
         return list(resp.devices)
+
+    async def readiness(self) -> list[operations_service_pb2.JobKindReadiness]:
+        """Client.readiness, awaited."""
+        resp = await self._call(
+            self._ops.ListDevices,
+            operations_service_pb2.ListDevicesRequest(),
+            metadata=self._admin_metadata(),
+        )
+        return list(resp.readiness)
 
     async def watch_events(
         self, replay_count: int = 0
