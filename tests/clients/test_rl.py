@@ -120,6 +120,8 @@ def test_jobs_and_events_are_accepted():
         (job(job_pb2.EvalResult()), "no verdict"),
         (job_pb2.EvalResult(), "no verdict"),
         (job_pb2.JobEvent(job_id="job-1", sequence=3), "not its last"),
+        # A result of a failed job read alone: the service's failure, not the kernel's.
+        (result(job_pb2.VERDICT_SERVICE_ERROR), "the service could not finish the job"),
     ],
 )
 def test_results_that_do_not_score_the_kernel(item, why: str):

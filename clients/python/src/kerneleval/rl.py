@@ -96,8 +96,9 @@ def reward(
     - Flagged by the service's integrity checks (EvalResult.flags, whose rule_id is not in
       `ignore_flags`) or rejected for them (VERDICT_REJECTED): `flagged_reward`, whatever the
       verdict; make it negative for a penalty.
-    - Not scored (unfinished, cancelled, JOB_STATE_FAILED, no verdict; a kernel that could
-      not run on the service's host, VERDICT_CANNOT_RUN_HERE; a failure of the reference,
+    - Not scored (unfinished, cancelled, JOB_STATE_FAILED, no verdict, VERDICT_SERVICE_ERROR;
+      a kernel that could not run on the service's host, VERDICT_CANNOT_RUN_HERE; a failure
+      of the reference,
       EvalResult.failed_side SIDE_REFERENCE, where the kernel was not judged):
       `unscored_reward` when given, else `NoReward` is raised.
 
@@ -138,6 +139,8 @@ def reward(
 
 def _not_judged(result: job_pb2.EvalResult) -> str | None:
     """Why the result says nothing about the kernel, or None when it does."""
+    if result.verdict == job_pb2.VERDICT_SERVICE_ERROR:
+        return f"the service could not finish the job: {result.error.message}"
     if result.verdict == job_pb2.VERDICT_CANNOT_RUN_HERE:
         return (
             "the kernel could not run on the service's host (VERDICT_CANNOT_RUN_HERE): "
