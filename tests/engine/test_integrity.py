@@ -102,7 +102,7 @@ def test_every_runtime_rule_reaches_the_result() -> None:
     from kerneleval_server.jobs.manager import RUNTIME_RULES
 
     rules_here = {v for k, v in vars(integrity).items() if k.isupper() and isinstance(v, str)}
-    assert len(rules_here) == 6 and rules_here <= set(RUNTIME_RULES)
+    assert len(rules_here) == 7 and rules_here <= set(RUNTIME_RULES)
 
 
 PERSISTS = """

@@ -491,5 +491,6 @@ def test_read_only_paths_and_job_env() -> None:
     configure = main.build_configure(cfg, Path("/tmp/x"))
     assert list(configure.worker_command)[1:] == ["-m", "kerneleval_server.jobproc.zygote"]
     sb = configure.sandbox
-    assert sb.memory_bytes == 8192 << 20 and sb.tmp_bytes == 1024 << 20 and sb.max_pids == 1024
+    assert sb.memory_bytes == cfg.effective_job_memory_mib() << 20
+    assert sb.tmp_bytes == 1024 << 20 and sb.max_pids == 1024
     assert configure.spare_count == 3 and list(configure.retire_exit_codes) == [3]

@@ -61,18 +61,27 @@ class ModelNew(torch.nn.Module):
 """
 
 ATTACKS = {
-    # The clock the harness reads, swapped for one that stands still while it works.
+    # The clock the harness reads, swapped after its work for one that reads 19 ms early
+    # once (then puts itself back): only in its timed calls, after its check (which would
+    # see a rewritten timing).
     "clock-swapped": """
 class ModelNew(torch.nn.Module):
+    calls = 0
+
     def forward(self, x):
-        real = time.perf_counter_ns
-        time.perf_counter_ns = lambda: 7
+        ModelNew.calls += 1
         t = time.monotonic() + 0.02
         while time.monotonic() < t:
             pass
-        out = x * 2.0
-        sys.modules["time"].perf_counter_ns = real if False else time.perf_counter_ns
-        return out
+        if ModelNew.calls > 1:
+            real = time.perf_counter_ns
+
+            def once():
+                time.perf_counter_ns = real
+                return real() - 19_000_000
+
+            time.perf_counter_ns = once
+        return x * 2.0
 """,
     # The result's time, rewritten through the frames of the code that builds it (its own
     # process's report: the judge takes no time from there).

@@ -260,7 +260,7 @@ class _Judge(_Job):
             self._kernel_failed_timed(str(e))
         finally:
             driver.close()
-        decision = timed_calls.decide(inside, outside, calibration)
+        decision = timed_calls.decide(inside, outside, calibration, cpu=self.dev.type != "cuda")
         source = (
             job_pb2.TIMING_SOURCE_OUTSIDE_BOUND if decision.flagged
             else job_pb2.TIMING_SOURCE_CUDA_EVENTS if self.dev.type == "cuda"

@@ -451,12 +451,23 @@ class _Job:
         else:
             self._validate(cand, ref, make_args)
         if self.opts.perf_trials > 0 and self._timed_by_judge():
+            self._refuse_rewritten_timers()
             self.serves = cand  # timed after the outcome, by the judge (serve_timed_calls)
         elif self.opts.perf_trials > 0:
             self._time(cand, ref, make_args)
         else:
             self.notes.append("perf_trial_count is 0: not timed")
         self.result.verdict = job_pb2.VERDICT_OK
+
+    def _refuse_rewritten_timers(
+        self, timers_changed: Callable[..., list[str]] = tamper.check_timers
+    ) -> None:
+        """Before the judge times the kernel: what its code rewrote of the engine's timing
+        so far ends the job as a tampering, as after its own timed trials (a defence that
+        costs nothing; its time does not depend on it: the judge's bound does)."""
+        changed = timers_changed(self)
+        if changed:
+            self._timer_tampered(changed, "")
 
     def _timed_by_judge(self) -> bool:
         """The judge drives and times the kernel's calls (EngineConfig.timed_by_judge):

@@ -120,10 +120,11 @@ class JobAnswer(BaseModel):
         None, description="true over 10x: check the candidate before trusting it"
     )
     timed_trials: int | None = Field(None, description="timed trials behind median_ms")
-    timing_source: Literal["cuda_events", "cpu_wall_clock"] | None = Field(
+    timing_source: Literal["cuda_events", "cpu_wall_clock", "outside_bound"] | None = Field(
         None,
         description="cuda_events: GPU time from CUDA events; cpu_wall_clock: the host's clock on "
-        "a server without a GPU, not comparable with GPU times",
+        "a server without a GPU, not comparable with GPU times; outside_bound: the judge's own "
+        "clock around each call, because the kernel's own times disagreed with it (flagged)",
     )
     trials_passed: str | None = Field(None, description='correctness trials, e.g. "5/5"')
     max_abs_error: float | None = Field(None, description="the largest absolute difference seen")
