@@ -1047,6 +1047,8 @@ class JobManager:
         arch = prebuild.arch_of(worker.hello.device.compute_capability)
         if arch:
             self.device_arch[worker.device_index] = arch
+        if not worker.hello.device.compute_capability:  # no GPU: it times on the host's CPU
+            self.gpu_use.on_host_cpu(worker.device_index)
         self.engine_judges = worker.hello.judges
         self.fleet.warm_devices.add(worker.device_index)
         self.on_health_change()
