@@ -56,6 +56,7 @@ from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
+from kerneleval_server.jobs.waits import unfinished
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
 
 if TYPE_CHECKING:
@@ -589,17 +590,37 @@ class Server:
         )
 
     async def _shutdown(self, server: grpc.aio.Server) -> None:
-        log.info("shutting down: draining")
-        self.manager.draining = True
-        self.manager.waits.stop()
+        """The drain: no new job starts; started jobs finish within --shutdown-grace-s
+        (a compared job whose kernel ran is judged: JobManager.dispatch still starts judges),
+        and the service stops as soon as none is left. What could not finish runs again at
+        the next start, and the log says which and why; queued jobs stay queued."""
+        m, grace = self.manager, self.cfg.shutdown_grace_s
+        log.info(
+            "shutting down: draining %d started job(s) for up to %.0f s (%d queued stay queued)",
+            len(m.running), grace, len(m.queue),
+        )  # fmt: skip
+        m.draining = True
+        m.waits.stop()
         self._update_health()
-        deadline = time.monotonic() + self.cfg.shutdown_grace_s
-        while self.manager.running and time.monotonic() < deadline:
+        began = time.monotonic()
+        m.dispatch()  # judges of kernels that ran just now
+        while m.running and time.monotonic() < began + grace:
             await asyncio.sleep(0.1)
-        if self.manager.running:
+        left = unfinished(m)
+        for job_id, why in left:
             log.warning(
-                "%d jobs still running; they re-run at the next start", len(self.manager.running)
+                "job %s re-runs at the next start: the %.0f s grace ended while %s",
+                job_id, grace, why, extra={"job_id": job_id},
+            )  # fmt: skip
+            m.hub.log(
+                job_id,
+                f"kerneleval: the service stopped ({grace:.0f} s grace) while {why}: "
+                "the job runs again at its next start",
             )
+        log.info(
+            "drained in %.1f s: %d started job(s) left to re-run",
+            time.monotonic() - began, len(left),
+        )  # fmt: skip
         if self.shared is not None:
             await self.shared.stop()
         if self.artifacts is not None:

@@ -125,6 +125,37 @@ def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_di
     assert r.reference_runtime_age.ToMilliseconds() == 12500
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU times: a host without a GPU")
+def test_a_cpu_speedup_over_10x_is_not_flagged_and_says_it_is_wall_clock(
+    engine_dir: Path,
+) -> None:
+    """Issue 41: on the CPU, times are host wall-clock, and identical code read 437x there. A
+    speedup over 10x is not flagged suspicious on the CPU (a note says why), and the result
+    says its times are the host's wall clock."""
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL))
+    fd = os.memfd_create("record")
+    try:
+        cfg = EngineConfig(work_dir=engine_dir, recorder=Recorder(fd, LIMIT))
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert own.result.verdict == V.VERDICT_OK, own.result
+        given = V.RuntimeStats(
+            median_ms=own.result.runtime.median_ms * 437, trial_count=3,
+            source=V.TIMING_SOURCE_CPU_WALL_CLOCK,
+        )  # fmt: skip
+        final = judge_job(
+            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
+            reference_time=(given, 1.0),
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    r = final.result
+    assert r.verdict == V.VERDICT_OK and r.speedup == pytest.approx(437.0), r
+    assert not r.speedup_suspicious, r
+    assert any("not flagged" in n and "wall-clock" in n for n in r.notes), r.notes
+    assert any("host wall-clock times" in n for n in r.notes), r.notes
+    assert r.runtime.source == V.TIMING_SOURCE_CPU_WALL_CLOCK
+
+
 def test_a_forged_comparison_in_the_kernels_process_is_incorrect(engine_dir: Path) -> None:
     own, final = judged(engine_dir, job(source(TORCH, FORGED_COMPARE), source(TORCH, ADD_MODEL)))
     assert own.result.verdict == V.VERDICT_OK  # its own process believed the forgery

@@ -84,6 +84,38 @@ def test_gpu_gate_counts_the_time_windows_are_held() -> None:
     assert gate.occupancy() == {0: (2.5, 2, 3.5), 1: (0.5, 1, 0.5)}
 
 
+def test_gpu_gate_devices_on_the_hosts_cpu_time_one_at_a_time() -> None:
+    """Issue 41: devices whose job processes see no GPU (fake-NVML devices on a CPU host) time
+    on the same cores: one window at a time on the host, its end told for its own device;
+    a device with a GPU stays independent."""
+    granted: list[tuple[str, bool]] = []
+    ended: list[tuple[int, str]] = []
+    gate = GpuGate(
+        lambda w, x: granted.append((w, x)), on_window=lambda d, w, s: ended.append((d, w))
+    )
+    for device in (0, 1):
+        gate.share_host(device)
+    assert gate.on_host(0) and gate.on_host(1) and not gate.on_host(2)
+    gate.request(0, "a", True)
+    gate.request(1, "b", True)  # another device of the host: waits for a's window
+    gate.request(2, "g", True)  # a device with a GPU: independent
+    assert granted == [("a", True), ("g", True)]
+    assert gate.holders(1) == ("a", set())
+    gate.release(0, "a")
+    assert granted[2:] == [("b", True)] and ended == [(0, "a")]
+    gate.request(0, "c", False)  # a check on the host waits for the window too
+    assert len(granted) == 3
+    gate.release(1, "b")
+    assert granted[3:] == [("c", False)] and ended[1:] == [(1, "b")]
+    # A device whose own gate is in use joins the host's gate once it is idle.
+    gate.request(3, "d", True)
+    gate.share_host(3)
+    assert not gate.on_host(3)
+    gate.release(3, "d")
+    gate.share_host(3)
+    assert gate.on_host(3)
+
+
 def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
     """Checks that keep coming never starve a window, and windows never starve checks."""
     granted: list[str] = []

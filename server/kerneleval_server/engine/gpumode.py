@@ -228,7 +228,7 @@ class _GpuModeRun:
             else:
                 job.notes.append("the task has no benchmarks: not timed")
         if job.dev.type == "cpu" and self.benchmarks:
-            job.notes.append("timed on the CPU with the host's monotonic clock (no GPU)")
+            job._cpu_times_note()
         self.result.verdict = job_pb2.VERDICT_OK
 
     def _build(self, make: Callable[[], Any], reference: bool) -> Any:

@@ -12,7 +12,9 @@ never frozen while the window lasts, e.g. the kernel's process whose calls a tru
 holder) drives and times from outside it.
 
 Per device, OpenWindow and CloseWindow go to the watchdog one at a time in the order they
-were asked for, so the end of one window always reaches it before the next one's start.
+were asked for, so the end of one window always reaches it before the next one's start. Devices
+on the host's CPU (`share_host`; one GPU gate for all of them, jobs/scheduler.py) take turns
+as one device: the window of one ends before the next one's opens, whichever device it is on.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ class TimingWindows:
         self.freeze_others = freeze_others
         self._locks: dict[int, asyncio.Lock] = {}
         self._frozen: set[int] = set()  # devices whose other job processes are frozen now
+        self._host_lock: asyncio.Lock | None = None  # the devices on the host's CPU share it
+
+    def share_host(self, device_index: int) -> None:
+        """The device runs its jobs on the host's CPU: its windows' calls take turns with
+        every such device's (a lock held now stays until the device's next idle moment)."""
+        if self._host_lock is None:
+            self._host_lock = asyncio.Lock()
+        lock = self._locks.get(device_index)
+        if lock is None or not lock.locked():
+            self._locks[device_index] = self._host_lock
 
     def frozen(self, device_index: int) -> bool:
         """Whether the device's job processes, but a window's holder, are frozen now."""

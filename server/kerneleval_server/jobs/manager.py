@@ -517,8 +517,9 @@ class JobManager:
     # ---- dispatch ---------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        if self.draining:
-            return
+        """Work to job processes. While draining (SIGTERM: main.py `_shutdown`), only what
+        lets started jobs finish: their judges, launches of what was built for them, the
+        load_inline builds they wait on; nothing new leaves the queue."""
         self.gpu_use.admit_waiting()
         ready = [w for w in self.workers.by_id.values() if w.ready]
         standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
@@ -528,12 +529,13 @@ class JobManager:
                 self._start_extension_build(worker)
         ready = [w for w in ready if w.ready]
         remote = self.extensions.remote
-        if remote is not None:  # built ahead: the shared artifact store and builders first
+        # Built ahead: the shared artifact store and builders first.
+        if remote is not None and not self.draining:
             ahead = self.queue.waiting(self._built_ahead)
             for waiting in ahead:  # it looks for them in the store
                 self._store_new(waiting.job_id)
             remote.offer_ahead([(q.job_id, self._build_arch(q)) for q in ahead])
-        for worker in ready:
+        for worker in ready if not self.draining else []:
             while worker.device_index == BUILD_DEVICE and len(self.queue):
                 queued = self.queue.pop_for(None, self._builds_here)
                 if queued is None:
@@ -565,7 +567,7 @@ class JobManager:
             if built:
                 self._start(built, worker)
         for worker in sorted(gpu, key=lambda w: w.launches):
-            if worker.ready and len(self.queue):
+            if worker.ready and len(self.queue) and not self.draining:
                 queued = self.queue.pop_for(
                     worker.device_index,
                     lambda q: not self._built_ahead(q) and q.job_id not in self.alone,
@@ -681,7 +683,7 @@ class JobManager:
             run = self.running.get(job_id)
             if run is not None:
                 held[run.worker.device_index] = job_id
-            elif job_id in self.queue:
+            elif job_id in self.queue and not self.draining:  # it starts after the stop
                 job = self.store.get(job_id)
                 if job is not None:
                     held.setdefault(job.device_index, job_id)
@@ -1047,6 +1049,8 @@ class JobManager:
         arch = prebuild.arch_of(worker.hello.device.compute_capability)
         if arch:
             self.device_arch[worker.device_index] = arch
+        if not worker.hello.device.compute_capability:  # no GPU: it times on the host's CPU
+            self.gpu_use.on_host_cpu(worker.device_index)
         self.engine_judges = worker.hello.judges
         self.fleet.warm_devices.add(worker.device_index)
         self.on_health_change()

@@ -3,7 +3,9 @@
 The queue is fair between clients: one FIFO per client_tag, served round-robin. A job that
 names a device waits for that device; others take any. Timing is exclusive per device: one
 PROFILING phase at a time, so measurements do not disturb each other, while other workers on
-the same device keep compiling and validating.
+the same device keep compiling and validating. Devices whose "GPU" is the host's CPU (no GPU:
+the CPU pseudo-device, or fake-NVML devices on a host without one) share one gate: their
+timed trials all run on the same cores, so one of them times at a time on the host.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class _DeviceGate:
     window_count: int = 0
     wanted_since: float | None = None  # since when a window is held or asked for
     wanted_seconds: float = 0.0  # such spells before the current one, summed
+    writer_device: int = 0  # the device of the window's holder (a host gate has several)
 
     def timing_wanted(self) -> bool:
         return self.writer is not None or any(exclusive for _, exclusive in self.queue)
@@ -107,7 +110,8 @@ class GpuGate:
     """Per device, a reader/writer gate over the GPU: correctness checks (shared) run together;
     a timing window (exclusive) runs alone. Requests are served in the order they came, and a
     waiting window holds back the checks that asked after it (writer-preferring), so timing is
-    never starved and checks are never passed over for long. Devices are independent."""
+    never starved and checks are never passed over for long. Devices are independent, but
+    for those on the host's CPU (`share_host`): one gate for all of them."""
 
     def __init__(
         self,
@@ -119,9 +123,31 @@ class GpuGate:
         self._on_window = on_window  # called with (device, holder, seconds) when a window ends
         self._clock = clock
         self._devices: dict[int, _DeviceGate] = {}
+        self._host: _DeviceGate | None = None  # the gate of the devices on the host's CPU
+        self._device_of: dict[str, int] = {}  # worker id -> the device it asked for
+
+    def share_host(self, device_index: int) -> None:
+        """The device runs its jobs on the host's CPU (its job processes see no GPU): it takes
+        the host's gate, which every such device shares, so that timed trials on the CPU never
+        run beside other timed trials (their cores are the same), and checks wait for them as
+        on a GPU. A device whose own gate is in use now moves at its next idle moment (the
+        next job process's Hello asks again)."""
+        gate = self._devices.get(device_index)
+        if self._host is None:
+            self._host = _DeviceGate()
+        if gate is self._host:
+            return
+        if gate is not None and (gate.readers or gate.writer or gate.queue):
+            return
+        self._devices[device_index] = self._host
+
+    def on_host(self, device_index: int) -> bool:
+        """Whether the device shares the host's gate (share_host)."""
+        return self._host is not None and self._devices.get(device_index) is self._host
 
     def request(self, device_index: int, worker_id: str, exclusive: bool) -> None:
         gate = self._devices.setdefault(device_index, _DeviceGate())
+        self._device_of[worker_id] = device_index
         if gate.writer == worker_id or (worker_id in gate.readers and not exclusive):
             self._grant(worker_id, exclusive)  # holds it already
             return
@@ -139,11 +165,12 @@ class GpuGate:
             return
         gate.queue = deque((w, x) for w, x in gate.queue if w != worker_id)
         gate.readers.discard(worker_id)
+        self._device_of.pop(worker_id, None)
         if gate.writer == worker_id:
             gate.writer = None
             held = self._clock() - gate.window_since
             gate.window_seconds += held
-            self._on_window(device_index, worker_id, held)
+            self._on_window(gate.writer_device, worker_id, held)
         self._pump(gate)
         self._track_wanted(gate)
 
@@ -163,6 +190,7 @@ class GpuGate:
             gate.queue.popleft()
             if exclusive:
                 gate.writer = worker_id
+                gate.writer_device = self._device_of.get(worker_id, 0)
                 gate.window_since = self._clock()
                 gate.window_count += 1
             else:
@@ -171,7 +199,8 @@ class GpuGate:
 
     def occupancy(self) -> dict[int, tuple[float, int, float]]:
         """Per device: seconds timing windows were held (the current one so far), how many
-        were granted, and seconds a window was held or asked for."""
+        were granted, and seconds a window was held or asked for. Devices on the host's CPU
+        each show the host gate's (while one times, none of them can)."""
         now = self._clock()
         out = {}
         for index, g in sorted(self._devices.items()):

@@ -80,6 +80,22 @@ def waiting_for(m: JobManager, run: Running) -> str:
     return ""
 
 
+def unfinished(m: JobManager) -> list[tuple[str, str]]:
+    """(job id, why it has not finished) for each started job: what it waits for, or what
+    still runs. Said when a drain's grace ends (main.py `_shutdown`): these run again at the
+    next start."""
+    out = []
+    for run in list(m.running.values()):
+        what = waiting_for(m, run)
+        if what:
+            out.append((run.job.job_id, f"it waited for {what}"))
+            continue
+        whose = "its judge" if run.judged_now else "its kernel"
+        phase = job_pb2.Phase.Name(run.phase) if run.phase else "starting"
+        out.append((run.job.job_id, f"{whose} still ran ({phase.removeprefix('PHASE_')})"))
+    return out
+
+
 class Waits:
     """The manager's (`m`) watch over its jobs' waits (module docstring)."""
 
