@@ -129,10 +129,10 @@ def test_a_compile_that_fails_is_a_note_not_the_kernels_failure(
 
 def test_a_reference_that_is_no_model_gets_a_note(engine_dir: Path) -> None:
     """A reference launched from its IOContract has no Model to compile."""
-    ref = source(TRITON, TRITON_ADD, args=add_args(1024))
-    spec = job(source(TRITON, TRITON_ADD, args=add_args(1024)), ref, compile_baseline=True)
-    _, final = judged(engine_dir, spec)
-    assert final is not None
+    ref = source(TRITON, TRITON_ADD, add_args(), grid=(4, 1, 1))
+    spec = job(source(TRITON, TRITON_ADD, add_args(), grid=(4, 1, 1)), ref, compile_baseline=True)
+    own, final = judged(engine_dir, spec)
+    assert final is not None, own.result
     r = final.result
     assert r.verdict == V.VERDICT_OK, r
     assert not r.HasField("compiled_reference_runtime")

@@ -177,6 +177,11 @@ class _Judge(_Job):
         if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
             if self.go is not None:  # the front end starts none ahead: nothing to prepare
                 candidate = self._await_go()
+            if self.opts.compile_baseline:
+                self.notes.append(
+                    "compile_baseline: a GPU MODE task's reference is no Model: "
+                    "no torch.compile baseline"
+                )
             gpumode.judge(self, ctx, lambda: self._read(fd), self._fitted)
             return
         ref = self._build(self.spec.reference, "reference", ctx)

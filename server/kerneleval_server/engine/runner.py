@@ -454,6 +454,8 @@ class _Job:
             self._run_once(cand, make_args)
         else:
             self._validate(cand, ref, make_args)
+        if self.opts.compile_baseline and not self.compare_mode:
+            self.notes.append("compile_baseline: no reference to compile (Evaluate)")
         if self.opts.perf_trials > 0 and self._timed_by_judge():
             self.serves = cand  # timed after the outcome, by the judge (serve_timed_calls)
         elif self.opts.perf_trials > 0:
