@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RunFn
 from engine_helpers import ADD_MODEL, TORCH, TRITON, TRITON_ADD, RecordingReporter, V, job, source
 from kerneleval_server.engine import EngineConfig, Recorder, judge_job, run_job
 from test_judge import ADD_NEW, LIMIT, judged
@@ -100,7 +99,7 @@ def test_driven_from_outside_the_compiled_reference_takes_the_same_calls(
 
 
 @needs_compiler
-def test_a_job_judged_in_its_own_process_times_the_compiled_reference_too(run: RunFn) -> None:
+def test_a_job_judged_in_its_own_process_times_the_compiled_reference_too(run) -> None:  # type: ignore[no-untyped-def]
     out, _ = run(job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL), compile_baseline=True))
     _assert_compiled_baseline(out.result)
 
