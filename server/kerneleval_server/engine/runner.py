@@ -977,10 +977,13 @@ class _Job:
         return t.stats
 
     def _baseline_failed(self, doing: str, e: BaseException) -> None:
-        """torch.compile's baseline failed: a note (a context it poisoned ends this
-        process after the job, as any poisoned context does)."""
+        """torch.compile's baseline failed: a note. One that poisoned the CUDA context
+        leaves nothing to time the kernel with: the job ends as the reference's failure
+        (never the kernel's), and the process exits after it."""
         f = errors.classify(e)
-        self.poisoned = self.poisoned or f.context_poisoned
+        if f.context_poisoned:
+            self._fail(f, REFERENCE_PREFIX + "torch.compile's baseline: ", job_pb2.SIDE_REFERENCE)
+            raise _Stop from None
         first = (str(e).strip().splitlines() or [""])[0][:300]
         self.notes.append(
             f"compile_baseline: torch.compile of the reference failed {doing} it "
