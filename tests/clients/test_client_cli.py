@@ -116,6 +116,13 @@ def test_no_check_precision_reaches_the_options(fake, capsys, triton_file):
         assert o.HasField("check_precision") == has and not o.check_precision
 
 
+def test_compile_baseline_reaches_the_options(fake, capsys, triton_file):
+    for args, wanted in ((["--compile-baseline"], True), ([], False)):
+        run(fake, capsys, "evaluate", str(triton_file), *args)
+        sent = [r for r in fake.state.received if isinstance(r, kernel_eval_service_pb2.RunRequest)]
+        assert sent[-1].spec.options.compile_baseline == wanted
+
+
 def test_device_model_reaches_the_options(fake, capsys, triton_file):
     for args, model in ((["--device-model", "H100"], "H100"), ([], "")):
         run(fake, capsys, "evaluate", str(triton_file), *args)

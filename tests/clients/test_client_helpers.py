@@ -207,6 +207,43 @@ def test_a_reference_time_given_on_says_how_old_it_is() -> None:
     assert mcp_server.summary(job)["reference_time_age_s"] == 12.5
 
 
+def test_both_speedups_are_shown_with_a_compile_baseline() -> None:
+    """EvalOptions.compile_baseline (issue 43): the table, the one-line summary, the batch
+    and jobs tables and the MCP answer give the speedup over eager and over torch.compile;
+    without it nothing changes."""
+    from kerneleval import mcp_server, render
+    from kerneleval.v1 import job_pb2
+
+    job = job_pb2.Job(job_id="j5", state=job_pb2.JOB_STATE_DONE)
+    r = job.result
+    r.verdict = job_pb2.VERDICT_OK
+    r.runtime.median_ms, r.runtime.trial_count = 1.0, 100
+    r.reference_runtime.median_ms, r.reference_runtime.trial_count = 2.0, 100
+    r.speedup = 2.0
+    plain = render.result_table(job)
+    assert "torch.compile" not in plain and "over eager" not in plain
+    assert render.job_summary(job).endswith("speedup 2x")
+    assert "compiled_speedup" not in mcp_server.summary(job)
+    r.compiled_reference_runtime.median_ms, r.compiled_reference_runtime.trial_count = 0.5, 100
+    r.compiled_speedup = 0.5
+    r.compile_time.FromMilliseconds(12300)
+    table = re.sub(" +", " ", render.result_table(job))
+    assert "torch.compile median 0.5" in table and "(compiled in 12.3 s, untimed)" in table
+    assert "speedup 2x over eager" in table and "vs compile 0.5x over torch.compile" in table
+    assert "speedup 2x (0.5x compiled)" in render.job_summary(job)
+    assert "2x (0.5x compiled)" in render.batch_table([("k.py", job)], width=200)
+    assert "2x (0.5x compiled)" in render.jobs_table([job], width=200)
+    s = mcp_server.answer(job)
+    assert (s["compiled_speedup"], s["compiled_reference_median_ms"], s["compile_time_s"]) == (
+        0.5, 0.5, 12.3,
+    )  # fmt: skip
+    assert "speedup over torch.compile 0.5x" in s["summary"]
+    mcp_server.JobAnswer.model_validate(s)
+    spec = mcp_server.build_spec("class ModelNew: ...", "torch", "class Model: ...", "torch",
+                                 5, 100, 120, compile_baseline=True)  # fmt: skip
+    assert spec.options.compile_baseline
+
+
 def test_result_table_says_how_the_job_was_timed() -> None:
     from kerneleval import render
     from kerneleval.v1 import job_pb2

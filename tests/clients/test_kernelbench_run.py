@@ -256,3 +256,40 @@ def test_a_run_whose_kernel_cannot_run_here(
     # Not evaluated is not a result: the next run evaluates it again, and only it.
     code, out, err = run_cli(capsys, kerneleval_service.address, *args)
     assert code == 0 and "1 already have a result, 1 to evaluate" in err, err
+
+
+def test_a_compile_baseline_gives_both_speedups_as_kernelbench_reports_them() -> None:
+    """--compile-baseline (issue 43): each entry has the reference under torch.compile beside
+    the eager one (mean ms, as KernelBench's times), and the summary the speedup metrics over
+    each (run_and_check.py's "speedup over eager" and "over torch.compile")."""
+    job = job_pb2.Job(job_id="j9", state=job_pb2.JOB_STATE_DONE)
+    r = job.result
+    r.verdict, r.compiled = job_pb2.VERDICT_OK, True
+    r.correctness, r.correctness_status = True, job_pb2.CORRECTNESS_PASSED
+    r.runtime.mean_ms, r.runtime.trial_count = 1.0, 10
+    r.reference_runtime.mean_ms, r.reference_runtime.trial_count = 3.0, 10
+    plain = kb.kernelbench_entry(0, job)
+    assert "ref_runtime_compile" not in plain
+    r.compiled_reference_runtime.mean_ms, r.compiled_reference_runtime.trial_count = 1.5, 10
+    r.compile_time.FromMilliseconds(4200)
+    e = kb.kernelbench_entry(0, job, compile_baseline=True)
+    assert e["ref_runtime"] == 3.0 and e["ref_runtime_compile"] == 1.5
+    assert e["ref_runtime_compile_stats"]["num_trials"] == 10
+    assert e["metadata"]["torch_compile_time_s"] == 4.2
+    failed = job_pb2.Job(job_id="j10", state=job_pb2.JOB_STATE_DONE)
+    failed.result.CopyFrom(r)
+    failed.result.ClearField("compiled_reference_runtime")  # it did not compile: a note
+    f = kb.kernelbench_entry(0, failed, compile_baseline=True)
+    assert f["ref_runtime_compile"] == -1.0 and f["ref_runtime_compile_stats"] == {}
+    p = Path("x.py")
+    s = kb.summary("run", 1, [1, 2], {kb.Sample(1, 1, 0, p, p): e, kb.Sample(1, 2, 0, p, p): f})
+    eager, compiled = s["speedup_metrics"], s["speedup_metrics_torch_compile"]
+    assert eager["geometric_mean_speedup"] == pytest.approx(3.0) and eager["fast_p"]["1.0"] == 1.0
+    assert compiled["geometric_mean_speedup"] == pytest.approx(1.5)
+    assert compiled["fast_p"]["1.0"] == 0.5  # the second has no compiled time: no result
+    text = kb.summary_text(s)
+    assert "speedup over eager of the correct ones: 3.0000" in text
+    assert "speedup over torch.compile of the correct ones: 1.5000" in text
+    assert "speedup_metrics_torch_compile" not in kb.summary("run", 1, [1], {
+        kb.Sample(1, 1, 0, p, p): plain
+    })  # fmt: skip

@@ -99,6 +99,8 @@ def test_the_tools_and_their_schemas(svc) -> None:  # type: ignore[no-untyped-de
         assert (props["perf_trials"]["minimum"], props["perf_trials"]["default"]) == (0, 100)
         assert (props["timeout_s"]["minimum"], props["timeout_s"]["maximum"]) == (1, 600)
         assert {"atol", "rtol", "seed", "warmup", "io", "reference_io", "entry_point"} <= set(props)
+        baseline = tools["compare_kernels"].input_schema["properties"]["compile_baseline"]
+        assert baseline["default"] is False and "torch.compile" in baseline["description"]
         io = props["io"]["anyOf"][0]
         arg = io["properties"]["args"]["items"]["properties"]
         assert "DTYPE_BFLOAT16" in arg["tensor"]["properties"]["dtype"]["enum"]

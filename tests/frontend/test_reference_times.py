@@ -104,3 +104,21 @@ def test_the_oldest_are_dropped_past_the_cap(monkeypatch: pytest.MonkeyPatch) ->
         times.learn(0, s, reference_key(s), timed(1.0))
     assert times.known(0, specs[0], reference_key(specs[0])) is None
     assert all(times.known(0, s, reference_key(s)) for s in specs[1:])
+
+
+def test_a_job_that_asks_for_the_compile_baseline_neither_takes_nor_leaves_a_time() -> None:
+    """EvalOptions.compile_baseline (issue 43): its judge times the compiled reference beside
+    the eager one; an eager-only time is never handed to it, nor its time mixed with others."""
+    times = ReferenceTimes(60.0)
+    plain, compiled = spec(seed=3), spec(seed=3, compile_baseline=True)
+    key = reference_key(plain)
+    assert reference_key(compiled) == key  # the same reference: only the options differ
+    times.learn(0, plain, key, timed(2.5))
+    assert times.known(0, plain, key) is not None
+    assert times.known(0, compiled, key) is None, "an eager-only time for a compiled baseline"
+    with_baseline = timed(4.0)
+    with_baseline.compiled_reference_runtime.median_ms = 1.0
+    times.learn(0, compiled, key, with_baseline)
+    stats, _ = times.known(0, plain, key) or (None, 0.0)
+    assert stats is not None and stats.median_ms == 2.5, "its time is not mixed in"
+    assert times.known(0, compiled, key) is None

@@ -9,7 +9,9 @@ The kernel's process can report its verdict, notes and time as it likes; from he
 own flags are kept. Its time is this process's to take: with `kernel_serves`, the kernel's
 process waits on the record's socket, and the judge drives each timed call there and bounds it
 with its own clock (timed_calls.py); the reference is timed here through the same steps
-(docs/INTERNALS.md "The judge", "Times from outside").
+(docs/INTERNALS.md "The judge", "Times from outside"). With EvalOptions.compile_baseline the
+reference's Model is also compiled with torch.compile (before the timing window: its compile
+time is outside it) and timed through the same steps, on the same inputs, as the eager one.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ _kept: tuple[bytes, dict[int, Any], Any] | None = None  # (inputs key, ahead, fl
 JUDGED_FIELDS = (
     "verdict", "correctness", "correctness_status", "validation", "validation_error",
     "failed_side", "error", "speedup", "speedup_suspicious", "reference_runtime",
-    "reference_runtime_age",
+    "reference_runtime_age", "compiled_reference_runtime", "compiled_speedup", "compile_time",
 )  # fmt: skip
 
 
@@ -126,6 +128,8 @@ def judge_job(
             stopped_by_a_source(job.result, e, job.files_of)
     except Exception as e:  # the reference's object, the memory, or a bug here
         unexpected_error(job.result, e, job.files_of)
+    if job.opts.compile_baseline:
+        _forget_compiled()
     if job.result.verdict != job_pb2.VERDICT_OK:
         job.result.ClearField("runtime")  # a time is only given with a verdict of OK
     job.result.notes.extend(job.notes)
@@ -173,6 +177,11 @@ class _Judge(_Job):
         if self.spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE:
             if self.go is not None:  # the front end starts none ahead: nothing to prepare
                 candidate = self._await_go()
+            if self.opts.compile_baseline:
+                self.notes.append(
+                    "compile_baseline: a GPU MODE task's reference is no Model: "
+                    "no torch.compile baseline"
+                )
             gpumode.judge(self, ctx, lambda: self._read(fd), self._fitted)
             return
         ref = self._build(self.spec.reference, "reference", ctx)
@@ -210,15 +219,18 @@ class _Judge(_Job):
             )
         if self.kernel_serves and self.opts.perf_trials > 0:
             base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee
+            # torch.compile's baseline compiles here, before the timing window is asked for.
+            compiled = self._compile_reference(ref, make_args(base))
             # The reference first, in a window with the kernel's process frozen (nothing it
             # leaves running can slow it); then the kernel's calls, that process running.
-            reference = self._reference_calls(ref, make_args, base)
+            reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
             self._time_kernel_outside(cand, ref, make_args, base)
-            self._time_reference(self.result, ref, make_args, reference)
+            self._time_reference(self.result, ref, make_args, reference, compiled_times)
         elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
                 self._check_replay(cand, ref, make_args, replay)
-            self._time_reference(candidate, ref, make_args)
+            compiled = self._compile_reference(ref, make_args(0))
+            self._time_reference(candidate, ref, make_args, compiled=compiled)
         self.result.verdict = job_pb2.VERDICT_OK
 
     def _time_kernel_outside(
@@ -464,42 +476,63 @@ class _Judge(_Job):
             self._replayed_incorrect(why)
 
     def _reference_calls(
-        self, ref: Program, make_args: MakeArgs, base: int
-    ) -> job_pb2.RuntimeStats | None:
+        self, ref: Program, make_args: MakeArgs, base: int, compiled: Program | None = None
+    ) -> tuple[job_pb2.RuntimeStats | None, job_pb2.RuntimeStats | None]:
         """The reference through the same steps as the kernel's calls, here: its arguments
         written in place, the L2 flushed, the call on an idle GPU, its outputs copied; its
-        time the device time around the call (the kernel's claim, where it is taken). None
-        when an earlier job's time of it is given."""
-        if self.reference_time is not None:
-            return None
+        time the device time around the call (the kernel's claim, where it is taken). Then
+        torch.compile's baseline (`compiled`, compiled already) through exactly the same
+        steps on the same inputs. (eager, compiled): eager None when an earlier job's time of
+        it is given, compiled None when not asked for or it failed (a note)."""
+        if self.reference_time is not None and compiled is None:
+            return None, None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
+        eager = None
+        if self.reference_time is None:
+            with self._guard(REFERENCE_PREFIX):
+                eager = self._calls(ref, make_args, base, progress=True)
+        if compiled is None:
+            return eager, None
+        try:
+            with self._cpu_shim(), torch.no_grad():
+                return eager, self._calls(compiled, make_args, base, progress=False)
+        except (_Stop, KeyboardInterrupt):
+            raise
+        except Exception as e:  # torch.compile's code: a note, never the job's failure
+            self._baseline_failed("timing", e)
+            return eager, None
+
+    def _calls(
+        self, prog: Program, make_args: MakeArgs, base: int, progress: bool
+    ) -> job_pb2.RuntimeStats:
+        """`prog` timed call by call (_reference_calls), on trials base + 1 ... + n."""
         n = self.opts.perf_trials
         args = make_args(base)
         flush = _L2Flush(self.dev, self.opts.flush_l2)
         cuda = self.dev.type == "cuda"
         times: list[float] = []
-        with self._guard(REFERENCE_PREFIX):
-            for _ in range(max(1, self.opts.warmup)):
-                ref.run(args)
-            for i in range(n):
-                fresh = make_args(base + 1 + i)
-                flush()
-                for dst, src in zip(args.values, fresh.values, strict=True):
-                    if isinstance(dst, torch.Tensor):
-                        dst.copy_(src)
-                if cuda:
-                    start, end = _timing_event(), _timing_event()
-                    torch.cuda.synchronize(self.dev)
-                    start.record()
-                    out = ref.run(args)
-                    end.record()
-                    [o.clone() for o in out if isinstance(o, torch.Tensor)]
-                    torch.cuda.synchronize(self.dev)
-                    times.append(start.elapsed_time(end))
-                else:
-                    t0 = time.perf_counter_ns()
-                    ref.run(args)
-                    times.append((time.perf_counter_ns() - t0) / 1e6)
+        for _ in range(max(1, self.opts.warmup)):
+            prog.run(args)
+        for i in range(n):
+            fresh = make_args(base + 1 + i)
+            flush()
+            for dst, src in zip(args.values, fresh.values, strict=True):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+            if cuda:
+                start, end = _timing_event(), _timing_event()
+                torch.cuda.synchronize(self.dev)
+                start.record()
+                out = prog.run(args)
+                end.record()
+                [o.clone() for o in out if isinstance(o, torch.Tensor)]
+                torch.cuda.synchronize(self.dev)
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter_ns()
+                prog.run(args)
+                times.append((time.perf_counter_ns() - t0) / 1e6)
+            if progress:
                 self._progress(i + 1, n)
         source = job_pb2.TIMING_SOURCE_CUDA_EVENTS if cuda else job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
         return timing.stats(times, source, flushed=self.opts.flush_l2 and cuda)
@@ -507,7 +540,14 @@ class _Judge(_Job):
     def _time_reference(
         self, candidate: job_pb2.EvalResult, ref: Program, make_args: MakeArgs,
         timed: job_pb2.RuntimeStats | None = None,
+        compiled_timed: job_pb2.RuntimeStats | None = None,
+        compiled: Program | None = None,
     ) -> None:  # fmt: skip
+        """The reference's time and the speedup: `timed` (call by call, as the kernel was),
+        else an earlier job's given time, else measured here as the kernel's process timed
+        the kernel (timing.measure). torch.compile's baseline likewise: `compiled_timed`, or
+        `compiled` measured here the same way as the eager reference, on the same inputs."""
+        args: TrialArgs | None = None
         if self.reference_time is not None:
             # No timing window of its own: the GPU times one kernel more in that time.
             stats, age = self.reference_time
@@ -521,17 +561,33 @@ class _Judge(_Job):
             stats = timed
         else:
             self.reporter.phase(job_pb2.PHASE_PROFILING)
-            args = make_args(0)
+            args = eager_args = make_args(0)
             n = self.opts.perf_trials
             stats = self._measure(
-                lambda: ref.run(args), REFERENCE_PREFIX, lambda d: self._progress(d, n)
+                lambda: ref.run(eager_args), REFERENCE_PREFIX, lambda d: self._progress(d, n)
             )
         self.result.reference_runtime.CopyFrom(stats)
         kernel_ms = candidate.runtime.median_ms
         if math.isfinite(stats.median_ms) and kernel_ms > 0:
             self.result.speedup = stats.median_ms / kernel_ms
             self._judge_speedup()
+        if compiled_timed is None and compiled is not None:
+            if args is None:  # an earlier job's eager time: this process's window now
+                self.reporter.phase(job_pb2.PHASE_PROFILING)
+                args = make_args(0)
+            compiled_timed = self._measure_compiled(compiled, args)
+        if compiled_timed is not None:
+            self._compiled_baseline(compiled_timed, kernel_ms)
         self._memory_floor(kernel_ms)
+
+
+def _forget_compiled() -> None:
+    """torch.compile's caches of the reference (its code, guards), dropped before a standing
+    judge's next job."""
+    try:
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001 - a cache not dropped costs memory, not a verdict
+        pass
 
 
 def _like(value: Any) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Defaults (EvalOptions fields left unset): correct_trial_count 5, perf_trial_count 100 (0 skips
 timing), warmup_count 10, atol/rtol 1e-4 for float32/float64 and 1e-2 for float16/bfloat16,
-exact for integers and booleans, seed 42, flush_l2 true, check_precision true. The timeout
+exact for integers and booleans, seed 42, flush_l2 true, check_precision true,
+compile_baseline false. The timeout
 (120 s) is enforced by the front end, which kills the worker.
 
 Compare runs `correct_trial_count` trials on fresh inputs; trial 0 (and every even trial) runs
@@ -48,7 +49,7 @@ from . import (
     timing,
 )  # fmt: skip
 from .backends import BuildContext, NoDeviceError, Program, build, is_triton_launch
-from .backends.base import LaunchProgram
+from .backends.base import LaunchProgram, ModelProgram
 from .backends.model import to_device
 from .backends.prebuilt import build_prebuilt
 from .backends.triton_launch import TritonLaunch
@@ -65,6 +66,7 @@ CPU_TIMES_NOTE = (
     "timed on the CPU with the host's monotonic clock (no GPU): host wall-clock times, which "
     "other processes on its cores and the OS move; not comparable with GPU times"
 )
+_timing_measure = timing.measure  # bound at import, as _Job._measure's (tamper.py)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Options:
     seed: int
     flush_l2: bool
     check_precision: bool = True
+    compile_baseline: bool = False
 
     @classmethod
     def of(cls, o: kernel_pb2.EvalOptions) -> Options:
@@ -92,6 +95,7 @@ class Options:
             seed=get("seed", DEFAULT_SEED),
             flush_l2=get("flush_l2", DEFAULT_FLUSH_L2),
             check_precision=get("check_precision", True),
+            compile_baseline=o.compile_baseline,
         )
 
 
@@ -454,6 +458,8 @@ class _Job:
             self._run_once(cand, make_args)
         else:
             self._validate(cand, ref, make_args)
+        if self.opts.compile_baseline and not self.compare_mode:
+            self.notes.append("compile_baseline: no reference to compile (Evaluate)")
         if self.opts.perf_trials > 0 and self._timed_by_judge():
             self._refuse_rewritten_timers()
             self.serves = cand  # timed after the outcome, by the judge (serve_timed_calls)
@@ -925,8 +931,87 @@ class _Job:
             if stats.median_ms > 0:
                 self.result.speedup = rstats.median_ms / stats.median_ms
                 self._judge_speedup()
+            compiled = self._compile_reference(ref, ref_args)
+            if compiled is not None:
+                cstats = self._measure_compiled(compiled, ref_args)
+                if cstats is not None:
+                    self._compiled_baseline(cstats, stats.median_ms)
         if self.dev.type == "cpu":
             self._cpu_times_note()
+
+    # -- the torch.compile baseline (EvalOptions.compile_baseline) ----------------------
+    def _compile_reference(self, ref: Program, args: TrialArgs) -> Program | None:
+        """The reference's Model under torch.compile, compiled by a first call on a copy of
+        `args`, here, so that its compile time (EvalResult.compile_time) stays outside any
+        timed call. None, with a note, when it is not asked for, the reference is no Model,
+        or it does not compile or run: never a failure of the job."""
+        if not self.opts.compile_baseline:
+            return None
+        if not isinstance(ref, ModelProgram):
+            self.notes.append(
+                "compile_baseline: the reference is not a Model (KernelBench's format): "
+                "no torch.compile baseline"
+            )
+            return None
+        began = time.perf_counter()
+        try:
+            with self._cpu_shim(), torch.no_grad():
+                compiled = ModelProgram(instance=torch.compile(ref.instance), module=ref.module)
+                compiled.run(args.clone())
+                self._sync()
+        except (_Stop, _ReporterError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            self._baseline_failed("compiling", e)
+            return None
+        took = time.perf_counter() - began
+        self.result.compile_time.FromNanoseconds(int(took * 1e9))
+        self.notes.append(
+            f"compile_baseline: the reference compiled with torch.compile in {took:.1f} s "
+            "(its first call, before and outside the timed calls)"
+        )
+        return compiled
+
+    def _measure_compiled(self, compiled: Program, args: TrialArgs) -> job_pb2.RuntimeStats | None:
+        """The compiled reference timed as _measure times the eager one, on the same
+        arguments; a failure is a note (None)."""
+        try:
+            with self._cpu_shim(), torch.no_grad():
+                t = _timing_measure(
+                    lambda: compiled.run(args),
+                    trials=self.opts.perf_trials,
+                    warmup=self.opts.warmup,
+                    flush_l2=self.opts.flush_l2,
+                    device=self.dev,
+                )
+        except (_Stop, _ReporterError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            self._baseline_failed("timing", e)
+            return None
+        return t.stats
+
+    def _baseline_failed(self, doing: str, e: BaseException) -> None:
+        """torch.compile's baseline failed: a note. One that poisoned the CUDA context
+        leaves nothing to time the kernel with: the job ends as the reference's failure
+        (never the kernel's), and the process exits after it."""
+        f = errors.classify(e)
+        if f.context_poisoned:
+            self._fail(f, REFERENCE_PREFIX + "torch.compile's baseline: ", job_pb2.SIDE_REFERENCE)
+            raise _Stop from None
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        self.notes.append(
+            f"compile_baseline: torch.compile of the reference failed {doing} it "
+            f"({type(e).__name__}: {first}): no torch.compile baseline"
+        )
+        self.result.ClearField("compiled_reference_runtime")
+        self.result.compiled_speedup = 0.0
+
+    def _compiled_baseline(self, stats: job_pb2.RuntimeStats, kernel_ms: float) -> None:
+        """The compiled reference's time and the kernel's speedup over it."""
+        self.result.compiled_reference_runtime.CopyFrom(stats)
+        if math.isfinite(stats.median_ms) and stats.median_ms > 0 and kernel_ms > 0:
+            self.result.compiled_speedup = stats.median_ms / kernel_ms
 
     def _replayed(self, replay: _ReplayCheck) -> NoReturn:
         """A timed trial's outputs were not what the reference computes from the inputs

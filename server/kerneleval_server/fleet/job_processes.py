@@ -246,7 +246,7 @@ def _unknown_enum(msg: job_channel_pb2.JobProcessMessage) -> str:
             return f"an outcome with the unknown verdict {result.verdict}"
         if result.verdict == job_pb2.VERDICT_REJECTED:
             return "an outcome with VERDICT_REJECTED, which only the front end gives"
-        for stats in (result.runtime, result.reference_runtime):
+        for stats in (result.runtime, result.reference_runtime, result.compiled_reference_runtime):
             if stats.source not in _TIMING_SOURCES:
                 return f"an outcome with the unknown timing source {stats.source}"
     return ""

@@ -172,8 +172,11 @@ def unjudged(kernel: job_pb2.EvalResult) -> None:
     if kernel.correctness_status != job_pb2.CORRECTNESS_FAILED:
         kernel.correctness = False
         kernel.ClearField("validation")
-    for name in ("speedup", "speedup_suspicious", "reference_runtime", "reference_runtime_age"):
-        kernel.ClearField(name)
+    for name in (
+        "speedup", "speedup_suspicious", "reference_runtime", "reference_runtime_age",
+        "compiled_reference_runtime", "compiled_speedup", "compile_time",
+    ):  # fmt: skip
+        kernel.ClearField(name)  # type: ignore[arg-type]
 
 
 def tampered(why: str) -> job_pb2.EvalResult:

@@ -7,7 +7,10 @@ GPU, held in windows all the time under a batch, timed half as many kernels. Onl
 time is kept: the judge is a process no candidate's code ran in, and its window had the GPU
 to itself. The time is kept for what decides it: the reference (its code, entry points and
 I/O: judging.reference_key, given by the caller), the inputs (the kernel's IOContract and
-the seed), how it is timed (trials, warm-up, L2 flush) and the GPU.
+the seed), how it is timed (trials, warm-up, L2 flush) and the GPU. A job that asks for
+torch.compile's baseline (EvalOptions.compile_baseline) neither takes nor leaves a time: its
+judge compiles and times both references itself, and an eager-only time is never mixed with
+one measured beside a compiled baseline.
 """
 
 from __future__ import annotations
@@ -75,11 +78,12 @@ class ReferenceTimes:
 
 
 def _key(device: int, spec: kernel_pb2.JobSpec, reference: str) -> tuple[int, str] | None:
-    """None for a job whose reference's time is not one number to keep: untimed, or a GPU
-    MODE task (timed per benchmark case)."""
+    """None for a job whose reference's time is not one number to keep: untimed, a GPU
+    MODE task (timed per benchmark case), or one that asks for torch.compile's baseline (its
+    judge times the compiled reference beside the eager one, every time)."""
     o = spec.options
     gpu_mode = spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE
-    if not is_timed(o) or not spec.HasField("reference") or gpu_mode:
+    if not is_timed(o) or not spec.HasField("reference") or gpu_mode or o.compile_baseline:
         return None
     timing = kernel_pb2.EvalOptions()
     for name in ("perf_trial_count", "warmup_count", "seed", "flush_l2"):

@@ -239,6 +239,13 @@ def _add_check_options(g: Any) -> None:  # an argument group
         action="store_true",
         help="skip the float64 run of the reference that flags lower_precision",
     )
+    g.add_argument(
+        "--compile-baseline",
+        action="store_true",
+        help="also time torch.compile of the reference (a Model), as KernelBench's "
+        "run_and_check.py: the result gives the speedup over eager and over torch.compile "
+        "(compile time untimed)",
+    )
 
 
 def _add_run_options(g: Any) -> None:  # an argument group
@@ -291,6 +298,8 @@ def _options(a: argparse.Namespace) -> kernel_pb2.EvalOptions:
         o.flush_l2 = False
     if getattr(a, "no_check_precision", False):  # a GPU MODE task has no Model reference
         o.check_precision = False
+    if getattr(a, "compile_baseline", False):
+        o.compile_baseline = True
     o.launch_blocking = a.launch_blocking
     o.device_side_assertions = a.dsa
     o.sanitize = a.sanitize
@@ -1004,7 +1013,7 @@ def _kernelbench_jobs(
             else:
                 assert ev.event is not None
                 job = ev.event.finished
-                entry = kb.kernelbench_entry(s.sample_id, job)
+                entry = kb.kernelbench_entry(s.sample_id, job, options.compile_baseline)
                 summary = render.job_summary(job)
             kb.write_json(kb.result_path(run_dir, s), entry)
             finished += 1

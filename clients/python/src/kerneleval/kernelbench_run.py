@@ -9,7 +9,11 @@ KernelBench's eval_results.json; a run started again skips the kernels that have
 interrupted run resumes. At the end RUN_DIR/eval_results.json ({problem id: [entries]}, as
 eval_from_generations.py writes it) and RUN_DIR/analysis_results.json (as
 benchmark_eval_analysis.py writes it: compile and correctness rates, fast_p, the geometric mean
-speedup of the correct kernels) are written from every result file.
+speedup of the correct kernels) are written from every result file. With
+--compile-baseline (EvalOptions.compile_baseline) each entry also has the reference under
+torch.compile (ref_runtime_compile, ref_runtime_compile_stats, its compile time in the metadata)
+and the summary a second set of speedup metrics over it (speedup_metrics_torch_compile), as
+KernelBench's run_and_check.py reports the speedup over eager and over torch.compile.
 
 A kernel the service could not run on its host (VERDICT_CANNOT_RUN_HERE: it needs a GPU the
 host lacks) is not evaluated, as when KernelBench's eval returns None: its entry says
@@ -186,11 +190,15 @@ def _runtime_stats(s: job_pb2.RuntimeStats, device: job_pb2.DeviceInfo) -> dict[
     }
 
 
-def kernelbench_entry(sample_id: int, job: job_pb2.Job) -> dict[str, Any]:
+def kernelbench_entry(
+    sample_id: int, job: job_pb2.Job, compile_baseline: bool = False
+) -> dict[str, Any]:
     """A finished job as an entry of KernelBench's eval_results.json: sample_id, compiled,
     correctness, metadata, runtime (mean ms, -1.0 when not timed), runtime_stats, and the
     reference's (ref_runtime, ref_runtime_stats: KernelExecResult's fields); `evaluated`
-    false when the kernel could not run on the service's host (neither correct nor wrong)."""
+    false when the kernel could not run on the service's host (neither correct nor wrong).
+    `compile_baseline` (the job asked for it): also the reference under torch.compile
+    (ref_runtime_compile, -1.0 when it has no time, and ref_runtime_compile_stats)."""
     r = job.result
     correct = job.state == job_pb2.JOB_STATE_DONE and _passed(r)
     meta: dict[str, Any] = {"hardware": r.device.name, "device": _runtime_device(r)}
@@ -224,7 +232,10 @@ def kernelbench_entry(sample_id: int, job: job_pb2.Job) -> dict[str, Any]:
     if job.state_reason:
         meta["kerneleval_state_reason"] = job.state_reason
     timed = correct and r.runtime.trial_count > 0
-    return {
+    compiled = timed and r.compiled_reference_runtime.trial_count > 0
+    if r.HasField("compile_time"):
+        meta["torch_compile_time_s"] = r.compile_time.ToMilliseconds() / 1e3
+    entry = {
         "sample_id": sample_id,
         "evaluated": not not_evaluated(job),
         "compiled": r.compiled,
@@ -235,6 +246,12 @@ def kernelbench_entry(sample_id: int, job: job_pb2.Job) -> dict[str, Any]:
         "ref_runtime": r.reference_runtime.mean_ms if timed else -1.0,
         "ref_runtime_stats": _runtime_stats(r.reference_runtime, r.device) if timed else {},
     }
+    if compile_baseline or r.HasField("compiled_reference_runtime"):  # under torch.compile
+        entry["ref_runtime_compile"] = r.compiled_reference_runtime.mean_ms if compiled else -1.0
+        entry["ref_runtime_compile_stats"] = (
+            _runtime_stats(r.compiled_reference_runtime, r.device) if compiled else {}
+        )
+    return entry
 
 
 def refused_entry(sample_id: int, message: str) -> dict[str, Any]:
@@ -321,14 +338,11 @@ def summary(
     ids = sorted(problem_ids)
     given = [by_problem.get(pid) for pid in ids]
     entries = [e if e is not None and evaluated(e) else None for e in given]
-    speedups: list[float | None] = []
-    for e in entries:
-        ok = e is not None and e["correctness"] and e["runtime"] > 0 and e["ref_runtime"] > 0
-        speedups.append(e["ref_runtime"] / e["runtime"] if ok and e is not None else None)
+    speedups = _speedups(entries, "ref_runtime")
     total = len(ids)
     compiled = sum(1 for e in entries if e is not None and e["compiled"])
     correct = sum(1 for e in entries if e is not None and e["correctness"])
-    return {
+    out = {
         "run_name": run_name,
         "level": level,
         "baseline": "the reference, timed in the same job (kerneleval)",
@@ -341,10 +355,32 @@ def summary(
             "compilation_rate": compiled / total if total else 0.0,
             "correctness_rate": correct / total if total else 0.0,
         },
-        "speedup_metrics": {
-            "geometric_mean_speedup": geometric_mean([x for x in speedups if x is not None]),
-            "fast_p": {str(p): fast_p(speedups, p) for p in FAST_P_THRESHOLDS},
-        },
+        "speedup_metrics": _speedup_metrics(speedups),
+    }
+    if any(e is not None and "ref_runtime_compile" in e for e in entries):
+        # --compile-baseline: the same metrics over the reference under torch.compile
+        # (run_and_check.py's "speedup over torch.compile"; a problem whose compiled
+        # reference has no time counts as one without a result).
+        out["speedup_metrics_torch_compile"] = _speedup_metrics(
+            _speedups(entries, "ref_runtime_compile")
+        )
+    return out
+
+
+def _speedups(entries: list[dict[str, Any] | None], baseline: str) -> list[float | None]:
+    """Per problem, `baseline`'s mean over the kernel's (None: incorrect, or not timed)."""
+    out: list[float | None] = []
+    for e in entries:
+        ok = e is not None and e["correctness"] and e["runtime"] > 0
+        base = e.get(baseline, -1.0) if e is not None else -1.0
+        out.append(base / e["runtime"] if ok and e is not None and base > 0 else None)
+    return out
+
+
+def _speedup_metrics(speedups: list[float | None]) -> dict[str, Any]:
+    return {
+        "geometric_mean_speedup": geometric_mean([x for x in speedups if x is not None]),
+        "fast_p": {str(p): fast_p(speedups, p) for p in FAST_P_THRESHOLDS},
     }
 
 
@@ -361,6 +397,16 @@ def summary_text(s: dict[str, Any]) -> str:
         f"geometric mean speedup of the correct ones: {m['geometric_mean_speedup']:.4f}",
         "fast_p    " + "  ".join(f"p={float(p):g}: {v:.3f}" for p, v in m["fast_p"].items()),
     ]
+    c = s.get("speedup_metrics_torch_compile")
+    if c is not None:
+        lines[-2] = lines[-2].replace("speedup of", "speedup over eager of")
+        lines += [
+            "geometric mean speedup over torch.compile of the correct ones: "
+            f"{c['geometric_mean_speedup']:.4f}",
+            "fast_p    "
+            + "  ".join(f"p={float(p):g}: {v:.3f}" for p, v in c["fast_p"].items())
+            + "  (over torch.compile)",
+        ]
     skipped = n.get("not_evaluated_count", 0)
     if skipped:
         lines.insert(

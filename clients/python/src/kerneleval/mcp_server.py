@@ -116,6 +116,15 @@ class JobAnswer(BaseModel):
         None, description="set when the reference's time is an earlier job's: how old it is"
     )
     speedup: float | None = Field(None, description="reference median / candidate median")
+    compiled_reference_median_ms: float | None = Field(
+        None, description="compile_baseline: the reference under torch.compile, its median, ms"
+    )
+    compiled_speedup: float | None = Field(
+        None, description="compile_baseline: torch.compile'd reference median / candidate median"
+    )
+    compile_time_s: float | None = Field(
+        None, description="compile_baseline: torch.compile's compile time (untimed), seconds"
+    )
     speedup_suspicious: bool | None = Field(
         None, description="true over 10x: check the candidate before trusting it"
     )
@@ -188,6 +197,12 @@ def summary(job: job_pb2.Job) -> dict[str, Any]:
     if r.speedup:
         out["speedup"] = r.speedup
         out["speedup_suspicious"] = r.speedup_suspicious
+    if r.compiled_reference_runtime.median_ms:  # EvalOptions.compile_baseline
+        out["compiled_reference_median_ms"] = r.compiled_reference_runtime.median_ms
+    if r.compiled_speedup:
+        out["compiled_speedup"] = r.compiled_speedup
+    if r.HasField("compile_time"):
+        out["compile_time_s"] = r.compile_time.ToMilliseconds() / 1e3
     v = r.validation
     if v.trial_count:
         out["trials_passed"] = f"{v.trials_passed}/{v.trial_count}"
@@ -248,6 +263,11 @@ def text_of(s: dict[str, Any]) -> str:
             f"speedup {s['speedup']:.3g}x: {s['median_ms']:.4f} ms vs the reference's "
             f"{s['reference_median_ms']:.4f} ms{clock}"
         )
+        if "compiled_speedup" in s:
+            lines.append(
+                f"speedup over torch.compile {s['compiled_speedup']:.3g}x: the compiled "
+                f"reference's {s['compiled_reference_median_ms']:.4f} ms{clock}"
+            )
         if s.get("speedup_suspicious"):
             lines.append("the speedup is over 10x: suspicious, check the candidate")
     elif "median_ms" in s:
@@ -480,6 +500,14 @@ Seed = Annotated[
     int | None,
     Field(ge=0, le=2**64 - 1, description="seed of inputs and weights; unset: 42"),
 ]
+CompileBaseline = Annotated[
+    bool,
+    Field(
+        description="also time the reference (a KernelBench Model) under torch.compile, as "
+        "KernelBench's run_and_check.py: the result adds compiled_speedup (its compile time is "
+        "not timed; costs the compile, seconds to a minute)"
+    ),
+]
 TimeoutS = Annotated[
     int,
     Field(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, description="the whole job's limit, seconds"),
@@ -508,6 +536,7 @@ def build_spec(
     atol: float | None = None,
     rtol: float | None = None,
     seed: int | None = None,
+    compile_baseline: bool = False,
 ) -> kernel_pb2.JobSpec:
     if not source.strip():
         raise ToolError("source is empty: pass the candidate's code (a ModelNew or a kernel)")
@@ -533,6 +562,7 @@ def build_spec(
     for name, value in (("warmup_count", warmup), ("atol", atol), ("rtol", rtol), ("seed", seed)):
         if value is not None:
             setattr(o, name, value)
+    o.compile_baseline = compile_baseline
     return spec
 
 
@@ -620,6 +650,7 @@ def make_server(
         atol: Atol = None,
         rtol: Rtol = None,
         seed: Seed = None,
+        compile_baseline: CompileBaseline = False,
         timeout_s: TimeoutS = 120,
     ) -> _JOB_OUTPUT:
         """Compile, check and time a kernel on the server's GPU. `source`: the candidate (a
@@ -632,7 +663,7 @@ def make_server(
         spec = build_spec(
             source, kernel_type, reference_source, reference_type, correct_trials, perf_trials,
             timeout_s, io=io, reference_io=reference_io, entry_point=entry_point, warmup=warmup,
-            atol=atol, rtol=rtol, seed=seed,
+            atol=atol, rtol=rtol, seed=seed, compile_baseline=compile_baseline,
         )  # fmt: skip
         return await run(spec, ctx)
 
@@ -652,6 +683,7 @@ def make_server(
         atol: Atol = None,
         rtol: Rtol = None,
         seed: Seed = None,
+        compile_baseline: CompileBaseline = False,
         timeout_s: TimeoutS = 120,
     ) -> _JOB_OUTPUT:
         """Check a candidate kernel against a reference and time both: correctness over
@@ -662,7 +694,7 @@ def make_server(
         spec = build_spec(
             source, kernel_type, reference_source, reference_type, correct_trials, perf_trials,
             timeout_s, io=io, reference_io=reference_io, entry_point=entry_point, warmup=warmup,
-            atol=atol, rtol=rtol, seed=seed,
+            atol=atol, rtol=rtol, seed=seed, compile_baseline=compile_baseline,
         )  # fmt: skip
         return await run(spec, ctx)
 

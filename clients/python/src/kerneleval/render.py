@@ -402,11 +402,19 @@ def result_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = 
             seconds = r.reference_runtime_age.ToMilliseconds() / 1e3
             age = f"  (an earlier job's, {seconds:.1f} s old)"
         rows.append(("reference", _stats(r.reference_runtime) + age))
+    if r.HasField("compiled_reference_runtime"):  # EvalOptions.compile_baseline
+        took = ""
+        if r.HasField("compile_time"):
+            took = f"  (compiled in {r.compile_time.ToMilliseconds() / 1e3:.1f} s, untimed)"
+        rows.append(("torch.compile", _stats(r.compiled_reference_runtime) + took))
     if r.HasField("timing_window"):
         rows.extend(_window_rows(r.timing_window))
     if r.speedup:
         flag = "  (suspicious: over 10x, check for a timing hack)" if r.speedup_suspicious else ""
-        rows.append(("speedup", f"{r.speedup:.3g}x{flag}"))
+        over = "" if not r.compiled_speedup else " over eager"
+        rows.append(("speedup", f"{r.speedup:.3g}x{over}{flag}"))
+    if r.compiled_speedup:
+        rows.append(("vs compile", f"{r.compiled_speedup:.3g}x over torch.compile"))
     if r.compilation_error:
         rows.append(("compile log", _indent(r.compilation_error)))
     if r.error.message or r.error.exception_type:
@@ -498,6 +506,17 @@ def cases_table(job: job_pb2.Job, style: Style = PLAIN, *, width: int | None = N
     return table(headers, rows, width=width, style=style)
 
 
+def speedup_text(r: job_pb2.EvalResult) -> str:
+    """The speedup over the eager reference, and over torch.compile's when the job asked for
+    that baseline (EvalOptions.compile_baseline): "1.8x (0.9x compiled)"; "-" if not timed."""
+    if not r.speedup:
+        return "-"
+    text = f"{r.speedup:.3g}x"
+    if r.compiled_speedup:
+        text += f" ({r.compiled_speedup:.3g}x compiled)"
+    return text
+
+
 def job_summary(job: job_pb2.Job) -> str:
     """One line: state, verdict, median and speedup."""
     r = job.result
@@ -505,7 +524,7 @@ def job_summary(job: job_pb2.Job) -> str:
     if r.runtime.median_ms:
         text += f"  median {r.runtime.median_ms:.4f} ms"
     if r.speedup:
-        text += f"  speedup {r.speedup:.3g}x"
+        text += f"  speedup {speedup_text(r)}"
     reason = r.compilation_error or r.validation_error or r.error.message or r.fault.description
     if reason and r.verdict != job_pb2.VERDICT_OK:
         text += "  " + printable(reason.strip().splitlines()[0][:120])
@@ -545,7 +564,7 @@ def batch_table(
                 r.job_id,
                 verdict_name(res.verdict) if res.verdict else state_name(r.state),
                 f"{res.runtime.median_ms:.4f}" if res.runtime.median_ms else "-",
-                f"{res.speedup:.3g}x" if res.speedup else "-",
+                speedup_text(res),
                 detail,
             ]
         )
@@ -566,7 +585,7 @@ def jobs_table(
     rows = []
     for j in jobs:
         median = f"{j.result.runtime.median_ms:.4f}" if j.result.runtime.median_ms else "-"
-        speedup = f"{j.result.speedup:.3g}x" if j.result.speedup else "-"
+        speedup = speedup_text(j.result)
         verdict = verdict_name(j.result.verdict) if j.result.verdict else "-"
         if origin_text(j):
             verdict += f" ({origin_text(j)})"
