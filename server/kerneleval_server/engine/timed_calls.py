@@ -300,8 +300,8 @@ def decide(
 ) -> Decision:  # fmt: skip
     """The kernel's times: its claims where their median agrees with the bound (each call's
     outside span less the path's median cost) within the tolerance, else the bound, flagged.
-    The tolerance: the path's own spread (p90 - p10 of the calibration) plus 2% of the
-    bound's median, at least TOLERANCE_FLOOR_US; on the CPU (`cpu`: host wall-clock, two
+    The tolerance: the path's own spread (p90 - p10 of the calibration) plus TOLERANCE_SHARE
+    of the bound's median, at least TOLERANCE_FLOOR_US; on the CPU (`cpu`: host wall-clock, two
     processes' wake-ups on shared cores) 10% and at least CPU_TOLERANCE_FLOOR_US. A claim
     over the bound is taken as it is: a candidate may only make itself slower."""
     calib = float(np.median(calibration_ns)) if len(calibration_ns) else 0.0
@@ -312,7 +312,7 @@ def decide(
     )
     bound = [max(0.0, o - calib) for o in outside_ns]
     gap = float(np.median([b - i for b, i in zip(bound, inside_ns, strict=True)]))
-    floor, share = (CPU_TOLERANCE_FLOOR_US, 0.10) if cpu else (TOLERANCE_FLOOR_US, 0.02)
+    floor, share = (CPU_TOLERANCE_FLOOR_US, 0.10) if cpu else (TOLERANCE_FLOOR_US, TOLERANCE_SHARE)
     tolerance = max(floor * 1e3, spread + share * float(np.median(bound)))
     flagged = gap > tolerance
     chosen = bound if flagged else [float(i) for i in inside_ns]
@@ -326,7 +326,11 @@ def decide(
     )
 
 
-TOLERANCE_FLOOR_US = 10.0
+# An honest kernel's claim sits under the bound by up to ~8% of it on an H200 (level-1
+# problems whose calls write gigabytes of inputs: bench/README.md "outside-timing"), and a
+# tiny one's by ~15-20 us: below these, two of ten honest problems were flagged.
+TOLERANCE_FLOOR_US = 25.0
+TOLERANCE_SHARE = 0.08
 CPU_TOLERANCE_FLOOR_US = 1000.0  # a sleeping process's wake-up on a loaded host: up to ~1 ms
 
 
