@@ -132,7 +132,7 @@ def judge_job(
         _forget_compiled()
     if job.result.verdict != job_pb2.VERDICT_OK:
         job.result.ClearField("runtime")  # a time is only given with a verdict of OK
-    job.result.notes.extend(job.notes)
+    job.result.notes.extend(n for n in job.notes if n not in job.result.notes)  # once each
     return Outcome(result=job.result, context_poisoned=job.poisoned)
 
 
