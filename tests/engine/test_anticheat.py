@@ -95,8 +95,13 @@ def test_speedup_over_ten_is_flagged(run) -> None:
         )
     )
     r = out.result
-    assert r.verdict == V.VERDICT_OK and r.speedup > 10 and r.speedup_suspicious
-    assert any("worth a second look" in n for n in r.notes)
+    assert r.verdict == V.VERDICT_OK and r.speedup > 10
+    if r.runtime.source == V.TIMING_SOURCE_CUDA_EVENTS:
+        assert r.speedup_suspicious
+        assert any("worth a second look" in n for n in r.notes)
+    else:  # host wall-clock: noise moves it by more than 10x, no evidence (issue 41)
+        assert not r.speedup_suspicious
+        assert any("but not flagged (speedup_suspicious)" in n for n in r.notes), r.notes
 
 
 def test_results_handed_back_in_the_timed_trials_are_caught(run) -> None:
