@@ -29,7 +29,7 @@ import _kernels as K  # noqa: E402
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     service = fake_engine_service(
         tmp_path_factory.mktemp("built-ahead"), "--workers-per-device", "1",
-        "--build-processes", "2",
+        "--build-processes", "2", "--build-pch", "false",
     )  # fmt: skip
     try:
         service.start()
@@ -264,7 +264,7 @@ extern "C" __global__ void add(const float* a, const float* b, float* out, int n
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     service = ServiceProcess(
         tmp_path_factory.mktemp("built-ahead-real") / "state",
-        ["--nvml", "none", "--build-processes", "1"],
+        ["--nvml", "none", "--build-processes", "1", "--build-pch", "false"],
     )
     try:
         service.start()

@@ -26,7 +26,7 @@ def _judging_service(root: Path, workers_per_device: int) -> Iterator[object]:
     """The judging fake engine's service with --judge-launches, and a stub of it."""
     service: ServiceProcess = fake_engine_service(
         root, "--workers-per-device", str(workers_per_device), "--build-processes", "1",
-        "--judge-launches", "true", engine="fe_fake_engine_judges",
+        "--build-pch", "false", "--judge-launches", "true", engine="fe_fake_engine_judges",
     )  # fmt: skip
     try:
         service.start()
