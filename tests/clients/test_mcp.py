@@ -107,7 +107,8 @@ def test_the_tools_and_their_schemas(svc) -> None:  # type: ignore[no-untyped-de
         assert arg["role"]["enum"] == ["ARG_ROLE_INPUT", "ARG_ROLE_OUTPUT", "ARG_ROLE_INOUT"]
         assert "speedup" in (tools["evaluate_kernel"].description or "")
         out = tools["evaluate_kernel"].output_schema["properties"]
-        assert out["timing_source"]["anyOf"][0]["enum"] == ["cuda_events", "cpu_wall_clock", "outside_bound"]
+        sources = ["cuda_events", "cpu_wall_clock", "outside_bound"]
+        assert out["timing_source"]["anyOf"][0]["enum"] == sources
         assert {"verdict", "notes", "flags", "speedup", "summary"} <= set(out)
         annotations = {n: t.annotations for n, t in tools.items()}
         assert annotations["get_job"].read_only_hint is True
