@@ -239,11 +239,13 @@ class GpuUse:
         never frozen). Asked like any timing phase; a judge holding its window already (the
         reference was timed in it, the kernel's process frozen) has it opened again with
         that partner."""
-        if run.kernel_worker is None or not run.kernel_serves or not run.judged_now:
+        if not run.kernel_serves or not run.judged_now:
             self.m.on_protocol_violation(
                 run.worker, "a kernel's timing asked with no kernel to time"
             )
             return
+        # A kernel's process gone meanwhile is no partner: the judge finds its calls
+        # unanswered, the kernel's failure.
         run.drives_kernel = True
         run.phase = job_pb2.PHASE_PROFILING
         run.grant_asked_at = asyncio.get_running_loop().time()
