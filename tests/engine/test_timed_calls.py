@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,9 @@ def wrong_shape(args):
 
 def raiser(args):
     raise ValueError("nope")
+
+def dies(args):
+    os._exit(3)
 
 tc.serve(sock_fd, globals()[sys.argv[2]], make_args, torch.device("cpu"), idle_s=30)
 """
@@ -158,3 +162,16 @@ def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path: Path) -> N
         tc.Driver(ours.fileno(), _args(0), [torch.empty(4096)], torch.device("cpu"), 0.5)
     ours.close()
     theirs.close()
+
+
+def test_a_server_that_dies_in_a_call_is_told_at_once(tmp_path: Path) -> None:
+    """The kernel's process exits in a timed call: its end of the socket closes, and the
+    driver says so within milliseconds instead of waiting for its answer's deadline."""
+    driver, proc = _session("dies", tmp_path)
+    driver.answer_s = 60.0
+    began = time.monotonic()
+    with pytest.raises(tc.TimedCallError, match="ended during a timed call"):
+        driver.call(_args(5))
+    assert time.monotonic() - began < 5
+    assert proc.wait(10) == 3
+    driver.close()

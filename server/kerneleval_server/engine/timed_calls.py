@@ -30,6 +30,7 @@ import ctypes
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import time
@@ -55,6 +56,7 @@ HEADER = struct.Struct(">I")
 MAX_LAYOUT_BYTES = 1 << 20
 SPIN_S = 200e-6  # spin this long, then sleep in short naps: two processes share the host's cores
 NAP_S = 20e-6
+GONE_EVERY_S = 0.01  # how often a waiting driver looks whether the kernel's process is gone
 _perf_counter_ns = time.perf_counter_ns  # bound at import, before any candidate code runs
 
 
@@ -165,18 +167,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _wait(words: np.ndarray, index: int, want: int, deadline: float, spin: bool = True) -> bool:
-    """Until words[index] == want: a spin of SPIN_S, then naps. False at the deadline.
+def _wait(
+    words: np.ndarray, index: int, want: int, deadline: float, spin: bool = True,
+    gone: Callable[[], bool] | None = None,
+) -> bool:  # fmt: skip
+    """Until words[index] == want: a spin of SPIN_S, then naps. False at the deadline, or
+    once `gone()` says the other side has left (asked every GONE_EVERY_S of napping).
     Without `spin` (a CPU job: a spinning driver takes a core from the kernel it times) naps
     only."""
-    spin_until = time.monotonic() + (SPIN_S if spin else 0.0)
+    now = time.monotonic()
+    spin_until = now + (SPIN_S if spin else 0.0)
+    ask_at = now + GONE_EVERY_S
     while int(words[index]) != want:
         now = time.monotonic()
         if now > deadline:
             return False
         if now > spin_until:
             time.sleep(NAP_S)
+            if gone is not None and now > ask_at:
+                if gone():
+                    return int(words[index]) == want
+                ask_at = now + GONE_EVERY_S
     return True
+
+
+def _peer_gone(sock_fd: int) -> bool:
+    """Whether the other end of the session's socket is closed (its process exited)."""
+    p = select.poll()
+    p.register(sock_fd, select.POLLRDHUP | select.POLLHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP) for _, ev in p.poll(0))
 
 
 # ---- the driver: the trusted side ----------------------------------------------------------
@@ -193,6 +212,7 @@ class Driver:
         self.device = device
         self.answer_s = answer_s
         self.seq = 0
+        self.sock_fd = os.dup(sock_fd)  # its own: whether the kernel's end is closed
         control_fd = os.memfd_create("kerneleval-timed-calls", os.MFD_CLOEXEC)
         os.ftruncate(control_fd, CONTROL_BYTES)
         self._block, self.words = _control_block(control_fd)
@@ -225,7 +245,9 @@ class Driver:
             sock.close()
             for fd in fds:
                 os.close(fd)
-        if not _wait(self.words, READY, 1, time.monotonic() + answer_s):
+        gone = lambda: _peer_gone(sock_fd)  # noqa: E731
+        if not _wait(self.words, READY, 1, time.monotonic() + answer_s, gone=gone):
+            self.close()
             raise TimedCallError("the kernel's process did not take its timed calls' buffers")
 
     def call(self, inputs: Any, noop: bool = False) -> CallResult:
@@ -240,7 +262,10 @@ class Driver:
         self.words[MODE] = NOOP if noop else CALL
         self.words[GO] = self.seq
         deadline = time.monotonic() + self.answer_s
-        if not _wait(self.words, DONE, self.seq, deadline, spin=self.device.type == "cuda"):
+        gone = lambda: _peer_gone(self.sock_fd)  # noqa: E731
+        if not _wait(self.words, DONE, self.seq, deadline, self.device.type == "cuda", gone):
+            if gone():
+                raise TimedCallError("the kernel's process ended during a timed call")
             raise TimedCallError(f"a timed call got no answer in {self.answer_s:.0f} s")
         copies = [b.tensor.clone() for b in self.outputs]
         _sync(self.device)
@@ -271,6 +296,8 @@ class Driver:
         del self.words
         with contextlib.suppress(Exception):
             self._block.close()
+        with contextlib.suppress(OSError):
+            os.close(self.sock_fd)
 
 
 def _describe(buf: _Buffer) -> dict[str, Any]:
