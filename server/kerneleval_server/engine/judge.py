@@ -604,17 +604,15 @@ def _timing_event() -> Any:
 
 
 class _L2Flush:
-    """Before each timed call, the L2 flushed as timing.py does (outside the call's span)."""
+    """Before each timed call, the L2 flushed with timing.py's own buffer and write
+    (timing.CudaOps), then waited for: outside the call's span."""
 
     def __init__(self, device: torch.device, on: bool) -> None:
         self.device = device
-        self.buffer = (
-            torch.empty(timing.L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-            if on and device.type == "cuda"
-            else None
-        )
+        self.ops = timing.CudaOps()
+        self.buffer = self.ops.flush_buffer() if on and device.type == "cuda" else None
 
     def __call__(self) -> None:
         if self.buffer is not None:
-            self.buffer.zero_()
-            torch.cuda.synchronize(self.device)
+            self.ops.flush(self.buffer)
+            self.ops.synchronize()
