@@ -8,8 +8,11 @@ judge), through memory the two share:
   the server by descriptor (device memory of the CUDA driver's VMM API exported as POSIX
   descriptors on a GPU, memfds on the CPU), and a control block (a memfd of int64 words);
 - for each call it writes fresh inputs into the shared arguments itself (after the previous
-  call was answered: one call's inputs at a time), says go, waits until the server says done,
-  and copies the shared outputs into memory of its own; its clock spans all of that. Work
+  call was answered: one call's inputs at a time) and waits for the write, then says go,
+  waits until the server says done, and copies the shared outputs into memory of its own;
+  its clock spans go to copy. (What a candidate watching the buffer can start before the go
+  is what lies between the write's end and the go: the driver's synchronize, microseconds.)
+  Work
   the candidate leaves running after it says done either ran before that copy (and is inside
   the span: contexts of two processes share a GPU by time slices) or did not, and the copy
   holds unfinished outputs (which the driver's check of the call finds wrong);
@@ -41,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import device_share
+from . import device_share, timing
 
 # The control block: int64 words, each written by one side only.
 GO, MODE, DONE, STATUS, INSIDE_NS, READY = range(
@@ -51,6 +54,7 @@ WORDS = 8
 MESSAGE_AT = 256  # bytes from here: the server's message of a failed call (its words, hostile)
 CONTROL_BYTES = 4096
 CALL, NOOP, STOP = 1, 2, 3
+LEAD_NONE, LEAD_FLUSH, LEAD_IDLE = "none", "flush", "idle"  # queued before a call (Driver)
 OK, FAILED, BAD_OUTPUTS = 0, 1, 2
 HEADER = struct.Struct(">I")
 MAX_LAYOUT_BYTES = 1 << 20
@@ -67,7 +71,7 @@ class TimedCallError(Exception):
 
 @dataclass
 class CallResult:
-    outside_ns: int  # the driver's span: inputs written, go, done seen, outputs copied
+    outside_ns: int  # the driver's span: go, done seen, outputs copied (inputs written before)
     inside_ns: int  # the server's claim of the call's own time
     outputs: list[torch.Tensor]  # the driver's copies of the shared outputs
 
@@ -81,8 +85,9 @@ class Decision:
     flagged: bool
     tolerance_us: float
     gap_us: float  # median of (outside - calibration) - inside, per call
-    calibration_us: float  # median outside span of a call of no work
+    calibration_us: float  # median outside span of a call of no work (at most the cap)
     outside_ms: list[float] = field(default_factory=list)
+    calibration_capped: bool = False  # the calls of no work took longer than the cap
 
 
 # ---- shared memory ------------------------------------------------------------------------
@@ -205,12 +210,19 @@ class Driver:
     """Drives one kernel's timed calls in the server's process (module docstring)."""
 
     def __init__(self, sock_fd: int, args: Any, outputs_like: Sequence[torch.Tensor],
-                 device: torch.device, answer_s: float = 60.0) -> None:  # fmt: skip
+                 device: torch.device, answer_s: float = 60.0,
+                 prepare: Callable[[], None] | None = None,
+                 lead: str = LEAD_NONE) -> None:  # fmt: skip
         """Makes the shared arguments (like `args`, a TrialArgs: its tensors shared, its other
         values sent as they are) and outputs (like `outputs_like`) and the control block, and
-        hands them to the server over `sock_fd`; returns once the server has mapped them."""
+        hands them to the server over `sock_fd`; returns once the server has mapped them.
+        `prepare`: run here after each call's inputs are written, before the go (the L2
+        flush: the inputs just written are not left in it). `lead`: what the server queues
+        on its stream before each call's start event (LEAD_FLUSH, LEAD_IDLE or LEAD_NONE),
+        as do_bench's loop does: the host queues the call's first launches meanwhile."""
         self.device = device
         self.answer_s = answer_s
+        self.prepare = prepare
         self.seq = 0
         self.sock_fd = os.dup(sock_fd)  # its own: whether the kernel's end is closed
         control_fd = os.memfd_create("kerneleval-timed-calls", os.MFD_CLOEXEC)
@@ -231,7 +243,7 @@ class Driver:
             "args": layout_args,
             "names": list(args.names), "roles": list(args.roles),
             "is_meta": list(args.is_meta), "from_get_inputs": bool(args.from_get_inputs),
-            "outputs": [_describe(b) for b in self.outputs],
+            "outputs": [_describe(b) for b in self.outputs], "lead": lead,
         }  # fmt: skip
         data = json.dumps(layout).encode()
         fds = [control_fd] + [b.fd for b in self.args if b is not None]
@@ -252,12 +264,16 @@ class Driver:
 
     def call(self, inputs: Any, noop: bool = False) -> CallResult:
         """One call: `inputs` (a TrialArgs like the session's) written into the shared
-        arguments, go, done, the outputs copied. The span is this process's clock."""
-        t0 = _perf_counter_ns()
+        arguments, then go, done, the outputs copied: that span is this process's clock.
+        The write is outside it (its cost is the driver's, not the kernel's; inside, it made
+        an honest claim read up to ~8% under a bound of gigabytes of inputs)."""
         for buf, v in zip(self.args, inputs.values, strict=True):
             if buf is not None:
                 buf.tensor.copy_(v)
-        _sync(self.device)  # written before the go
+        if self.prepare is not None:
+            self.prepare()
+        _sync(self.device)  # written before the go, and before the clock starts
+        t0 = _perf_counter_ns()
         self.seq += 1
         self.words[MODE] = NOOP if noop else CALL
         self.words[GO] = self.seq
@@ -275,6 +291,24 @@ class Driver:
             raise TimedCallError(self._message(status))
         inside = max(0, min(int(self.words[INSIDE_NS]), t1 - t0))
         return CallResult(t1 - t0, inside, copies)
+
+    def own_path_ns(self, lead: Callable[[], None] | None, runs: int = 5) -> int:
+        """What this process measures, on its own clock and GPU context, of the work a call
+        of no work does: the server's lead and its copy of the outputs, then this side's
+        copy of them (median of `runs`). A server that slows its calls of no work to lower
+        the bound is capped at this plus PATH_SLACK_NS (`decide`)."""
+        spans = []
+        for _ in range(runs):
+            _sync(self.device)
+            t0 = _perf_counter_ns()
+            if lead is not None:
+                lead()
+            for b in self.outputs:
+                b.tensor.clone()
+                b.tensor.clone()
+            _sync(self.device)
+            spans.append(_perf_counter_ns() - t0)
+        return int(np.median(spans))
 
     def _message(self, status: int) -> str:
         said = bytes(self._block[MESSAGE_AT:CONTROL_BYTES]).split(b"\0", 1)[0]
@@ -323,15 +357,23 @@ def calibrate(driver: Driver, inputs: Any, calls: int) -> list[int]:
 
 def decide(
     inside_ns: Sequence[int], outside_ns: Sequence[int], calibration_ns: Sequence[int],
-    cpu: bool = False,
+    cpu: bool = False, own_path_ns: int | None = None,
 ) -> Decision:  # fmt: skip
     """The kernel's times: its claims where their median agrees with the bound (each call's
     outside span less the path's median cost) within the tolerance, else the bound, flagged.
+    The path's cost is measured through the server, which may slow its calls of no work to
+    lower the bound: it is taken at most `own_path_ns` (Driver.own_path_ns) plus
+    PATH_SLACK_NS (CPU_PATH_SLACK_NS on the CPU).
     The tolerance: the path's own spread (p90 - p10 of the calibration) plus TOLERANCE_SHARE
     of the bound's median, at least TOLERANCE_FLOOR_US; on the CPU (`cpu`: host wall-clock, two
     processes' wake-ups on shared cores) 10% and at least CPU_TOLERANCE_FLOOR_US. A claim
     over the bound is taken as it is: a candidate may only make itself slower."""
     calib = float(np.median(calibration_ns)) if len(calibration_ns) else 0.0
+    capped = False
+    if own_path_ns is not None:
+        cap = own_path_ns + (CPU_PATH_SLACK_NS if cpu else PATH_SLACK_NS)
+        capped = calib > cap
+        calib = min(calib, cap)
     spread = (
         float(np.percentile(calibration_ns, 90) - np.percentile(calibration_ns, 10))
         if len(calibration_ns) > 2
@@ -350,6 +392,7 @@ def decide(
         gap_us=gap / 1e3,
         calibration_us=calib / 1e3,
         outside_ms=[b / 1e6 for b in bound],
+        calibration_capped=capped,
     )
 
 
@@ -359,6 +402,11 @@ def decide(
 TOLERANCE_FLOOR_US = 25.0
 TOLERANCE_SHARE = 0.08
 CPU_TOLERANCE_FLOOR_US = 1000.0  # a sleeping process's wake-up on a loaded host: up to ~1 ms
+# What the path of a call of no work may cost beyond the driver's own measure of its work
+# (the handshake: a spinning server answers in microseconds; a napping one within ~100 us;
+# on the CPU the wake-ups of two processes on shared cores).
+PATH_SLACK_NS = 100_000
+CPU_PATH_SLACK_NS = 2_000_000
 
 
 # ---- the server: the candidate's process ---------------------------------------------------
@@ -389,6 +437,7 @@ def serve(
     outputs = [_import(o, fds[i + k], device).tensor for k, o in enumerate(layout["outputs"])]
     args = make_args(values, layout)
     kept = [torch.zeros_like(o) for o in outputs]  # what a call of no work copies
+    lead = _lead(str(layout.get("lead", LEAD_NONE)), device)
     words[READY] = 1
     last = 0
     cuda = device.type == "cuda"
@@ -408,6 +457,7 @@ def serve(
                         torch.cuda.Event(enable_timing=True),
                         torch.cuda.Event(enable_timing=True),
                     )
+                    lead()
                     start.record()
                     got = run(args)
                     end.record()
@@ -422,6 +472,7 @@ def serve(
                     torch.cuda.synchronize(device)
                     inside = int(start.elapsed_time(end) * 1e6)
             else:
+                lead()
                 for dst, src in zip(outputs, kept, strict=True):
                     dst.copy_(src)
                 _sync(device)
@@ -433,6 +484,20 @@ def serve(
         words[INSIDE_NS] = inside
         words[STATUS] = status
         words[DONE] = last
+
+
+def _lead(kind: str, device: torch.device) -> Callable[[], None]:
+    """The server's work queued before a call's start event, as timing.py's loop (and
+    do_bench's) queues the L2 flush (or a short spin) before each trial's: the GPU runs it
+    while the host queues the call's first launches, so a launch-bound call is not read at
+    its host's pace from its first launch."""
+    if device.type != "cuda" or kind == LEAD_NONE:
+        return lambda: None
+    ops = timing.CudaOps()
+    if kind == LEAD_FLUSH:
+        buffer = ops.flush_buffer()
+        return lambda: ops.flush(buffer)
+    return ops.idle
 
 
 def _copy_outputs(got: list[Any], outputs: list[torch.Tensor]) -> str:
