@@ -104,6 +104,7 @@ def run_all(
                         "reference_median_ms": r.reference_runtime.median_ms,
                         "speedup": r.speedup,
                         "flags": [f.rule_id for f in r.flags],  # integrity flags (issue 13)
+                        "notes": [n for n in r.notes if "timed from outside" in n],
                         "message": (r.compilation_error or r.validation_error or r.error.message
                                     or r.fault.description)[:300],
                     }  # fmt: skip
@@ -120,6 +121,21 @@ def run_all(
     for th in threads:
         th.join()
     return out
+
+
+_PATH = re.compile(
+    r"the path's own cost ([\d.]+) us a call, the kernel's clock within (-?[\d.]+) us of the "
+    r"judge's \(tolerance ([\d.]+) us; its own measure of a call of no work's work ([\d.]+)"
+)
+
+
+def outside_path(row: dict[str, Any]) -> str:
+    """From the outside timing's note: the path's cost, the claims' gap and the tolerance."""
+    for note in row.get("notes", []):
+        m = _PATH.search(note)
+        if m:
+            return " / ".join(m.groups()) + (" (capped)" if "took longer" in note else "")
+    return "-"
 
 
 def self_report(
@@ -157,7 +173,7 @@ def self_report(
             name, r["verdict"].removeprefix("VERDICT_"), r.get("speedup", 0.0), kernel, ref,
             db or "-", C.ratio(kernel, db) if db and kernel else "-",
             C.ratio(ref, db) if db and ref else "-", C.ratio(synced, db) if db and synced else "-",
-            ",".join(r.get("flags", [])) or r.get("message", "")[:80],
+            ",".join(r.get("flags", [])) or r.get("message", "")[:80], outside_path(r),
         ])  # fmt: skip
 
     def q(values: list[float], pct: int) -> float:
@@ -195,7 +211,8 @@ def self_report(
           summary),
          ("Per problem", ["problem", "verdict", "speedup", "kernel ms", "reference ms",
                           "do_bench ms", "kernel/do_bench", "reference/do_bench",
-                          "synced/do_bench", "flags or message"], rows)],
+                          "synced/do_bench", "flags or message",
+                          "path us / gap us / tolerance us / own us"], rows)],
         notes,
     )  # fmt: skip
     return 0

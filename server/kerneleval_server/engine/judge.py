@@ -305,7 +305,8 @@ class _Judge(_Job):
             f"timed from outside its process: {n} calls driven by its judge on fresh inputs "
             f"({len(picked)} checked against the reference), the path's own cost "
             f"{decision.calibration_us:.1f} us a call, the kernel's clock within "
-            f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us); "
+            f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us; "
+            f"its own measure of a call of no work's work {own_path / 1e3:.1f} us); "
             f"the judge's part of the windows: {spent}"
         )
         if decision.calibration_capped:

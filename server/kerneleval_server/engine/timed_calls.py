@@ -59,6 +59,10 @@ OK, FAILED, BAD_OUTPUTS = 0, 1, 2
 HEADER = struct.Struct(">I")
 MAX_LAYOUT_BYTES = 1 << 20
 SPIN_S = 200e-6  # spin this long, then sleep in short naps: two processes share the host's cores
+# On a GPU host both sides spin through a call (and the server between calls) up to this
+# long: a nap's wake-up (50-100 us, and not the same in a call as in a call of no work) would
+# make the path's cost unpredictable, and it is capped near the driver's own measure of it.
+CALL_SPIN_S = 0.5
 NAP_S = 20e-6
 GONE_EVERY_S = 0.01  # how often a waiting driver looks whether the kernel's process is gone
 _perf_counter_ns = time.perf_counter_ns  # bound at import, before any candidate code runs
@@ -173,15 +177,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _wait(
-    words: np.ndarray, index: int, want: int, deadline: float, spin: bool = True,
+    words: np.ndarray, index: int, want: int, deadline: float, spin_s: float = SPIN_S,
     gone: Callable[[], bool] | None = None,
 ) -> bool:  # fmt: skip
-    """Until words[index] == want: a spin of SPIN_S, then naps. False at the deadline, or
+    """Until words[index] == want: a spin of `spin_s`, then naps. False at the deadline, or
     once `gone()` says the other side has left (asked every GONE_EVERY_S of napping).
-    Without `spin` (a CPU job: a spinning driver takes a core from the kernel it times) naps
+    With no spin (a CPU job: a spinning driver takes a core from the kernel it times) naps
     only."""
     now = time.monotonic()
-    spin_until = now + (SPIN_S if spin else 0.0)
+    spin_until = now + spin_s
     ask_at = now + GONE_EVERY_S
     while int(words[index]) != want:
         now = time.monotonic()
@@ -279,7 +283,8 @@ class Driver:
         self.words[GO] = self.seq
         deadline = time.monotonic() + self.answer_s
         gone = lambda: _peer_gone(self.sock_fd)  # noqa: E731
-        if not _wait(self.words, DONE, self.seq, deadline, self.device.type == "cuda", gone):
+        spin = CALL_SPIN_S if self.device.type == "cuda" else 0.0
+        if not _wait(self.words, DONE, self.seq, deadline, spin, gone):
             if gone():
                 raise TimedCallError("the kernel's process ended during a timed call")
             raise TimedCallError(f"a timed call got no answer in {self.answer_s:.0f} s")
@@ -438,11 +443,12 @@ def serve(
     args = make_args(values, layout)
     kept = [torch.zeros_like(o) for o in outputs]  # what a call of no work copies
     lead = _lead(str(layout.get("lead", LEAD_NONE)), device)
+    spin = CALL_SPIN_S if device.type == "cuda" else SPIN_S
     words[READY] = 1
     last = 0
     cuda = device.type == "cuda"
     while True:
-        if not _wait(words, GO, last + 1, time.monotonic() + idle_s):
+        if not _wait(words, GO, last + 1, time.monotonic() + idle_s, spin):
             return
         last += 1
         mode = int(words[MODE])
