@@ -125,7 +125,8 @@ def run_all(
 
 _PATH = re.compile(
     r"the path's own cost ([\d.]+) us a call, the kernel's clock within (-?[\d.]+) us of the "
-    r"judge's \(tolerance ([\d.]+) us; its own measure of a call of no work's work ([\d.]+)"
+    r"judge's \(tolerance ([\d.]+) us; its calls of no work took ([\d.]+) us, the judge's "
+    r"own measure of their work ([\d.]+)"
 )
 
 
@@ -212,7 +213,7 @@ def self_report(
          ("Per problem", ["problem", "verdict", "speedup", "kernel ms", "reference ms",
                           "do_bench ms", "kernel/do_bench", "reference/do_bench",
                           "synced/do_bench", "flags or message",
-                          "path us / gap us / tolerance us / own us"], rows)],
+                          "path us / gap us / tolerance us / no-work calls us / own us"], rows)],
         notes,
     )  # fmt: skip
     return 0

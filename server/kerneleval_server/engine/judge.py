@@ -306,7 +306,8 @@ class _Judge(_Job):
             f"({len(picked)} checked against the reference), the path's own cost "
             f"{decision.calibration_us:.1f} us a call, the kernel's clock within "
             f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us; "
-            f"its own measure of a call of no work's work {own_path / 1e3:.1f} us); "
+            f"its calls of no work took {decision.calibration_measured_us:.1f} us, the judge's "
+            f"own measure of their work {own_path / 1e3:.1f} us); "
             f"the judge's part of the windows: {spent}"
         )
         if decision.calibration_capped:
