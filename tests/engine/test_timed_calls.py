@@ -69,6 +69,14 @@ def raiser(args):
 def dies(args):
     os._exit(3)
 
+def oom_args(values, layout):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+if sys.argv[2] == "setup_oom":
+    try:
+        tc.serve(sock_fd, honest, oom_args, torch.device("cpu"), idle_s=30)
+    except torch.OutOfMemoryError:
+        sys.exit(0)
 tc.serve(sock_fd, globals()[sys.argv[2]], make_args, torch.device("cpu"), idle_s=30)
 """
 
@@ -193,3 +201,10 @@ def test_a_dear_calibration_is_capped_at_the_drivers_own_measure() -> None:
     honest = tc.decide([20 * ms] * 8, outside, [100_000 + k for k in range(10)], cpu=True,
                        own_path_ns=50_000)  # fmt: skip
     assert not honest.flagged and not honest.calibration_capped
+
+
+def test_a_server_that_cannot_take_its_buffers_says_why(tmp_path: Path) -> None:
+    """Its failure to map them (out of memory, most often, beside other jobs) reaches the
+    driver as its message, so that the job's verdict is that failure, not a silence."""
+    with pytest.raises(tc.TimedCallError, match="did not take .*CUDA out of memory"):
+        _session("setup_oom", tmp_path)
