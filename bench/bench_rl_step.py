@@ -419,11 +419,17 @@ def main() -> int:
         warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
         warm_step = step(svc, warm_specs, warm, expected)
         data["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
-        for n in range(args.steps):
-            tag = f"step{n}-{time.time_ns()}"
-            result = step(svc, specs_for(planned, tag, smoke, args.timeout_s), planned, expected)
-            print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
-            data["steps"].append(result)
+        try:
+            for n in range(args.steps):
+                tag = f"step{n}-{time.time_ns()}"
+                specs = specs_for(planned, tag, smoke, args.timeout_s)
+                result = step(svc, specs, planned, expected)
+                print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
+                data["steps"].append(result)
+        except KeyboardInterrupt:  # cut at its time limit: the steps done are still written
+            data["cut_after_steps"] = len(data["steps"])
+            if not data["steps"]:
+                raise
         data["service_log_tail"] = svc.tail()[-3000:]
     finally:
         svc.stop()
@@ -465,9 +471,12 @@ def main() -> int:
         f"precompiled headers made at start in {data['pch_s']:.1f} s (before the steps)",
         "not as planted: " + ("; ".join(off[:8]) if off else "none"),
     ]
+    if "cut_after_steps" in data:
+        notes.append(f"cut at its time limit after {data['cut_after_steps']} of {args.steps} steps")
     name = f"bench_rl_step_{gpus}gpu" if gpus else "bench_rl_step_smoke"
     C.write_results(args.out, name, "The RL step benchmark (issue 19)", info, data, tables, notes)
-    return 0 if not off and all(s["finished"] == args.count for s in data["steps"]) else 1
+    done = all(s["finished"] == args.count for s in data["steps"]) and "cut_after_steps" not in data
+    return 0 if not off and done else 1
 
 
 if __name__ == "__main__":
