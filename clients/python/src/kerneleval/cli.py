@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 import kerneleval
 from kerneleval import errors, gpumode, progress, render
 from kerneleval import kernelbench_run as kb
-from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, Client, resolve_address
+from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, Client, StreamNote, resolve_address
 from kerneleval.doctor import run_doctor
 from kerneleval.kernelbench import TYPE_NAMES, job_from_sources, kernelbench_options
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -38,9 +38,6 @@ EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 EXIT_NOT_RUN = 4  # VERDICT_CANNOT_RUN_HERE: not evaluated, neither a pass nor a failure
 STATES = {n.removeprefix("JOB_STATE_").lower(): v for n, v in job_pb2.JobState.items()}
 STDIN = "-"
-# Stream errors after which a followed job is re-attached with Watch (the connection dropped,
-# not a refusal).
-_REATTACH = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 _SECRET_OPTIONS = ("--admin-token",)
 
 
@@ -415,93 +412,84 @@ class _Output:
             self._display.close()
 
 
-def _wait_for_server(c: Client, out: _Output, view: progress.JobView, deadline: float) -> None:
-    """Returns once the server answers; says so while it waits; Unavailable at deadline."""
-    if c.wait_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
-        return
-    budget = render.fmt_duration(max(0.0, deadline - time.monotonic()))
-    out.note(f"waiting for the server at {c.address} (up to {budget}) ...")
-    view.status("waiting for the server")
-    while (left := deadline - time.monotonic()) > 0:
-        if c.wait_ready(min(1.0, left)):
-            out.note(f"the server at {c.address} answers")
-            return
-    raise errors.Unavailable(
-        f"the server at {c.address} did not answer in time "
-        "(is it running? `kerneleval serve`; --reconnect-timeout waits longer)"
-    )
+class _StreamNotes:
+    """Says what a followed job's stream goes through (the client's StreamNotes: it is the
+    client that re-attaches), and words the error when the client gives up."""
+
+    def __init__(self, c: Client, out: _Output, view: progress.JobView) -> None:
+        self.c, self.out, self.view = c, out, view
+        self.waiting = False  # "waiting" said, and the server has not answered since
+        self.lost = False  # "lost" said, and no event came since
+
+    def __call__(self, note: StreamNote) -> None:
+        if note.kind == "waiting":
+            self.waiting = True
+            budget = render.fmt_duration(note.seconds)
+            self.out.note(f"waiting for the server at {self.c.address} (up to {budget}) ...")
+            self.view.status("waiting for the server")
+        elif note.kind == "answers":
+            self.waiting = False
+            self.out.note(f"the server at {self.c.address} answers")
+        elif note.kind == "lost":
+            self.lost = True
+            code = note.code.name if note.code is not None else "UNAVAILABLE"
+            self.out.note(
+                f"lost the stream of job {note.job_id} after event #{note.sequence} ({code}); "
+                "re-attaching ..."
+            )
+        else:
+            self.lost = False
+            self.out.note(f"re-attached to job {note.job_id} at event #{note.sequence}")
+
+    def gave_up(self, e: errors.Unavailable, job_id: str, last: int) -> errors.KernelEvalError:
+        """The error to show for the client's Unavailable: what to do next, when it gave up."""
+        if self.waiting:
+            return errors.Unavailable(
+                f"the server at {self.c.address} did not answer in time "
+                "(is it running? `kerneleval serve`; --reconnect-timeout waits longer)"
+            )
+        if self.lost:
+            return errors.Unavailable(
+                f"could not re-attach to job {job_id} within "
+                f"{render.fmt_duration(self.c.reconnect_timeout)}; it may still run: "
+                f"kerneleval watch {job_id} --after {last}"
+            )
+        return e
 
 
 class _Follower:
-    """Follows one job to its end, re-attaching with Watch (and saying so) when its stream
-    drops, within --reconnect-timeout."""
+    """Follows one job to its end on the client's `run` or `watch` (which re-attach within
+    --reconnect-timeout): its progress, each event to `emit`, what the stream goes through."""
 
     def __init__(
         self,
         c: Client,
         out: _Output,
         view: progress.JobView,
-        job_id: str = "",
-        after: int = 0,
-        emit: Callable[[job_pb2.JobEvent], None] | None = None,
+        emit: Callable[[job_pb2.JobEvent], None],
     ) -> None:
-        self.c, self.out, self.view = c, out, view
+        self.c, self.view, self.emit = c, view, emit
+        self.notes = _StreamNotes(c, out, view)
+        self.job_id, self.last = "", 0
+
+    def run(self, spec: kernel_pb2.JobSpec) -> job_pb2.Job:
+        return self._follow(self.c.run(spec, on_note=self.notes))
+
+    def watch(self, job_id: str, after: int) -> job_pb2.Job:
         self.job_id, self.last = job_id, after
-        self.emit = emit
-        self.budget = float(c.reconnect_timeout)
+        return self._follow(self.c.watch(job_id, after, on_note=self.notes))
 
-    def follow(self, first: Iterator[job_pb2.JobEvent] | None) -> job_pb2.Job:
-        events = first
-        deadline: float | None = None
-        if events is None:
-            deadline = time.monotonic() + self.budget
-        dropped = False
-        while True:
-            if events is None:
-                assert deadline is not None
-                _wait_for_server(self.c, self.out, self.view, deadline)
-                events = self.c.watch(self.job_id, self.last, reconnect=False)
-            try:
-                for ev in events:
-                    self.job_id = self.job_id or ev.job_id
-                    if ev.sequence <= self.last:
-                        continue
-                    self.last = ev.sequence
-                    if dropped:
-                        self.out.note(f"re-attached to job {self.job_id} at event #{ev.sequence}")
-                        dropped = False
-                    deadline = None
-                    self.view.event(ev)
-                    if self.emit is not None:
-                        self.emit(ev)
-                    if ev.HasField("finished"):
-                        return ev.finished
-                raise errors.Unavailable(f"the stream of job {self.job_id} ended early")
-            except errors.KernelEvalError as e:
-                if not self.job_id or not _reattachable(e):
-                    raise
-                if deadline is None:
-                    deadline = time.monotonic() + self.budget
-                if not dropped:
-                    self.out.note(
-                        f"lost the stream of job {self.job_id} after event #{self.last} "
-                        f"({e.code.name}); re-attaching ..."
-                    )
-                dropped = True
-                if time.monotonic() >= deadline:
-                    raise errors.Unavailable(
-                        f"could not re-attach to job {self.job_id} within "
-                        f"{render.fmt_duration(self.budget)}; it may still run: "
-                        f"kerneleval watch {self.job_id} --after {self.last}"
-                    ) from e
-                time.sleep(0.2)
-            events = None
-
-
-def _reattachable(e: errors.KernelEvalError) -> bool:
-    return e.code in _REATTACH or (
-        e.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in str(e.details)
-    )
+    def _follow(self, events: Iterator[job_pb2.JobEvent]) -> job_pb2.Job:
+        try:
+            for ev in events:
+                self.job_id, self.last = self.job_id or ev.job_id, ev.sequence
+                self.view.event(ev)
+                self.emit(ev)
+                if ev.HasField("finished"):
+                    return ev.finished
+        except errors.Unavailable as e:
+            raise self.notes.gave_up(e, self.job_id, self.last) from e
+        raise errors.Unavailable(f"the stream of job {self.job_id} ended early")
 
 
 def _ok(job: job_pb2.Job) -> bool:
@@ -558,9 +546,9 @@ def _run_one(
         if out.jsonl:
             _dump({"file": name, "event": as_dict(ev), **_bars(view)}, lines=True)
 
-    follower = _Follower(c, out, view, emit=emit)
+    follower = _Follower(c, out, view, emit)
     try:
-        job = follower.follow(c.run(spec, reconnect=False))
+        job = follower.run(spec)
     except KeyboardInterrupt:
         return _cancel_on_interrupt(c, out, follower.job_id)
     finally:
@@ -739,9 +727,9 @@ def cmd_watch(a: argparse.Namespace, c: Client, out: _Output) -> int:
             _dump({**as_dict(ev), **_bars(view)}, lines=True)
 
     view = progress.JobView(out.display, bars=bars)
-    follower = _Follower(c, out, view, job_id=a.job, after=a.after, emit=emit)
+    follower = _Follower(c, out, view, emit)
     try:
-        job = follower.follow(None)
+        job = follower.watch(a.job, a.after)
     except KeyboardInterrupt:
         out.display.settle()
         out.note(f"stopped watching job {a.job}; it goes on (`kerneleval cancel {a.job}` stops it)")
