@@ -274,7 +274,7 @@ def test_live_progress_bars_on_a_tty(tmp_path, triton_file):
 
 def test_serve_without_the_server_package_says_so(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "kerneleval_server.main", None)
-    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail(f"exec'd the server: {a}"))
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd the server: {a}"))
     assert cli.main(["serve", "--port", "1"]) == cli.EXIT_USAGE
     assert "kerneleval-server" in capsys.readouterr().err
 
