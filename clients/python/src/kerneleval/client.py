@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -69,7 +69,7 @@ _NOT_READY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 # waited for (StreamNote "waiting"); one that answers at once is not.
 _QUIET_WAIT = 0.5
 # Large sources and results: raise gRPC's 4 MiB default.
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+_CHANNEL_OPTIONS: list[tuple[str, str | int]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
@@ -85,7 +85,7 @@ _IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
 # so a server that stays away costs a call under a second more before its UNAVAILABLE (a
 # blip, a connection reset, a GOAWAY race is what these retries are for; `watch` and `run`
 # ride out longer outages with their own re-attach).
-_RETRY_POLICY: dict[str, Any] = {
+_RETRY_POLICY: dict[str, str | int | list[str]] = {
     "maxAttempts": 5,
     "initialBackoff": "0.05s",
     "maxBackoff": "1s",
@@ -118,6 +118,9 @@ _SUBMIT_MIN_DELAY = 0.01
 Event = job_pb2.JobEvent
 JobSpecLike = kernel_pb2.JobSpec | kernel_pb2.KernelSource
 BatchItem = kernel_pb2.JobSpec | tuple[str, kernel_pb2.JobSpec]
+Metadata = tuple[tuple[str, str], ...]
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 def resolve_address(address: str | None = None) -> str:
@@ -159,7 +162,7 @@ def resolve_admin_token(token: str | None = None) -> str | None:
 
 def is_terminal(event: job_pb2.JobEvent) -> bool:
     """Whether this is the job's last event."""
-    return event.WhichOneof("kind") == "finished"
+    return event.HasField("finished")
 
 
 def event_kind(event: job_pb2.JobEvent) -> str:
@@ -462,7 +465,7 @@ class _Base:
         self.reconnect_timeout = reconnect_timeout
         self.retry_timeout = max(0.0, retry_timeout)
 
-    def _channel_options(self) -> list[tuple[str, Any]]:
+    def _channel_options(self) -> list[tuple[str, str | int]]:
         """Channel options: message limits, and the retry policy of the idempotent calls."""
         if self.retry_timeout <= 0:
             return list(_CHANNEL_OPTIONS)
@@ -472,12 +475,12 @@ class _Base:
             ("grpc.service_config", SERVICE_CONFIG),
         ]
 
-    def _admin_metadata(self) -> list[tuple[str, str]]:
+    def _admin_metadata(self) -> Metadata:
         if not self.admin_token:
             raise errors.Unauthenticated(
                 f"operations calls need an admin token (argument or ${ADMIN_TOKEN_ENV})"
             )
-        return [("authorization", f"Bearer {self.admin_token}")]
+        return (("authorization", f"Bearer {self.admin_token}"),)
 
     def _submit_request(
         self,
@@ -504,14 +507,6 @@ class _Base:
     ) -> kernel_eval_service_pb2.RunRequest:
         return kernel_eval_service_pb2.RunRequest(
             spec=_as_spec(spec, options, labels), keep_on_disconnect=keep_on_disconnect
-        )
-
-    def _health_check(self, channel: Any) -> Any:
-        """grpc.health.v1.Health/Check on the channel (sync or asyncio)."""
-        return channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_encode_health_request,
-            response_deserializer=_decode_health_response,
         )
 
 
@@ -555,11 +550,25 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        metadata: Metadata | None = None,
+    ) -> _Resp:
         try:
-            return method(request, timeout=self.timeout, **kwargs)
+            return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
+
+    def _health_check(self) -> grpc.UnaryUnaryMultiCallable[str, str]:
+        """grpc.health.v1.Health/Check (its messages coded here, see _encode_health_request)."""
+        check: grpc.UnaryUnaryMultiCallable[str, str] = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+        return check
 
     # --- KernelEvalService ---------------------------------------------------------------
 
@@ -799,7 +808,7 @@ class Client(_Base):
 
     # --- OperationsService (admin token) --------------------------------------------------
 
-    def _ops_call(self, method: Any, request: Any) -> Any:
+    def _ops_call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         return self._call(method, request, metadata=self._admin_metadata())
 
     def list_devices(self) -> list[operations_service_pb2.Device]:
@@ -854,14 +863,14 @@ class Client(_Base):
 
     def health(self, service: str = "") -> str:
         """The health status name ("SERVING", "NOT_SERVING", ...) from grpc.health.v1."""
-        return self._call(self._health_check(self.channel), service)
+        return self._call(self._health_check(), service)
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the server answers within `timeout` seconds (waiting for a server that is
         down or restarting). A health check that waits for the connection, not
         grpc.channel_ready_future: that one's connectivity-polling thread outlives it and
         raises "Channel closed!" in the background once the channel is closed."""
-        check = self._health_check(self.channel)
+        check = self._health_check()
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -909,11 +918,25 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        metadata: Metadata | None = None,
+    ) -> _Resp:
         try:
-            return await method(request, timeout=self.timeout, **kwargs)
+            return await method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
+
+    def _health_check(self) -> grpc.aio.UnaryUnaryMultiCallable[str, str]:
+        """As `Client._health_check`."""
+        check: grpc.aio.UnaryUnaryMultiCallable[str, str] = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+        return check
 
     async def evaluate(
         self,
@@ -1199,7 +1222,7 @@ class AsyncClient(_Base):
 
     async def health(self, service: str = "") -> str:
         """As `Client.health`."""
-        return await self._call(self._health_check(self.channel), service)
+        return await self._call(self._health_check(), service)
 
     async def wait_ready(self, timeout: float) -> bool:
         """As `Client.wait_ready` (grpc.aio's channel_ready polls nothing in the background)."""

@@ -14,13 +14,7 @@ from google.protobuf import json_format
 
 from kerneleval import errors, gpumode, render
 from kerneleval.cli.flags import admin_token, credentials
-from kerneleval.cli.output import (
-    EXIT_INTERRUPTED,
-    EXIT_SERVICE,
-    EXIT_USAGE,
-    Output,
-    flag_hint,
-)
+from kerneleval.cli.output import EXIT_INTERRUPTED, EXIT_SERVICE, EXIT_USAGE, Output, flag_hint
 from kerneleval.cli.parser import build_parser, hide_secrets
 from kerneleval.client import ADMIN_TOKEN_ENV, Client, resolve_address
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV
 from kerneleval.kernelbench import TYPE_NAMES
+
+# What options are added to: a parser or one of its argument groups.
+_Options = argparse._ActionsContainer
 
 
 def parse_label(value: str) -> tuple[str, str]:
@@ -24,7 +26,7 @@ def parse_label(value: str) -> tuple[str, str]:
     return key.strip(), val
 
 
-def add_label_option(p: Any, helptext: str) -> None:  # a parser or an argument group
+def add_label_option(p: _Options, helptext: str) -> None:
     p.add_argument(
         "--label",
         dest="labels",
@@ -40,7 +42,7 @@ def add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     """The options every command takes, before or after its name. On the commands they
     default to SUPPRESS, so that a value given before the command is not overwritten."""
 
-    def d(value: Any) -> Any:
+    def d(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
     g = p.add_argument_group("global options (before or after the command)")
@@ -147,7 +149,7 @@ def add_job_options(p: argparse.ArgumentParser, *, gpu_mode: bool = False) -> No
     )
 
 
-def _add_source_options(g: Any) -> None:  # an argument group
+def _add_source_options(g: _Options) -> None:
     g.add_argument(
         "--type",
         choices=[*TYPE_NAMES, "auto"],
@@ -170,7 +172,7 @@ def _add_source_options(g: Any) -> None:  # an argument group
     )
 
 
-def _add_check_options(g: Any) -> None:  # an argument group
+def _add_check_options(g: _Options) -> None:
     g.add_argument("--correct-trials", type=int, metavar="N", help="correctness trials (5)")
     g.add_argument(
         "--atol",
@@ -195,7 +197,7 @@ def _add_check_options(g: Any) -> None:  # an argument group
     )
 
 
-def _add_run_options(g: Any) -> None:  # an argument group
+def _add_run_options(g: _Options) -> None:
     g.add_argument("--device", type=int, help="GPU index (default: the scheduler picks)")
     g.add_argument(
         "--device-model",

@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kerneleval import errors, progress, render
-from kerneleval.cli.output import (
-    Output,
-)
+from kerneleval.cli.output import Output
 from kerneleval.client import Client, StreamNote
 from kerneleval.v1 import job_pb2, kernel_pb2
 

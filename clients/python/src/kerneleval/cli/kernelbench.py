@@ -11,13 +11,7 @@ import grpc
 
 from kerneleval import kernelbench_run as kb
 from kerneleval import progress, render
-from kerneleval.cli.output import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    Output,
-    dump,
-    refusal_text,
-)
+from kerneleval.cli.output import EXIT_INTERRUPTED, EXIT_OK, Output, dump, refusal_text
 from kerneleval.cli.specs import eval_options
 from kerneleval.client import Client
 from kerneleval.v1 import kernel_pb2

@@ -7,20 +7,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 from kerneleval import render
 from kerneleval.cli.flags import credentials
-from kerneleval.cli.output import (
-    EXIT_OK,
-    EXIT_USAGE,
-    EXIT_VERDICT,
-    Output,
-    as_dict,
-    dump,
-)
+from kerneleval.cli.output import EXIT_OK, EXIT_USAGE, EXIT_VERDICT, Output, as_dict, dump
 from kerneleval.client import ADMIN_TOKEN_ENV, Client
 from kerneleval.doctor import run_doctor
+from kerneleval.v1 import operations_service_pb2
 
 
 def cmd_devices(a: argparse.Namespace, c: Client, out: Output) -> int:
@@ -160,7 +153,7 @@ def cmd_stats(a: argparse.Namespace, c: Client, out: Output) -> int:
     return EXIT_OK
 
 
-def _latency(s: Any) -> str:
+def _latency(s: operations_service_pb2.LatencySummary) -> str:
     if not s.sample_count:
         return "-"
     return f"p50 {s.p50_ms:.1f} ms, p90 {s.p90_ms:.1f} ms, p99 {s.p99_ms:.1f} ms ({s.sample_count})"

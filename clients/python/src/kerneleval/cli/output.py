@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from kerneleval import progress, render
-from kerneleval.v1 import job_pb2
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2
 
 EXIT_OK, EXIT_VERDICT, EXIT_USAGE, EXIT_SERVICE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -28,7 +28,7 @@ def as_dict(message: Message) -> dict[str, Any]:
     return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
 
 
-def dump(value: Any, *, lines: bool = False) -> None:
+def dump(value: object, *, lines: bool = False) -> None:
     print(json.dumps(value) if lines else json.dumps(value, indent=2), flush=True)
 
 
@@ -112,7 +112,7 @@ def file_entry(name: str, r: job_pb2.Job | str) -> dict[str, Any]:
     )
 
 
-def refusal_text(error: Any) -> str:
+def refusal_text(error: kernel_eval_service_pb2.SubmissionError) -> str:
     """A refused submission of a batch: its message, and the violations it does not say."""
     violations = [f"{v.field}: {v.description}" for v in error.field_violations]
     text = f"refused: {error.message}" + "".join(

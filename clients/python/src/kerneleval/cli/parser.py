@@ -25,9 +25,7 @@ from kerneleval.cli.operations import (
     cmd_restart_workers,
     cmd_stats,
 )
-from kerneleval.cli.output import (
-    EXIT_USAGE,
-)
+from kerneleval.cli.output import EXIT_USAGE
 
 _SECRET_OPTIONS = ("--admin-token",)
 
