@@ -337,12 +337,12 @@ def step(
     }  # fmt: skip
 
 
-_PARTS = re.compile(r"the judge's part of the windows: (\d+) ms \(([^)]*)\)")
+_PARTS = re.compile(r"the judge's timed phase: (\d+) ms \(([^)]*)\)")
 
 
 def window_parts(notes: Sequence[str]) -> dict[str, float]:
-    """Milliseconds of a judge's timing windows by part, from its result's note (judge.py's
-    _Stopwatch): {"total": ..., "reference": ..., "calibration": ..., ...}."""
+    """Milliseconds of a judge's timed phase by part, from its result's note (judge.py's
+    _Stopwatch): {"total": ..., "waiting for the window": ..., "reference": ..., ...}."""
     for note in notes:
         m = _PARTS.search(note)
         if m:
@@ -350,6 +350,8 @@ def window_parts(notes: Sequence[str]) -> dict[str, float]:
             for item in m.group(2).split(", "):
                 name, _, ms = item.rpartition(" ")
                 parts[name] = float(ms)
+            # the windows themselves: the phase less its waits for them (other jobs' windows)
+            parts["in windows"] = parts["total"] - parts.get("waiting for the window", 0.0)
             return parts
     return {}
 
@@ -450,7 +452,8 @@ def main() -> int:
         tables.append((f"step {i} ({what}): where the jobs' time went, job-seconds",
                        ["phase", "sum s", "share", "median s", "max s"],
                        phase_rows(st["jobs"])))  # fmt: skip
-        tables.append((f"step {i}: the judges' part of the timing windows, ms per timed job",
+        tables.append((f"step {i}: the judges' timed phases, ms per timed job "
+                       "(in windows: less the waits)",
                        ["part", "jobs", "median ms", "max ms"], window_rows(st["jobs"])))
     kinds: dict[tuple[str, str], list[int]] = {}
     for j in best["jobs"]:

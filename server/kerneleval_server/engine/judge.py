@@ -168,6 +168,7 @@ class _Judge(_Job):
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
     go: Go | None  # started ahead: waits for the kernel's report
     kernel_serves: bool  # the kernel's process waits for its timed calls (timed_calls.py)
+    spent: _Stopwatch  # where its timed phase's time went (said in the result's notes)
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -226,10 +227,10 @@ class _Judge(_Job):
             compiled = self._compile_reference(ref, make_args(base))
             # The reference first, in a window with the kernel's process frozen (nothing it
             # leaves running can slow it); then the kernel's calls, that process running.
-            spent = _Stopwatch()
+            self.spent = _Stopwatch()
             reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
-            spent.lap("reference")
-            self._time_kernel_outside(cand, ref, make_args, base, spent)
+            self.spent.lap("reference")
+            self._time_kernel_outside(cand, ref, make_args, base, self.spent)
             self._time_reference(self.result, ref, make_args, reference, compiled_times)
         elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
@@ -248,6 +249,7 @@ class _Judge(_Job):
         checked against the reference on the same inputs; its time its own claim only where
         that agrees with this process's clock, else that clock's bound (flagged)."""
         self.reporter.drive_kernel()
+        spent.lap("waiting for the window")
         n = self.opts.perf_trials
         first = make_args(base)
         ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
@@ -308,7 +310,7 @@ class _Judge(_Job):
             f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us; "
             f"its calls of no work took {decision.calibration_measured_us:.1f} us, the judge's "
             f"own measure of their work {own_path / 1e3:.1f} us); "
-            f"the judge's part of the windows: {spent}"
+            f"the judge's timed phase: {spent}"
         )
         if decision.calibration_capped:
             said += (
@@ -513,6 +515,7 @@ class _Judge(_Job):
         if self.reference_time is not None and compiled is None:
             return None, None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
+        self.spent.lap("waiting for the window")
         eager = None
         if self.reference_time is None:
             with self._guard(REFERENCE_PREFIX):
