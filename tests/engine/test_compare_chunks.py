@@ -171,3 +171,24 @@ def test_the_host_comparison_in_numpy_says_what_torchs_says(
         nan_cand, nan_ref = _edge_cases(dtype)[-1]
         assert not compare.identical_small(nan_cand, nan_ref)
         assert not compare.compare_outputs([nan_cand], [nan_ref], ["out"], None, None).ok
+
+
+def test_chunks_equal_bit_for_bit_are_skipped_and_the_others_still_judged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past HOST_COMPARE_MAX, chunks equal bit for bit skip the float64 passes: the chunks
+    after them are still judged, and a NaN in both outputs at one place still fails."""
+    monkeypatch.setattr(compare, "COMPARE_CHUNK", 1000)
+    torch.manual_seed(0)
+    ref = torch.randn(40_000)
+    cand = ref.clone()
+    cand[25_500] += 0.25  # in the 26th chunk, after 25 equal ones
+    cand[30_000] += 2e-5  # within the tolerance
+    check = compare.compare_outputs([cand], [ref], ["out"], 1e-4, 1e-4)
+    assert not check.ok and check.mismatches == 1 and check.first_index == [25_500]
+    assert check.max_abs == pytest.approx(0.25, rel=1e-5)
+    same = compare.compare_outputs([ref.clone()], [ref], ["out"], 1e-4, 1e-4)
+    assert same.ok and same.max_abs == 0.0
+    ref[39_999] = cand[39_999] = float("nan")
+    both_nan = compare.compare_outputs([ref.clone()], [ref], ["out"], 1e-4, 1e-4)
+    assert not both_nan.ok and both_nan.first_index == [39_999]

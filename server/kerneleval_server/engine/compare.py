@@ -157,6 +157,11 @@ def _compare_on_device(
     zero = torch.zeros((), dtype=torch.float64, device=r.device)
     for start in range(0, rflat.numel(), COMPARE_CHUNK):
         end = start + COMPARE_CHUNK
+        # Equal bit for bit (NaN never is): nothing to work out, in one read of each side
+        # instead of a dozen float64 passes (a judge's checks of timed calls on gigabytes of
+        # outputs spent ~130 ms each here on an H200).
+        if torch.equal(cflat[start:end], rflat[start:end]):
+            continue
         cf, rf = cflat[start:end].to(torch.float64), rflat[start:end].to(torch.float64)
         diff = (cf - rf).abs()
         # Equal infinities pass; NaN on either side never does; nor does anything but the same
