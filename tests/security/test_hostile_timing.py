@@ -238,4 +238,3 @@ def test_the_victim_sources_still_pass(stub, svc) -> None:  # type: ignore[no-un
              perf_trials=4)  # fmt: skip
     ran = run_job(stub, s, svc)
     assert ran.verdict == job_pb2.VERDICT_OK, ran.describe()
-
