@@ -208,3 +208,34 @@ def test_a_server_that_cannot_take_its_buffers_says_why(tmp_path: Path) -> None:
     driver as its message, so that the job's verdict is that failure, not a silence."""
     with pytest.raises(tc.TimedCallError, match="did not take .*CUDA out of memory"):
         _session("setup_oom", tmp_path)
+
+
+def _small_args(seed: int, n: int) -> TrialArgs:
+    g = torch.Generator().manual_seed(seed)
+    role = kernel_pb2.ARG_ROLE_INPUT
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    return TrialArgs([a, b], ["a", "b"], [role, role], [False, False], True)
+
+
+@pytest.mark.parametrize("ending", ["stop", "end_sessions"])
+def test_sessions_follow_one_another_each_with_its_own_shapes(tmp_path: Path, ending: str) -> None:
+    """A GPU MODE task's benchmark cases: one session each (NEXT between them), the next
+    one's layout on the same socket; the server returns at STOP, or when told no session
+    follows (end_sessions), and exits cleanly."""
+    driver, proc = _session("honest", tmp_path)
+    first = driver.call(_args(7))
+    assert torch.equal(first.outputs[0], _args(7).values[0] + _args(7).values[1])
+    sock_fd = os.dup(driver.sock_fd)
+    driver.close(more=True)
+    for n in (128, 3):
+        driver = tc.Driver(sock_fd, _small_args(0, n), [torch.empty(n)], torch.device("cpu"),
+                           30)  # fmt: skip
+        for seed in (1, 2):
+            args = _small_args(seed, n)
+            got = driver.call(args).outputs[0]
+            assert got.shape == (n,) and torch.equal(got, args.values[0] + args.values[1])
+        driver.close(more=n != 3 or ending == "end_sessions")
+    if ending == "end_sessions":
+        tc.end_sessions(sock_fd)
+    assert proc.wait(30) == 0
+    os.close(sock_fd)

@@ -65,9 +65,18 @@ NOT_OK_KILLED = {
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    yield from hostile_service(tmp_path_factory)
+
+
+def hostile_service(
+    tmp_path_factory: pytest.TempPathFactory, record_max_mib: int = 2
+) -> Iterator[ServiceProcess]:
+    """The suite's service. `record_max_mib`: 2 here, so that outputs over 1 MiB of a trial
+    go to the judge by descriptor (BIG_REFERENCE's); each recorded trial takes over 1 MiB of
+    the record (its header's room), so a GPU MODE task's cases need more."""
     # The state folder is outside /tmp on purpose: a job's private /tmp would hide one under
     # /tmp anyway, and the point is that the sandbox hides it wherever it is.
-    root = Path(f"/var/tmp/kerneleval-hostile-{NONCE}")
+    root = Path(f"/var/tmp/kerneleval-hostile-{NONCE}-{record_max_mib}")
     root.mkdir(parents=True)
     nvml = root / "fake_nvml"
     nvml.write_text(
@@ -98,9 +107,8 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
             "1",
             "--log-level",
             "INFO",
-            # Outputs over 1 MiB of a trial go to the judge by descriptor (BIG_REFERENCE's).
             "--record-max-mib",
-            "2",
+            str(record_max_mib),
         ],
     )
     service.unix_socket = str(state / "grpc.sock")

@@ -13,24 +13,37 @@ mean's relative error is under 0.1%), the median as the number to compare (it re
 mean), and a case's `seed` mixed with EvalOptions.seed when that is set (it mixes in a secret
 seed with its own formula). The judge's verdict may be GPU MODE's (passed, message) pair or
 its older error string (empty when it passed).
+
+Judged in a judge process and timed by it (EngineConfig.timed_by_judge, issue 40), the
+kernel's process times nothing: it serves its judge's timed calls (timed_calls.serve), one
+session per benchmark case, each call `custom_kernel(data)` on data the judge made from a
+secret variant of the case's seed and wrote into memory the two share; the judge checks a
+random quarter of them with check_implementation and bounds each call with its own clock
+(docs/INTERNALS.md "Times from outside"). A task whose data or output holds what cannot be
+shared (share_layout) is timed in the kernel's process as before, and the result says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import math
+import random
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, record, tamper
+from . import compare, integrity, record, tamper, timed_calls, timing
 from . import runner as _runner  # circular, used at call time only: runner dispatches here
 from .backends import BuildContext
 from .backends import gpumode as backend
-from .inputs import mix_seed
+from .inputs import TrialArgs, mix_seed
 
 JUDGE = "reference: check_implementation(): "
 GENERATE = "reference: generate_input(): "
@@ -164,6 +177,113 @@ def rebuild(leaves: list[Any], structure: str) -> Any:
     return out
 
 
+# -- a case's data shared with the kernel's process (timed from outside, issue 40) ---------
+
+
+class Unshared(ValueError):
+    """A case's data or output holds what the timed calls cannot share (the message says)."""
+
+
+def share_layout(data: Any) -> tuple[list[Any], Any]:
+    """The data's leaves (tensors, shared by the driver; scalars, sent as they are) and its
+    nest as JSON ("t" a leaf; {"tuple"|"list": [...]}; {"dict": [[key, ...], ...]}).
+    Unshared for anything else: an object, a dict with other than string keys, a tensor
+    that is not dense and contiguous (its strides would not survive), of a dtype the calls
+    do not carry, on another device than the job's or the host, or that shares memory with
+    another (the kernel would see them apart)."""
+    leaves: list[Any] = []
+
+    def walk(x: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise Unshared("its data is nested too deep")
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided or not x.is_contiguous():
+                raise Unshared("a tensor of its data is not dense and contiguous")
+            if not timed_calls.shareable_dtype(x.dtype):
+                raise Unshared(f"a tensor of its data is of {x.dtype}")
+            leaves.append(x)
+            return "t"
+        if x is None or type(x) in (bool, int, float, str):
+            leaves.append(x)
+            return "t"
+        if type(x) in (tuple, list):
+            return {type(x).__name__: [walk(v, depth + 1) for v in x]}
+        if type(x) is dict and all(type(k) is str for k in x):
+            return {"dict": [[k, walk(v, depth + 1)] for k, v in x.items()]}
+        raise Unshared(f"its data holds a {type(x).__name__}")
+
+    tree = walk(data, 0)
+    seen: set[int] = set()
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                raise Unshared("tensors of its data share memory")
+            seen.add(ptr)
+    return leaves, tree
+
+
+def share_rebuild(values: list[Any], tree: Any) -> Any:
+    """share_layout's inverse: the data from its leaves, in the nest `tree` describes."""
+    it = iter(values)
+
+    def build(node: Any) -> Any:
+        if node == "t":
+            return next(it)
+        (kind, items), = node.items()
+        if kind == "dict":
+            return {k: build(v) for k, v in items}
+        built = [build(v) for v in items]
+        return tuple(built) if kind == "tuple" else built
+
+    out = build(tree)
+    if next(it, it) is not it:
+        raise Unshared("more values than the nest holds")
+    return out
+
+
+def _signature(leaves: list[Any], tree: Any) -> tuple[Any, ...]:
+    """What must not change from one call's data to the next in a session: the nest, the
+    scalars, each tensor's shape, dtype and device."""
+    return (json.dumps(tree), *(
+        ("T", tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor)
+        else ("V", type(v).__name__, v)
+        for v in leaves
+    ))  # fmt: skip
+
+
+def unshared_reason(data: Any, output_leaves: list[Any], device: torch.device) -> str:
+    """Why a benchmark case cannot be timed from outside ("" when it can): its data (as
+    share_layout) or its output's leaves (the kernel's, as recorded: tensors only)."""
+    try:
+        leaves, _ = share_layout(data)
+    except Unshared as e:
+        return str(e)
+    for v in leaves:
+        if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", device.type):
+            return f"a tensor of its data is on {v.device.type}"
+    for v in output_leaves:
+        if not isinstance(v, torch.Tensor):
+            return f"its output holds a {type(v).__name__}"
+        if not timed_calls.shareable_dtype(v.dtype):
+            return f"its output holds a tensor of {v.dtype}"
+    if not output_leaves:
+        return "its output holds no tensor"
+    return ""
+
+
+def _leaf_args(leaves: list[Any]) -> TrialArgs:
+    """The leaves as the driver takes a call's arguments."""
+    n = len(leaves)
+    role = kernel_pb2.ARG_ROLE_INPUT
+    return TrialArgs(list(leaves), [f"leaf {i}" for i in range(n)], [role] * n, [False] * n)
+
+
+# A variant of a case's seed: in 31 bits, as tasks seed numpy's and Python's generators too.
+VARIANT_SEED_MASK = (1 << 31) - 1
+MAX_VARIANT_DRAWS = 8  # a variant whose layout differs from the session's is drawn again
+
+
 class JudgeAnswerError(TypeError):
     """check_implementation answered something that is neither of GPU MODE's forms."""
 
@@ -208,6 +328,8 @@ class _GpuModeRun:
         self.benchmarks = cases("benchmark", task.benchmarks, seed)
         if job.opts.perf_trials <= 0:
             self.benchmarks = []
+        # By benchmark case, why its judge could not time it from outside ("": it can).
+        self.unshared: dict[int, str] = {}
 
     def run(self) -> None:
         job = self.job
@@ -300,6 +422,9 @@ class _GpuModeRun:
             output = self._call(lambda: cand.custom_kernel(kernel_data), "")
             if self.job.judged_elsewhere:
                 leaves, structure = flatten(output)
+                at = self.index - len(self.tests)
+                if at >= 0:  # a benchmark case: whether its judge can time it from outside
+                    self.unshared[at] = unshared_reason(data, leaves, job.dev)
                 if self.job._record(self.index, leaves, structure=structure):
                     return True, ""  # not this process's to say: its judge's
             return self._judge(ref, data, output)
@@ -350,6 +475,16 @@ class _GpuModeRun:
     def _time_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
         job, r = self.job, self.result
         n = job.opts.perf_trials
+        if job._timed_by_judge():
+            why = next((f"{self.benchmarks[i].label}: {w}"
+                        for i, w in sorted(self.unshared.items()) if w), "")  # fmt: skip
+            if not why and len(self.unshared) == len(self.benchmarks):
+                job._refuse_rewritten_timers()
+                job.serves_cases = lambda share_fd: self._serve(cand, share_fd)
+                return  # timed after the outcome, by the judge (_serve)
+            job.notes.append(
+                f"timed in its own process, not from outside: {why or 'not every case recorded'}"
+            )
         # Judged elsewhere, this process times the kernel alone (its judge, the reference):
         # n steps a case; else the kernel's n and ref_kernel's n, case by case.
         per_case = n if job.judged_elsewhere else 2 * n
@@ -360,6 +495,24 @@ class _GpuModeRun:
         r.runtime.CopyFrom(geometric_means([c.runtime for c in r.benchmark_cases]))
         if not job.judged_elsewhere:
             self._speedups()
+
+    def _serve(self, cand: backend.GpuModeSubmission, share_fd: int) -> None:
+        """After the outcome: the judge's timed calls, one session per benchmark case, each
+        call custom_kernel on the case's data rebuilt from the shared leaves, its output's
+        leaves copied into the shared outputs (timed_calls.serve)."""
+        job = self.job
+
+        def make_data(values: list[Any], layout: dict[str, Any]) -> Any:
+            return share_rebuild(values, layout["tree"])
+
+        def call(data: Any) -> list[Any]:
+            return flatten(cand.custom_kernel(data))[0]
+
+        if job.dev.type == "cuda":  # its checks' tensors are gone: their memory too
+            gc.collect()
+            torch.cuda.empty_cache()
+        with job._cpu_shim(), torch.no_grad(), self._side(""):
+            timed_calls.serve(share_fd, call, make_data, job.dev)
 
     def _speedups(self) -> None:
         r = self.result
@@ -488,6 +641,8 @@ class _GpuModeJudge(_GpuModeRun):
                     "(its outputs are over the record's limits); the rest, and the reference's "
                     "times, only in it"
                 )
+            elif self.benchmarks and getattr(job, "kernel_serves", False):
+                self._time_outside(ref, checked[len(self.tests) :])
             elif self.benchmarks and r.runtime.median_ms > 0:
                 self._time_reference(ref)
         r.verdict = job_pb2.VERDICT_OK
@@ -564,3 +719,182 @@ class _GpuModeJudge(_GpuModeRun):
             )  # fmt: skip
         if result.runtime.median_ms > 0:
             result.speedup = result.reference_runtime.median_ms / result.runtime.median_ms
+
+    # -- the kernel timed from outside its process (issue 40) ----------------------------
+    def _time_outside(self, ref: backend.GpuModeReference, recorded: list[record.Trial]) -> None:
+        """ref_kernel timed per case as before (the kernel's process frozen in this window);
+        then, per benchmark case, a session of the kernel's timed calls driven from here
+        (_drive_case); each case's time its own claim only where that agrees with this
+        process's bound, else the bound (flagged); the speedups as before."""
+        job: Any = self.job
+        r = self.result
+        for c in [r, *r.benchmark_cases]:  # the kernel's process's claims: not believed
+            c.ClearField("runtime")
+        layouts = []
+        for case, trial in zip(self.benchmarks, recorded, strict=True):
+            outs = [v.to(job.dev) if isinstance(v, torch.Tensor) else v for v in trial.values]
+            why = unshared_reason(self._generate(ref, case), outs, job.dev)
+            if why:  # the kernel's process found otherwise: its data is not what it was here
+                timed_calls.end_sessions(job.share_fd)
+                job.notes.append(f"not timed: {case.label} cannot be timed from outside ({why}), "
+                                 "and the kernel's process timed nothing")  # fmt: skip
+                return
+            layouts.append((outs, trial.structure))
+        n = job.opts.perf_trials
+        job.reporter.phase(job_pb2.PHASE_PROFILING)
+        for i, case in enumerate(self.benchmarks):
+            self._time_case_reference(ref, case, r.benchmark_cases[i], n * i)
+        job.reporter.drive_kernel()
+        said = []
+        for i, case in enumerate(self.benchmarks):
+            outs, structure = layouts[i]
+            last = i == len(self.benchmarks) - 1
+            said.append(self._drive_case(ref, case, r.benchmark_cases[i], outs, structure, last))
+        stats = [c.runtime for c in r.benchmark_cases]
+        r.runtime.CopyFrom(geometric_means(stats))
+        if any(s.source == job_pb2.TIMING_SOURCE_OUTSIDE_BOUND for s in stats):
+            r.runtime.source = job_pb2.TIMING_SOURCE_OUTSIDE_BOUND
+        for c in r.benchmark_cases:
+            if c.runtime.median_ms > 0:
+                c.speedup = c.reference_runtime.median_ms / c.runtime.median_ms
+        self._speedups()
+        job.notes.append(
+            f"timed from outside its process: per benchmark case, {n} calls driven by its "
+            "judge, each on data generate_input made in the judge from a secret variant of the "
+            "case's seed, a random quarter (at least 3) checked with check_implementation; "
+            + "; ".join(said)
+        )
+
+    def _drive_case(
+        self, ref: backend.GpuModeReference, case: Case, result: job_pb2.CaseResult,
+        outs: list[torch.Tensor], structure: str, last: bool,
+    ) -> str:  # fmt: skip
+        """One benchmark case's session (timed_calls.Driver): its shared data laid out as a
+        first variant's, the shared outputs as the kernel's recorded output on the case;
+        calibration, warm-up, then each call on the data of a fresh variant written into the
+        shared leaves; the case's time (timed_calls.decide) into `result`. What it says."""
+        from . import judge as _judge  # judge.py imports this module
+
+        job: Any = self.job
+        n = job.opts.perf_trials
+        first = self._variant(ref, case)
+        leaves, tree = share_layout(first)
+        signature = _signature(leaves, tree)
+        picked = set(random.SystemRandom().sample(range(n), min(n, max(_judge.CHECKED_MIN,
+                                                                        n // 4))))  # fmt: skip
+        flush = _judge._L2Flush(job.dev, job.opts.flush_l2)
+        total = n * len(self.benchmarks)
+        done = n * self.benchmarks.index(case)
+        try:
+            driver = timed_calls.Driver(
+                job.share_fd, _leaf_args(leaves), outs, job.dev, prepare=flush.enqueue,
+                lead=flush.lead_kind, extra={"tree": tree},
+            )  # fmt: skip
+        except timed_calls.TimedCallError as e:
+            job._kernel_failed_timed(f"{case.label}: {e}")
+        inside: list[int] = []
+        outside: list[int] = []
+        reused = 0
+        finished = False
+        try:
+            base = _leaf_args(leaves)
+            calibration = timed_calls.calibrate(driver, base, _judge.CALIBRATION_CALLS)
+            own_path = driver.own_path_ns(flush.lead)
+            _judge._warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
+            for k in range(n):
+                data = self._matching_variant(ref, case, signature)
+                if data is None:
+                    data, reused = first, reused + 1
+                pristine = clone(data) if k in picked else None
+                call = driver.call(_leaf_args(share_layout(data)[0]))
+                inside.append(call.inside_ns)
+                outside.append(call.outside_ns)
+                if pristine is not None:
+                    self._check_timed_call(ref, case, k, call.outputs, structure, pristine)
+                job._progress(done + k + 1, total)
+            finished = True
+        except timed_calls.TimedCallError as e:
+            job._kernel_failed_timed(f"{case.label}: {e}")
+        finally:
+            driver.close(more=finished and not last)
+        decision = timed_calls.decide(
+            inside, outside, calibration, cpu=job.dev.type != "cuda", own_path_ns=own_path
+        )
+        cuda = job.dev.type == "cuda"
+        source = (
+            job_pb2.TIMING_SOURCE_OUTSIDE_BOUND if decision.flagged
+            else job_pb2.TIMING_SOURCE_CUDA_EVENTS if cuda
+            else job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK
+        )  # fmt: skip
+        result.runtime.CopyFrom(
+            timing.stats(decision.times_ms, source, flushed=job.opts.flush_l2 and cuda)
+        )
+        if decision.flagged:
+            job._flag([integrity.flag(
+                integrity.TIME_OUTSIDE_BOUND,
+                f"{case.label}: its own times were {decision.gap_us:.1f} us a call under the "
+                f"judge's bound (tolerance {decision.tolerance_us:.1f} us): timed by that bound",
+            )])  # fmt: skip
+        said = (
+            f"{case.label}: the path's own cost {decision.calibration_us:.1f} us a call, the "
+            f"kernel's clock within {decision.gap_us:.1f} us of the judge's (tolerance "
+            f"{decision.tolerance_us:.1f} us; its calls of no work took "
+            f"{decision.calibration_measured_us:.1f} us, the judge's own measure of their work "
+            f"{own_path / 1e3:.1f} us)"
+        )
+        if decision.calibration_capped:
+            said += ", its calls of no work over what that measure allows: taken at it"
+        if reused:
+            said += (
+                f", {reused} of its calls on its first variant's data again (generate_input "
+                "gave other shapes or values for the other variants drawn)"
+            )
+        return said
+
+    def _variant(self, ref: backend.GpuModeReference, case: Case) -> Any:
+        """The case's data from a secret variant of its seed (the kernel knows task.yml's
+        seeds and could have outputs ready for them); the generators' global state seeded
+        with another secret too, for a generate_input without a seed, or one that draws from
+        them besides."""
+        draw = secrets.randbelow(1 << 62)
+        kwargs = dict(case.kwargs)
+        if type(kwargs.get("seed")) is int:
+            kwargs["seed"] = mix_seed(kwargs["seed"], draw) & VARIANT_SEED_MASK
+        job = self.job
+        with job._guard(GENERATE), self._side(GENERATE), torch.device(job.dev):
+            other = mix_seed(draw, 1) & VARIANT_SEED_MASK
+            torch.manual_seed(other)
+            random.seed(other)
+            np.random.seed(other)
+            return ref.generate_input(**kwargs)
+        raise AssertionError("unreachable")
+
+    def _matching_variant(
+        self, ref: backend.GpuModeReference, case: Case, signature: tuple[Any, ...]
+    ) -> Any:
+        """A fresh variant's data laid out as the session's (None: none of
+        MAX_VARIANT_DRAWS drawn was)."""
+        for _ in range(MAX_VARIANT_DRAWS):
+            data = self._variant(ref, case)
+            try:
+                if _signature(*share_layout(data)) == signature:
+                    return data
+            except Unshared:
+                pass
+        return None
+
+    def _check_timed_call(
+        self, ref: backend.GpuModeReference, case: Case, k: int, outputs: list[Any],
+        structure: str, pristine: Any,
+    ) -> None:  # fmt: skip
+        """A timed call's output (the judge's copy of the shared outputs, in the recorded
+        nest) judged by check_implementation on the data the judge wrote for it."""
+        passed, message = self._judge(ref, pristine, rebuild(list(outputs), structure))
+        if not passed:
+            job: Any = self.job
+            job._replayed_incorrect(
+                f"{case.label}: timed call {k + 1}, on data the judge made from a secret "
+                f"variant of its seed, returned an output check_implementation fails "
+                f"({message or 'no message'}): not computed from that data (a cache, a lazy "
+                "or an unfinished result)"
+            )

@@ -184,8 +184,9 @@ def run_job(
     if job.notes:
         job.result.notes.extend(job.notes)
     outcome = Outcome(result=job.result, context_poisoned=job.poisoned)
-    if job.serves is not None and job.result.verdict == job_pb2.VERDICT_OK and not job.poisoned:
-        outcome.serve = job.serve_timed_calls
+    serve = job.serve_timed_calls if job.serves is not None else job.serves_cases
+    if serve is not None and job.result.verdict == job_pb2.VERDICT_OK and not job.poisoned:
+        outcome.serve = serve
     return outcome
 
 
@@ -413,6 +414,8 @@ class _Job:
         # Each imported source file -> its side: whose code raised what reached run_job.
         self.files_of: dict[str, job_pb2.Side] = {}
         self.serves: Program | None = None  # the kernel, for its judge's timed calls
+        # A GPU MODE job's server of its judge's timed calls, one session a case (gpumode.py)
+        self.serves_cases: Callable[[int], None] | None = None
 
     @property
     def judged_elsewhere(self) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import mmap
 import os
@@ -54,6 +55,7 @@ WORDS = 8
 MESSAGE_AT = 256  # bytes from here: the server's message of a failed call (its words, hostile)
 CONTROL_BYTES = 4096
 CALL, NOOP, STOP = 1, 2, 3
+NEXT = 4  # STOP, with another session to follow on the socket (a GPU MODE task's next case)
 LEAD_NONE, LEAD_FLUSH, LEAD_IDLE = "none", "flush", "idle"  # queued before a call (Driver)
 NOT_READY = 2  # READY's word when the server could not take the buffers (its message said)
 OK, FAILED, BAD_OUTPUTS = 0, 1, 2
@@ -171,6 +173,18 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
 )}  # fmt: skip
+# The narrow types of this torch (GPU MODE's tasks hand fp8 and fp4 tensors to their kernels).
+_DTYPES.update({
+    name: getattr(torch, name) for name in (
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "uint16", "uint32", "uint64",
+    ) if isinstance(getattr(torch, name, None), torch.dtype)
+})  # fmt: skip
+
+
+def shareable_dtype(dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` can be a shared argument or output."""
+    return str(dtype).removeprefix("torch.") in _DTYPES
 
 
 def _sync(device: torch.device) -> None:
@@ -220,14 +234,16 @@ class Driver:
     def __init__(self, sock_fd: int, args: Any, outputs_like: Sequence[torch.Tensor],
                  device: torch.device, answer_s: float = 60.0,
                  prepare: Callable[[], None] | None = None,
-                 lead: str = LEAD_NONE) -> None:  # fmt: skip
+                 lead: str = LEAD_NONE,
+                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
         """Makes the shared arguments (like `args`, a TrialArgs: its tensors shared, its other
         values sent as they are) and outputs (like `outputs_like`) and the control block, and
         hands them to the server over `sock_fd`; returns once the server has mapped them.
         `prepare`: run here after each call's inputs are written, before the go (the L2
         flush: the inputs just written are not left in it). `lead`: what the server queues
         on its stream before each call's start event (LEAD_FLUSH, LEAD_IDLE or LEAD_NONE),
-        as do_bench's loop does: the host queues the call's first launches meanwhile."""
+        as do_bench's loop does: the host queues the call's first launches meanwhile.
+        `extra`: more of the layout, for the server's make_args (GPU MODE: the data's nest)."""
         self.device = device
         self.answer_s = answer_s
         self.prepare = prepare
@@ -253,6 +269,8 @@ class Driver:
             "is_meta": list(args.is_meta), "from_get_inputs": bool(args.from_get_inputs),
             "outputs": [_describe(b) for b in self.outputs], "lead": lead,
         }  # fmt: skip
+        for key, value in (extra or {}).items():
+            layout.setdefault(key, value)
         data = json.dumps(layout).encode()
         fds = [control_fd] + [b.fd for b in self.args if b is not None]
         fds += [b.fd for b in self.outputs]
@@ -340,11 +358,12 @@ class Driver:
             return f"the kernel's outputs are not what the reference returns: {text}"
         return f"the kernel failed in a timed call: {text}"
 
-    def close(self) -> None:
-        """Tells the server the calls are over; lets the shared memory go."""
+    def close(self, more: bool = False) -> None:
+        """Tells the server the calls are over (`more`: this session's; another layout
+        follows on the socket); lets the shared memory go."""
         with contextlib.suppress(Exception):
             self.seq += 1
-            self.words[MODE] = STOP
+            self.words[MODE] = NEXT if more else STOP
             self.words[GO] = self.seq
             _wait(self.words, DONE, self.seq, time.monotonic() + 5.0)
         for buf in [b for b in self.args if b is not None] + self.outputs:
@@ -355,6 +374,17 @@ class Driver:
             self._block.close()
         with contextlib.suppress(OSError):
             os.close(self.sock_fd)
+
+
+def end_sessions(sock_fd: int) -> None:
+    """Tells a server waiting for a session's layout that none follows (it returns)."""
+    data = json.dumps({"end": True}).encode()
+    sock = socket.socket(fileno=os.dup(sock_fd))
+    try:
+        with contextlib.suppress(OSError):
+            sock.send(HEADER.pack(len(data)) + data)
+    finally:
+        sock.close()
 
 
 class _OtherContext:
@@ -505,22 +535,47 @@ def serve(
     idle_s: float = 600.0,
 ) -> None:
     """Takes the driver's buffers from `sock_fd`, then answers its calls until STOP: each
-    runs `run(args)` on the shared arguments (`make_args(values, layout)` builds the
-    TrialArgs) and copies its outputs into the shared outputs. Returns at STOP, or when the
-    driver is silent for `idle_s` (the front end ends the process anyway)."""
-    layout, fds = _receive_layout(sock_fd)
+    runs `run(args)` on the shared arguments (`make_args(values, layout)` builds them: a
+    TrialArgs, or a GPU MODE case's data) and copies its outputs into the shared outputs.
+    Sessions follow one another on the socket: at NEXT (a GPU MODE task's next benchmark
+    case, shapes of its own) the session's buffers are let go and the next layout awaited.
+    Returns at STOP, when the driver sends no more sessions (`end_sessions`, or the socket
+    closed), or when it is silent for `idle_s` (the front end ends the process anyway)."""
+    got = _receive_layout(sock_fd)
+    assert got is not None  # without wait_s: a layout, or raised
+    layout, fds = got
+    while not layout.get("end"):
+        if not _session(layout, fds, run, make_args, device, idle_s):
+            return
+        got = _receive_layout(sock_fd, wait_s=idle_s)
+        if got is None:
+            return
+        layout, fds = got
+    for fd in fds:
+        os.close(fd)
+
+
+def _session(
+    layout: dict[str, Any], fds: list[int], run: Callable[[Any], list[Any]],
+    make_args: Callable[[list[Any], dict[str, Any]], Any], device: torch.device, idle_s: float,
+) -> bool:  # fmt: skip
+    """One session's calls (serve); True when another session follows (NEXT)."""
     block, words = _control_block(fds[0])
     os.close(fds[0])
+    bufs: list[_Buffer] = []
     try:
         values: list[Any] = []
         i = 1
         for a in layout["args"]:
             if "tensor" in a:
-                values.append(_import(a["tensor"], fds[i], device).tensor)
+                bufs.append(_import(a["tensor"], fds[i], device))
+                values.append(bufs[-1].tensor)
                 i += 1
             else:
                 values.append(a["value"])
-        outputs = [_import(o, fds[i + k], device).tensor for k, o in enumerate(layout["outputs"])]
+        for k, o in enumerate(layout["outputs"]):
+            bufs.append(_import(o, fds[i + k], device))
+        outputs = [b.tensor for b in bufs[len(bufs) - len(layout["outputs"]) :]]
         args = make_args(values, layout)
         lead = _lead(str(layout.get("lead", LEAD_NONE)), device)
     except Exception as e:  # out of memory, most likely: the driver says so, not a silence
@@ -536,12 +591,25 @@ def serve(
     cuda = device.type == "cuda"
     while True:
         if not _wait(words, GO, last + 1, time.monotonic() + idle_s, spin):
-            return
+            return False
         last += 1
         mode = int(words[MODE])
-        if mode == STOP:
+        if mode in (STOP, NEXT):
             words[DONE] = last
-            return
+            if mode == STOP:
+                return False
+            # The next session's buffers come next: this one's are let go first (what the
+            # candidate still holds of them is its own affair).
+            values.clear()
+            outputs.clear()
+            kept.clear()
+            del args
+            got = None
+            _release(bufs, device)
+            del words
+            with contextlib.suppress(Exception):
+                block.close()
+            return True
         status, inside, message = OK, 0, ""
         try:
             if mode == CALL:
@@ -560,6 +628,7 @@ def serve(
                     got = run(args)
                     inside = time.perf_counter_ns() - t0
                 message = _copy_outputs(got, outputs)
+                got = None
                 if message:
                     status = BAD_OUTPUTS
                 if cuda:
@@ -580,6 +649,16 @@ def serve(
         words[INSIDE_NS] = inside
         words[STATUS] = status
         words[DONE] = last
+
+
+def _release(bufs: list[_Buffer], device: torch.device) -> None:
+    """A finished session's buffers, unmapped once nothing of this side's refers to them."""
+    gc.collect()
+    _sync(device)
+    for buf in bufs:
+        with contextlib.suppress(Exception):  # a memfd a tensor still maps: freed with it
+            buf.release()
+    bufs.clear()
 
 
 def _lead(kind: str, device: torch.device) -> Callable[[], None]:
@@ -614,11 +693,24 @@ def _copy_outputs(got: list[Any], outputs: list[torch.Tensor]) -> str:
     return ""
 
 
-def _receive_layout(sock_fd: int) -> tuple[dict[str, Any], list[int]]:
+def _receive_layout(
+    sock_fd: int, wait_s: float | None = None
+) -> tuple[dict[str, Any], list[int]] | None:
+    """The driver's next layout and its descriptors. With `wait_s` (a session after the
+    first): None when none comes in that time or the socket is closed."""
+    if wait_s is not None:
+        p = select.poll()
+        p.register(sock_fd, select.POLLIN | select.POLLHUP)
+        if not p.poll(int(wait_s * 1000)):
+            return None
     sock = socket.socket(fileno=os.dup(sock_fd))
     try:
         data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 253)
+        if not data and not fds and wait_s is not None:
+            return None
         if len(data) < HEADER.size:
+            for fd in fds:
+                os.close(fd)
             raise TimedCallError("no layout from the driver")
         (n,) = HEADER.unpack(data[: HEADER.size])
         if n > MAX_LAYOUT_BYTES:

@@ -66,12 +66,10 @@ def wanted(spec: kernel_pb2.JobSpec, hello: job_channel_pb2.Hello | None) -> boo
 def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
     """Whether the judge of a job drives and times its kernel's calls in the kernel's process
     (engine/timed_calls.py; AssignJob.timed_by_judge): every timed job whose kernel's host code
-    runs there (not a launch of kernels built ahead, nor a GPU MODE task: their own paths)."""
-    return (
-        is_timed(spec.options)
-        and not prebuilt
-        and spec.kernel.type != kernel_pb2.KERNEL_TYPE_GPU_MODE
-    )
+    runs there (not a launch of kernels built ahead: its own path). A GPU MODE task's too, one
+    session per benchmark case (engine/gpumode.py); one whose data cannot be shared is timed
+    in its own process, as its result says."""
+    return is_timed(spec.options) and not prebuilt
 
 
 def reference_key(spec: kernel_pb2.JobSpec) -> str:
