@@ -644,8 +644,27 @@ class _GpuModeJudge(_GpuModeRun):
             elif self.benchmarks and getattr(job, "kernel_serves", False):
                 self._time_outside(ref, checked[len(self.tests) :])
             elif self.benchmarks and r.runtime.median_ms > 0:
+                self._refuse_self_timed(ref, checked[len(self.tests) :])
                 self._time_reference(ref)
         r.verdict = job_pb2.VERDICT_OK
+
+    def _refuse_self_timed(
+        self, ref: backend.GpuModeReference, recorded: list[record.Trial]
+    ) -> None:
+        """A kernel's process given its timed calls to serve that timed itself instead, where
+        every benchmark case could be timed from outside (unshared_reason finds nothing here
+        either): it chose the clock its time is read from, a tampering."""
+        job: Any = self.job
+        if not getattr(job, "kernel_must_serve", False) or getattr(job, "kernel_serves", False):
+            return
+        for case, trial in zip(self.benchmarks, recorded, strict=False):
+            outs = [v.to(job.dev) if isinstance(v, torch.Tensor) else v for v in trial.values]
+            if unshared_reason(self._generate(ref, case), outs, job.dev):
+                return  # a case that cannot be shared: its process's times, as its note says
+        job._tampered(
+            f"{tamper.PREFIX}the kernel's process was to serve its timed calls to its judge "
+            "and timed itself instead: its times are not taken"
+        )
 
     def _check_record(
         self, cases: list[Case], records: list[Any], checked: list[record.Trial],

@@ -66,8 +66,9 @@ SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 # has exited, and the reference's time from an earlier job with its age (or None). None: the
 # job ended without it.
 GivenTime = tuple[job_pb2.RuntimeStats, float]
-# (the report, its process gone, the reference's given time, its process serves timed calls)
-Go = Callable[[], "tuple[job_pb2.EvalResult, bool, GivenTime | None, bool] | None"]
+# (the report, its process gone, the reference's given time, its process serves timed calls,
+# it was given them to serve)
+Go = Callable[[], "tuple[job_pb2.EvalResult, bool, GivenTime | None, bool, bool] | None"]
 # A judge started ahead keeps the trials' inputs and the reference's outputs up to this many
 # bytes; the trials past it run once the kernel's outputs are in, as without one.
 AHEAD_MAX_BYTES = 256 << 20
@@ -102,6 +103,7 @@ def judge_job(
     reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
     go: Go | None = None,
     kernel_serves: bool = False,
+    kernel_must_serve: bool = False,
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
     every verdict replaced by this process's. Never raises for what either source does.
@@ -111,7 +113,9 @@ def judge_job(
     front end's --reference-time-reuse-s): given instead of timing the reference again.
     `go`: judge ahead (the kernel's process runs meanwhile): the reference runs on the
     trials' inputs first, then `go()` waits for the kernel's report (`candidate`, `kernel_gone`
-    and `reference_time` are its), after which nothing differs."""
+    and `reference_time` are its), after which nothing differs.
+    `kernel_serves`: the kernel's process serves its timed calls (it said so);
+    `kernel_must_serve`: it was given them to serve (JudgeRequest.kernel_timed_by_judge)."""
     job = _Judge(spec, _SafeReporter(reporter), config)
     job.start_from(candidate)
     job.record_max = record_max_bytes
@@ -119,6 +123,7 @@ def judge_job(
     job.reference_time = reference_time
     job.go = go
     job.kernel_serves = kernel_serves
+    job.kernel_must_serve = kernel_must_serve
     job.share_room = 0
     job.validating = False
     try:
@@ -168,6 +173,7 @@ class _Judge(_Job):
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
     go: Go | None  # started ahead: waits for the kernel's report
     kernel_serves: bool  # the kernel's process waits for its timed calls (timed_calls.py)
+    kernel_must_serve: bool  # it was given them to serve (the front end's assignment)
     spent: _Stopwatch  # where its timed phase's time went (said in the result's notes)
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
@@ -221,6 +227,8 @@ class _Judge(_Job):
                 f"{len(checked)} of {wanted} correctness trials judged outside the kernel's "
                 f"process (its outputs are over {self._limits()}); the rest only in it"
             )
+        if over is None:
+            self._refuse_self_timed(candidate)
         if self.kernel_serves and self.opts.perf_trials > 0:
             base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee
             # torch.compile's baseline compiles here, before the timing window is asked for.
@@ -338,6 +346,21 @@ class _Judge(_Job):
                 "(a cache, a lazy or an unfinished result)"
             )
 
+    def _refuse_self_timed(self, candidate: job_pb2.EvalResult) -> None:
+        """A kernel's process given its timed calls to serve, whose outputs all fit the
+        record (so it had no reason not to), that timed itself instead: it chose the clock
+        its time is read from. Its times are not taken: a tampering."""
+        if (
+            self.kernel_must_serve
+            and not self.kernel_serves
+            and self.opts.perf_trials > 0
+            and candidate.runtime.median_ms > 0
+        ):
+            self._tampered(
+                f"{tamper.PREFIX}the kernel's process was to serve its timed calls to its "
+                "judge and timed itself instead: its times are not taken"
+            )
+
     def _kernel_failed_timed(self, why: str) -> NoReturn:
         """The kernel's process failed its timed calls: what it said, or its silence."""
         f = errors.classify(RuntimeError(why))
@@ -389,7 +412,8 @@ class _Judge(_Job):
             self.ahead_gold = None
             self.notes.append("the job ended before its kernel's outputs were in: not judged")
             raise _Abandoned
-        candidate, self.kernel_gone, self.reference_time, self.kernel_serves = got
+        candidate, self.kernel_gone, self.reference_time, self.kernel_serves = got[:4]
+        self.kernel_must_serve = got[4]
         self.start_from(candidate)
         self.validating = False  # the gated phase is asked for again: its grant was let go
         return candidate

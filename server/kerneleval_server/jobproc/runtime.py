@@ -823,6 +823,7 @@ def _run_one(
                 assign.judge.kernel_gone, _reference_time(assign.judge),
                 go=go if assign.judge.ahead else None,
                 **({"kernel_serves": True} if assign.judge.kernel_serves else {}),
+                **({"kernel_must_serve": True} if assign.judge.kernel_timed_by_judge else {}),
             )  # fmt: skip
         else:
             if assign.record_max_bytes and record_fd >= 0:
@@ -903,7 +904,7 @@ def _run_one(
 
 def _judge_go(
     channel: _Channel, reporter: _Reporter, job_id: str
-) -> tuple[Any, bool, tuple[Any, float] | None, bool] | None:
+) -> tuple[Any, bool, tuple[Any, float] | None, bool, bool] | None:
     """A judge started ahead has run the reference: it says so (the front end takes back its
     GPU grant: the kernel's timing must not wait for it) and waits for the kernel's report.
     Its grant is let go before it says so: the front end may ask for its next one as soon as
@@ -918,7 +919,7 @@ def _judge_go(
     if go is None or go.abandon:
         return None
     r = go.request
-    return r.candidate, r.kernel_gone, _reference_time(r), r.kernel_serves
+    return r.candidate, r.kernel_gone, _reference_time(r), r.kernel_serves, r.kernel_timed_by_judge
 
 
 def _reference_time(judge: job_channel_pb2.JudgeRequest) -> tuple[Any, float] | None:
