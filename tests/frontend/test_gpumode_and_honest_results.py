@@ -121,6 +121,40 @@ def test_compare_with_kernel_and_reference_swapped_blames_the_reference(stub) ->
     assert r.compiled and "swapped?" in r.compilation_error
 
 
+# KernelBench level 2's 66_Matmul_Dropout_Softmax, smaller: its forward draws dropout masks
+# (a Model is in training mode), so the reference agrees with itself only where both runs
+# draw the same numbers.
+DROPOUT = """
+import torch
+class Model(torch.nn.Module):
+    def __init__(self, n, p):
+        super(Model, self).__init__()
+        self.matmul = torch.nn.Linear(n, n)
+        self.dropout = torch.nn.Dropout(p)
+    def forward(self, x):
+        return torch.softmax(self.dropout(self.matmul(x)), dim=1)
+def get_inputs():
+    return [torch.rand(64, 64)]
+def get_init_inputs():
+    return [64, 0.2]
+"""
+
+
+def test_a_reference_that_draws_random_numbers_agrees_with_itself(stub) -> None:  # type: ignore[no-untyped-def]
+    """Both processes seed torch's generators the same way right before each run on a
+    trial's inputs (TrialArgs.seed), the judge's timed calls too: a Model against itself is
+    OK, checks and timed calls alike (it was INCORRECT on an H200, and on the CPU)."""
+    same = DROPOUT + "\nclass ModelNew(Model):\n    pass\n"
+    spec = kernel_pb2.JobSpec(
+        kernel=kernel_pb2.KernelSource(type=kernel_pb2.KERNEL_TYPE_TORCH, source_code=same),
+        reference=kernel_pb2.KernelSource(type=kernel_pb2.KERNEL_TYPE_TORCH, source_code=DROPOUT),
+        options=kernel_pb2.EvalOptions(perf_trial_count=8, warmup_count=1),
+    )
+    r = stub.Compare(pb.CompareRequest(spec=spec), timeout=180).job.result
+    assert r.verdict == job_pb2.VERDICT_OK, (r.validation_error, r.error.message)
+    assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a host without a GPU")
 def test_a_kernel_that_cannot_run_here_is_neither_a_crash_nor_cached(
     tmp_path_factory: pytest.TempPathFactory,

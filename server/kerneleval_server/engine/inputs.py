@@ -26,6 +26,9 @@ TORCH_DTYPE: dict[int, torch.dtype] = {
 _MASK64 = (1 << 64) - 1
 
 
+FORWARD = 0x46574452  # mixed into a trial's seed for the seed of its run (TrialArgs.seed)
+
+
 def mix_seed(*parts: int) -> int:
     """A well-spread 63-bit seed from several integers (splitmix64 steps)."""
     x = 0x9E3779B97F4A7C15
@@ -66,6 +69,11 @@ class TrialArgs:
     roles: list[int]
     is_meta: list[bool]
     from_get_inputs: bool = False
+    # The seed torch's generators get right before each run on these arguments (the
+    # reference's in its judge, the kernel's in its process: runner._Job._run and the timed
+    # calls' server), so that a forward that draws random numbers (dropout in training mode)
+    # draws the same ones on both sides. None: not seeded.
+    seed: int | None = None
 
     def output_indices(self) -> list[int]:
         return [
@@ -92,6 +100,7 @@ class TrialArgs:
             list(self.roles),
             list(self.is_meta),
             self.from_get_inputs,
+            self.seed,
         )
 
 

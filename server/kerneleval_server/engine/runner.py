@@ -53,7 +53,7 @@ from .backends.base import LaunchProgram, ModelProgram
 from .backends.model import to_device
 from .backends.prebuilt import build_prebuilt
 from .backends.triton_launch import TritonLaunch
-from .inputs import TrialArgs, build_args, mix_seed, seed_all
+from .inputs import FORWARD, TrialArgs, build_args, mix_seed, seed_all
 from .types import EngineConfig, Outcome, Reporter
 
 DEFAULT_CORRECT_TRIALS = 5
@@ -592,7 +592,9 @@ class _Job:
 
             def from_contract(trial: int) -> TrialArgs:
                 with self._guard("inputs: ", io_side):
-                    return build_args(contract, seed, trial, self.dev)
+                    args = build_args(contract, seed, trial, self.dev)
+                    args.seed = mix_seed(seed, trial, FORWARD)
+                    return args
                 raise AssertionError("unreachable")
 
             return from_contract
@@ -612,7 +614,10 @@ class _Job:
             self._check_input_size(values)
             n = len(values)
             roles = [int(kernel_pb2.ARG_ROLE_INPUT)] * n
-            return TrialArgs(values, [f"input[{i}]" for i in range(n)], roles, [False] * n, True)
+            return TrialArgs(
+                values, [f"input[{i}]" for i in range(n)], roles, [False] * n, True,
+                seed=mix_seed(self.opts.seed, trial, FORWARD),
+            )  # fmt: skip
 
         return from_get_inputs
 
@@ -669,6 +674,8 @@ class _Job:
     # -- correctness ---------------------------------------------------------------------
     def _run(self, prog: Program, args: TrialArgs, who: str) -> list[Any]:
         with self._guard(who):
+            if args.seed is not None:
+                seed_all(args.seed)
             if self.nvtx and who == "":
                 torch.cuda.nvtx.range_push("kerneleval_kernel")
             out = prog.run(args)

@@ -46,11 +46,13 @@ import numpy as np
 import torch
 
 from . import device_share, timing
+from .inputs import seed_all
 
 # The control block: int64 words, each written by one side only.
-GO, MODE, DONE, STATUS, INSIDE_NS, READY = range(
-    6
-)  # GO, MODE: the driver's; the rest: the server's
+# GO, MODE, SEED: the driver's; the rest: the server's. SEED: what torch's generators are
+# seeded with before the call (TrialArgs.seed; 0: not seeded), as the judge seeds before the
+# reference's run on the same inputs.
+GO, MODE, DONE, STATUS, INSIDE_NS, READY, SEED = range(7)
 WORDS = 8
 MESSAGE_AT = 256  # bytes from here: the server's message of a failed call (its words, hostile)
 CONTROL_BYTES = 4096
@@ -306,6 +308,7 @@ class Driver:
         _sync(self.device)  # written before the go, and before the clock starts
         t0 = _perf_counter_ns()
         self.seq += 1
+        self.words[SEED] = getattr(inputs, "seed", None) or 0
         self.words[MODE] = NOOP if noop else CALL
         self.words[GO] = self.seq
         deadline = time.monotonic() + self.answer_s
@@ -612,6 +615,9 @@ def _session(
             return True
         status, inside, message = OK, 0, ""
         try:
+            seed = int(words[SEED])
+            if seed:  # in a call of no work too: the same path
+                seed_all(seed)
             if mode == CALL:
                 kept.clear()
                 if cuda:
