@@ -88,6 +88,7 @@ clients-cpp: $(STAMPS)/apt
 lint: setup
 	$(VENV)/bin/ruff check server clients/python tests bench
 	$(VENV)/bin/mypy server/kerneleval_server clients/python/src/kerneleval
+	$(VENV)/bin/lint-imports  # the layers, top to bottom, and no import cycles (pyproject.toml)
 	cd proto && ../$(VENV)/bin/buf lint
 
 serve: setup

@@ -41,7 +41,7 @@ from kerneleval.v1 import (
 
 from kerneleval_server import config as config_mod
 from kerneleval_server import logs, reflection
-from kerneleval_server.api import auth, validation
+from kerneleval_server.api import auth
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
@@ -58,6 +58,7 @@ from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
 from kerneleval_server.jobs.waits import unfinished
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
+from kerneleval_server.spec import validation
 
 if TYPE_CHECKING:
     from kerneleval_server.api.connect_gateway import HttpGateway

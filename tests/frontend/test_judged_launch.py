@@ -197,12 +197,12 @@ def test_the_front_ends_copies_of_the_engines_sizes_match_it() -> None:
     """prebuild.py sizes what a judge reads without importing the engine (torch): its copies
     of the record's and the shares' sizes and of the default correctness trials are the
     engine's own."""
-    from kerneleval_server.engine import device_share, record, runner
+    from kerneleval_server.engine import device_share, options, record
 
     assert prebuild.RECORD_HEADER == record.MAX_HEADER and prebuild.RECORD_ALIGN == record.ALIGN
     assert prebuild.SHARE_GRANULARITY == device_share.GRANULARITY
     assert prebuild.MAX_SHARES == device_share.MAX_SHARES
-    assert prebuild.DEFAULT_CORRECT_TRIALS == runner.DEFAULT_CORRECT_TRIALS
+    assert prebuild.DEFAULT_CORRECT_TRIALS == options.DEFAULT_CORRECT_TRIALS
 
 
 def profiled(events: list[job_pb2.JobEvent]) -> int:

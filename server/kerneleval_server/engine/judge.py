@@ -41,18 +41,12 @@ from . import (
 )
 from .backends import Program
 from .inputs import TrialArgs
-from .runner import (
-    REFERENCE_PREFIX,
-    RecordedProgram,
-    _Abandoned,
-    _Job,
-    _SafeReporter,
-    _Stop,
-    preserved_torch_state,
-    stopped_by_a_source,
-    unexpected_error,
-    where_compared,
-)
+from .runner import Job as _Job
+from .runner import RecordedProgram, preserved_torch_state, where_compared
+from .stops import REFERENCE_PREFIX, stopped_by_a_source, unexpected_error
+from .stops import Abandoned as _Abandoned
+from .stops import SafeReporter as _SafeReporter
+from .stops import Stop as _Stop
 from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]

@@ -56,7 +56,6 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.framing import FdFrameReader, FrameError, encode
-from kerneleval_server.jobs.compile_cache import MAX_ENTRY_BYTES, MAX_FILES
 
 from . import (
     BUILD_DEVICE,
@@ -75,6 +74,8 @@ from . import (
     drain,
     warm_job,
 )
+from . import MAX_CACHE_ENTRY_BYTES as MAX_ENTRY_BYTES
+from . import MAX_CACHE_FILES as MAX_FILES
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_LIBRARY_BYTES = 12 << 20  # a built extension travels in one frame (framing.MAX_FRAME)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
-from kerneleval_server.api.validation import is_timed
 from kerneleval_server.fleet.gpu_memory import problem_key
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.fleet.timing_windows import Window, public_conditions
+from kerneleval_server.spec.validation import is_timed
 
 if TYPE_CHECKING:
     from kerneleval_server.jobs.manager import JobManager, Running

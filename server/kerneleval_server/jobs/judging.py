@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.api.validation import is_timed
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
 from kerneleval_server.jobs.reference_times import ReferenceTimes
+from kerneleval_server.spec.validation import is_timed
 
 if TYPE_CHECKING:
     from kerneleval_server.jobs.manager import JobManager, Running

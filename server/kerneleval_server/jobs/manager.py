@@ -29,6 +29,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
+from kerneleval_server.error_texts import NVML_OOM_ASSERT
 from kerneleval_server.fleet import faults
 from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.fleet.gpu_memory import GpuMemory
@@ -40,8 +41,8 @@ from kerneleval_server.fleet.timing_windows import (
 )
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
-from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES, NVML_OOM_ASSERT
-from kerneleval_server.jobs import judging, placement, prebuild, result_cache, static_checks
+from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
+from kerneleval_server.jobs import judging, prebuild, result_cache, static_checks
 from kerneleval_server.jobs.build_cache import BuildCache
 from kerneleval_server.jobs.compile_cache import (
     CompileCache,
@@ -58,6 +59,7 @@ from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
 from kerneleval_server.metrics import Metrics
+from kerneleval_server.spec import placement
 
 if TYPE_CHECKING:
     from kerneleval_server.jobs.shared_queue import SharedQueue

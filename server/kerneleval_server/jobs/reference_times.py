@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.api.validation import is_timed
+from kerneleval_server.spec.validation import is_timed
 
 MAX_KEPT = 1024  # distinct references a front end keeps times of, the oldest dropped first
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from ..placement import wanted_device, wanted_model
+from kerneleval_server.spec.placement import wanted_device, wanted_model
 
 # SQL's BIGINT is int64: a larger Python int raises OverflowError. Numbers that come from a
 # client (a sequence, a page's rowid) are clamped to it here as a last line of defence.
