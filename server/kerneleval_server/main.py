@@ -49,8 +49,8 @@ from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
 from kerneleval_server.fleet import readiness as readiness_mod
 from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
-from kerneleval_server.jobs.artifact_store import SharedArtifacts
-from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
+from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+from kerneleval_server.jobs.builds.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.shared_queue import SharedQueue
@@ -165,7 +165,7 @@ def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
         *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
         str(src),
         str(gen),
-        env.get(PCH_DIR_ENV, ""),  # the service's precompiled headers (builder/pch.py)
+        env.get(PCH_DIR_ENV, ""),  # the service's precompiled headers (fast_build/pch.py)
     ]
     cuda_home = os.environ.get("CUDA_HOME", "")
     if cuda_home:
@@ -277,7 +277,7 @@ class Server:
         # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
         self.watchdog_dir = self.state / "watchdog"
         self.watchdog_dir.mkdir(mode=0o700, exist_ok=True)
-        # Precompiled torch headers for build processes' load_inline builds (builder/pch.py).
+        # Precompiled torch headers for build processes' load_inline builds (fast_build/pch.py).
         self.pch_dir: Path | None = None
         if cfg.build_pch and cfg.effective_build_processes() > 0 and cfg.role != GATEWAY:
             self.pch_dir = self.state / "pch"
@@ -397,7 +397,7 @@ class Server:
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kerneleval_server.builder.pch", str(self.pch_dir),
+                sys.executable, "-m", "kerneleval_server.fast_build.pch", str(self.pch_dir),
                 env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
             out, _ = await proc.communicate()

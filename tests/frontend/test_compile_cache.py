@@ -10,7 +10,7 @@ from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import kernel_pb2
 from kerneleval_server.jobproc import MAX_CACHE_FILES
 from kerneleval_server.jobproc.runtime import compile_cache_added, seed_compile_cache
-from kerneleval_server.jobs.compile_cache import CompileCache, cache_key, check_files
+from kerneleval_server.jobs.builds.compile_cache import CompileCache, cache_key, check_files
 
 
 def spec(source: str, reference: str = "ref") -> kernel_pb2.JobSpec:

@@ -17,7 +17,7 @@ from ke_service import ServiceProcess
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
-from kerneleval_server.jobs import prebuild
+from kerneleval_server.jobs.builds import prebuild
 
 REFERENCE = "class Model: the eager reference (host code)"
 

@@ -341,8 +341,8 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
     from kerneleval_server import config as config_mod
     from kerneleval_server.fleet.job_processes import WorkerState
     from kerneleval_server.jobproc import BUILD_DEVICE
-    from kerneleval_server.jobs.artifact_store import SharedArtifacts
-    from kerneleval_server.jobs.builder_node import probe_versions
+    from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+    from kerneleval_server.jobs.builds.builder_node import probe_versions
     from kerneleval_server.jobs.events import EventHub, OpsLog
     from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.jobs.store import PostgresStore, SqliteStore
@@ -512,7 +512,7 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
     # The builder computes the key itself: a request whose key is not what its sources build
     # to with the builder's versions, or whose sources are not built ahead, is refused and
     # nothing is written under that key.
-    from kerneleval_server.jobs import ahead_builds
+    from kerneleval_server.jobs.builds import ahead_builds
     from kerneleval_server.jobs.store import PostgresStore
     from kerneleval_server.jobs.store.base import BUILD_REFUSED
 
@@ -565,7 +565,7 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
 
 
 def prebuild_cpu_arch() -> str:
-    from kerneleval_server.jobs import prebuild
+    from kerneleval_server.jobs.builds import prebuild
 
     return prebuild.cpu_arch()
 

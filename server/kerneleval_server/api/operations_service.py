@@ -16,7 +16,7 @@ from kerneleval.v1 import operations_service_pb2 as pb
 
 from kerneleval_server.config import GATEWAY
 from kerneleval_server.jobproc import BUILD_DEVICE
-from kerneleval_server.jobs.builder_node import probe_versions
+from kerneleval_server.jobs.builds.builder_node import probe_versions
 from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.jobs.shared_queue import SharedQueue
 

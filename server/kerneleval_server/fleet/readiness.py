@@ -5,7 +5,7 @@ warm job process (fleet/devices.py). A job of some kinds needs more to run at it
 speed, and right after a start that can take minutes:
 - "jobs": any job in a job process (PyTorch, Triton, ModelNew): a device's warm job process.
 - "load_inline": KERNEL_TYPE_TORCH_CUDA's builds, by build processes: a warm build process and
-  the precompiled torch headers (builder/pch.py: kept in the state folder from an earlier
+  the precompiled torch headers (fast_build/pch.py: kept in the state folder from an earlier
   start, else made, 1-2 minutes on a GPU host; builds meanwhile go without them, at several
   times the time). Without build processes the job's own process builds (torch's build).
 - "built_ahead": Triton and raw CUDA kernels launched from their IOContract, built by build

@@ -682,9 +682,9 @@ def _build_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.As
 def _build_extension(
     assign: job_channel_pb2.AssignJob, job_dir: Path, reporter: "_Reporter"
 ) -> job_channel_pb2.ExtensionBuilt:
-    """A load_inline call the service sent (builder/extension.py), with the service's
+    """A load_inline call the service sent (fast_build/extension.py), with the service's
     precompiled headers (read-only here) when it made them."""
-    from kerneleval_server.builder import extension
+    from kerneleval_server.fast_build import extension
 
     pch = os.environ.get(PCH_DIR_ENV, "")
     started = time.monotonic()

@@ -42,18 +42,19 @@ from kerneleval_server.fleet.timing_windows import (
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
-from kerneleval_server.jobs import judging, prebuild, result_cache, static_checks
-from kerneleval_server.jobs.build_cache import BuildCache
-from kerneleval_server.jobs.compile_cache import (
+from kerneleval_server.jobs import judging, result_cache, static_checks
+from kerneleval_server.jobs.builds import prebuild
+from kerneleval_server.jobs.builds.build_cache import BuildCache
+from kerneleval_server.jobs.builds.compile_cache import (
     CompileCache,
     as_artifacts,
     as_files,
     built_key,
     built_reference,
 )
-from kerneleval_server.jobs.deadline import Deadline
+from kerneleval_server.jobs.builds.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
+from kerneleval_server.jobs.deadline import Deadline, timeout_of
 from kerneleval_server.jobs.events import EventHub, OpsLog
-from kerneleval_server.jobs.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
@@ -69,7 +70,6 @@ log = logging.getLogger("kerneleval.jobs")
 # raises instead where NVML cannot start (a sandbox) while it describes the OOM.
 OOM_TEXTS = ("CUDA out of memory", NVML_OOM_ASSERT)
 
-DEFAULT_TIMEOUT_S = 120.0
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 # A job process exits at once after its outcome or when its channel closes; one still alive
@@ -187,12 +187,6 @@ def _copy(job: job_pb2.Job) -> job_pb2.Job:
     out = job_pb2.Job()
     out.CopyFrom(job)
     return out
-
-
-def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
-    t = spec.options.timeout
-    seconds = t.seconds + t.nanos / 1e9
-    return min(seconds if seconds > 0 else DEFAULT_TIMEOUT_S, max_timeout_s)
 
 
 class JobManager:
@@ -830,7 +824,7 @@ class JobManager:
 
     def _builds_here(self, queued: QueuedJob) -> bool:
         """Built ahead by a build process of this front end: not while the shared artifact
-        store and the builders are asked for it (jobs/artifact_store.py)."""
+        store and the builders are asked for it (jobs/builds/artifact_store.py)."""
         remote = self.extensions.remote
         return self._built_ahead(queued) and (remote is None or remote.builds_here(queued.job_id))
 
@@ -838,8 +832,9 @@ class JobManager:
         self, job_id: str, arch: str, built_by: str, built: job_channel_pb2.BuildOutcome
     ) -> None:
         """A queued job's build answer from the shared artifact store or a builder
-        (jobs/artifact_store.py): the job starts as a build job `built_by` ran for `arch`, and
-        goes on as after a build here (_on_built: a launch, its result, or run whole)."""
+        (jobs/builds/artifact_store.py): the job starts as a build job `built_by` ran for
+        `arch`, and goes on as after a build here (_on_built: a launch, its result, or run
+        whole)."""
         if not self.queue.remove(job_id):
             return  # it ended, or started, meanwhile
         job = self.store.get(job_id)
@@ -1305,7 +1300,7 @@ class JobManager:
                 result.ClearField("timing_window")
             self._finish(job, job_pb2.JOB_STATE_DONE, result)
             return
-        if self.extensions.remote is not None:  # for the other nodes (jobs/artifact_store.py)
+        if self.extensions.remote is not None:  # for the other nodes (builds/artifact_store.py)
             self.extensions.remote.kept_ahead(job.job_id, job.spec, run.build_arch, built)
         if built.run_whole:
             self.hub.log(

@@ -20,7 +20,7 @@ One place for what front ends sharing a store do beyond `--role all`:
   (`kerneleval_cancel`, and at each heartbeat) and cancels as `--role all` does.
 - **Nodes.** Each node registers its gRPC address and its devices (ListDevices' answer) with
   the heartbeat; gateways list them (ListDevices) and name the node of a device.
-- **More on the same loops.** A node's shared artifact store (jobs/artifact_store.py) hears
+- **More on the same loops.** A node's shared artifact store (jobs/builds/artifact_store.py) hears
   its channel through this LISTEN connection (`on_note`) and refreshes its list of builders
   with the heartbeat (`on_beat`); a builder runs the same two loops (`listen_forever`,
   `beat_forever`) for its own channel and leases.
@@ -138,7 +138,7 @@ class SharedQueue:
         self._tasks: list[asyncio.Task[Any]] = []
         self.listening = asyncio.Event()  # the LISTEN connection is up
         # More channels to LISTEN on (channel -> handler of a payload), more work for each
-        # heartbeat: the shared artifact store's (jobs/artifact_store.py).
+        # heartbeat: the shared artifact store's (jobs/builds/artifact_store.py).
         self.on_note: dict[str, Callable[[str], None]] = {}
         self.on_beat: list[Callable[[], None]] = []
 

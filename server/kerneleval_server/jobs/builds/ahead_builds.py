@@ -2,7 +2,7 @@
 `--role builder`s for a job whose every source is a Triton or raw CUDA kernel launched from its
 IOContract, under which key, and what is kept.
 
-It is the load_inline machinery of jobs/artifact_store.py and jobs/builder_node.py (one request
+It is the load_inline machinery of artifact_store.py and builder_node.py (one request
 table, one lease, one artifact table, one wait), with another kind of request:
 - **What is built**: the job's kernel and reference sources only (`build_spec`: no options, no
   client tag, no labels), for the architecture the node would build for (`_build_arch` in
