@@ -329,7 +329,8 @@ def test_job_sandbox_flags() -> None:
 def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.running import Running
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -425,16 +426,21 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
 
     from kerneleval.v1 import kernel_pb2
     from kerneleval.v1 import operations_service_pb2 as ops
+    from kerneleval_server.jobs.admission import Admission
     from kerneleval_server.jobs.manager import JobManager
 
     def target(devices: list[ops.Device], pinned: int | None = None) -> str:
         shared = SimpleNamespace(node_devices=lambda: devices)
-        me = SimpleNamespace(shared=shared, devices={}, config=SimpleNamespace(engine=""),
-                             _software="sw")  # fmt: skip
+        me = SimpleNamespace(shared=shared, devices={})
+        admission = Admission(
+            SimpleNamespace(engine=""),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            lambda: JobManager._devices(me),  # type: ignore[arg-type]
+        )
         spec = kernel_pb2.JobSpec()
         if pinned is not None:
             spec.options.device_index = pinned
-        return JobManager._target(me, spec)  # type: ignore[arg-type]
+        return admission.target(spec)
 
     h100 = ops.Device(index=0, name="H100", driver_version="580", node="a:1")
     h200 = ops.Device(index=1, name="H200", driver_version="580", node="b:1")
@@ -464,7 +470,7 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     stored, with the next sequence, right after."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     stored_at_grant: list[list[str]] = []
@@ -502,7 +508,7 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
     with no event; the PHASE_VALIDATING that follows is stored and asks nothing more. An ahead
     for another phase, or a second one, asks nothing."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     worker = _process("d0-w0")
@@ -581,15 +587,15 @@ def _judged(m: Any, job_id: str, kernel: Any, reference: str = "ref") -> Any:
     """A compared job whose kernel's process (`kernel`, gone from now on) just answered OK."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     spec = kernel_pb2.JobSpec()
     spec.reference.source_code = reference
     job = job_pb2.Job(job_id=job_id, device_index=kernel.device_index, spec=spec)
     r = Running(job=job, worker=kernel, timeout_s=60)
-    r.record = judging.Record.make(job_id, 1 << 20, spec)
+    r.record = judge_record.Record.make(job_id, 1 << 20, spec)
     r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
     m.running[job_id] = r
     m.workers.by_id[kernel.worker_id] = kernel
@@ -617,17 +623,17 @@ def test_a_judged_record_is_sealed_at_the_kernels_outcome_or_once_its_process_is
             os.write(first.record.fd, b"x")
 
         # A kernel's process holding the record mapped for writing (a hostile one could).
-        from kerneleval_server.jobs import judging
+        from kerneleval_server.jobs import judge_record
 
-        record = judging.Record.make("mapped", 1 << 20, job_pb2.Job().spec)
+        record = judge_record.Record.make("mapped", 1 << 20, job_pb2.Job().spec)
         os.ftruncate(record.fd, 4096)
         mapping = mmap.mmap(record.fd, 4096, flags=mmap.MAP_SHARED)
-        m_make = judging.Record.make
-        judging.Record.make = lambda *a: record  # type: ignore[method-assign,assignment]
+        m_make = judge_record.Record.make
+        judge_record.Record.make = lambda *a: record  # type: ignore[method-assign,assignment]
         try:
             held = _judged(m, "mapped", _process("d0-w1"))
         finally:
-            judging.Record.make = m_make  # type: ignore[method-assign]
+            judge_record.Record.make = m_make  # type: ignore[method-assign]
         assert list(m.judges.queue) == ["first"]  # not sealed: it may still change
         mapping.close()  # the process exits: its mappings go with it
         m.judges.kernel_exited(held)
@@ -643,7 +649,7 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
     """A judged job goes to a standing judge of its own reference before a fresh process,
     never to one of another reference, on the GPU its kernel ran on; a GPU held for a job
     re-run alone judges that job only (others waited for ever behind it on the H100)."""
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
 
     m = _judging_manager(tmp_path)
     started: list[tuple[str, str]] = []
@@ -655,7 +661,7 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
         on1 = _judged(m, "on1", _process("d1-k0", device=1), reference="ref A")
         key_a = a.record.reference_key
         assert key_a != b.record.reference_key
-        assert key_a == judging.reference_key(on1.job.spec)  # the same reference, byte for byte
+        assert key_a == judge_record.reference_key(on1.job.spec)  # the same reference
         other = _process("d0-j0", judge_key=b.record.reference_key + "x")
         mine = _process("d0-j1", judge_key=key_a)
         fresh = _process("d0-w0")
@@ -769,7 +775,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     another reference, or on another GPU is never started ahead."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import check_frame
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
 
     m = _judging_manager(tmp_path)
     gate: list[tuple[str, str]] = []
@@ -785,7 +791,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     def kernel_started(job_id: str, kernel_id: str) -> Any:
         from kerneleval.v1 import kernel_pb2
         from kerneleval_server.jobs.deadline import Deadline
-        from kerneleval_server.jobs.manager import Running
+        from kerneleval_server.jobs.running import Running
 
         kernel = _process(kernel_id)
         m.workers.by_id[kernel_id] = kernel
@@ -793,7 +799,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         spec.reference.source_code = "ref A"
         r = Running(job=job_pb2.Job(job_id=job_id, device_index=0, spec=spec), worker=kernel,
                     timeout_s=60)  # fmt: skip
-        r.record = judging.Record.make(job_id, 1 << 20, spec)
+        r.record = judge_record.Record.make(job_id, 1 << 20, spec)
         r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
         m.running[job_id] = r
         kernel.job_id = job_id
@@ -801,7 +807,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         return r
 
     async def main() -> None:
-        key = judging.reference_key(kernel_started("probe", "d0-kp").job.spec)
+        key = judge_record.reference_key(kernel_started("probe", "d0-kp").job.spec)
         m.running.pop("probe").record.close()
         other = standing("d0-jb", key + "x")
         elsewhere = standing("d1-ja", key, device=1)
@@ -907,7 +913,7 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running, Stage
 
     m = _judging_manager(tmp_path)
     asked: list[tuple[str, bool]] = []
@@ -922,7 +928,7 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
         worker = _process(worker_id)
         m.workers.by_id[worker_id] = worker
         waiting = Running(job=job, worker=worker, timeout_s=60)  # fmt: skip
-        waiting.awaiting_launch = True
+        waiting.stage = Stage.AWAITING_LAUNCH
         waiting.built = [job_channel_pb2.KernelArtifact(role="kernel")]
         waiting.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
         m.running[job_id] = waiting
@@ -1038,7 +1044,7 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     hold back that job (a judge that asked first kept it waiting for ever, on an H100). A
     holder that no longer exists is swept first."""
     from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m = _judging_manager(tmp_path)
     m.memory.set_total(0, 80 * 10**9)
@@ -1070,7 +1076,8 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.running import Running
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -1125,7 +1132,7 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
     from kerneleval.v1 import kernel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     job.spec.kernel.type, job.spec.kernel.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "kernel"
@@ -1144,7 +1151,8 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
             await asyncio.sleep(0)  # the kill is asked for
         else:
             m._on_deadline("j1")
-        assert m.running["j1"].pending == asked
+        kill = m.running["j1"].kill
+        assert kill is not None and kill.value == asked
         m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
         assert not m.running["j1"].awaiting_launch and "j1" not in m.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")

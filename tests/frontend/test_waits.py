@@ -11,9 +11,9 @@ import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 from kerneleval_server.fleet.job_processes import WorkerState
-from kerneleval_server.jobs import judging
+from kerneleval_server.jobs import judge_record
 from kerneleval_server.jobs import waits as waits_mod
-from kerneleval_server.jobs.manager import Running
+from kerneleval_server.jobs.running import Running
 from test_job_channels import job_spec, new_manager, run_async, start_process, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,7 +125,7 @@ def _judged_run(m: object, job_id: str, worker: WorkerState, shared: int) -> Run
     spec.reference.source_code = "reference"
     run = Running(job=job_pb2.Job(job_id=job_id, spec=spec, device_index=0), worker=worker,
                   timeout_s=10.0)  # fmt: skip
-    run.record = judging.Record.make(job_id, 1 << 20, spec, share_max_bytes=100 * GB)
+    run.record = judge_record.Record.make(job_id, 1 << 20, spec, share_max_bytes=100 * GB)
     run.record.kernel_outcome = job_channel_pb2.JobOutcome(job_id=job_id, shared_bytes=shared)
     run.record.gpu_held_on = 0
     return run

@@ -15,7 +15,9 @@ from grpc_status import rpc_status
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
-from kerneleval_server.jobs.manager import JobManager, KeyReused, QueueFull, static_checks
+from kerneleval_server.jobs import static_checks
+from kerneleval_server.jobs.admission import KeyReused, QueueFull
+from kerneleval_server.jobs.manager import JobManager
 from kerneleval_server.spec import placement, validation
 
 log = logging.getLogger("kerneleval.service")

@@ -22,10 +22,11 @@ from kerneleval.v1 import job_pb2
 from kerneleval_server.fleet.gpu_memory import problem_key
 from kerneleval_server.fleet.job_processes import WorkerState
 from kerneleval_server.fleet.timing_windows import Window, public_conditions
+from kerneleval_server.jobs.running import Running
 from kerneleval_server.spec.validation import is_timed
 
 if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.jobs.manager import JobManager
 
 log = logging.getLogger("kerneleval.jobs")
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy

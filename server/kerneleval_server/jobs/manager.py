@@ -37,12 +37,12 @@ from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, Work
 from kerneleval_server.fleet.timing_windows import (
     WATCHDOG_REPLY_S,
     TimingWindows,
-    Window,
 )
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
-from kerneleval_server.jobs import judging, result_cache, static_checks
+from kerneleval_server.jobs import judge_record, judging, static_checks
+from kerneleval_server.jobs.admission import Admission, Joined
 from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.compile_cache import (
@@ -56,6 +56,7 @@ from kerneleval_server.jobs.builds.extension_builds import BUILD_TIMEOUT_S, Exte
 from kerneleval_server.jobs.deadline import Deadline, timeout_of
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.running import Kill, Running, Stage
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
@@ -76,7 +77,6 @@ LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explain
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
-IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 # engine/integrity.py's rules (the front end does not import the engine: torch).
 RUNTIME_RULES = (
     "output_aliases_input",
@@ -88,16 +88,6 @@ RUNTIME_RULES = (
     "timer_tampered",
     "time_outside_bound",
 )
-
-
-class QueueFull(Exception):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s  # a guess of when room will be made
-
-
-class KeyReused(Exception):
-    """An idempotency key of a recent Submit came again with a different spec."""
 
 
 class WatchdogLike(Protocol):
@@ -118,54 +108,6 @@ class WatchdogLike(Protocol):
     ) -> watchdog_pb2.WindowReport: ...
     async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
     async def stop_gpu_users(self, device_index: int) -> watchdog_pb2.GpuUsersReport: ...
-
-
-@dataclass
-class Running:
-    job: job_pb2.Job
-    worker: WorkerState
-    timeout_s: float
-    phase: int = 0
-    pending: str = ""  # what the front end asked of the worker: "timeout" or "cancel"
-    xid: faults.XidSeen | None = None
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    deadline: Deadline | None = None
-    grant_asked_at: float = 0.0  # loop time of a pending GPU request
-    outcome_wait: asyncio.TimerHandle | None = None
-    outcome: job_channel_pb2.JobOutcome | None = None
-    compile_cache: list[job_channel_pb2.CacheFile] = field(default_factory=list)  # given
-    window: Window | None = None  # its timing window, once granted
-    # Built ahead, waiting for a launch process (its deadline paused): what was built.
-    built: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
-    awaiting_launch: bool = False
-    build_arch: str = ""  # what its build process built for
-    # A build job given its raw CUDA reference, built for an earlier job (compile_cache.py:
-    # built_reference): its build process builds the kernel alone.
-    given_reference: list[job_channel_pb2.KernelArtifact] = field(default_factory=list)
-    crowded: bool = False  # another job ran on its GPU meanwhile (their memory was its too)
-    memory_key: str = ""  # its problem, for GPU memory admission (fleet/gpu_memory.py)
-    memory_wait_said: bool = False  # its events said it waits for GPU memory
-    # Judged outside the kernel's process (judging.py): its record, and between the kernel's
-    # outcome and a judge process taking it (deadline paused), waiting; the window the
-    # kernel was timed in (the judge times the reference in one of its own).
-    record: judging.Record | None = None
-    awaiting_judge: bool = False
-    kernel_window: Window | None = None
-    # The kernel's process from its outcome until it has exited: its judge may start and
-    # check meanwhile, but times the reference only once nothing of the kernel is left.
-    kernel_worker: WorkerState | None = None
-    timing_waits_kernel: bool = False
-    # Its judge, started ahead with its kernel (judging.start_ahead), until its JudgeGo.
-    ahead: WorkerState | None = None
-    # Its kernel's process stays after its outcome, serving its timed calls to the judge
-    # (JobOutcome.serves_timed_calls), and the judge's window lets it run (drives_kernel).
-    kernel_serves: bool = False
-    drives_kernel: bool = False
-
-    @property
-    def judged_now(self) -> bool:
-        """Its kernel ran OK and handed over: what its process says now is its judge's."""
-        return self.record is not None and self.record.kernel_outcome is not None
 
 
 @dataclass
@@ -245,9 +187,8 @@ class JobManager:
         self._unstored: dict[str, _Unstored] = {}  # submitted, stored once sent (submit)
         # Jobs just finished whose waiters are woken before the store has them (_finish).
         self._handed: dict[str, job_pb2.Job] = {}
-        self.inflight = result_cache.InFlight()
-        self._software = result_cache.software()
-        self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
+        # Idempotency, the result cache, jobs in flight, the queue limit (admission.py).
+        self.admission = Admission(config, store, self._devices)
         # --role gateway or node: the queue is the shared store's (jobs/shared_queue.py).
         self.shared: SharedQueue | None = None
         # Every wait of a job named as it waits, and bounded (jobs/waits.py).
@@ -270,18 +211,10 @@ class JobManager:
         millisecond of parsing on the way to every job's start): they run while its process
         starts, and what they flag joins its result (_flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
-        if idempotency_key:
-            earlier = self._submitted_with(spec, idempotency_key)
-            if earlier is not None:
-                return earlier
-        key = self._cache_key(spec)
-        hit = self._cached(key)
-        waiting = len(self.queue) + len(self.inflight)
-        if hit is None and waiting >= self.config.max_queue:
-            raise QueueFull(
-                f"the queue holds {waiting} jobs (limit {self.config.max_queue})",
-                self._retry_after_s(),
-            )
+        decision = self.admission.decide(spec, idempotency_key, len(self.queue))
+        if decision.earlier is not None:
+            return decision.earlier
+        key, hit = decision.cache_key, decision.hit
         job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED)
         job.spec.CopyFrom(spec)
         job.device_index = (
@@ -363,47 +296,23 @@ class JobManager:
             self.store.update(job)
         return flags
 
-    # ---- the result cache and identical jobs in flight (result_cache.py) ---------------
+    def _devices(self) -> list[tuple[int, str, str]]:
+        """(index, name, driver) of the GPUs here; a gateway has none: its nodes'
+        (ListDevices), where a job may run as much as on any GPU here."""
+        if self.shared is not None:
+            return [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
+        return [
+            (d.index, d.status.name, d.status.driver_version) for d in self.fleet.devices.values()
+        ]
 
-    def _target(self, spec: kernel_pb2.JobSpec) -> str:
-        """What a result depends on besides the spec: the engine, the software, and the model
-        and driver of the GPUs the job may run on."""
-        # This machine's GPUs; a gateway has none: its nodes' (ListDevices), where the job
-        # may run as much as on any GPU here.
-        devices = (
-            [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
-            if self.shared is not None
-            else [
-                (d.index, d.status.name, d.status.driver_version)
-                for d in self.fleet.devices.values()
-            ]
-        )
-        gpus = sorted({f"{n}/{d}" for i, n, d in devices if placement.may_run_on(spec, i, n)})
-        return f"{self.config.engine or 'default'};{self._software};{','.join(gpus)}"
-
-    def _cache_key(self, spec: kernel_pb2.JobSpec) -> str:
-        if self.config.result_cache_hours <= 0:
-            return ""
-        return result_cache.cache_key(spec, self._target(spec))
-
-    def _cached(self, key: str) -> job_pb2.Job | None:
-        if not key:
-            return None
-        return self.store.cached(key, time.time() - self.config.result_cache_hours * 3600)
-
-    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> str:
+    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> Joined:
         """Queues the job, unless an identical one is queued or running: then it waits for
         that one's result. Returns what the cache did ("bypass", "shared" or "miss"; the
         submission counts it, not a restart or a leader's end that moves the job on)."""
-        if not key:
+        joined = self.admission.join(job.job_id, key)
+        if joined != "shared":
             self._enqueue(job)
-            return "bypass"
-        if self.inflight.leader(key):
-            self.inflight.wait(key, job.job_id)
-            return "shared"
-        self.inflight.lead(key, job.job_id)
-        self._enqueue(job)
-        return "miss"
+        return joined
 
     def _answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: int) -> None:
         """Ends `job` with the result `source` computed."""
@@ -414,11 +323,7 @@ class JobManager:
     def _leader_ended(self, leader: job_pb2.Job) -> None:
         """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
         out, was cancelled...)."""
-        key, followers = self.inflight.leader_ended(leader.job_id)
-        shared = (
-            leader.state == job_pb2.JOB_STATE_DONE
-            and leader.result.verdict in result_cache.CACHEABLE
-        )
+        key, followers, shared = self.admission.ended(leader)
         for job_id in followers:
             follower = self.store.get(job_id)
             if follower is None or follower.state in TERMINAL:
@@ -427,31 +332,6 @@ class JobManager:
                 self._answer(follower, leader, job_pb2.RESULT_ORIGIN_SHARED_RUN)
             else:
                 self._enqueue_or_wait(follower, key)
-
-    def _submitted_with(self, spec: kernel_pb2.JobSpec, key: str) -> job_pb2.Job | None:
-        """The job a Submit with this idempotency key made within IDEMPOTENCY_S, if any."""
-        earlier = self.store.by_idempotency_key(spec.client_tag, key)
-        if earlier is None:
-            return None
-        if earlier.create_time.ToNanoseconds() / 1e9 < time.time() - IDEMPOTENCY_S:
-            self.store.forget_idempotency_key(earlier.job_id)
-            return None
-        if earlier.spec != spec:
-            raise KeyReused(
-                f"idempotency_key {key!r} made job {earlier.job_id} with another spec; a "
-                "key names one submission"
-            )
-        return earlier
-
-    def _retry_after_s(self) -> float:
-        """When a full queue will likely have room for a tenth of it again: from the rate at
-        which jobs finished lately, between 1 and 60 s."""
-        now = time.monotonic()
-        recent = [t for t in self.finish_times if now - t <= 60.0]
-        rate = len(recent) / max(1.0, now - recent[0]) if len(recent) > 1 else 0.0
-        if rate <= 0:
-            return 5.0
-        return max(1.0, min(60.0, 0.1 * self.config.max_queue / rate))
 
     def _reject(self, job: job_pb2.Job) -> None:
         """reject_flagged and the candidate is flagged: it ends now, never run."""
@@ -470,8 +350,8 @@ class JobManager:
         """This node lost the job's lease (another runs it now): its process is killed; what
         it still reports is not written (the store fences this node's writes)."""
         run = self.running.get(job_id)
-        if run is not None and run.outcome is None and not run.pending:
-            run.pending = "cancel"
+        if run is not None and run.outcome is None and run.kill is None:
+            run.kill = Kill.CANCEL
             self._kill(run, metrics_mod.KILL_CANCEL)
 
     def _enqueue(self, job: job_pb2.Job) -> None:
@@ -498,8 +378,7 @@ class JobManager:
             if job.state == job_pb2.JOB_STATE_QUEUED:
                 self._enqueue_or_wait(job, key)
                 continue
-            if key and not self.inflight.leader(key):
-                self.inflight.lead(key, job.job_id)
+            self.admission.lead_again(key, job.job_id)
             fault = job_pb2.FaultInfo(
                 description=f"the front end restarted while the job ran on {job.worker_id}"
             )
@@ -659,7 +538,7 @@ class JobManager:
         return [
             r for r in self.running.values()
             if r.worker.device_index == device and r.worker.worker_id
-            and not r.awaiting_launch and not r.awaiting_judge
+            and r.stage not in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE)
         ]  # fmt: skip
 
     def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
@@ -898,7 +777,7 @@ class JobManager:
         assert run.deadline is not None
         run.deadline.pause()
         run.built = artifacts
-        run.awaiting_launch = True
+        run.stage = Stage.AWAITING_LAUNCH
         self._launched.add(run.job.job_id)
         self.launch_queue.append(run.job.job_id)
 
@@ -957,7 +836,7 @@ class JobManager:
             and self.config.record_max_mib > 0
             and judging.wanted(job.spec, worker.hello)
         ):
-            record = judging.Record.make(
+            record = judge_record.Record.make(
                 job_id, self.config.record_max_mib << 20, job.spec,
                 self.config.record_share_max_mib << 20,
             )  # fmt: skip
@@ -1002,7 +881,7 @@ class JobManager:
         else:
             run = waiting
             run.job, run.worker, run.phase = job, worker, 0
-            run.awaiting_launch, run.built = False, []
+            run.stage, run.built = Stage.RUNNING, []
         run.record = record
         assert run.deadline is not None
         if waiting is not None:
@@ -1071,7 +950,7 @@ class JobManager:
                 extra={"worker_id": worker.worker_id},
             )
             return
-        if run.pending == "cancel":
+        if run.kill is Kill.CANCEL:
             return  # the kill is under way; the cancel ends the job
         result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
         result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
@@ -1142,7 +1021,7 @@ class JobManager:
             ):
                 # A judge, before its kernel's process has exited: nothing of the kernel may
                 # still run on the GPU while the reference is timed (judges.kernel_exited asks).
-                run.timing_waits_kernel = True
+                run.stage = Stage.TIMING_WAITS_KERNEL
                 self.hub.publish(event)
                 return
             if self.gpu_use.admit(run):
@@ -1276,7 +1155,7 @@ class JobManager:
         run = self.running.get(built.job_id)
         if run is None or run.worker is not worker:
             return
-        if run.pending:  # its cancel or timeout crossed this answer: the kill's exit ends it
+        if run.kill is not None:  # its cancel or timeout crossed this answer: its exit ends it
             return
         worker.gone = True  # a build process builds once, then exits
         self._watch_exit(worker)
@@ -1475,7 +1354,7 @@ class JobManager:
             run.deadline.push(now - run.grant_asked_at)
             run.grant_asked_at = now
             return
-        run.pending = "timeout"
+        run.kill = Kill.TIMEOUT
         self._kill(run, metrics_mod.KILL_TIMEOUT)
 
     def _kill(self, run: Running, reason: str) -> None:
@@ -1498,19 +1377,19 @@ class JobManager:
         if self.shared is not None and not self.shared.is_local(job_id):
             await self.shared.cancel_elsewhere(job_id, KILL_FALLBACK_S + 5)
             return self.store.get(job_id)
-        if self.inflight.drop_waiting(job_id):
+        if self.admission.inflight.drop_waiting(job_id):
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         elif self.queue.remove(job_id):
             self.metrics.queue_depth.set(len(self.queue))
             self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         else:
             run = self.running.get(job_id)
-            if run is not None and (run.awaiting_launch or run.awaiting_judge):
+            if run is not None and run.stage in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE):
                 self._finish(
                     run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
                 )
-            elif run is not None and run.outcome is None and not run.pending:
-                run.pending = "cancel"
+            elif run is not None and run.outcome is None and run.kill is None:
+                run.kill = Kill.CANCEL
                 self._kill(run, metrics_mod.KILL_CANCEL)
             await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
         return self.store.get(job_id)
@@ -1625,7 +1504,6 @@ class JobManager:
 
     def _after_finish(self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult) -> None:
         """What follows a job's end: jobs identical to it answered, counts, the next jobs."""
-        self.finish_times.append(time.monotonic())
         self._leader_ended(job)
         state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
         verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
@@ -1682,18 +1560,22 @@ class JobManager:
         self._enqueue(job)
 
     def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
-        if run.awaiting_judge:  # the kernel's process is gone (judges.kernel_exited said so)
+        if run.stage is Stage.AWAITING_JUDGE:  # the kernel's process is gone (kernel_exited)
             return
-        if run.outcome is not None or run.awaiting_launch:
+        if run.outcome is not None or run.stage is Stage.AWAITING_LAUNCH:
             return  # the result (or the build) is in; the exit is the process leaving
-        if run.pending == "cancel":
+        if run.kill is Kill.CANCEL:
             result = job_pb2.EvalResult()
             result.fault.worker_restarted = exited.restarting
             result.fault.description = f"cancelled; worker {run.worker.worker_id} was replaced"
             self._finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
             return
         decision = faults.classify_exit(
-            exited, pending=run.pending, xid=run.xid, phase=run.phase, timeout_s=run.timeout_s
+            exited,
+            pending=run.kill.value if run.kill else "",
+            xid=run.xid,
+            phase=run.phase,
+            timeout_s=run.timeout_s,
         )
         if decision.verdict == job_pb2.VERDICT_UNSPECIFIED:
             for timer in run.timers:

@@ -293,7 +293,7 @@ class SharedQueue:
                 continue
             for job_id in wanted:
                 run = self.m.running.get(job_id)
-                if run is not None and run.pending:
+                if run is not None and run.kill is not None:
                     continue  # being killed already
                 self.m.cancel_soon(job_id)
 

@@ -26,9 +26,10 @@ from kerneleval.v1 import job_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.jobs.running import Running, Stage
 
 if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.jobs.manager import JobManager
 
 log = logging.getLogger("kerneleval.jobs")
 CHECK_S = 5.0
@@ -49,16 +50,16 @@ class _Seen:
 def waiting_for(m: JobManager, run: Running) -> str:
     """What a started job waits for ("" when it runs: its own time, under its deadline)."""
     device = run.worker.device_index
-    if run.awaiting_launch:
+    if run.stage is Stage.AWAITING_LAUNCH:
         return f"a launch process on GPU {device}"
-    if run.awaiting_judge:
+    if run.stage is Stage.AWAITING_JUDGE:
         if run.job.job_id in m.judges.queue:
             return f"a judge process on GPU {run.job.device_index}"
         if run.kernel_worker is not None:
             return "its kernel's process to exit (its outputs are read once nothing can write them)"
         return "its kernel's record to be sealed for its judge"
-    if run.pending:
-        return f"its job process to exit after its {run.pending}"
+    if run.kill is not None:
+        return f"its job process to exit after its {run.kill.value}"
     if run.worker.worker_id in m.gpu_use.waiting:
         need = m.memory.footprint(m.gpu_use.memory_key(run))
         held, budget, holders = m.memory.usage(device)
@@ -68,7 +69,7 @@ def waiting_for(m: JobManager, run: Running) -> str:
             f"{_size(need)} of GPU {device}'s memory ({_size(held)} of {_size(budget)} held "
             f"by {holders})"
         )
-    if run.timing_waits_kernel:
+    if run.stage is Stage.TIMING_WAITS_KERNEL:
         return "its kernel's process to exit before the reference is timed"
     if run.window is not None and run.window.draining:
         return f"GPU {device} to drain other jobs' queued work"
