@@ -300,9 +300,10 @@ class Server:
     def _shared_artifacts(self, shared: SharedQueue) -> SharedArtifacts:
         m = self.manager
         artifacts = SharedArtifacts(
-            self.store, m.extensions, shared.node_id,
+            self.store, m.builds.extensions, shared.node_id,
             wait_s=self.cfg.builder_wait_s, keep_s=self.cfg.retention_hours * 3600.0,
-            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch, host=m,
+            answer=m.builds.answer_extensions, say=m.builds.publish_log, dispatch=m.dispatch,
+            host=m.builds,
         )  # fmt: skip
         shared.on_beat.append(artifacts.refresh)
         shared.on_note[ARTIFACTS_CHANNEL] = artifacts.wake
@@ -318,7 +319,7 @@ class Server:
             return sum(1 for w in workers.values() if w.ready and w.device_index == BUILD_DEVICE)
 
         builder = BuilderNode(
-            self.store, self.manager.extensions, url=self.cfg.store,
+            self.store, self.manager.builds.extensions, url=self.cfg.store,
             lease_s=self.cfg.lease_seconds, torch_version=torch_version,
             cuda_version=cuda_version, slots=self.cfg.effective_build_processes(), idle=idle,
             dispatch=self.manager.dispatch, address=address,

@@ -932,8 +932,8 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
         waiting.built = [job_channel_pb2.KernelArtifact(role="kernel")]
         waiting.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
         m.running[job_id] = waiting
-        m._launched.add(job_id)
-        m._start(job_id, worker)
+        m.builds.launched.add(job_id)
+        m.start(job_id, worker)
         return waiting, worker
 
     def phase(worker: Any, job_id: str, p: int) -> None:
@@ -1105,19 +1105,19 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
         return r
 
     triton = spec(kernel_pb2.KERNEL_TYPE_TRITON, "a triton candidate")
-    m._keep_reference(triton, run(), built("kernel", "reference"))
-    assert m._reference_built_before(triton, "sm_90") == []
+    m.builds.keep_reference(triton, run(), built("kernel", "reference"))
+    assert m.builds.reference_built_before(triton, "sm_90") == []
     cuda = spec(kernel_pb2.KERNEL_TYPE_CUDA, "a cuda candidate")
-    m._keep_reference(cuda, run(), built("kernel", "reference"))
-    given = m._reference_built_before(triton, "sm_90")  # any later job with that reference
+    m.builds.keep_reference(cuda, run(), built("kernel", "reference"))
+    given = m.builds.reference_built_before(triton, "sm_90")  # any later job with that reference
     assert [a.cubin for a in given] == [b"\x7fELF reference"]
-    assert m._reference_built_before(triton, "sm_100") == []  # built for one architecture
+    assert m.builds.reference_built_before(triton, "sm_100") == []  # built for one architecture
     later = run(given)
     kernel_only = built("kernel")
-    m._with_given_reference(later, kernel_only)
+    m.builds._with_given_reference(later, kernel_only)
     assert [a.role for a in kernel_only.artifacts] == ["kernel", "reference"]
     # A build that was given it never keeps it again (what it answers holds the given one).
-    m._keep_reference(cuda, later, kernel_only)
+    m.builds.keep_reference(cuda, later, kernel_only)
     store.close()
 
 
@@ -1150,17 +1150,17 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
             ask = asyncio.create_task(m.cancel("j1"))
             await asyncio.sleep(0)  # the kill is asked for
         else:
-            m._on_deadline("j1")
+            m.on_deadline("j1")
         kill = m.running["j1"].kill
         assert kill is not None and kill.value == asked
         m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
-        assert not m.running["j1"].awaiting_launch and "j1" not in m.launch_queue
+        assert not m.running["j1"].awaiting_launch and "j1" not in m.builds.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id
         m.job_process_exited(worker, exited)
         if asked == "cancel":
             return await asyncio.wait_for(ask, 5)
-        await m.wait_finished("j1", 5)
+        await m.endings.wait_finished("j1", 5)
         return store.get("j1")
 
     ended = asyncio.run(main())
@@ -1169,5 +1169,5 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
         assert ended.state == job_pb2.JOB_STATE_CANCELLED, ended
     else:
         assert ended.result.verdict == job_pb2.VERDICT_TIMEOUT, ended
-    assert "j1" not in m.launch_queue
+    assert "j1" not in m.builds.launch_queue
     store.close()

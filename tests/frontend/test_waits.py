@@ -65,7 +65,7 @@ def test_a_wait_that_never_ends_is_said_then_ends_the_job_failed_and_the_next_jo
         outcome = job_channel_pb2.JobOutcome(job_id=nxt.job_id)
         outcome.result.verdict = job_pb2.VERDICT_OK
         await holder.send(outcome=outcome)
-        await m.wait_finished(nxt.job_id, 5)
+        await m.endings.wait_finished(nxt.job_id, 5)
         done = m.store.get(nxt.job_id)
         assert done is not None and done.result.verdict == job_pb2.VERDICT_OK
         for p in (proc, holder):
@@ -108,7 +108,7 @@ def test_a_job_process_that_answers_without_a_verdict_is_the_services_failure(
         job = m.submit(job_spec())
         assert (await proc.receive()).assign.job_id == job.job_id
         await proc.send(outcome=job_channel_pb2.JobOutcome(job_id=job.job_id))
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         ended = m.store.get(job.job_id)
         assert ended is not None and ended.state == job_pb2.JOB_STATE_FAILED
         assert ended.result.verdict == job_pb2.VERDICT_SERVICE_ERROR

@@ -318,12 +318,12 @@ def elf_sections(blob: bytes) -> dict[str, bytes]:
 def local_build(spec: kernel_pb2.JobSpec, arch: str, folder: Path) -> job_channel_pb2.BuildOutcome:
     """What a node's build process makes of the spec: engine/build.py, in a child with Triton
     in compiled mode and no GPU, as build_job runs it in a build process without one."""
-    from kerneleval_server.engine.isolated import _import_path
+    from kerneleval_server.engine.isolated import import_path
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spec.pb").write_bytes(spec.SerializeToString())
     env = {**os.environ, "KERNELEVAL_BUILD_CHILD": "1", "TRITON_INTERPRET": "0",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _import_path(),
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": import_path(),
            "TRITON_CACHE_DIR": str(folder / "triton-cache")}  # fmt: skip
     subprocess.run(
         [sys.executable, "-m", "kerneleval_server.engine.build", "--spec", str(folder / "spec.pb"),
@@ -362,8 +362,9 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
         shared = PostgresStore(url, shared=True)
         m = JobManager(cfg, jobs, EventHub(jobs), OpsLog(), Metrics(), 600.0)
         artifacts = SharedArtifacts(
-            shared, m.extensions, "node-in-process", wait_s=5.0, keep_s=0,
-            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch, host=m,
+            shared, m.builds.extensions, "node-in-process", wait_s=5.0, keep_s=0,
+            answer=m.builds.answer_extensions, say=m.builds.publish_log, dispatch=m.dispatch,
+            host=m.builds,
         )  # fmt: skip
         for index in (BUILD_DEVICE, 0):  # build processes configured (none is ever up)
             status = watchdog_pb2.DeviceStatus(
@@ -381,7 +382,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
         )  # fmt: skip
         m.workers.by_id[gpu.worker_id] = gpu
         m.on_worker_ready(gpu)
-        assert m.device_arch == {0: "sm_90"}
+        assert m.builds.device_arch == {0: "sm_90"}
         artifacts.refresh()
         job = m.submit(triton_spec())
         writer = gpu.writer

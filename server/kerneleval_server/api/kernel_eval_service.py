@@ -168,7 +168,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             await abort(context, err)
 
     async def _run_to_end(self, job_id: str) -> job_pb2.Job:
-        job = await self.m.finished(job_id)
+        job = await self.m.endings.finished(job_id)
         assert job is not None
         return job
 

@@ -241,7 +241,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         node's, or an all-in-one service's, are those its job processes reported, the ones its
         load_inline calls ask the builders for. A gateway has no job processes: its own Python's
         (probed once, as a builder probes its own) and its compilers'."""
-        ext = self.m.extensions
+        ext = self.m.builds.extensions
         await asyncio.to_thread(ext.compilers)  # `c++ --version`, `nvcc --version`: once
         if self.gateway is None:
             return sorted(ext.versions_of_job_processes(self.m.workers.by_id.values()))

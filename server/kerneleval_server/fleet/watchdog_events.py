@@ -17,19 +17,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server import metrics as metrics_mod
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.devices import Devices, OpsEvents
+from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
 from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
-from kerneleval_server.fleet.watchdog import AttachedFd
+from kerneleval_server.fleet.watchdog import AttachedFd, WatchdogLike
 from kerneleval_server.jobproc import POISONED_EXIT
+from kerneleval_server.metrics import Metrics
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+
+class WatchdogEventsHost(Protocol):
+    """What the watchdog's events ask of the job life cycle (jobs/manager.py JobManager):
+    its tables to keep, and what an exit means for jobs (`job_process_exited`)."""
+
+    @property
+    def workers(self) -> WorkerTable: ...
+    @property
+    def channels(self) -> JobChannels: ...
+    @property
+    def fleet(self) -> Devices: ...
+    @property
+    def ops(self) -> OpsEvents: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    def dispatch(self) -> None: ...
+    def on_health_change(self) -> None: ...
+    def job_process_exited(
+        self, worker: WorkerState, exited: watchdog_pb2.WorkerExited
+    ) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
 DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
@@ -38,7 +63,7 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 class WatchdogEvents:
     """The job manager's (`m`) handler of the watchdog's events."""
 
-    def __init__(self, m: JobManager) -> None:
+    def __init__(self, m: WatchdogEventsHost) -> None:
         self.m = m
         # Sandbox features the host refused, and other warnings of the watchdog (also in the
         # ops log, the metrics and the service log, at WARNING); GetStats serves them.
@@ -66,7 +91,7 @@ class WatchdogEvents:
                 )
                 worker.gone = True
                 if m.watchdog is not None:
-                    m._spawn(m.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
+                    m.spawn(m.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
             m.ops.emit(
                 w.device_index,
                 worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),

@@ -17,20 +17,64 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.config import Config
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.timing_windows import TimingWindows
+from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 from kerneleval_server.jobs.running import Running
+from kerneleval_server.jobs.scheduler import GpuGate
+from kerneleval_server.jobs.store import JobStore
 from kerneleval_server.spec.validation import is_timed
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+
+class JudgesHost(Protocol):
+    """What the judges ask of the job life cycle (manager.py JobManager). (The names with an
+    underscore are the manager's public ones under this module's older names.)"""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def workers(self) -> WorkerTable: ...
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def windows(self) -> TimingWindows: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def gpu_use(self) -> GpuUse: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def dispatch(self) -> None: ...
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+    def _finish(
+        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+    ) -> None: ...
+    def _free_worker(self, worker: WorkerState, completed: bool) -> None: ...
+    def _worker_lost(self, worker: WorkerState) -> None: ...
+    def _watch_exit(self, worker: WorkerState) -> None: ...
+    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool: ...
+    def _held_devices(self) -> dict[int, str]: ...
+    def _spawn(self, coro: Awaitable[Any]) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
@@ -111,7 +155,7 @@ class Judges:
     judges. `m` is the job manager (jobs/manager.py): its running jobs, dispatch, GPU windows,
     job processes and job ends."""
 
-    def __init__(self, m: JobManager, exit_grace_s: float, kill_fallback_s: float) -> None:
+    def __init__(self, m: JudgesHost, exit_grace_s: float, kill_fallback_s: float) -> None:
         self.m = m
         self.queue: deque[str] = deque()  # their kernel ran OK: each waits for a judge
         self.freed_for_judge: dict[int, float] = {}  # GPU -> when a launch process left for one

@@ -20,9 +20,8 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -38,25 +37,20 @@ from kerneleval_server.fleet.timing_windows import (
     WATCHDOG_REPLY_S,
     TimingWindows,
 )
+from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
-from kerneleval_server.jobs import judge_record, judging, static_checks
+from kerneleval_server.jobs import endings, judge_record, judging, static_checks
 from kerneleval_server.jobs.admission import Admission, Joined
 from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.builds.build_cache import BuildCache
-from kerneleval_server.jobs.builds.compile_cache import (
-    CompileCache,
-    as_artifacts,
-    as_files,
-    built_key,
-    built_reference,
-)
-from kerneleval_server.jobs.builds.extension_builds import BUILD_TIMEOUT_S, ExtensionBuilds, Waiter
+from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.deadline import Deadline, timeout_of
+from kerneleval_server.jobs.endings import Endings
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.gpu_use import GpuUse
-from kerneleval_server.jobs.running import Kill, Running, Stage
+from kerneleval_server.jobs.running import Kill, Running, Stage, Unstored, copy_job, stamp
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
@@ -77,58 +71,6 @@ LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explain
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
 OUTCOME_EXIT_GRACE_S = 5.0
-# engine/integrity.py's rules (the front end does not import the engine: torch).
-RUNTIME_RULES = (
-    "output_aliases_input",
-    "output_aliases_reference",
-    "faster_than_memory",
-    "replayed_outputs",
-    "persisting_l2",
-    "lower_precision",
-    "timer_tampered",
-    "time_outside_bound",
-)
-
-
-class WatchdogLike(Protocol):
-    async def kill_worker(self, worker_id: str, reason: str) -> None: ...
-    async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None: ...
-    async def restart_workers(self, device_index: int = -2) -> None: ...
-    async def reset_gpu(
-        self, device_index: int, grace_ms: int
-    ) -> tuple[bool, list[watchdog_pb2.ResetStepReport]]: ...
-    async def status(self) -> watchdog_pb2.StatusReport: ...
-    async def shutdown(self, grace_ms: int = 2000) -> None: ...
-    async def open_window(
-        self,
-        device_index: int,
-        holder_worker_id: str,
-        freeze_others: bool,
-        partner_worker_ids: Sequence[str] = (),
-    ) -> watchdog_pb2.WindowReport: ...
-    async def close_window(self, device_index: int) -> watchdog_pb2.WindowReport: ...
-    async def stop_gpu_users(self, device_index: int) -> watchdog_pb2.GpuUsersReport: ...
-
-
-@dataclass
-class _Unstored:
-    """A job submit made and has not stored yet (it is stored as it is sent to a process)."""
-
-    job: job_pb2.Job
-    event: job_pb2.JobEvent  # its queued event
-    cache_key: str
-    idempotency_key: str
-    later: list[job_pb2.JobEvent] = field(default_factory=list)  # stored after it
-
-
-def _stamp(ts: Any) -> None:
-    ts.FromNanoseconds(time.time_ns())
-
-
-def _copy(job: job_pb2.Job) -> job_pb2.Job:
-    out = job_pb2.Job()
-    out.CopyFrom(job)
-    return out
 
 
 class JobManager:
@@ -159,23 +101,18 @@ class JobManager:
         # and the job process table; each calls back here for what an event means for jobs.
         self.fleet = Devices(self)
         self.watchdog_events = WatchdogEvents(self)
-        # What was built, on disk across restarts: extensions, and the compile cache's entries.
+        # A job's builds outside its process: built ahead then launched, its load_inline
+        # calls (builds/paths.py); what was built, on disk across restarts.
         built = BuildCache(config.state_path() / "builds", config.build_cache_mib << 20)
-        self.compile_cache = CompileCache(config.compile_cache_mib << 20, built)
-        self.extensions = ExtensionBuilds(built)
+        self.builds = BuildPaths(self, built, config.compile_cache_mib << 20)
         self.running: dict[str, Running] = {}
-        self.launch_queue: deque[str] = deque()  # built ahead, in the order they were built
         # Compared jobs whose kernel ran OK, waiting for their judges; the standing judges.
         self.judges = judging.Judges(self, OUTCOME_EXIT_GRACE_S, KILL_FALLBACK_S)
-        self._launched: set[str] = set()  # jobs sent to a launch process wholly prebuilt
-        self.run_whole: set[str] = set()  # the build process said: not buildable ahead
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
         self.alone: set[str] = set()
         # What a problem's jobs need of a GPU's memory, and who holds it (gpu_use.waiting: the
         # jobs whose check waits for it).
         self.memory = GpuMemory(config.gpu_memory_share)
-        self.device_arch: dict[int, str] = {}  # "sm_90" per GPU, from its job processes' Hello
-        self.engine_judges = False  # its GPU job processes' Hello: they judge compared jobs
         self.watchdog: WatchdogLike | None = None
         self.draining = False
         self.on_health_change: Callable[[], None] = lambda: None
@@ -183,10 +120,9 @@ class JobManager:
         self.queue_latency: deque[float] = deque(maxlen=2000)
         self.run_latency: deque[float] = deque(maxlen=2000)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._finished: dict[str, asyncio.Event] = {}
-        self._unstored: dict[str, _Unstored] = {}  # submitted, stored once sent (submit)
-        # Jobs just finished whose waiters are woken before the store has them (_finish).
-        self._handed: dict[str, job_pb2.Job] = {}
+        self._unstored: dict[str, Unstored] = {}  # submitted, stored once sent (submit)
+        # Who waits for a job's end, answered before the store has it (endings.py).
+        self.endings = Endings(store, lambda: self.shared)
         # Idempotency, the result cache, jobs in flight, the queue limit (admission.py).
         self.admission = Admission(config, store, self._devices)
         # --role gateway or node: the queue is the shared store's (jobs/shared_queue.py).
@@ -220,9 +156,9 @@ class JobManager:
         job.device_index = (
             spec.options.device_index if spec.options.HasField("device_index") else -1
         )
-        _stamp(job.create_time)
+        stamp(job.create_time)
         # Static checks of the candidate, here on the trusted side, never in its process; the
-        # flags stay in job.result until _finish puts them in the final result.
+        # flags stay in job.result until finish puts them in the final result.
         late = (
             flags is None and hit is None and self.shared is None
             and not spec.options.reject_flagged
@@ -237,7 +173,7 @@ class JobManager:
         if hit is None and self.shared is None and not rejected:
             # Stored as the dispatch below sends it to a process, or right after it if none
             # takes it (_store_new): the process starts on it while the store is written.
-            self._unstored[job.job_id] = _Unstored(job, event, key, idempotency_key)
+            self._unstored[job.job_id] = Unstored(job, event, key, idempotency_key)
         else:
             self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)
             self.hub.publish(event, persisted=True)
@@ -259,14 +195,14 @@ class JobManager:
         try:
             self.dispatch()
         finally:
-            self._store_new(job.job_id, as_it_is=True)
+            self.store_new(job.job_id, as_it_is=True)
         self.metrics.result_cache.labels(cached).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         if late:
             job.result.flags.extend(self._flag_late(job.job_id, spec))
         return job
 
-    def _store_new(self, job_id: str, as_it_is: bool = False) -> None:
+    def store_new(self, job_id: str, as_it_is: bool = False) -> None:
         """A job submit has not stored yet: stored now, as submitted, with its queued event
         and the events made since. `as_it_is`: then as it is now (the dispatch is over: built
         earlier, it waits for a launch process, RUNNING)."""
@@ -285,7 +221,7 @@ class JobManager:
 
     def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
         """The static checks of a job started before them (submit): their flags join the job
-        where it is now, running (run.job, which _finish ends from) or queued (the store)."""
+        where it is now, running (run.job, which finish ends from) or queued (the store)."""
         flags = static_checks.check(spec)
         if not flags:
             return flags  # the common case: nothing to write
@@ -318,7 +254,7 @@ class JobManager:
         """Ends `job` with the result `source` computed."""
         job.result_origin = origin  # type: ignore[assignment]
         job.result_job_id = source.result_job_id or source.job_id
-        self._finish(job, job_pb2.JOB_STATE_DONE, source.result, source.state_reason)
+        self.finish(job, job_pb2.JOB_STATE_DONE, source.result, source.state_reason)
 
     def _leader_ended(self, leader: job_pb2.Job) -> None:
         """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
@@ -339,7 +275,7 @@ class JobManager:
         result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_REJECTED, correctness=False)
         log.info("job rejected", extra={"job_id": job.job_id, "rules": rules})
         reason = f"rejected: static checks flagged {rules}"
-        self._finish(job, job_pb2.JOB_STATE_DONE, result, reason)
+        self.finish(job, job_pb2.JOB_STATE_DONE, result, reason)
 
     def take(self, job: job_pb2.Job) -> None:
         """A job this node leased from the shared store (shared_queue.py) joins its queue."""
@@ -356,9 +292,7 @@ class JobManager:
 
     def _enqueue(self, job: job_pb2.Job) -> None:
         spec = job.spec
-        kind = (
-            "" if job.job_id in self.run_whole else prebuild.kind(spec, self._judges_launch(spec))
-        )
+        kind = self.builds.kind(job)
         self.queue.push(
             QueuedJob(
                 job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
@@ -399,26 +333,8 @@ class JobManager:
         ready = [w for w in self.workers.by_id.values() if w.ready]
         standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
         ready = [w for w in ready if not w.judge_key]
-        for worker in ready:  # load_inline builds first: their jobs hold a GPU's process
-            if worker.device_index == BUILD_DEVICE and self.extensions.queue:
-                self._start_extension_build(worker)
+        self.builds.dispatch_builds(ready, self.draining)  # build processes' work first
         ready = [w for w in ready if w.ready]
-        remote = self.extensions.remote
-        # Built ahead: the shared artifact store and builders first.
-        if remote is not None and not self.draining:
-            ahead = self.queue.waiting(self._built_ahead)
-            for waiting in ahead:  # it looks for them in the store
-                self._store_new(waiting.job_id)
-            remote.offer_ahead([(q.job_id, self._build_arch(q)) for q in ahead])
-        for worker in ready if not self.draining else []:
-            while worker.device_index == BUILD_DEVICE and len(self.queue):
-                queued = self.queue.pop_for(None, self._builds_here)
-                if queued is None:
-                    break
-                arch = self._build_arch(queued)
-                if not self._built_earlier(queued.job_id, arch):
-                    self._start(queued.job_id, worker, build_arch=arch)
-                    break
         gpu = [
             w
             for w in ready
@@ -428,7 +344,7 @@ class JobManager:
         # processes first (a launch process that takes one runs its code, and then exits).
         # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
         # starts there while it waits for the GPU to empty and while it runs.
-        held = self._held_devices()
+        held = self.held_devices()
         if self.judges.queue:  # a job half done (its kernel ran) first
             self.judges.start(gpu, standing, held)
         for worker in gpu:
@@ -438,101 +354,19 @@ class JobManager:
         for worker in sorted(gpu, key=lambda w: -w.launches):
             if not worker.ready:  # a judge, or a job alone, took it above
                 continue
-            built = self._next_launch(worker.device_index) if self.launch_queue else ""
+            built = self.builds.next_launch(worker.device_index)
             if built:
-                self._start(built, worker)
+                self.start(built, worker)
         for worker in sorted(gpu, key=lambda w: w.launches):
             if worker.ready and len(self.queue) and not self.draining:
                 queued = self.queue.pop_for(
                     worker.device_index,
-                    lambda q: not self._built_ahead(q) and q.job_id not in self.alone,
+                    lambda q: not self.builds.built_ahead(q) and q.job_id not in self.alone,
                     self.fleet.device_name(worker.device_index),
                 )
                 if queued is not None:
-                    self._start(queued.job_id, worker)
+                    self.start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
-
-    def _start_extension_build(self, worker: WorkerState) -> None:
-        build = self.extensions.next_build()
-        if build is None:
-            return
-        spec, call = self.extensions.assignment(build)  # a call, or (a builder's) a job's kernels
-        try:
-            sent = worker.assign(build.build_id, spec, 1, build_arch=build.arch, extension=call)
-        except FrameError as exc:
-            sent = False
-            log.error("extension build %s cannot be sent: %s", build.build_id, exc)
-        self.extensions.started(build, worker)
-        self.publish_log(
-            build.waiters, f"kerneleval: building {build.name!r} in {worker.worker_id}"
-        )
-        if not sent:
-            self._extension_build_lost(worker, "could not be reached")
-            return
-        if self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, build.build_id))
-        worker.exit_watch = asyncio.get_running_loop().call_later(
-            BUILD_TIMEOUT_S, self._extension_build_timeout, worker
-        )
-
-    def _extension_build_timeout(self, worker: WorkerState) -> None:
-        if self.extensions.building(worker) is None:
-            return
-        self._extension_build_lost(worker, f"ran past {BUILD_TIMEOUT_S:.0f} s and was killed")
-        self._worker_lost(worker)
-
-    def _on_extension_request(
-        self, worker: WorkerState, run: Running, req: job_channel_pb2.ExtensionRequest
-    ) -> None:
-        assert worker.hello is not None
-        device = worker.hello.device
-        arch = prebuild.arch_of(device.compute_capability)
-        builders = BUILD_DEVICE in self.fleet.devices and self.fleet.device_takes_jobs(BUILD_DEVICE)
-        waiter = Waiter(run.job.job_id, worker, req.request_id)
-        answer = self.extensions.request(waiter, req, device, arch, builders)
-        if answer is None:
-            text = "kerneleval: load_inline queued for a build process"
-            if self.extensions.remote is not None:
-                text += " (the shared store and the builders first)"
-            self.publish_log([waiter], text)
-            self.dispatch()
-            return
-        if answer.cache_hit:
-            self.publish_log([waiter], "kerneleval: load_inline from the build cache")
-        worker.send(job_channel_pb2.FrontendMessage(extension=answer))
-
-    def _on_extension_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
-        worker.gone = True  # a build process builds once, then exits
-        if worker.exit_watch is not None:  # the build's timeout
-            worker.exit_watch.cancel()
-            worker.exit_watch = None
-        self._watch_exit(worker)
-        self._free_worker(worker, completed=True)
-        self.answer_extensions(self.extensions.finished_build(worker, built))
-        self.dispatch()
-
-    def _extension_build_lost(self, worker: WorkerState, why: str) -> None:
-        self.answer_extensions(self.extensions.lost(worker, why))
-
-    def answer_extensions(
-        self, answers: list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]
-    ) -> None:
-        for waiter, answer in answers:
-            run = self.running.get(waiter.job_id)
-            if run is None or run.worker is not waiter.worker or run.outcome is not None:
-                continue  # it ended meanwhile
-            took = answer.build_time.ToNanoseconds() / 1e9
-            what = answer.error.splitlines()[0] if answer.error else f"built in {took:.1f} s"
-            self.publish_log([waiter], f"kerneleval: load_inline: {what}")
-            try:
-                waiter.worker.send(job_channel_pb2.FrontendMessage(extension=answer))
-            except FrameError as exc:
-                log.error("extension for job %s not sent: %s", waiter.job_id, exc)
-
-    def publish_log(self, waiters: list[Waiter], text: str) -> None:
-        for waiter in waiters:
-            if waiter.job_id in self.running:
-                self.hub.log(waiter.job_id, text)
 
     def _running_on(self, device: int) -> list[Running]:
         return [
@@ -541,7 +375,7 @@ class JobManager:
             and r.stage not in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE)
         ]  # fmt: skip
 
-    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
+    def busy_on(self, device: int, but: WorkerState | None = None) -> bool:
         """A job process of the device has used the GPU for a job and has not exited (its GPU
         memory is not given back until it has), other than `but` and idle launch processes.
         Jobs still compiling (a load_inline build can take half a minute) hold next to none."""
@@ -551,7 +385,7 @@ class JobManager:
             for w in self.workers.by_id.values()
         )  # fmt: skip
 
-    def _held_devices(self) -> dict[int, str]:
+    def held_devices(self) -> dict[int, str]:
         """GPU -> the job to run alone there (queued: where it ran out of memory; or running)."""
         held: dict[int, str] = {}
         for job_id in self.alone:
@@ -566,11 +400,11 @@ class JobManager:
 
     def _start_alone(self, worker: WorkerState, job_id: str) -> None:
         """Starts the job held for the worker's GPU once the GPU runs nothing else."""
-        if job_id in self.running or self._busy_on(worker.device_index, worker):
+        if job_id in self.running or self.busy_on(worker.device_index, worker):
             return
         queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
-            self._start(queued.job_id, worker)
+            self.start(queued.job_id, worker)
 
     def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
         """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
@@ -606,7 +440,7 @@ class JobManager:
         )
         log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
         job.attempt_count -= 1  # the run alone is the same attempt
-        self._requeue(job)
+        self.requeue(job)
         self.dispatch()
         return True
 
@@ -620,119 +454,15 @@ class JobManager:
         if run.outcome_wait is not None:
             run.outcome_wait.cancel()
         if run.worker.job_id == run.job.job_id:
-            self._free_worker(run.worker, completed=completed)
+            self.free_worker(run.worker, completed=completed)
 
-    def _built_ahead(self, queued: QueuedJob) -> bool:
-        """The job goes to a build process first: its kernels can be, there is a GPU to build
-        for (Triton runs in its interpreter without one), and a build process pool, this
-        node's or the builders'. A node without build processes of its own (GPU nodes that
-        leave compiling to `--role builder`) keeps such a job for the builders until they
-        answer or the wait ends (artifact_store: ahead_ended); then it runs whole."""
-        if not queued.prebuild:
-            return False
-        if queued.prebuild != "cuda" and not self._build_arch(queued):
-            return False
-        if BUILD_DEVICE in self.fleet.devices:
-            return self.fleet.device_takes_jobs(BUILD_DEVICE)
-        remote = self.extensions.remote
-        if remote is not None and not remote.ahead_ended(queued.job_id):
-            return True
-        # Nothing will build it ahead: from now on a plain job (offered no more).
-        queued.prebuild = ""
-        if remote is not None:
-            self.hub.log(
-                queued.job_id,
-                "kerneleval: no builder built it ahead and this node has no build processes: "
-                "runs in a job process of its own",
-            )
-        return False
-
-    def _judges_launch(self, spec: kernel_pb2.JobSpec) -> bool:
-        """A kernel built ahead may be launched alone and its reference, which has host code,
-        run in its judge only (--judge-launches): this node's job processes judge, and what
-        the judge reads fits the record or the shares (a launch process cannot judge
-        itself)."""
-        c = self.config
-        return (
-            c.judge_launches
-            and self.engine_judges
-            and c.record_max_mib > 0
-            and prebuild.judged_launch_fits(
-                spec, c.record_max_mib << 20, c.record_share_max_mib << 20
-            )
-        )
-
-    def _build_arch(self, queued: QueuedJob) -> str:
-        """The architecture to build for: the job's GPU's, else the one all GPUs share."""
-        if queued.device_index is not None:
-            arch = self.device_arch.get(queued.device_index, "")
-        else:
-            name = self.fleet.device_name
-            archs = {a for i, a in self.device_arch.items() if queued.fits(i, name(i))}
-            arch = archs.pop() if len(archs) == 1 else ""
-        if not arch and queued.prebuild == "cuda" and not self.device_arch:
-            return prebuild.cpu_arch()  # no GPU here: nvcc checks it, nothing launches it
-        return arch
-
-    def _built_earlier(self, job_id: str, arch: str) -> bool:
-        """A job with exactly this code was built for this architecture: it skips its build
-        and waits for a launch process with what was built then. (A job just submitted is
-        stored as its launch is sent, or after the dispatch: submit.)"""
-        new = self._unstored.get(job_id)
-        job = _copy(new.job) if new is not None else self.store.get(job_id)
-        if job is None or job.state in TERMINAL:
-            return True  # nothing to build
-        files = self.compile_cache.files_for(job.spec, built_key(arch))
-        artifacts = as_artifacts(files) if files else []
-        if not artifacts or prebuild.check_artifacts(job.spec, artifacts):
-            return False
-        job.state = job_pb2.JOB_STATE_RUNNING
-        job.attempt_count += 1
-        job.worker_id = ""
-        _stamp(job.start_time)
-        event = self.hub.next_event(job_id)
-        event.log.text = "built ahead for a job with the same code: waits for a launch process"
-        if new is not None:
-            new.later.append(event)
-        else:
-            self.store.update(job)
-            self.hub.publish(event)
-        run = self._track(job, WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True))
-        self._await_launch(run, artifacts)
-        return True
-
-    def _builds_here(self, queued: QueuedJob) -> bool:
-        """Built ahead by a build process of this front end: not while the shared artifact
-        store and the builders are asked for it (jobs/builds/artifact_store.py)."""
-        remote = self.extensions.remote
-        return self._built_ahead(queued) and (remote is None or remote.builds_here(queued.job_id))
-
-    def built_elsewhere(
-        self, job_id: str, arch: str, built_by: str, built: job_channel_pb2.BuildOutcome
-    ) -> None:
-        """A queued job's build answer from the shared artifact store or a builder
-        (jobs/builds/artifact_store.py): the job starts as a build job `built_by` ran for
-        `arch`, and goes on as after a build here (_on_built: a launch, its result, or run
-        whole)."""
-        if not self.queue.remove(job_id):
-            return  # it ended, or started, meanwhile
-        job = self.store.get(job_id)
-        if job is None or job.state in TERMINAL:
-            return
-        self._mark_started(job, built_by, new_attempt=True)
-        worker = WorkerState(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
-        run = self._track(job, worker)
-        run.build_arch = arch
-        built.job_id = job_id
-        self._on_built(worker, built)
-
-    def _mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None:
+    def mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None:
         """The job RUNNING on `worker_id` (a new attempt: counted, its start stamped): its
         `started` event, stored and published."""
         job.state = job_pb2.JOB_STATE_RUNNING
         if new_attempt:
             job.attempt_count += 1
-            _stamp(job.start_time)
+            stamp(job.start_time)
         job.worker_id = worker_id
         event = self.hub.next_event(job.job_id)
         event.started.worker_id = worker_id
@@ -751,7 +481,7 @@ class JobManager:
         ):
             self.gpu_use.ask_early(run)
 
-    def _track(
+    def track(
         self,
         job: job_pb2.Job,
         worker: WorkerState,
@@ -768,30 +498,9 @@ class JobManager:
         self.running[job.job_id] = run
         self.metrics.running.set(len(self.running))
         run.deadline = Deadline(
-            asyncio.get_running_loop(), run.timeout_s, lambda: self._on_deadline(job.job_id)
+            asyncio.get_running_loop(), run.timeout_s, lambda: self.on_deadline(job.job_id)
         )
         return run
-
-    def _await_launch(self, run: Running, artifacts: list[job_channel_pb2.KernelArtifact]) -> None:
-        """Built: the job waits, its deadline paused, for a launch process."""
-        assert run.deadline is not None
-        run.deadline.pause()
-        run.built = artifacts
-        run.stage = Stage.AWAITING_LAUNCH
-        self._launched.add(run.job.job_id)
-        self.launch_queue.append(run.job.job_id)
-
-    def _next_launch(self, device_index: int) -> str:
-        """The oldest built job that may run on the device."""
-        name = self.fleet.device_name(device_index)
-        for job_id in self.launch_queue:
-            run = self.running.get(job_id)
-            if run is None:
-                continue
-            if placement.may_run_on(run.job.spec, device_index, name):
-                self.launch_queue.remove(job_id)
-                return job_id
-        return ""
 
     def _drop_record(self, run: Running) -> None:
         """The job is done with its record: closed, what its shares held of the GPU given
@@ -800,7 +509,7 @@ class JobManager:
         self.judges.leave_ahead(run)
         kernel = run.kernel_worker
         if run.kernel_serves and kernel is not None:
-            self._watch_exit(kernel)
+            self.watch_exit(kernel)
         record = run.record
         if record is None:
             return
@@ -809,24 +518,24 @@ class JobManager:
             record.gpu_held_on = None
         record.close()
 
-    def _start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
+    def start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
         waiting = self.running.get(job_id)  # built ahead: this is its launch
         new = self._unstored.get(job_id)
         if new is not None:
-            job: job_pb2.Job | None = waiting.job if waiting is not None else _copy(new.job)
+            job: job_pb2.Job | None = waiting.job if waiting is not None else copy_job(new.job)
         else:
             job = self.store.get(job_id)
         if job is None or job.state in TERMINAL:
             return
         self.waits.started()
         prebuilt = waiting.built if waiting is not None else []
-        given = self._reference_built_before(job.spec, build_arch) if build_arch else []
+        given = self.builds.reference_built_before(job.spec, build_arch) if build_arch else []
         cached = (
             []
             if build_arch or prebuilt
-            else self.compile_cache.files_for(job.spec, worker.device_index)
+            else self.builds.compile_cache.files_for(job.spec, worker.device_index)
         )
         record = None
         whole_or_judged = not prebuilt or prebuild.reference_judged(job.spec)
@@ -863,20 +572,20 @@ class JobManager:
             # never got it. The process stays ready for the next job.
             reason = f"the job cannot be sent to a job process: {exc}"
             log.error(reason, extra={"job_id": job_id})
-            self._store_new(job_id)
-            self._finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
+            self.store_new(job_id)
+            self.finish(job, job_pb2.JOB_STATE_FAILED, job.result, reason)
             return
         try:
-            self._store_new(job_id)
+            self.store_new(job_id)
         except Exception:
-            self._worker_lost(worker)  # it has a job the service could not keep
+            self.worker_lost(worker)  # it has a job the service could not keep
             raise
         if not build_arch:
             job.device_index = worker.device_index
         # A build and its launch are one attempt.
-        self._mark_started(job, worker.worker_id, new_attempt=waiting is None)
+        self.mark_started(job, worker.worker_id, new_attempt=waiting is None)
         if waiting is None:
-            run = self._track(job, worker, list(cached))
+            run = self.track(job, worker, list(cached))
             run.build_arch, run.given_reference = build_arch, given
         else:
             run = waiting
@@ -889,7 +598,7 @@ class JobManager:
         worker.job_id = job_id
         if not build_arch:
             others = [o for o in self._running_on(worker.device_index) if o is not run]
-            if others or self._busy_on(worker.device_index, but=worker):
+            if others or self.busy_on(worker.device_index, but=worker):
                 run.crowded = True
             for other in others:
                 other.crowded = True
@@ -904,9 +613,9 @@ class JobManager:
             },
         )
         if self.watchdog is not None:
-            self._spawn(self.watchdog.set_job(worker.worker_id, job_id))
+            self.spawn(self.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
-            self._worker_lost(worker)
+            self.worker_lost(worker)
             return
         if prebuilt:
             self.gpu_use.ask_early(run)
@@ -924,10 +633,10 @@ class JobManager:
         assert worker.hello is not None
         arch = prebuild.arch_of(worker.hello.device.compute_capability)
         if arch:
-            self.device_arch[worker.device_index] = arch
+            self.builds.device_arch[worker.device_index] = arch
         if not worker.hello.device.compute_capability:  # no GPU: it times on the host's CPU
             self.gpu_use.on_host_cpu(worker.device_index)
-        self.engine_judges = worker.hello.judges
+        self.builds.engine_judges = worker.hello.judges
         self.fleet.warm_devices.add(worker.device_index)
         self.on_health_change()
         self.dispatch()
@@ -940,7 +649,7 @@ class JobManager:
         worker.gone = True
         self.metrics.protocol_violations.inc()
         if self.watchdog is not None:
-            self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
+            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
         run = next((r for r in self.running.values() if r.worker is worker), None)
         if run is None:
             log.warning(
@@ -964,24 +673,16 @@ class JobManager:
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(result.fault)
         self.hub.publish(event)
-        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
     def on_worker_message(
         self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
     ) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "outcome":
-            self._on_outcome(worker, msg.outcome)
+            self.on_outcome(worker, msg.outcome)
             return
-        build = self.extensions.building(worker)
-        if build is not None:  # a build process building a load_inline call
-            if kind == "build":
-                self._on_extension_built(worker, msg.build)
-            elif kind == "log":
-                self.publish_log(build.waiters, msg.log.text)
-            return
-        if kind == "build":
-            self._on_built(worker, msg.build)
+        if self.builds.on_build_message(worker, msg, kind):
             return
         if kind == "judge_prepared":  # before its JudgeGo or just after (the frames cross)
             worker.prepared_job = msg.judge_prepared.job_id
@@ -1046,9 +747,9 @@ class JobManager:
         elif kind == "drain":
             self.gpu_use.on_drain_status(worker, run, msg.drain.busy)
         elif kind == "extension":
-            self._on_extension_request(worker, run, msg.extension)
+            self.builds.on_extension_request(worker, run, msg.extension)
 
-    def _on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
+    def on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
         if self.judges.answers_ahead(worker, outcome.job_id, run):  # the job left it
             self.judges.ahead_answered(worker, outcome)
@@ -1057,7 +758,7 @@ class JobManager:
             return
         run.outcome = outcome
         if outcome.compile_cache:
-            why = self.compile_cache.store(
+            why = self.builds.compile_cache.store(
                 run.job.spec, worker.device_index, run.compile_cache, list(outcome.compile_cache)
             )
             if why:
@@ -1081,7 +782,7 @@ class JobManager:
         if (
             outcome.reusable
             and not outcome.context_poisoned
-            and (run.job.job_id in self._launched or judge)
+            and (run.job.job_id in self.builds.launched or judge)
         ):
             worker.reusable = True
             worker.used_gpu = False  # it cleans up before it reads the next job
@@ -1102,9 +803,9 @@ class JobManager:
                 run.kernel_serves = True
                 self.memory.release(worker.device_index, worker.worker_id)
             else:
-                self._watch_exit(worker)
+                self.watch_exit(worker)
             if self.watchdog is not None:
-                self._spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
+                self.spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
         if outcome.context_poisoned:
             event = self.hub.next_event(outcome.job_id)
             event.fault.worker_pid = worker.pid
@@ -1114,7 +815,7 @@ class JobManager:
                 f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
             )
             self.hub.publish(event)
-        self._free_worker(worker, completed=True)
+        self.free_worker(worker, completed=True)
         if (
             run.record is not None
             and run.record.kernel_outcome is None
@@ -1122,7 +823,7 @@ class JobManager:
             and not outcome.context_poisoned
         ):
             self.judges.await_judge(run, outcome)
-            if run.job.job_id in self._launched:
+            if run.job.job_id in self.builds.launched:
                 # A launch process stays, for the next launch; it ran no job's host code and
                 # let go of the record and its socket before it answered.
                 self.judges.kernel_exited(run)
@@ -1144,100 +845,10 @@ class JobManager:
                 wait, self._finish_outcome, outcome.job_id
             )
         elif run.window is not None and not run.window.closed.is_set():
-            self._spawn(self._finish_outcome_after_window(run))
+            self.spawn(self._finish_outcome_after_window(run))
         else:
             self._finish_outcome(outcome.job_id)
         self.dispatch()
-
-    def _on_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
-        """A build process's answer: the job ends (a compile error), waits for a launch
-        process with what was built, or goes back to the queue to run whole."""
-        run = self.running.get(built.job_id)
-        if run is None or run.worker is not worker:
-            return
-        if run.kill is not None:  # its cancel or timeout crossed this answer: its exit ends it
-            return
-        worker.gone = True  # a build process builds once, then exits
-        self._watch_exit(worker)
-        self._free_worker(worker, completed=True)
-        job = run.job
-        if not built.run_whole and not built.HasField("result"):
-            self._with_given_reference(run, built)
-        problem = (
-            ""
-            if built.run_whole or built.HasField("result")
-            else (prebuild.check_artifacts(job.spec, list(built.artifacts)))
-        )
-        if built.HasField("result") or problem:
-            result = job_pb2.EvalResult()
-            if problem:  # the build process broke its contract: as a protocol violation
-                result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
-                result.error.exception_type = "ProtocolViolation"
-                result.error.message = f"build process {worker.worker_id}: {problem}"
-            else:
-                result.CopyFrom(built.result)
-                result.ClearField("timing_window")
-            self._finish(job, job_pb2.JOB_STATE_DONE, result)
-            return
-        if self.extensions.remote is not None:  # for the other nodes (builds/artifact_store.py)
-            self.extensions.remote.kept_ahead(job.job_id, job.spec, run.build_arch, built)
-        if built.run_whole:
-            self.hub.log(
-                job.job_id, f"not built ahead ({built.run_whole}): runs in a job process of its own"
-            )
-            self.run_whole.add(job.job_id)
-            job.attempt_count -= 1  # its whole run is the same attempt
-            assert run.deadline is not None
-            run.deadline.cancel()
-            self.running.pop(job.job_id, None)
-            self._requeue(job)
-        else:
-            self.hub.log(
-                job.job_id, f"built ahead by {worker.worker_id}: waits for a launch process"
-            )
-            why = self.compile_cache.store(
-                job.spec, built_key(run.build_arch), [], as_files(list(built.artifacts))
-            )
-            if why:
-                log.warning("what job %s built is not kept: %s", job.job_id, why)
-            self._keep_reference(job.spec, run, built)
-            self._await_launch(run, list(built.artifacts))
-        self.dispatch()
-
-    def _reference_built_before(
-        self, spec: kernel_pb2.JobSpec, arch: str
-    ) -> list[job_channel_pb2.KernelArtifact]:
-        """The job's raw CUDA reference as a build made it for an earlier job, if kept."""
-        if spec.reference.type != kernel_pb2.KERNEL_TYPE_CUDA or not spec.reference.io.args:
-            return []
-        files = self.compile_cache.files_for(built_reference(spec), built_key(arch))
-        artifacts = as_artifacts(files) if files else []
-        return artifacts if [a.role for a in artifacts] == ["reference"] else []
-
-    def _with_given_reference(self, run: Running, built: job_channel_pb2.BuildOutcome) -> None:
-        """A build given the job's reference built the kernel alone: the job's artifacts are
-        both (what a build of the whole job answers, as the other nodes expect it too)."""
-        if run.given_reference and all(a.role != "reference" for a in built.artifacts):
-            built.artifacts.extend(run.given_reference)
-
-    def _keep_reference(
-        self, spec: kernel_pb2.JobSpec, run: Running, built: job_channel_pb2.BuildOutcome
-    ) -> None:
-        """A raw CUDA reference built beside a raw CUDA kernel is kept for every later job
-        with that reference: nvcc made each from its own source, and no candidate's code ran
-        in that build (a Triton kernel's module runs where it is built: what is built beside
-        one is kept only with it, under the whole job's code)."""
-        if (
-            run.given_reference
-            or spec.kernel.type != kernel_pb2.KERNEL_TYPE_CUDA
-            or spec.reference.type != kernel_pb2.KERNEL_TYPE_CUDA
-        ):
-            return
-        reference = [a for a in built.artifacts if a.role == "reference"]
-        if len(reference) == 1:
-            self.compile_cache.store(
-                built_reference(spec), built_key(run.build_arch), [], as_files(reference)
-            )
 
     async def _finish_outcome_after_window(self, run: Running) -> None:
         """The result says how the GPU was when its window closed: wait for that reading."""
@@ -1280,7 +891,7 @@ class JobManager:
                     f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
                     "it exited and was replaced"
                 )
-        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
     def on_worker_disconnected(self, worker: WorkerState) -> None:
         worker.gone = True
@@ -1289,7 +900,7 @@ class JobManager:
             return
         # Without its channel a job process is of no use: it exits at once (the runtime's
         # reader does), or it is killed (a candidate that closed the channel and stayed).
-        self._watch_exit(worker)
+        self.watch_exit(worker)
         self.on_health_change()
         run = self.running.get(worker.job_id) if worker.job_id else None
         if run is not None and run.outcome is None:
@@ -1310,7 +921,7 @@ class JobManager:
         exited.worker.device_index = run.worker.device_index
         self._job_worker_exited(run, exited)
 
-    def _watch_exit(self, worker: WorkerState) -> None:
+    def watch_exit(self, worker: WorkerState) -> None:
         if worker.exit_watch is None:
             worker.exit_watch = asyncio.get_running_loop().call_later(
                 OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
@@ -1325,25 +936,25 @@ class JobManager:
             OUTCOME_EXIT_GRACE_S,
             extra={"worker_id": worker.worker_id},
         )
-        self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
+        self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
 
-    def _worker_lost(self, worker: WorkerState) -> None:
+    def worker_lost(self, worker: WorkerState) -> None:
         worker.gone = True
         if self.watchdog is not None:
-            self._spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
+            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
 
-    def _free_worker(self, worker: WorkerState, completed: bool) -> None:
+    def free_worker(self, worker: WorkerState, completed: bool) -> None:
         self.gate.release(worker.device_index, worker.worker_id)
         if worker.job_id:
             if completed:
                 worker.completed += 1
             if self.watchdog is not None and not worker.gone:
-                self._spawn(self.watchdog.set_job(worker.worker_id, ""))
+                self.spawn(self.watchdog.set_job(worker.worker_id, ""))
         worker.job_id = ""
 
     # ---- deadlines and cancels --------------------------------------------------------
 
-    def _on_deadline(self, job_id: str) -> None:
+    def on_deadline(self, job_id: str) -> None:
         run = self.running.get(job_id)
         if run is None or run.outcome is not None:
             return
@@ -1360,7 +971,7 @@ class JobManager:
     def _kill(self, run: Running, reason: str) -> None:
         run.worker.gone = True
         if self.watchdog is not None:
-            self._spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
+            self.spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
         run.timers.append(
             asyncio.get_running_loop().call_later(
                 KILL_FALLBACK_S, self._lost_fallback, run.job.job_id, run.worker.worker_id
@@ -1378,118 +989,53 @@ class JobManager:
             await self.shared.cancel_elsewhere(job_id, KILL_FALLBACK_S + 5)
             return self.store.get(job_id)
         if self.admission.inflight.drop_waiting(job_id):
-            self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         elif self.queue.remove(job_id):
             self.metrics.queue_depth.set(len(self.queue))
-            self._finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
         else:
             run = self.running.get(job_id)
             if run is not None and run.stage in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE):
-                self._finish(
+                self.finish(
                     run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
                 )
             elif run is not None and run.outcome is None and run.kill is None:
                 run.kill = Kill.CANCEL
                 self._kill(run, metrics_mod.KILL_CANCEL)
-            await self.wait_finished(job_id, KILL_FALLBACK_S + 5)
+            await self.endings.wait_finished(job_id, KILL_FALLBACK_S + 5)
         return self.store.get(job_id)
 
     def cancel_soon(self, job_id: str) -> None:
         """Cancels in the background (its client went away: nobody waits for the answer)."""
-        self._spawn(self.cancel(job_id))
-
-    async def finished(self, job_id: str) -> job_pb2.Job | None:
-        """The job once it has ended: as it finished, when it ends while awaited here (its
-        waiters answer before the store has it: _finish), else as the store has it."""
-        await self._until_finished(job_id, None)
-        return self._handed.get(job_id) or self.store.get(job_id)
-
-    async def wait_finished(self, job_id: str, timeout: float | None = None) -> None:
-        """Until the job has ended and the store has it (or `timeout`)."""
-        await self._until_finished(job_id, timeout)
-        if job_id in self._handed:
-            await asyncio.sleep(0)  # its write comes in the loop's next turn (_finish)
-
-    async def _until_finished(self, job_id: str, timeout: float | None) -> None:
-        if job_id in self._handed:
-            return
-        job = self.store.get(job_id, include_spec=False)
-        if job is None or job.state in TERMINAL:
-            return
-        if self.shared is not None and not self.shared.is_local(job_id):
-            await self.shared.wait_finished(job_id, timeout)
-            return
-        event = self._finished.setdefault(job_id, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        self.spawn(self.cancel(job_id))
 
     # ---- finishing --------------------------------------------------------------------
 
-    def _finish(
+    def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None:
         run = self.running.pop(job.job_id, None)
-        self.extensions.forget_job(job.job_id)
+        self.builds.forget(job.job_id)
         self.alone.discard(job.job_id)
-        self._launched.discard(job.job_id)
-        self.run_whole.discard(job.job_id)
-        if job.job_id in self.launch_queue:
-            self.launch_queue.remove(job.job_id)
         self.judges.forget(job.job_id)
         if run is not None:
             self._drop_record(run)
             self._stop_following(run, completed=False)
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
-        if not result.verdict and state in (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED):
-            # No job leaves without a verdict: one its process ended without is the service's
-            # failure to get one (the engine's own verdicts are on the kernel or reference).
-            result.verdict = job_pb2.VERDICT_SERVICE_ERROR
-            if state == job_pb2.JOB_STATE_DONE:
-                state = job_pb2.JOB_STATE_FAILED
-                reason = reason or "the job process answered without a verdict"
-            if not result.error.message:
-                result.error.message = reason or result.fault.description
-        job.state = state  # type: ignore[assignment]
-        faults.explain_memory(result, job.device_index, self.memory_limits)
-        if job.HasField("start_time") and not job.result_origin:
-            job.result_origin = job_pb2.RESULT_ORIGIN_RUN
-        # The static flags are the front end's (submit), whatever the job process says; the
-        # engine adds runtime ones (engine/integrity.py), only of the rules it knows.
-        flags = job_pb2.EvalResult()
-        flags.flags.extend(job.result.flags)
-        runtime = [
-            job_pb2.IntegrityFlag(rule_id=f.rule_id, message=f.message[:500], source=f.source)
-            for f in result.flags
-            if f.source == job_pb2.FLAG_SOURCE_RUNTIME and f.rule_id in RUNTIME_RULES
-        ][: len(RUNTIME_RULES)]
-        job.result.CopyFrom(result)
-        job.result.ClearField("flags")
-        job.result.flags.extend(flags.flags)
-        job.result.flags.extend(runtime)
-        if runtime and job.spec.options.reject_flagged and result.verdict == job_pb2.VERDICT_OK:
-            job.result.verdict = job_pb2.VERDICT_REJECTED
-            job.result.correctness = False
-            reason = reason or f"rejected: runtime checks flagged {[f.rule_id for f in runtime]}"
-        job.state_reason = reason
-        _stamp(job.end_time)
+        endings.close(job, state, result, reason, self.memory_limits)
         event = self.hub.next_event(job.job_id)
         event.finished.CopyFrom(job)
         event.finished.ClearField("spec")
-        done = self._finished.pop(job.job_id, None)
-        if done is None:
-            self._stored_then_after(job, event, state, result)
+        if not self.endings.hand(job):
+            self._stored_then_after(job, event, job.state, result)
             return
         # An Evaluate or a Compare waits for it: its task runs only once this callback
         # returns, so it answers first, from the job handed over here (finished()), and the
         # store's write, the event and the bookkeeping follow in the loop's next turn, before
         # any request that comes in meanwhile (~0.5 ms of each such call on an H100 host:
         # bench/probe/timeline_probe.py).
-        self._handed[job.job_id] = job
-        done.set()
-        asyncio.get_running_loop().call_soon(self._stored_then_after, job, event, state, result)
+        asyncio.get_running_loop().call_soon(self._stored_then_after, job, event, job.state, result)
 
     def _stored_then_after(
         self, job: job_pb2.Job, event: job_pb2.JobEvent, state: int, result: job_pb2.EvalResult
@@ -1499,7 +1045,7 @@ class JobManager:
             self.store.update(job, event)
             self.hub.publish(event, persisted=True)
         finally:
-            self._handed.pop(job.job_id, None)
+            self.endings.stored(job.job_id)
             self._after_finish(job, state, result)
 
     def _after_finish(self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult) -> None:
@@ -1538,18 +1084,18 @@ class JobManager:
             event = self.hub.next_event(job.job_id)
             event.fault.CopyFrom(fault)
             self.hub.publish(event)
-            self._requeue(job)
+            self.requeue(job)
             return
         result = job_pb2.EvalResult()
         result.fault.CopyFrom(fault)
         result.fault.description += f"; not retried after {job.attempt_count} attempts"
         if service_fault:
-            self._finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
+            self.finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
             return
         result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
-        self._finish(job, job_pb2.JOB_STATE_DONE, result)
+        self.finish(job, job_pb2.JOB_STATE_DONE, result)
 
-    def _requeue(self, job: job_pb2.Job) -> None:
+    def requeue(self, job: job_pb2.Job) -> None:
         """Back to QUEUED (told, stored) and into the queue; its start is stamped again."""
         job.state = job_pb2.JOB_STATE_QUEUED
         job.ClearField("start_time")
@@ -1568,7 +1114,7 @@ class JobManager:
             result = job_pb2.EvalResult()
             result.fault.worker_restarted = exited.restarting
             result.fault.description = f"cancelled; worker {run.worker.worker_id} was replaced"
-            self._finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
+            self.finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
             return
         decision = faults.classify_exit(
             exited,
@@ -1583,7 +1129,7 @@ class JobManager:
             if run.deadline is not None:
                 run.deadline.cancel()
             if run.worker.job_id == run.job.job_id:
-                self._free_worker(run.worker, completed=False)
+                self.free_worker(run.worker, completed=False)
             self._retry_or_fail(run.job, decision.fault, job_pb2.VERDICT_CRASHED)
             self.metrics.running.set(len(self.running))
             self.dispatch()
@@ -1596,7 +1142,7 @@ class JobManager:
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(decision.fault)
         self.hub.publish(event)
-        self._finish(run.job, job_pb2.JOB_STATE_DONE, result)
+        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
     # ---- what the fleet's events mean for jobs (fleet/watchdog_events.py) -------------
 
@@ -1606,9 +1152,7 @@ class JobManager:
         self.gate.release(worker.device_index, worker.worker_id)
         self.memory.release(worker.device_index, worker.worker_id)
         self.gpu_use.waiting.pop(worker.worker_id, None)
-        if self.extensions.building(worker) is not None:
-            why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
-            self._extension_build_lost(worker, why)
+        self.builds.process_exited(worker, exited)
         for run in list(self.running.values()):
             if run.kernel_worker is worker:
                 self.judges.kernel_exited(run)
@@ -1652,7 +1196,17 @@ class JobManager:
         """The health check: not draining, and a device serves (fleet/devices.py)."""
         return not self.draining and self.fleet.serving()
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
+        """Tells the watchdog which job a job process runs ("": none), so that its exits and
+        XIDs name the job (`finished`: its job is done; its slot goes to a spare)."""
+        if self.watchdog is not None:
+            self.spawn(self.watchdog.set_job(worker_id, job_id, finished=finished))
+
+    def unstored(self, job_id: str) -> Unstored | None:
+        """A job submit made and has not stored yet (store_new)."""
+        return self._unstored.get(job_id)
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
         async def run() -> None:
             try:
                 await coro
@@ -1662,3 +1216,17 @@ class JobManager:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # judging.py's and gpu_use.py's names (their bodies are being edited elsewhere: renamed
+    # with their next change).
+    _finish = finish
+    _free_worker = free_worker
+    _worker_lost = worker_lost
+    _watch_exit = watch_exit
+    _spawn = spawn
+    _held_devices = held_devices
+    _busy_on = busy_on
+
+    @property
+    def _launched(self) -> set[str]:
+        return self.builds.launched

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
@@ -119,3 +121,24 @@ class Running:
             self.stage = stage
         elif self.stage is stage:
             self.stage = Stage.RUNNING
+
+
+@dataclass
+class Unstored:
+    """A job submit made and has not stored yet (it is stored as it is sent to a process)."""
+
+    job: job_pb2.Job
+    event: job_pb2.JobEvent  # its queued event
+    cache_key: str
+    idempotency_key: str
+    later: list[job_pb2.JobEvent] = field(default_factory=list)  # stored after it
+
+
+def stamp(ts: Any) -> None:
+    ts.FromNanoseconds(time.time_ns())
+
+
+def copy_job(job: job_pb2.Job) -> job_pb2.Job:
+    out = job_pb2.Job()
+    out.CopyFrom(job)
+    return out

@@ -19,17 +19,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server import metrics as metrics_mod
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import WorkerTable
+from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.judging import Judges
 from kerneleval_server.jobs.running import Running, Stage
-
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.scheduler import FairQueue, GpuGate
+from kerneleval_server.jobs.store import JobStore
 
 log = logging.getLogger("kerneleval.jobs")
 CHECK_S = 5.0
@@ -40,6 +47,41 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+class WaitsHost(Protocol):
+    """What the watch over waits reads of the job life cycle (manager.py JobManager), and
+    what it does to a job that waited too long: its process killed, the job ended."""
+
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def queue(self) -> FairQueue: ...
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def workers(self) -> WorkerTable: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def alone(self) -> set[str]: ...
+    @property
+    def judges(self) -> Judges: ...
+    @property
+    def gpu_use(self) -> GpuUse: ...
+    @property
+    def builds(self) -> BuildPaths: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def held_devices(self) -> dict[int, str]: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    def finish(
+        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+    ) -> None: ...
+
+
 @dataclass
 class _Seen:
     what: str
@@ -47,7 +89,7 @@ class _Seen:
     said: bool = False
 
 
-def waiting_for(m: JobManager, run: Running) -> str:
+def waiting_for(m: WaitsHost, run: Running) -> str:
     """What a started job waits for ("" when it runs: its own time, under its deadline)."""
     device = run.worker.device_index
     if run.stage is Stage.AWAITING_LAUNCH:
@@ -81,7 +123,7 @@ def waiting_for(m: JobManager, run: Running) -> str:
     return ""
 
 
-def unfinished(m: JobManager) -> list[tuple[str, str]]:
+def unfinished(m: WaitsHost) -> list[tuple[str, str]]:
     """(job id, why it has not finished) for each started job: what it waits for, or what
     still runs. Said when a drain's grace ends (main.py `_shutdown`): these run again at the
     next start."""
@@ -100,7 +142,7 @@ def unfinished(m: JobManager) -> list[tuple[str, str]]:
 class Waits:
     """The manager's (`m`) watch over its jobs' waits (module docstring)."""
 
-    def __init__(self, m: JobManager, max_wait_s: float) -> None:
+    def __init__(self, m: WaitsHost, max_wait_s: float) -> None:
         self.m = m
         self.max_wait_s = max_wait_s
         self._seen: dict[str, _Seen] = {}
@@ -159,7 +201,7 @@ class Waits:
 
     def _queue_note(self, job_id: str) -> str:
         if job_id in self.m.alone:
-            held = self.m._held_devices()
+            held = self.m.held_devices()
             device = next((d for d, j in held.items() if j == job_id), None)
             if device is not None:
                 return f" with GPU {device} to itself, once its other processes have exited"
@@ -193,7 +235,7 @@ class Waits:
             )
         parts.append(
             f"queue {len(m.queue)}, judges wanted {len(m.judges.queue)}, launches wanted "
-            f"{len(m.launch_queue)}, memory waits {len(m.gpu_use.waiting)}"
+            f"{len(m.builds.launch_queue)}, memory waits {len(m.gpu_use.waiting)}"
         )
         return "; ".join(parts)
 
@@ -215,10 +257,10 @@ class Waits:
         elif run.worker.job_id == job_id and not run.worker.gone:
             run.worker.gone = True
             if m.watchdog is not None:
-                m._spawn(m.watchdog.kill_worker(run.worker.worker_id, metrics_mod.KILL_STALLED))
+                m.spawn(m.watchdog.kill_worker(run.worker.worker_id, metrics_mod.KILL_STALLED))
         result = job_pb2.EvalResult()
         result.CopyFrom(job.result)
         result.verdict = job_pb2.VERDICT_SERVICE_ERROR
         result.error.exception_type = "ServiceStalled"
         result.error.message = reason
-        m._finish(job, job_pb2.JOB_STATE_FAILED, result, reason)
+        m.finish(job, job_pb2.JOB_STATE_FAILED, result, reason)

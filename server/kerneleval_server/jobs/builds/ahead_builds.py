@@ -50,14 +50,20 @@ _ARCH = re.compile(r"sm_[0-9]{2,3}[a-z]?")
 
 
 class Host(Protocol):
-    """The node's job manager, as the shared artifact store sees it (JobManager)."""
+    """The node's job builds, as the shared artifact store sees them (paths.BuildPaths)."""
 
-    queue: Any  # `job_id in queue`: still waiting to start here
-    store: Any
-    hub: Any
-    workers: Any
-    compile_cache: Any
-    max_timeout_s: float
+    @property
+    def queue(self) -> Any: ...  # `job_id in queue`: still waiting to start here
+    @property
+    def store(self) -> Any: ...
+    @property
+    def hub(self) -> Any: ...
+    @property
+    def workers(self) -> Any: ...
+    @property
+    def compile_cache(self) -> Any: ...
+    @property
+    def max_timeout_s(self) -> float: ...
 
     def built_elsewhere(
         self, job_id: str, arch: str, built_by: str, built: job_channel_pb2.BuildOutcome

@@ -55,7 +55,7 @@ def built_reference(spec: kernel_pb2.JobSpec) -> kernel_pb2.JobSpec:
     """The spec under which a raw CUDA reference's artifact is kept by itself (with
     built_key), for every later job with that reference whatever its kernel: nvcc made it
     from the reference's source alone, in a build whose kernel was raw CUDA too, so no
-    candidate's code ran where it was made (manager._on_built)."""
+    candidate's code ran where it was made (paths.py on_built)."""
     return kernel_pb2.JobSpec(reference=spec.reference)
 
 
