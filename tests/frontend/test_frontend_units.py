@@ -330,7 +330,7 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import WorkerState
     from kerneleval_server.jobs.manager import JobManager
-    from kerneleval_server.jobs.running import Running
+    from kerneleval_server.jobs.running import Running, xid_suspects
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -346,13 +346,16 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     bad.outcome = job_channel_pb2.JobOutcome(job_id="bad", context_poisoned=True)
     # NVML is late: the watchdog names the worker now running on the GPU (no pid known).
     guess = watchdog_pb2.XidObserved(device_index=0, xid=31, worker_ids=["d0-w1"])
-    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(guess)] == [("bad", True)]
+    def suspects(x: watchdog_pb2.XidObserved) -> list[tuple[str, bool]]:
+        return [(r.job.job_id, sure) for r, sure in xid_suspects(m.running.values(), x)]
+
+    assert suspects(guess) == [("bad", True)]
     by_pid = watchdog_pb2.XidObserved(device_index=0, xid=31, pid=101)
-    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(by_pid)] == [("next", True)]
+    assert suspects(by_pid) == [("next", True)]
     del m.running["bad"]
-    assert [(r.job.job_id, s) for r, s in m._xid_suspects(guess)] == [("next", False)]
+    assert suspects(guess) == [("next", False)]
     other = watchdog_pb2.XidObserved(device_index=1, xid=31)
-    assert m._xid_suspects(other) == []
+    assert suspects(other) == []
     assert nxt.xid is None
 
 
@@ -491,7 +494,7 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     validating = job_channel_pb2.PhaseUpdate(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
 
     async def main() -> None:
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
+        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
 
     asyncio.run(main())
     assert stored_at_grant == [["queued"]]
@@ -525,12 +528,12 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
         return [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
 
     async def main() -> None:
-        m.on_worker_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
+        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
         assert worker.writer.sent == [] and events() == ["queued"]
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
         assert worker.writer.sent == ["grant"] and events() == ["queued"]
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING))
+        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING))
         assert worker.writer.sent == ["grant"]
         assert events() == ["queued", "phase"]
 
@@ -825,14 +828,14 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
 
         checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
         assert gate == [("ask", "d0-ja")] and judge.check_asked  # asked with its job
-        m.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_worker_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
         kernel = m.workers.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
         assert check_frame(kernel, prepared) == "a JudgePrepared for a job it was not given ahead"
         assert check_frame(judge, prepared) == ""
-        m.on_worker_message(judge, prepared)
+        m.messages.on_worker_message(judge, prepared)
         assert gate == [("ask", "d0-ja"), ("release", "d0-ja")]
         assert run.phase == 0  # the kernel's process reports the job's phases
 
@@ -849,7 +852,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert go.job_id == "j" and not go.abandon
         assert gate == [("ask", "d0-ja")] and judge.check_asked
         # Its PHASE_VALIDATING then is the job's event, and asks nothing more.
-        m.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_worker_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         assert run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
@@ -868,7 +871,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check ahead, read after its go (the job's frame now), asks nothing a second
         # time: a second grant, in after its JudgePrepared let the first go, would let its
         # next check run without a share of the GPU.
-        m.on_worker_message(
+        m.messages.on_worker_message(
             judge4,
             frame(phase=job_channel_pb2.PhaseUpdate(job_id="j4", phase=job_pb2.PHASE_VALIDATING)),
         )
@@ -889,10 +892,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check, asked for with its job, stays asked (not released) when it is left: it
         # is granted, else the judge waits for ever and never reads the abandon.
         late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
-        m.on_worker_message(judge2, frame(phase=late))
+        m.messages.on_worker_message(judge2, frame(phase=late))
         assert gate == [] and not judge2.check_asked
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
-        m.on_worker_message(judge2, frame(outcome=left))
+        m.messages.on_worker_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
         # Given the job's next attempt ahead (the same job id), what it said of the last one
         # counts no more: until its new JudgePrepared its go asks nothing for it.
@@ -938,7 +941,7 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
 
     def phase(worker: Any, job_id: str, p: int) -> None:
         update = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=p)  # type: ignore[arg-type]
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
+        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
 
     def phases(job_id: str) -> list[int]:
         return [e.phase.phase for e in m.store.events_after(job_id, 0) if e.HasField("phase")]
@@ -983,7 +986,7 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
         m.workers.by_id[judge.worker_id] = judge
         for phase in (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
             update = job_channel_pb2.PhaseUpdate(job_id="j", phase=phase)  # type: ignore[arg-type]
-            m.on_worker_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
+            m.messages.on_worker_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
             if phase == job_pb2.PHASE_VALIDATING:
                 assert asked == ["d0-w0"]  # its check goes through memory admission at once
                 m.gate.release(0, "d0-w0")
@@ -1153,7 +1156,7 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
             m.on_deadline("j1")
         kill = m.running["j1"].kill
         assert kill is not None and kill.value == asked
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
+        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
         assert not m.running["j1"].awaiting_launch and "j1" not in m.builds.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id

@@ -381,7 +381,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
                                torch_version=torch_version, cuda_version=cuda_version)
         )  # fmt: skip
         m.workers.by_id[gpu.worker_id] = gpu
-        m.on_worker_ready(gpu)
+        m.messages.on_worker_ready(gpu)
         assert m.builds.device_arch == {0: "sm_90"}
         artifacts.refresh()
         job = m.submit(triton_spec())

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet import faults
-from kerneleval_server.jobs.running import stamp
+from kerneleval_server.jobs.running import Running, stamp
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 
@@ -71,6 +71,37 @@ def close(
         reason = reason or f"rejected: runtime checks flagged {[f.rule_id for f in runtime]}"
     job.state_reason = reason
     stamp(job.end_time)
+
+
+def from_outcome(run: Running, result: job_pb2.EvalResult) -> job_pb2.EvalResult:
+    """A job's result from its process's outcome (`result`, a copy of the outcome's): what
+    the service says besides (its timing window, an XID seen, a poisoned context)."""
+    assert run.outcome is not None
+    result.ClearField("timing_window")  # the service's to say, not the job's
+    # A judged job's time is its kernel's: the window it was timed in, as its process said.
+    kernel = run.record.kernel_outcome if run.record is not None else None
+    window = run.kernel_window if kernel is not None else run.window
+    timed = kernel or run.outcome
+    if window is not None:
+        window.fill(result.timing_window)
+        # The job process's own report of its wait for others' queued GPU work: it can
+        # only make its own window look worse.
+        result.timing_window.drain.CopyFrom(timed.window_drain)
+        result.timing_window.drained = timed.window_drained
+    if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
+        result.fault.xid = run.xid.xid
+        result.fault.xid_category = run.xid.category
+        if result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RUNTIME_ERROR):
+            result.verdict = job_pb2.VERDICT_DEVICE_FAULT
+    if run.outcome.context_poisoned:
+        result.fault.worker_restarted = True
+        result.fault.worker_pid = run.worker.pid
+        if not result.fault.description:
+            result.fault.description = (
+                f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
+                "it exited and was replaced"
+            )
+    return result
 
 
 class Endings:

@@ -40,7 +40,7 @@ from kerneleval_server.fleet.timing_windows import (
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
-from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
+from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs import endings, judge_record, judging, static_checks
 from kerneleval_server.jobs.admission import Admission, Joined
 from kerneleval_server.jobs.builds import prebuild
@@ -50,7 +50,16 @@ from kerneleval_server.jobs.deadline import Deadline, timeout_of
 from kerneleval_server.jobs.endings import Endings
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.gpu_use import GpuUse
-from kerneleval_server.jobs.running import Kill, Running, Stage, Unstored, copy_job, stamp
+from kerneleval_server.jobs.messages import JobProcessMessages
+from kerneleval_server.jobs.running import (
+    Kill,
+    Running,
+    Stage,
+    Unstored,
+    copy_job,
+    stamp,
+    xid_suspects,
+)
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
@@ -66,7 +75,6 @@ log = logging.getLogger("kerneleval.jobs")
 OOM_TEXTS = ("CUDA out of memory", NVML_OOM_ASSERT)
 
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
-LOST_FALLBACK_S = 10.0  # a dropped worker connection the watchdog never explains
 # A job process exits at once after its outcome or when its channel closes; one still alive
 # this long after is killed (a candidate that sent an outcome itself, or closed the channel,
 # and went on running must not keep its process and its GPU slot).
@@ -96,7 +104,9 @@ class JobManager:
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
         self.workers = WorkerTable()
-        self.channels = JobChannels(self)
+        # What its job processes say (messages.py), on their channels.
+        self.messages = JobProcessMessages(self)
+        self.channels = JobChannels(self.messages)
         # The devices (their health, XIDs, counters), and the watchdog's events that feed them
         # and the job process table; each calls back here for what an event means for jobs.
         self.fleet = Devices(self)
@@ -471,16 +481,6 @@ class JobManager:
         self.store.update(job, event)
         self.hub.publish(event, persisted=True)
 
-    def _ask_ahead(self, run: Running, phase: int) -> None:
-        """PhaseUpdate.ahead: a check's grant asked for before its phase (its process says
-        PHASE_VALIDATING later and waits for it there). Only before that phase, once."""
-        if (
-            phase == job_pb2.PHASE_VALIDATING
-            and run.phase < job_pb2.PHASE_VALIDATING
-            and not run.worker.check_asked
-        ):
-            self.gpu_use.ask_early(run)
-
     def track(
         self,
         job: job_pb2.Job,
@@ -624,25 +624,6 @@ class JobManager:
 
     # ---- worker channel ---------------------------------------------------------------
 
-    def on_worker_ready(self, worker: WorkerState) -> None:
-        if worker.device_index == BUILD_DEVICE:
-            self.fleet.warm_devices.add(BUILD_DEVICE)  # builds are ready (fleet/readiness.py)
-            self.on_health_change()
-            self.dispatch()
-            return
-        assert worker.hello is not None
-        arch = prebuild.arch_of(worker.hello.device.compute_capability)
-        if arch:
-            self.builds.device_arch[worker.device_index] = arch
-        if not worker.hello.device.compute_capability:  # no GPU: it times on the host's CPU
-            self.gpu_use.on_host_cpu(worker.device_index)
-        self.builds.engine_judges = worker.hello.judges
-        self.fleet.warm_devices.add(worker.device_index)
-        self.on_health_change()
-        self.dispatch()
-        if self.shared is not None:
-            self.shared.claim_soon()
-
     def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
         """The job process sent what its channel does not allow: kill it; its job ends with
         a runtime error that says what it sent (not retried: the job's own code did it)."""
@@ -674,80 +655,6 @@ class JobManager:
         event.fault.CopyFrom(result.fault)
         self.hub.publish(event)
         self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
-
-    def on_worker_message(
-        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
-    ) -> None:
-        kind = msg.WhichOneof("kind")
-        if kind == "outcome":
-            self.on_outcome(worker, msg.outcome)
-            return
-        if self.builds.on_build_message(worker, msg, kind):
-            return
-        if kind == "judge_prepared":  # before its JudgeGo or just after (the frames cross)
-            worker.prepared_job = msg.judge_prepared.job_id
-            self.gate.release(worker.device_index, worker.worker_id)
-            return
-        sub = getattr(msg, kind) if kind else None
-        run = self.running.get(sub.job_id) if sub is not None else None
-        if sub is not None and self.judges.answers_ahead(worker, sub.job_id, run):
-            self.judges.on_ahead_message(run, worker, msg)
-            return
-        if run is None or run.worker is not worker or run.outcome is not None:
-            return
-        if kind == "phase" and msg.phase.ahead:
-            self._ask_ahead(run, msg.phase.phase)
-            return
-        event = self.hub.next_event(run.job.job_id)
-        if kind == "phase":
-            run.phase = msg.phase.phase
-            event.phase.phase = msg.phase.phase
-            if msg.phase.phase not in GATED_PHASES:
-                self.hub.publish(event)
-                return
-            if worker.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
-                worker.check_asked = False  # asked for already: granted or waiting
-                self.hub.publish(event)
-                return
-            run.grant_asked_at = asyncio.get_running_loop().time()
-            if msg.phase.drives_kernel:
-                self.gpu_use.drive_kernel(run)
-                self.hub.publish(event)
-                return
-            if (
-                msg.phase.phase == job_pb2.PHASE_PROFILING
-                and run.kernel_worker is not None
-                and run.kernel_worker is not worker
-                and not run.kernel_serves
-            ):
-                # A judge, before its kernel's process has exited: nothing of the kernel may
-                # still run on the GPU while the reference is timed (judges.kernel_exited asks).
-                run.stage = Stage.TIMING_WAITS_KERNEL
-                self.hub.publish(event)
-                return
-            if self.gpu_use.admit(run):
-                # The job process waits for the grant (a check's comes at once): it goes out
-                # before the event is stored. No other event of the job comes in between.
-                try:
-                    self.gpu_use.use(run)
-                finally:
-                    self.hub.publish(event)
-            else:
-                self.hub.publish(event)
-                self.gpu_use.wait_for_memory(run)
-        elif kind == "progress":
-            p = msg.progress
-            event.progress.phase = p.phase
-            event.progress.done_count = p.done_count
-            event.progress.total_count = p.total_count
-            self.hub.publish(event)
-        elif kind == "log":
-            event.log.text = msg.log.text
-            self.hub.publish(event)
-        elif kind == "drain":
-            self.gpu_use.on_drain_status(worker, run, msg.drain.busy)
-        elif kind == "extension":
-            self.builds.on_extension_request(worker, run, msg.extension)
 
     def on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
@@ -867,51 +774,9 @@ class JobManager:
         result.CopyFrom(run.outcome.result)
         if self._retry_alone(run, result):
             return
-        result.ClearField("timing_window")  # the service's to say, not the job's
-        # A judged job's time is its kernel's: the window it was timed in, as its process said.
-        kernel = run.record.kernel_outcome if run.record is not None else None
-        window = run.kernel_window if kernel is not None else run.window
-        timed = kernel or run.outcome
-        if window is not None:
-            window.fill(result.timing_window)
-            # The job process's own report of its wait for others' queued GPU work: it can
-            # only make its own window look worse.
-            result.timing_window.drain.CopyFrom(timed.window_drain)
-            result.timing_window.drained = timed.window_drained
-        if run.xid is not None and (run.xid.named or result.verdict != job_pb2.VERDICT_OK):
-            result.fault.xid = run.xid.xid
-            result.fault.xid_category = run.xid.category
-            if result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_RUNTIME_ERROR):
-                result.verdict = job_pb2.VERDICT_DEVICE_FAULT
-        if run.outcome.context_poisoned:
-            result.fault.worker_restarted = True
-            result.fault.worker_pid = run.worker.pid
-            if not result.fault.description:
-                result.fault.description = (
-                    f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
-                    "it exited and was replaced"
-                )
-        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
+        self.finish(run.job, job_pb2.JOB_STATE_DONE, endings.from_outcome(run, result))
 
-    def on_worker_disconnected(self, worker: WorkerState) -> None:
-        worker.gone = True
-        if worker.pending_exit is not None:
-            self.watchdog_events.on_worker_exited(worker.pending_exit)
-            return
-        # Without its channel a job process is of no use: it exits at once (the runtime's
-        # reader does), or it is killed (a candidate that closed the channel and stayed).
-        self.watch_exit(worker)
-        self.on_health_change()
-        run = self.running.get(worker.job_id) if worker.job_id else None
-        if run is not None and run.outcome is None:
-            # The watchdog's WorkerExited says why; this only guards against never hearing.
-            run.timers.append(
-                asyncio.get_running_loop().call_later(
-                    LOST_FALLBACK_S, self._lost_fallback, run.job.job_id, worker.worker_id
-                )
-            )
-
-    def _lost_fallback(self, job_id: str, worker_id: str) -> None:
+    def on_process_lost(self, job_id: str, worker_id: str) -> None:
         run = self.running.get(job_id)
         if run is None or run.worker.worker_id != worker_id:
             return
@@ -974,7 +839,7 @@ class JobManager:
             self.spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
         run.timers.append(
             asyncio.get_running_loop().call_later(
-                KILL_FALLBACK_S, self._lost_fallback, run.job.job_id, run.worker.worker_id
+                KILL_FALLBACK_S, self.on_process_lost, run.job.job_id, run.worker.worker_id
             )
         )
 
@@ -1164,31 +1029,10 @@ class JobManager:
     def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None:
         """An XID (recorded by fleet/devices.py): the jobs it belongs to carry it; one whose
         outcome waited for it ends now."""
-        for run, sure in self._xid_suspects(x):
+        for run, sure in xid_suspects(self.running.values(), x):
             run.xid = faults.XidSeen(x.xid, x.category, x.message, named=sure)
             if run.outcome is not None:
                 self._finish_outcome(run.job.job_id)
-
-    def _xid_suspects(self, x: watchdog_pb2.XidObserved) -> list[tuple[Running, bool]]:
-        """The jobs an XID belongs to, and whether that is sure.
-
-        Sure: the kernel log named the job's worker process, or a worker on that device just
-        reported a poisoned context (NVML is ~2 s late, so by now that worker may be gone and
-        the watchdog may name whoever runs on the GPU next). Otherwise the watchdog's guess
-        (the workers running jobs there): the XID is noted, but never turns an OK into a fault.
-        """
-        on_device = [r for r in self.running.values() if r.worker.device_index == x.device_index]
-        by_pid = [r for r in on_device if x.pid and r.worker.pid == x.pid]
-        if by_pid:
-            return [(r, True) for r in by_pid]
-        waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
-        if waiting:
-            return [(r, True) for r in waiting]
-        job_ids, worker_ids = set(x.job_ids), set(x.worker_ids)
-        named = [
-            r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in worker_ids
-        ]
-        return [(r, False) for r in named or on_device]
 
     # ---- helpers ----------------------------------------------------------------------
 

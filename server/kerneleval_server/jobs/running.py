@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kerneleval.internal.v1 import job_channel_pb2
+from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet import faults
@@ -142,3 +143,25 @@ def copy_job(job: job_pb2.Job) -> job_pb2.Job:
     out = job_pb2.Job()
     out.CopyFrom(job)
     return out
+
+
+def xid_suspects(
+    running: Iterable[Running], x: watchdog_pb2.XidObserved
+) -> list[tuple[Running, bool]]:
+    """The jobs an XID belongs to, and whether that is sure.
+
+    Sure: the kernel log named the job's worker process, or a worker on that device just
+    reported a poisoned context (NVML is ~2 s late, so by now that worker may be gone and
+    the watchdog may name whoever runs on the GPU next). Otherwise the watchdog's guess
+    (the workers running jobs there): the XID is noted, but never turns an OK into a fault.
+    """
+    on_device = [r for r in running if r.worker.device_index == x.device_index]
+    by_pid = [r for r in on_device if x.pid and r.worker.pid == x.pid]
+    if by_pid:
+        return [(r, True) for r in by_pid]
+    waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
+    if waiting:
+        return [(r, True) for r in waiting]
+    job_ids, worker_ids = set(x.job_ids), set(x.worker_ids)
+    named = [r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in worker_ids]
+    return [(r, False) for r in named or on_device]
