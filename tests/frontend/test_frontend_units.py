@@ -1061,7 +1061,7 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
         return r
 
     judge, alone = run("judge", "d0-w1"), run("alone", "d0-w2")
-    m.alone.add("alone")
+    m.crowding.alone.add("alone")
     m.memory.hold(0, "d0-w9", 10**9)  # a job process whose exit went unheard
     m.gpu_use.waiting = {"d0-w1": judge, "d0-w2": alone}  # the judge asked first
     m.gpu_use.admit_waiting()

@@ -155,7 +155,7 @@ def test_a_judges_shares_stay_held_until_its_own_admission_which_goes_first(
                     worker=_worker("d0-k"), timeout_s=10.0)  # fmt: skip
     for run in (judge, alone, other):
         m.running[run.job.job_id] = run
-    m.alone.add("X")
+    m.crowding.alone.add("X")
     assert m.memory.usage(0)[0] == 6 * GB  # held while nobody admitted the judge
     assert not m.gpu_use.admit(other)  # the GPU is held for X
     assert not m.gpu_use.admit(alone)  # X waits for the shares

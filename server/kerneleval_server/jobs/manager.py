@@ -20,15 +20,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config
-from kerneleval_server.error_texts import NVML_OOM_ASSERT
 from kerneleval_server.fleet import faults
 from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.fleet.gpu_memory import GpuMemory
@@ -46,11 +45,13 @@ from kerneleval_server.jobs.admission import Admission, Joined
 from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.crowding import Crowding
 from kerneleval_server.jobs.deadline import Deadline, timeout_of
 from kerneleval_server.jobs.endings import Endings
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.messages import JobProcessMessages
+from kerneleval_server.jobs.processes import OUTCOME_EXIT_GRACE_S, ProcessKeeper
 from kerneleval_server.jobs.running import (
     Kill,
     Running,
@@ -70,15 +71,8 @@ if TYPE_CHECKING:
     from kerneleval_server.jobs.shared_queue import SharedQueue
 
 log = logging.getLogger("kerneleval.jobs")
-# An allocation that failed, as torch says it: its OOM error, or the assertion its allocator
-# raises instead where NVML cannot start (a sandbox) while it describes the OOM.
-OOM_TEXTS = ("CUDA out of memory", NVML_OOM_ASSERT)
 
 KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
-# A job process exits at once after its outcome or when its channel closes; one still alive
-# this long after is killed (a candidate that sent an outcome itself, or closed the channel,
-# and went on running must not keep its process and its GPU slot).
-OUTCOME_EXIT_GRACE_S = 5.0
 
 
 class JobManager:
@@ -98,6 +92,13 @@ class JobManager:
         self.metrics = metrics
         self.max_timeout_s = max_timeout_s
         self.memory_limits = faults.MemoryLimits.of(config)  # what OOM results are told
+        # Its job processes: the watchdog told which job each runs, each watched to its exit
+        # and freed (processes.py); judging.py and gpu_use.py know them by their older names.
+        self.processes = p = ProcessKeeper(self)
+        self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
+        self.free_worker, self.worker_lost = p.free_worker, p.worker_lost
+        self._spawn, self._watch_exit = p.spawn, p.watch_exit
+        self._free_worker, self._worker_lost = p.free_worker, p.worker_lost
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
@@ -118,8 +119,8 @@ class JobManager:
         self.running: dict[str, Running] = {}
         # Compared jobs whose kernel ran OK, waiting for their judges; the standing judges.
         self.judges = judging.Judges(self, OUTCOME_EXIT_GRACE_S, KILL_FALLBACK_S)
-        # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
-        self.alone: set[str] = set()
+        # Who shares a GPU, and the jobs re-run with a GPU to themselves (crowding.py).
+        self.crowding = Crowding(self)
         # What a problem's jobs need of a GPU's memory, and who holds it (gpu_use.waiting: the
         # jobs whose check waits for it).
         self.memory = GpuMemory(config.gpu_memory_share)
@@ -129,7 +130,6 @@ class JobManager:
         self.started_at = time.time()
         self.queue_latency: deque[float] = deque(maxlen=2000)
         self.run_latency: deque[float] = deque(maxlen=2000)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._unstored: dict[str, Unstored] = {}  # submitted, stored once sent (submit)
         # Who waits for a job's end, answered before the store has it (endings.py).
         self.endings = Endings(store, lambda: self.shared)
@@ -354,7 +354,7 @@ class JobManager:
         # processes first (a launch process that takes one runs its code, and then exits).
         # A job re-run alone (it ran out of memory beside others) holds its GPU: nothing else
         # starts there while it waits for the GPU to empty and while it runs.
-        held = self.held_devices()
+        held = self.crowding.held_devices()
         if self.judges.queue:  # a job half done (its kernel ran) first
             self.judges.start(gpu, standing, held)
         for worker in gpu:
@@ -371,46 +371,18 @@ class JobManager:
             if worker.ready and len(self.queue) and not self.draining:
                 queued = self.queue.pop_for(
                     worker.device_index,
-                    lambda q: not self.builds.built_ahead(q) and q.job_id not in self.alone,
+                    lambda q: (
+                        not self.builds.built_ahead(q) and q.job_id not in self.crowding.alone
+                    ),
                     self.fleet.device_name(worker.device_index),
                 )
                 if queued is not None:
                     self.start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _running_on(self, device: int) -> list[Running]:
-        return [
-            r for r in self.running.values()
-            if r.worker.device_index == device and r.worker.worker_id
-            and r.stage not in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE)
-        ]  # fmt: skip
-
-    def busy_on(self, device: int, but: WorkerState | None = None) -> bool:
-        """A job process of the device has used the GPU for a job and has not exited (its GPU
-        memory is not given back until it has), other than `but` and idle launch processes.
-        Jobs still compiling (a load_inline build can take half a minute) hold next to none."""
-        return any(
-            w is not but and w.device_index == device and w.used_gpu
-            and not (w.reusable and not w.job_id)
-            for w in self.workers.by_id.values()
-        )  # fmt: skip
-
-    def held_devices(self) -> dict[int, str]:
-        """GPU -> the job to run alone there (queued: where it ran out of memory; or running)."""
-        held: dict[int, str] = {}
-        for job_id in self.alone:
-            run = self.running.get(job_id)
-            if run is not None:
-                held[run.worker.device_index] = job_id
-            elif job_id in self.queue and not self.draining:  # it starts after the stop
-                job = self.store.get(job_id)
-                if job is not None:
-                    held.setdefault(job.device_index, job_id)
-        return held
-
     def _start_alone(self, worker: WorkerState, job_id: str) -> None:
         """Starts the job held for the worker's GPU once the GPU runs nothing else."""
-        if job_id in self.running or self.busy_on(worker.device_index, worker):
+        if job_id in self.running or self.crowding.busy_on(worker.device_index, worker):
             return
         queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
@@ -422,24 +394,9 @@ class JobManager:
         Attempts (--max-attempts) count losses (a dead node, a lost process); the crowding was
         the service's doing, and must neither be stopped by a loss before it nor use up the
         retry of a loss after it (both seen on two H100s with a node killed)."""
-        text = f"{result.error.message}\n{result.compilation_error}"
-        oom = result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY or any(m in text for m in OOM_TEXTS)
-        job = run.job
-        if not oom or not run.crowded or job.job_id in self.alone:
+        if not self.crowding.runs_alone(run, result):
             return False
-        self.memory.ran_out(GpuUse.memory_key(run))
-        self.alone.add(job.job_id)
-        device = job.device_index
-        for other in list(self.running.values()):
-            # A judge started ahead holds memory and counts as using the GPU, so this job
-            # waits for it; its kernel, not admitted yet, now waits for this job: neither
-            # would ever go. It leaves (its job's judge starts afresh once the kernel ran).
-            if (
-                other.ahead is not None
-                and other.worker.device_index == device
-                and not self.memory.holds(device, other.worker.worker_id)
-            ):
-                self.judges.leave_ahead(other)
+        job = run.job
         self.running.pop(job.job_id, None)
         self._drop_record(run)
         self._stop_following(run, completed=True)
@@ -597,11 +554,7 @@ class JobManager:
             run.deadline.resume()
         worker.job_id = job_id
         if not build_arch:
-            others = [o for o in self._running_on(worker.device_index) if o is not run]
-            if others or self.busy_on(worker.device_index, but=worker):
-                run.crowded = True
-            for other in others:
-                other.crowded = True
+            self.crowding.mark(run, worker)
         if self.windows.frozen(worker.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
         log.info(
@@ -786,37 +739,6 @@ class JobManager:
         exited.worker.device_index = run.worker.device_index
         self._job_worker_exited(run, exited)
 
-    def watch_exit(self, worker: WorkerState) -> None:
-        if worker.exit_watch is None:
-            worker.exit_watch = asyncio.get_running_loop().call_later(
-                OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
-            )
-
-    def _kill_if_still_there(self, worker: WorkerState) -> None:
-        if self.workers.by_id.get(worker.worker_id) is not worker or self.watchdog is None:
-            return  # it exited
-        log.warning(
-            "job process %s still runs %.0f s after its outcome or its channel's end: killed",
-            worker.worker_id,
-            OUTCOME_EXIT_GRACE_S,
-            extra={"worker_id": worker.worker_id},
-        )
-        self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
-
-    def worker_lost(self, worker: WorkerState) -> None:
-        worker.gone = True
-        if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
-
-    def free_worker(self, worker: WorkerState, completed: bool) -> None:
-        self.gate.release(worker.device_index, worker.worker_id)
-        if worker.job_id:
-            if completed:
-                worker.completed += 1
-            if self.watchdog is not None and not worker.gone:
-                self.spawn(self.watchdog.set_job(worker.worker_id, ""))
-        worker.job_id = ""
-
     # ---- deadlines and cancels --------------------------------------------------------
 
     def on_deadline(self, job_id: str) -> None:
@@ -881,7 +803,7 @@ class JobManager:
     ) -> None:
         run = self.running.pop(job.job_id, None)
         self.builds.forget(job.job_id)
-        self.alone.discard(job.job_id)
+        self.crowding.alone.discard(job.job_id)
         self.judges.forget(job.job_id)
         if run is not None:
             self._drop_record(run)
@@ -1040,37 +962,24 @@ class JobManager:
         """The health check: not draining, and a device serves (fleet/devices.py)."""
         return not self.draining and self.fleet.serving()
 
-    def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
-        """Tells the watchdog which job a job process runs ("": none), so that its exits and
-        XIDs name the job (`finished`: its job is done; its slot goes to a spare)."""
-        if self.watchdog is not None:
-            self.spawn(self.watchdog.set_job(worker_id, job_id, finished=finished))
-
     def unstored(self, job_id: str) -> Unstored | None:
         """A job submit made and has not stored yet (store_new)."""
         return self._unstored.get(job_id)
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
-        async def run() -> None:
-            try:
-                await coro
-            except Exception as exc:  # noqa: BLE001 - a failed command is logged, not fatal
-                log.warning("background task failed (a watchdog command, a cancel): %s", exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # judging.py's and gpu_use.py's names (their bodies are being edited elsewhere: renamed
     # with their next change).
     _finish = finish
-    _free_worker = free_worker
-    _worker_lost = worker_lost
-    _watch_exit = watch_exit
-    _spawn = spawn
-    _held_devices = held_devices
-    _busy_on = busy_on
 
     @property
     def _launched(self) -> set[str]:
         return self.builds.launched
+
+    @property
+    def alone(self) -> set[str]:
+        return self.crowding.alone
+
+    def _held_devices(self) -> dict[int, str]:
+        return self.crowding.held_devices()
+
+    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
+        return self.crowding.busy_on(device, but)

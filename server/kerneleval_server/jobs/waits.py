@@ -31,6 +31,7 @@ from kerneleval_server.fleet.job_processes import WorkerTable
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.crowding import Crowding
 from kerneleval_server.jobs.events import EventHub
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.judging import Judges
@@ -66,7 +67,7 @@ class WaitsHost(Protocol):
     @property
     def gate(self) -> GpuGate: ...
     @property
-    def alone(self) -> set[str]: ...
+    def crowding(self) -> Crowding: ...
     @property
     def judges(self) -> Judges: ...
     @property
@@ -75,7 +76,6 @@ class WaitsHost(Protocol):
     def builds(self) -> BuildPaths: ...
     @property
     def watchdog(self) -> WatchdogLike | None: ...
-    def held_devices(self) -> dict[int, str]: ...
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
@@ -105,7 +105,7 @@ def waiting_for(m: WaitsHost, run: Running) -> str:
     if run.worker.worker_id in m.gpu_use.waiting:
         need = m.memory.footprint(m.gpu_use.memory_key(run))
         held, budget, holders = m.memory.usage(device)
-        if run.job.job_id in m.alone or need is None:
+        if run.job.job_id in m.crowding.alone or need is None:
             return f"GPU {device} to itself ({holders} holder(s) of its memory)"
         return (
             f"{_size(need)} of GPU {device}'s memory ({_size(held)} of {_size(budget)} held "
@@ -200,8 +200,8 @@ class Waits:
                 self._say(job_id, s.what, waited)
 
     def _queue_note(self, job_id: str) -> str:
-        if job_id in self.m.alone:
-            held = self.m.held_devices()
+        if job_id in self.m.crowding.alone:
+            held = self.m.crowding.held_devices()
             device = next((d for d, j in held.items() if j == job_id), None)
             if device is not None:
                 return f" with GPU {device} to itself, once its other processes have exited"
