@@ -53,6 +53,7 @@ from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
 from kerneleval_server.jobs.builds.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.service import JobService
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
@@ -454,11 +455,12 @@ class Server:
     async def run(self) -> int:
         cfg = self.cfg
         server = self._grpc_server(admin_token(cfg, self.state))
-        ops = OperationsService(self.manager, self.shared, self.readiness.kinds)
+        jobs = JobService(self.manager)  # the servicers' one face of the job service
+        ops = OperationsService(jobs, self.shared, self.readiness.kinds)
         names: tuple[str, ...] = (health.SERVICE_NAME,)
         if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
             kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
-                KernelEvalService(self.manager, self.limits), server
+                KernelEvalService(jobs, self.limits), server
             )
             operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
             names = (

@@ -33,6 +33,7 @@ from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import Config
 from kerneleval_server.jobs.events import LOG_CUT_PREFIX, EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.service import JobService
 from kerneleval_server.jobs.store import SqliteStore
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
 from kerneleval_server.spec import validation
@@ -83,10 +84,10 @@ async def serve(tmp_path: Path) -> AsyncIterator[Harness]:
         options=OPTIONS,
     )
     pb_grpc.add_KernelEvalServiceServicer_to_server(
-        KernelEvalService(manager, validation.Limits()), server
+        KernelEvalService(JobService(manager), validation.Limits()), server
     )
     operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(
-        OperationsService(manager), server
+        OperationsService(JobService(manager)), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -48,14 +48,14 @@ def refusal(
 
 
 def _refuse(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> None:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return refuse
 
 
 def _refuse_stream(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> AsyncIterator[Any]:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 

@@ -169,7 +169,7 @@ async def _reject(context: Any, request: _Undecodable) -> None:
 def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream_out(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, _Undecodable):
                 await _reject(context, request)
                 return
@@ -178,7 +178,7 @@ def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
 
         return stream_out
 
-    async def unary_out(request: Any, context: Any) -> Any:
+    async def unary_out(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
             await _reject(context, request)
             return None
@@ -190,7 +190,7 @@ def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return unary_out
 
 
-def _checked(requests: Any, context: Any) -> AsyncIterator[Any]:
+def _checked(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     async def gen() -> AsyncIterator[Any]:
         async for request in requests:
             if isinstance(request, _Undecodable):
@@ -204,13 +204,15 @@ def _checked(requests: Any, context: Any) -> AsyncIterator[Any]:
 def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream_out(requests: Any, context: Any) -> AsyncIterator[Any]:
+        async def stream_out(
+            requests: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
             async for item in behavior(_checked(requests, context), context):
                 yield item
 
         return stream_out
 
-    async def unary_out(requests: Any, context: Any) -> Any:
+    async def unary_out(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         result = behavior(_checked(requests, context), context)
         if inspect.isawaitable(result):
             result = await result
