@@ -1160,7 +1160,7 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
         assert not m.running["j1"].awaiting_launch and "j1" not in m.builds.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id
-        m.job_process_exited(worker, exited)
+        m.process_exited(worker, exited)
         if asked == "cancel":
             return await asyncio.wait_for(ask, 5)
         await m.endings.wait_finished("j1", 5)

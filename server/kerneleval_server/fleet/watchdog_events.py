@@ -5,7 +5,7 @@ the front end's end of a new job process's channel just before its WorkerStarted
 (`on_job_channel`). An event becomes the fleet's state (the job process table, the devices of
 fleet/devices.py, the sandbox report), counters, metrics, operations events and log lines.
 What it means for a job is the job manager's, called from here: a job process's exit (its
-GPU slot and memory, an extension build, its job's verdict: `JobManager.job_process_exited`)
+GPU slot and memory, an extension build, its job's verdict: `JobManager.process_exited`)
 and an XID (the jobs it belongs to: `JobManager.attribute_xid`, through devices.py).
 
 Apart from devices.py: that is the fleet's state, which dispatch, the API and the health
@@ -34,7 +34,7 @@ from kerneleval_server.metrics import Metrics
 
 class WatchdogEventsHost(Protocol):
     """What the watchdog's events ask of the job life cycle (jobs/manager.py JobManager):
-    its tables to keep, and what an exit means for jobs (`job_process_exited`)."""
+    its tables to keep, and what an exit means for jobs (`process_exited`)."""
 
     @property
     def workers(self) -> WorkerTable: ...
@@ -51,9 +51,7 @@ class WatchdogEventsHost(Protocol):
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def dispatch(self) -> None: ...
     def on_health_change(self) -> None: ...
-    def job_process_exited(
-        self, worker: WorkerState, exited: watchdog_pb2.WorkerExited
-    ) -> None: ...
+    def process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None: ...
 
 
 log = logging.getLogger("kerneleval.jobs")
@@ -207,7 +205,7 @@ class WatchdogEvents:
         )
         if worker is not None:
             worker.gone = True
-            m.job_process_exited(worker, exited)
+            m.process_exited(worker, exited)
             if worker.writer is not None:
                 worker.writer.close()
         m.on_health_change()

@@ -1,16 +1,28 @@
-"""The job life cycle: queue, start on a job process, follow, finish with a verdict.
+"""The job life cycle, as its story: a job is submitted (`submit`: admission decides it,
+admission.py), dispatched to a job process (`dispatch`, `start`), answered by it
+(`on_outcome`), and finished (`finish`), unless it is cancelled (`cancel`), runs out of time
+(`on_deadline`), loses its process (`process_exited`) or its GPU faults (`attribute_xid`).
 
-A job process (a "worker" in the tables) takes exactly one job: it is dispatched to only once
-it has said hello, is not a spare and was never given a job; after its outcome it exits by
-itself (exit code 0, or POISONED_EXIT when its CUDA context was poisoned) and is not a failure.
-A job of IOContract kernels only (prebuild.py) is first built by a build process, then
-launched by a launch process, which takes the next such job when its outcome says it may.
+A job process takes exactly one job: it is dispatched to only once it has said hello, is not
+a spare and was never given a job; after its outcome it exits by itself (exit code 0, or
+POISONED_EXIT when its CUDA context was poisoned) and is not a failure. Where a job is in its
+story is its `Running` record's `Stage` (running.py). The rest is beside it, each part
+reached through a small Protocol, never through the manager's private names:
 
-Every state change is written to the store before anyone hears of it. The fleet is not kept
-here: the devices, their health and XIDs (fleet/devices.py, `fleet`) and the watchdog's
-events (fleet/watchdog_events.py, `watchdog_events`) call back for what an event means for
-jobs: a job process's exit (`job_process_exited`) and an XID (`attribute_xid`) become job
-verdicts. It all runs on the event loop; nothing here blocks.
+    admission.py      idempotency, the result cache, jobs in flight, the queue limit
+    builds/paths.py   built ahead then launched; load_inline builds
+    messages.py       what a job process says on its channel
+    processes.py      the job processes: told to the watchdog, watched to their exit, freed
+    crowding.py       who shares a GPU; a job that ran out of memory crowded runs alone
+    judging.py        compared jobs judged outside the kernel's process
+    gpu_use.py        a running job's GPU: memory admission, the gate, timing windows
+    endings.py        a job's final result, and who waits for it
+    waits.py          every wait of a job named and bounded
+    service.py        the one face the API's servicers call
+
+Every state change is written to the store before anyone hears of it. The devices, their
+health and XIDs (fleet/devices.py) and the watchdog's events (fleet/watchdog_events.py) call
+back for what an event means for jobs. It all runs on the event loop; nothing here blocks.
 """
 
 from __future__ import annotations
@@ -140,7 +152,7 @@ class JobManager:
         # Every wait of a job named as it waits, and bounded (jobs/waits.py).
         self.waits = Waits(self, config.max_wait_s)
 
-    # ---- submission -------------------------------------------------------------------
+    # ---- a job comes in: submit (or a lease from the shared store, or a restart) ------------
 
     def submit(
         self,
@@ -212,6 +224,19 @@ class JobManager:
             job.result.flags.extend(self._flag_late(job.job_id, spec))
         return job
 
+    def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
+        """The static checks of a job started before them (submit): their flags join the job
+        where it is now, running (run.job, which finish ends from) or queued (the store)."""
+        flags = static_checks.check(spec)
+        if not flags:
+            return flags  # the common case: nothing to write
+        run = self.running.get(job_id)
+        job = run.job if run is not None else self.store.get(job_id)
+        if job is not None:
+            job.result.flags.extend(flags)
+            self.store.update(job)
+        return flags
+
     def store_new(self, job_id: str, as_it_is: bool = False) -> None:
         """A job submit has not stored yet: stored now, as submitted, with its queued event
         and the events made since. `as_it_is`: then as it is now (the dispatch is over: built
@@ -229,27 +254,9 @@ class JobManager:
         for event in new.later:
             self.hub.publish(event)
 
-    def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
-        """The static checks of a job started before them (submit): their flags join the job
-        where it is now, running (run.job, which finish ends from) or queued (the store)."""
-        flags = static_checks.check(spec)
-        if not flags:
-            return flags  # the common case: nothing to write
-        run = self.running.get(job_id)
-        job = run.job if run is not None else self.store.get(job_id)
-        if job is not None:
-            job.result.flags.extend(flags)
-            self.store.update(job)
-        return flags
-
-    def _devices(self) -> list[tuple[int, str, str]]:
-        """(index, name, driver) of the GPUs here; a gateway has none: its nodes'
-        (ListDevices), where a job may run as much as on any GPU here."""
-        if self.shared is not None:
-            return [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
-        return [
-            (d.index, d.status.name, d.status.driver_version) for d in self.fleet.devices.values()
-        ]
+    def unstored(self, job_id: str) -> Unstored | None:
+        """A job submit made and has not stored yet (store_new)."""
+        return self._unstored.get(job_id)
 
     def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> Joined:
         """Queues the job, unless an identical one is queued or running: then it waits for
@@ -260,24 +267,31 @@ class JobManager:
             self._enqueue(job)
         return joined
 
+    def _enqueue(self, job: job_pb2.Job) -> None:
+        spec = job.spec
+        kind = self.builds.kind(job)
+        self.queue.push(
+            QueuedJob(
+                job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
+                placement.wanted_model(spec),
+            )
+        )  # fmt: skip
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _devices(self) -> list[tuple[int, str, str]]:
+        """(index, name, driver) of the GPUs here; a gateway has none: its nodes'
+        (ListDevices), where a job may run as much as on any GPU here."""
+        if self.shared is not None:
+            return [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
+        return [
+            (d.index, d.status.name, d.status.driver_version) for d in self.fleet.devices.values()
+        ]
+
     def _answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: int) -> None:
         """Ends `job` with the result `source` computed."""
         job.result_origin = origin  # type: ignore[assignment]
         job.result_job_id = source.result_job_id or source.job_id
         self.finish(job, job_pb2.JOB_STATE_DONE, source.result, source.state_reason)
-
-    def _leader_ended(self, leader: job_pb2.Job) -> None:
-        """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
-        out, was cancelled...)."""
-        key, followers, shared = self.admission.ended(leader)
-        for job_id in followers:
-            follower = self.store.get(job_id)
-            if follower is None or follower.state in TERMINAL:
-                continue
-            if shared:
-                self._answer(follower, leader, job_pb2.RESULT_ORIGIN_SHARED_RUN)
-            else:
-                self._enqueue_or_wait(follower, key)
 
     def _reject(self, job: job_pb2.Job) -> None:
         """reject_flagged and the candidate is flagged: it ends now, never run."""
@@ -291,25 +305,6 @@ class JobManager:
         """A job this node leased from the shared store (shared_queue.py) joins its queue."""
         if job.job_id not in self.queue and job.job_id not in self.running:
             self._enqueue(job)
-
-    def abandon(self, job_id: str) -> None:
-        """This node lost the job's lease (another runs it now): its process is killed; what
-        it still reports is not written (the store fences this node's writes)."""
-        run = self.running.get(job_id)
-        if run is not None and run.outcome is None and run.kill is None:
-            run.kill = Kill.CANCEL
-            self._kill(run, metrics_mod.KILL_CANCEL)
-
-    def _enqueue(self, job: job_pb2.Job) -> None:
-        spec = job.spec
-        kind = self.builds.kind(job)
-        self.queue.push(
-            QueuedJob(
-                job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
-                placement.wanted_model(spec),
-            )
-        )  # fmt: skip
-        self.metrics.queue_depth.set(len(self.queue))
 
     def recover(self) -> None:
         """After a restart: queued jobs queue again; running ones re-run once or fail. (A
@@ -329,11 +324,7 @@ class JobManager:
             self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED, service_fault=True)
         self.dispatch()
 
-    def start_watching_waits(self) -> None:
-        """From here on, every job's wait is named and bounded (jobs/waits.py)."""
-        self.waits.start()
-
-    # ---- dispatch ---------------------------------------------------------------------
+    # ---- it goes to a job process: dispatch, start ---------------------------------------
 
     def dispatch(self) -> None:
         """Work to job processes. While draining (SIGTERM: main.py `_shutdown`), only what
@@ -387,93 +378,6 @@ class JobManager:
         queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
             self.start(queued.job_id, worker)
-
-    def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
-        """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
-        that was not its own: it runs again, once, with the GPU to itself, in the same attempt.
-        Attempts (--max-attempts) count losses (a dead node, a lost process); the crowding was
-        the service's doing, and must neither be stopped by a loss before it nor use up the
-        retry of a loss after it (both seen on two H100s with a node killed)."""
-        if not self.crowding.runs_alone(run, result):
-            return False
-        job = run.job
-        self.running.pop(job.job_id, None)
-        self._drop_record(run)
-        self._stop_following(run, completed=True)
-        self.hub.log(
-            job.job_id,
-            "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
-            f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})",
-        )
-        log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
-        job.attempt_count -= 1  # the run alone is the same attempt
-        self.requeue(job)
-        self.dispatch()
-        return True
-
-    def _stop_following(self, run: Running, completed: bool) -> None:
-        """The run is over for the front end: its timers stop, its process takes no more of
-        it."""
-        for timer in run.timers:
-            timer.cancel()
-        if run.deadline is not None:
-            run.deadline.cancel()
-        if run.outcome_wait is not None:
-            run.outcome_wait.cancel()
-        if run.worker.job_id == run.job.job_id:
-            self.free_worker(run.worker, completed=completed)
-
-    def mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None:
-        """The job RUNNING on `worker_id` (a new attempt: counted, its start stamped): its
-        `started` event, stored and published."""
-        job.state = job_pb2.JOB_STATE_RUNNING
-        if new_attempt:
-            job.attempt_count += 1
-            stamp(job.start_time)
-        job.worker_id = worker_id
-        event = self.hub.next_event(job.job_id)
-        event.started.worker_id = worker_id
-        event.started.device_index = job.device_index
-        event.started.attempt = job.attempt_count
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
-
-    def track(
-        self,
-        job: job_pb2.Job,
-        worker: WorkerState,
-        compile_cache: list[job_channel_pb2.CacheFile] | None = None,
-    ) -> Running:
-        """A job that starts now: followed until it ends, its timeout running."""
-        self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
-        run = Running(
-            job=job,
-            worker=worker,
-            timeout_s=timeout_of(job.spec, self.max_timeout_s),
-            compile_cache=compile_cache or [],
-        )
-        self.running[job.job_id] = run
-        self.metrics.running.set(len(self.running))
-        run.deadline = Deadline(
-            asyncio.get_running_loop(), run.timeout_s, lambda: self.on_deadline(job.job_id)
-        )
-        return run
-
-    def _drop_record(self, run: Running) -> None:
-        """The job is done with its record: closed, what its shares held of the GPU given
-        back, a judge started ahead with it (which holds it too) told to leave it, and a
-        kernel's process that served its timed calls watched to its exit."""
-        self.judges.leave_ahead(run)
-        kernel = run.kernel_worker
-        if run.kernel_serves and kernel is not None:
-            self.watch_exit(kernel)
-        record = run.record
-        if record is None:
-            return
-        if record.gpu_held_on is not None:
-            self.memory.release(record.gpu_held_on, record.holder)
-            record.gpu_held_on = None
-        record.close()
 
     def start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
@@ -575,39 +479,43 @@ class JobManager:
         if record is not None:
             self.judges.start_ahead(run)
 
-    # ---- worker channel ---------------------------------------------------------------
-
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
-        """The job process sent what its channel does not allow: kill it; its job ends with
-        a runtime error that says what it sent (not retried: the job's own code did it)."""
-        worker.gone = True
-        self.metrics.protocol_violations.inc()
-        if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
-        run = next((r for r in self.running.values() if r.worker is worker), None)
-        if run is None:
-            log.warning(
-                "job process %s broke the protocol after its job: %s",
-                worker.worker_id,
-                what,
-                extra={"worker_id": worker.worker_id},
-            )
-            return
-        if run.kill is Kill.CANCEL:
-            return  # the kill is under way; the cancel ends the job
-        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
-        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
-        result.error.exception_type = "ProtocolViolation"
-        result.error.message = what
-        result.fault.worker_pid = worker.pid
-        result.fault.worker_restarted = True
-        result.fault.description = (
-            f"job process {worker.worker_id} broke the job channel's protocol and was killed"
+    def track(
+        self,
+        job: job_pb2.Job,
+        worker: WorkerState,
+        compile_cache: list[job_channel_pb2.CacheFile] | None = None,
+    ) -> Running:
+        """A job that starts now: followed until it ends, its timeout running."""
+        self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
+        run = Running(
+            job=job,
+            worker=worker,
+            timeout_s=timeout_of(job.spec, self.max_timeout_s),
+            compile_cache=compile_cache or [],
         )
-        event = self.hub.next_event(run.job.job_id)
-        event.fault.CopyFrom(result.fault)
-        self.hub.publish(event)
-        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
+        self.running[job.job_id] = run
+        self.metrics.running.set(len(self.running))
+        run.deadline = Deadline(
+            asyncio.get_running_loop(), run.timeout_s, lambda: self.on_deadline(job.job_id)
+        )
+        return run
+
+    def mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None:
+        """The job RUNNING on `worker_id` (a new attempt: counted, its start stamped): its
+        `started` event, stored and published."""
+        job.state = job_pb2.JOB_STATE_RUNNING
+        if new_attempt:
+            job.attempt_count += 1
+            stamp(job.start_time)
+        job.worker_id = worker_id
+        event = self.hub.next_event(job.job_id)
+        event.started.worker_id = worker_id
+        event.started.device_index = job.device_index
+        event.started.attempt = job.attempt_count
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+
+    # ---- its process answers: on_outcome (what else it says: messages.py) ----------------
 
     def on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
@@ -623,11 +531,6 @@ class JobManager:
             )
             if why:
                 log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
-        # A launch process whose job came wholly prebuilt ran none of the job's code: when it
-        # says it cleaned up, it takes the next built job. Any other job process ran one job:
-        # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
-        # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
-        # (A process given a job whole can never be given another: WorkerState.assign.)
         if (
             outcome.peak_memory_bytes
             and not outcome.context_poisoned
@@ -639,43 +542,7 @@ class JobManager:
             self.judges.judged(run, outcome)
         else:  # only a judge given an earlier job's time of the reference says its age
             outcome.result.ClearField("reference_runtime_age")
-        if (
-            outcome.reusable
-            and not outcome.context_poisoned
-            and (run.job.job_id in self.builds.launched or judge)
-        ):
-            worker.reusable = True
-            worker.used_gpu = False  # it cleans up before it reads the next job
-            self.memory.release(worker.device_index, worker.worker_id)
-            if judge:
-                assert run.record is not None
-                self.judges.stand(worker, run.record.reference_key)
-            else:
-                worker.launches += 1
-        else:
-            worker.gone = True
-            if outcome.serves_timed_calls and run.record is not None and not judge:
-                # It stays, for its judge's timed calls; it is watched to its exit once the
-                # job is done with it (_drop_record). Its slot goes to a spare all the same,
-                # and its memory to its judge's admission: it let go of its checks' tensors,
-                # and what its calls use is the judge's (timed_calls.py); held apart, the
-                # judges its processes wait for would wait for them (seen on an H200).
-                run.kernel_serves = True
-                self.memory.release(worker.device_index, worker.worker_id)
-            else:
-                self.watch_exit(worker)
-            if self.watchdog is not None:
-                self.spawn(self.watchdog.set_job(worker.worker_id, outcome.job_id, finished=True))
-        if outcome.context_poisoned:
-            event = self.hub.next_event(outcome.job_id)
-            event.fault.worker_pid = worker.pid
-            event.fault.worker_restarted = True
-            event.fault.description = (
-                f"{outcome.result.error.cuda_error_name or 'a sticky CUDA error'} poisoned the "
-                f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
-            )
-            self.hub.publish(event)
-        self.free_worker(worker, completed=True)
+        self.processes.after_outcome(worker, run, outcome, judge)
         if (
             run.record is not None
             and run.record.kernel_outcome is None
@@ -729,74 +596,62 @@ class JobManager:
             return
         self.finish(run.job, job_pb2.JOB_STATE_DONE, endings.from_outcome(run, result))
 
-    def on_process_lost(self, job_id: str, worker_id: str) -> None:
-        run = self.running.get(job_id)
-        if run is None or run.worker.worker_id != worker_id:
-            return
-        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason=metrics_mod.LOST_REASON)
-        exited.worker.worker_id = worker_id
-        exited.worker.pid = run.worker.pid
-        exited.worker.device_index = run.worker.device_index
-        self._job_worker_exited(run, exited)
-
-    # ---- deadlines and cancels --------------------------------------------------------
-
-    def on_deadline(self, job_id: str) -> None:
-        run = self.running.get(job_id)
-        if run is None or run.outcome is not None:
-            return
-        if run.grant_asked_at and run.deadline is not None:
-            # Waiting for the GPU (its memory, or other jobs' checks and windows) is not the
-            # job's time: the wait so far goes onto its deadline (the grant adds the rest).
-            now = asyncio.get_running_loop().time()
-            run.deadline.push(now - run.grant_asked_at)
-            run.grant_asked_at = now
-            return
-        run.kill = Kill.TIMEOUT
-        self._kill(run, metrics_mod.KILL_TIMEOUT)
-
-    def _kill(self, run: Running, reason: str) -> None:
-        run.worker.gone = True
-        if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
-        run.timers.append(
-            asyncio.get_running_loop().call_later(
-                KILL_FALLBACK_S, self.on_process_lost, run.job.job_id, run.worker.worker_id
-            )
+    def _retry_alone(self, run: Running, result: job_pb2.EvalResult) -> bool:
+        """A job that ran out of GPU memory while other jobs held some of it ran on a GPU
+        that was not its own: it runs again, once, with the GPU to itself, in the same attempt.
+        Attempts (--max-attempts) count losses (a dead node, a lost process); the crowding was
+        the service's doing, and must neither be stopped by a loss before it nor use up the
+        retry of a loss after it (both seen on two H100s with a node killed)."""
+        if not self.crowding.runs_alone(run, result):
+            return False
+        job = run.job
+        self.running.pop(job.job_id, None)
+        self._drop_record(run)
+        self._stop_following(run, completed=True)
+        self.hub.log(
+            job.job_id,
+            "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
+            f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})",
         )
+        log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
+        job.attempt_count -= 1  # the run alone is the same attempt
+        self.requeue(job)
+        self.dispatch()
+        return True
 
-    async def cancel(self, job_id: str) -> job_pb2.Job | None:
-        """Cancels a queued or running job; returns it (as it ended), or None if unknown."""
-        job = self.store.get(job_id)
-        if job is None:
-            return None
-        if job.state in TERMINAL:
-            return job
-        if self.shared is not None and not self.shared.is_local(job_id):
-            await self.shared.cancel_elsewhere(job_id, KILL_FALLBACK_S + 5)
-            return self.store.get(job_id)
-        if self.admission.inflight.drop_waiting(job_id):
-            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
-        elif self.queue.remove(job_id):
-            self.metrics.queue_depth.set(len(self.queue))
-            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
-        else:
-            run = self.running.get(job_id)
-            if run is not None and run.stage in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE):
-                self.finish(
-                    run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
-                )
-            elif run is not None and run.outcome is None and run.kill is None:
-                run.kill = Kill.CANCEL
-                self._kill(run, metrics_mod.KILL_CANCEL)
-            await self.endings.wait_finished(job_id, KILL_FALLBACK_S + 5)
-        return self.store.get(job_id)
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
+        """The job process sent what its channel does not allow: kill it; its job ends with
+        a runtime error that says what it sent (not retried: the job's own code did it)."""
+        worker.gone = True
+        self.metrics.protocol_violations.inc()
+        if self.watchdog is not None:
+            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
+        run = next((r for r in self.running.values() if r.worker is worker), None)
+        if run is None:
+            log.warning(
+                "job process %s broke the protocol after its job: %s",
+                worker.worker_id,
+                what,
+                extra={"worker_id": worker.worker_id},
+            )
+            return
+        if run.kill is Kill.CANCEL:
+            return  # the kill is under way; the cancel ends the job
+        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
+        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+        result.error.exception_type = "ProtocolViolation"
+        result.error.message = what
+        result.fault.worker_pid = worker.pid
+        result.fault.worker_restarted = True
+        result.fault.description = (
+            f"job process {worker.worker_id} broke the job channel's protocol and was killed"
+        )
+        event = self.hub.next_event(run.job.job_id)
+        event.fault.CopyFrom(result.fault)
+        self.hub.publish(event)
+        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
-    def cancel_soon(self, job_id: str) -> None:
-        """Cancels in the background (its client went away: nobody waits for the answer)."""
-        self.spawn(self.cancel(job_id))
-
-    # ---- finishing --------------------------------------------------------------------
+    # ---- it ends: finish -----------------------------------------------------------------
 
     def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
@@ -858,41 +713,128 @@ class JobManager:
         if self.shared is not None:
             self.shared.claim_soon()
 
-    def _retry_or_fail(
-        self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int, service_fault: bool = False
-    ) -> None:
-        """An ambiguous loss: run the job again while attempts remain. Past them, the job ends
-        FAILED when the service lost it (front-end restarts), else DONE with the verdict."""
-        if job.attempt_count < self.config.max_attempts:
-            lost = self.running.pop(job.job_id, None)
-            if lost is not None:
-                self._drop_record(lost)
-            fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
-            event = self.hub.next_event(job.job_id)
-            event.fault.CopyFrom(fault)
-            self.hub.publish(event)
-            self.requeue(job)
-            return
-        result = job_pb2.EvalResult()
-        result.fault.CopyFrom(fault)
-        result.fault.description += f"; not retried after {job.attempt_count} attempts"
-        if service_fault:
-            self.finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
-            return
-        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
-        self.finish(job, job_pb2.JOB_STATE_DONE, result)
+    def _leader_ended(self, leader: job_pb2.Job) -> None:
+        """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
+        out, was cancelled...)."""
+        key, followers, shared = self.admission.ended(leader)
+        for job_id in followers:
+            follower = self.store.get(job_id)
+            if follower is None or follower.state in TERMINAL:
+                continue
+            if shared:
+                self._answer(follower, leader, job_pb2.RESULT_ORIGIN_SHARED_RUN)
+            else:
+                self._enqueue_or_wait(follower, key)
 
-    def requeue(self, job: job_pb2.Job) -> None:
-        """Back to QUEUED (told, stored) and into the queue; its start is stamped again."""
-        job.state = job_pb2.JOB_STATE_QUEUED
-        job.ClearField("start_time")
-        event = self.hub.next_event(job.job_id)
-        event.queued.position = len(self.queue)
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
-        self._enqueue(job)
+    def _drop_record(self, run: Running) -> None:
+        """The job is done with its record: closed, what its shares held of the GPU given
+        back, a judge started ahead with it (which holds it too) told to leave it, and a
+        kernel's process that served its timed calls watched to its exit."""
+        self.judges.leave_ahead(run)
+        kernel = run.kernel_worker
+        if run.kernel_serves and kernel is not None:
+            self.watch_exit(kernel)
+        record = run.record
+        if record is None:
+            return
+        if record.gpu_held_on is not None:
+            self.memory.release(record.gpu_held_on, record.holder)
+            record.gpu_held_on = None
+        record.close()
 
-    def _job_worker_exited(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
+    def _stop_following(self, run: Running, completed: bool) -> None:
+        """The run is over for the front end: its timers stop, its process takes no more of
+        it."""
+        for timer in run.timers:
+            timer.cancel()
+        if run.deadline is not None:
+            run.deadline.cancel()
+        if run.outcome_wait is not None:
+            run.outcome_wait.cancel()
+        if run.worker.job_id == run.job.job_id:
+            self.free_worker(run.worker, completed=completed)
+
+    # ---- or it is cancelled, runs out of time, or loses its process or its GPU -----------
+
+    async def cancel(self, job_id: str) -> job_pb2.Job | None:
+        """Cancels a queued or running job; returns it (as it ended), or None if unknown."""
+        job = self.store.get(job_id)
+        if job is None:
+            return None
+        if job.state in TERMINAL:
+            return job
+        if self.shared is not None and not self.shared.is_local(job_id):
+            await self.shared.cancel_elsewhere(job_id, KILL_FALLBACK_S + 5)
+            return self.store.get(job_id)
+        if self.admission.inflight.drop_waiting(job_id):
+            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+        elif self.queue.remove(job_id):
+            self.metrics.queue_depth.set(len(self.queue))
+            self.finish(job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client")
+        else:
+            run = self.running.get(job_id)
+            if run is not None and run.stage in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE):
+                self.finish(
+                    run.job, job_pb2.JOB_STATE_CANCELLED, job.result, "cancelled by a client"
+                )
+            elif run is not None and run.outcome is None and run.kill is None:
+                run.kill = Kill.CANCEL
+                self._kill(run, metrics_mod.KILL_CANCEL)
+            await self.endings.wait_finished(job_id, KILL_FALLBACK_S + 5)
+        return self.store.get(job_id)
+
+    def cancel_soon(self, job_id: str) -> None:
+        """Cancels in the background (its client went away: nobody waits for the answer)."""
+        self.spawn(self.cancel(job_id))
+
+    def abandon(self, job_id: str) -> None:
+        """This node lost the job's lease (another runs it now): its process is killed; what
+        it still reports is not written (the store fences this node's writes)."""
+        run = self.running.get(job_id)
+        if run is not None and run.outcome is None and run.kill is None:
+            run.kill = Kill.CANCEL
+            self._kill(run, metrics_mod.KILL_CANCEL)
+
+    def on_deadline(self, job_id: str) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.outcome is not None:
+            return
+        if run.grant_asked_at and run.deadline is not None:
+            # Waiting for the GPU (its memory, or other jobs' checks and windows) is not the
+            # job's time: the wait so far goes onto its deadline (the grant adds the rest).
+            now = asyncio.get_running_loop().time()
+            run.deadline.push(now - run.grant_asked_at)
+            run.grant_asked_at = now
+            return
+        run.kill = Kill.TIMEOUT
+        self._kill(run, metrics_mod.KILL_TIMEOUT)
+
+    def _kill(self, run: Running, reason: str) -> None:
+        run.worker.gone = True
+        if self.watchdog is not None:
+            self.spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
+        run.timers.append(
+            asyncio.get_running_loop().call_later(
+                KILL_FALLBACK_S, self.on_process_lost, run.job.job_id, run.worker.worker_id
+            )
+        )
+
+    def process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None:
+        """A job process exited (out of the table already): what it held goes back (its GPU
+        grant and memory), an extension build it ran is lost, its job ends or retries."""
+        self.gate.release(worker.device_index, worker.worker_id)
+        self.memory.release(worker.device_index, worker.worker_id)
+        self.gpu_use.waiting.pop(worker.worker_id, None)
+        self.builds.process_exited(worker, exited)
+        for run in list(self.running.values()):
+            if run.kernel_worker is worker:
+                self.judges.kernel_exited(run)
+            if run.ahead is worker:  # its judge starts afresh once its kernel is done
+                run.ahead = None
+            if run.worker is worker:
+                self._exited_before_outcome(run, exited)
+
+    def _exited_before_outcome(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
         if run.stage is Stage.AWAITING_JUDGE:  # the kernel's process is gone (kernel_exited)
             return
         if run.outcome is not None or run.stage is Stage.AWAITING_LAUNCH:
@@ -931,22 +873,49 @@ class JobManager:
         self.hub.publish(event)
         self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
 
-    # ---- what the fleet's events mean for jobs (fleet/watchdog_events.py) -------------
+    def on_process_lost(self, job_id: str, worker_id: str) -> None:
+        run = self.running.get(job_id)
+        if run is None or run.worker.worker_id != worker_id:
+            return
+        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason=metrics_mod.LOST_REASON)
+        exited.worker.worker_id = worker_id
+        exited.worker.pid = run.worker.pid
+        exited.worker.device_index = run.worker.device_index
+        self._exited_before_outcome(run, exited)
 
-    def job_process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None:
-        """A job process exited (out of the table already): what it held goes back (its GPU
-        grant and memory), an extension build it ran is lost, its job ends or retries."""
-        self.gate.release(worker.device_index, worker.worker_id)
-        self.memory.release(worker.device_index, worker.worker_id)
-        self.gpu_use.waiting.pop(worker.worker_id, None)
-        self.builds.process_exited(worker, exited)
-        for run in list(self.running.values()):
-            if run.kernel_worker is worker:
-                self.judges.kernel_exited(run)
-            if run.ahead is worker:  # its judge starts afresh once its kernel is done
-                run.ahead = None
-            if run.worker is worker:
-                self._job_worker_exited(run, exited)
+    def _retry_or_fail(
+        self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int, service_fault: bool = False
+    ) -> None:
+        """An ambiguous loss: run the job again while attempts remain. Past them, the job ends
+        FAILED when the service lost it (front-end restarts), else DONE with the verdict."""
+        if job.attempt_count < self.config.max_attempts:
+            lost = self.running.pop(job.job_id, None)
+            if lost is not None:
+                self._drop_record(lost)
+            fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
+            event = self.hub.next_event(job.job_id)
+            event.fault.CopyFrom(fault)
+            self.hub.publish(event)
+            self.requeue(job)
+            return
+        result = job_pb2.EvalResult()
+        result.fault.CopyFrom(fault)
+        result.fault.description += f"; not retried after {job.attempt_count} attempts"
+        if service_fault:
+            self.finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
+            return
+        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
+        self.finish(job, job_pb2.JOB_STATE_DONE, result)
+
+    def requeue(self, job: job_pb2.Job) -> None:
+        """Back to QUEUED (told, stored) and into the queue; its start is stamped again."""
+        job.state = job_pb2.JOB_STATE_QUEUED
+        job.ClearField("start_time")
+        event = self.hub.next_event(job.job_id)
+        event.queued.position = len(self.queue)
+        self.store.update(job, event)
+        self.hub.publish(event, persisted=True)
+        self._enqueue(job)
 
     def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None:
         """An XID (recorded by fleet/devices.py): the jobs it belongs to carry it; one whose
@@ -956,15 +925,15 @@ class JobManager:
             if run.outcome is not None:
                 self._finish_outcome(run.job.job_id)
 
-    # ---- helpers ----------------------------------------------------------------------
+    # ---- the service around it -----------------------------------------------------------
 
     def serving(self) -> bool:
         """The health check: not draining, and a device serves (fleet/devices.py)."""
         return not self.draining and self.fleet.serving()
 
-    def unstored(self, job_id: str) -> Unstored | None:
-        """A job submit made and has not stored yet (store_new)."""
-        return self._unstored.get(job_id)
+    def start_watching_waits(self) -> None:
+        """From here on, every job's wait is named and bounded (jobs/waits.py)."""
+        self.waits.start()
 
     # judging.py's and gpu_use.py's names (their bodies are being edited elsewhere: renamed
     # with their next change).

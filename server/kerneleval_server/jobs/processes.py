@@ -10,9 +10,16 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+from kerneleval.internal.v1 import job_channel_pb2
+
 from kerneleval_server import metrics as metrics_mod
+from kerneleval_server.fleet.gpu_memory import GpuMemory
 from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
 from kerneleval_server.fleet.watchdog import WatchdogLike
+from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.judging import Judges
+from kerneleval_server.jobs.running import Running
 from kerneleval_server.jobs.scheduler import GpuGate
 
 log = logging.getLogger("kerneleval.jobs")
@@ -31,6 +38,14 @@ class ProcessesHost(Protocol):
     def workers(self) -> WorkerTable: ...
     @property
     def gate(self) -> GpuGate: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def judges(self) -> Judges: ...
+    @property
+    def builds(self) -> BuildPaths: ...
+    @property
+    def hub(self) -> EventHub: ...
 
 
 class ProcessKeeper:
@@ -85,3 +100,53 @@ class ProcessKeeper:
             if self.m.watchdog is not None and not worker.gone:
                 self.spawn(self.m.watchdog.set_job(worker.worker_id, ""))
         worker.job_id = ""
+
+    def after_outcome(
+        self,
+        worker: WorkerState,
+        run: Running,
+        outcome: job_channel_pb2.JobOutcome,
+        judge: bool,
+    ) -> None:
+        """What becomes of a job process once it answered its job (`judge`: as its judge)."""
+        # A launch process whose job came wholly prebuilt ran none of the job's code: when it
+        # says it cleaned up, it takes the next built job. Any other job process ran one job:
+        # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
+        # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
+        # (A process given a job whole can never be given another: WorkerState.assign.)
+        if (
+            outcome.reusable
+            and not outcome.context_poisoned
+            and (run.job.job_id in self.m.builds.launched or judge)
+        ):
+            worker.reusable = True
+            worker.used_gpu = False  # it cleans up before it reads the next job
+            self.m.memory.release(worker.device_index, worker.worker_id)
+            if judge:
+                assert run.record is not None
+                self.m.judges.stand(worker, run.record.reference_key)
+            else:
+                worker.launches += 1
+        else:
+            worker.gone = True
+            if outcome.serves_timed_calls and run.record is not None and not judge:
+                # It stays, for its judge's timed calls; it is watched to its exit once the
+                # job is done with it (_drop_record). Its slot goes to a spare all the same,
+                # and its memory to its judge's admission: it let go of its checks' tensors,
+                # and what its calls use is the judge's (timed_calls.py); held apart, the
+                # judges its processes wait for would wait for them (seen on an H200).
+                run.kernel_serves = True
+                self.m.memory.release(worker.device_index, worker.worker_id)
+            else:
+                self.watch_exit(worker)
+            self.set_job(worker.worker_id, outcome.job_id, finished=True)
+        if outcome.context_poisoned:
+            event = self.m.hub.next_event(outcome.job_id)
+            event.fault.worker_pid = worker.pid
+            event.fault.worker_restarted = True
+            event.fault.description = (
+                f"{outcome.result.error.cuda_error_name or 'a sticky CUDA error'} poisoned the "
+                f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
+            )
+            self.m.hub.publish(event)
+        self.free_worker(worker, completed=True)
