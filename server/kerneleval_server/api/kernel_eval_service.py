@@ -6,7 +6,7 @@ import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
-from typing import NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol, TypeAlias, cast
 
 import grpc
 from google.protobuf import duration_pb2
@@ -21,6 +21,8 @@ from kerneleval_server.jobs.service import JobService
 from kerneleval_server.spec import placement, validation
 
 log = logging.getLogger("kerneleval.service")
+# A servicer method's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 DEFAULT_PAGE = 50
 _BROKEN = pb.RunBatchResponse()  # sentinel: the request stream failed
@@ -104,7 +106,7 @@ class _AbortsWithStatus(Protocol):
     async def abort_with_status(self, status: grpc.Status) -> NoReturn: ...
 
 
-async def abort(context: grpc.aio.ServicerContext, err: Refused) -> NoReturn:
+async def abort(context: Context, err: Refused) -> NoReturn:
     await cast(_AbortsWithStatus, context).abort_with_status(err.status())
     raise AssertionError("unreachable")
 
@@ -164,7 +166,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     async def _submit_or_abort(
         self,
         spec: kernel_pb2.JobSpec,
-        context: grpc.aio.ServicerContext,
+        context: Context,
         require_reference: bool = False,
         idempotency_key: str = "",
     ) -> job_pb2.Job:
@@ -178,9 +180,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         assert job is not None
         return job
 
-    async def Evaluate(
-        self, request: pb.EvaluateRequest, context: grpc.aio.ServicerContext
-    ) -> pb.EvaluateResponse:
+    async def Evaluate(self, request: pb.EvaluateRequest, context: Context) -> pb.EvaluateResponse:
         job = await self._submit_or_abort(request.spec, context)
         try:
             return pb.EvaluateResponse(job=await self._run_to_end(job.job_id))
@@ -188,9 +188,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             await self._cancel_quietly(job.job_id)
             raise
 
-    async def Compare(
-        self, request: pb.CompareRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CompareResponse:
+    async def Compare(self, request: pb.CompareRequest, context: Context) -> pb.CompareResponse:
         job = await self._submit_or_abort(request.spec, context, require_reference=True)
         try:
             return pb.CompareResponse(job=await self._run_to_end(job.job_id))
@@ -204,9 +202,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         log.info("client went away: cancelling", extra={"job_id": job_id})
         self.jobs.cancel_soon(job_id)
 
-    async def Run(
-        self, request: pb.RunRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.RunResponse]:
+    async def Run(self, request: pb.RunRequest, context: Context) -> AsyncIterator[pb.RunResponse]:
         job = await self._submit_or_abort(request.spec, context)
         finished = False
         try:
@@ -217,16 +213,14 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             if not finished and not request.keep_on_disconnect:
                 await self._cancel_quietly(job.job_id)
 
-    async def Submit(
-        self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SubmitResponse:
+    async def Submit(self, request: pb.SubmitRequest, context: Context) -> pb.SubmitResponse:
         job = await self._submit_or_abort(
             request.spec, context, idempotency_key=request.idempotency_key
         )
         return pb.SubmitResponse(job=job)
 
     async def _job_or_abort(
-        self, job_id: str, context: grpc.aio.ServicerContext, include_spec: bool = True
+        self, job_id: str, context: Context, include_spec: bool = True
     ) -> job_pb2.Job:
         if not job_id:
             await abort(context, invalid("job_id", "required"))
@@ -240,7 +234,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         return job
 
     async def Watch(
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchRequest, context: Context
     ) -> AsyncIterator[pb.WatchResponse]:
         if request.after_sequence > validation.INT64_MAX:
             await context.abort(
@@ -252,14 +246,10 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         async for event in self.jobs.watch(request.job_id, request.after_sequence):
             yield pb.WatchResponse(event=event)
 
-    async def GetJob(
-        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetJobResponse:
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.GetJobResponse:
         return pb.GetJobResponse(job=await self._job_or_abort(request.job_id, context))
 
-    async def ListJobs(
-        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListJobsResponse:
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
         if request.page_size < 0:
             await abort(context, invalid("page_size", "must be >= 0"))
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
@@ -298,7 +288,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         return resp
 
     async def CancelJob(
-        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CancelJobRequest, context: Context
     ) -> pb.CancelJobResponse:
         await self._job_or_abort(request.job_id, context, include_spec=False)
         job = await self.jobs.cancel(request.job_id)
@@ -306,7 +296,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         return pb.CancelJobResponse(job=job)
 
     async def RunBatch(
-        self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: Context
     ) -> AsyncIterator[pb.RunBatchResponse]:
         out: asyncio.Queue[pb.RunBatchResponse | None] = asyncio.Queue()
         followers: set[asyncio.Task[None]] = set()

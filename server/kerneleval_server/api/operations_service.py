@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import grpc
 from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
@@ -29,6 +29,8 @@ def _pseudo_name(index: int) -> str:
 ALL_DEVICES = -2  # RestartWorkers without a device (watchdog.ALL_DEVICES)
 
 log = logging.getLogger("kerneleval.ops")
+# A servicer method's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 DEFAULT_RESET_GRACE_S = 30.0
 MAX_RESET_GRACE_S = 3600.0
@@ -65,7 +67,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         self._probing = asyncio.Lock()
 
     async def _forward(
-        self, method: str, request: Any, device: int | None, context: grpc.aio.ServicerContext
+        self, method: str, request: Any, device: int | None, context: Context
     ) -> Any:
         """A gateway owns no device: the call goes to the node that does (`request.node`, or
         the one node with that device), with the caller's own metadata (its admin token: the
@@ -86,7 +88,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         metadata = context.invocation_metadata() or ()
         forwarded = [(k, v) for k, v in metadata if k == "authorization"]
         async with grpc.aio.insecure_channel(node) as channel:
-            stub = operations_service_pb2_grpc.OperationsServiceStub(channel)
+            # The generated stubs are untyped (no *_grpc.pyi): the call is the method's own.
+            stub = operations_service_pb2_grpc.OperationsServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 return await getattr(stub, method)(request, metadata=forwarded, timeout=3600)
             except grpc.aio.AioRpcError as e:
@@ -138,7 +141,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return [out[i] for i in sorted(out)]
 
     async def ListDevices(
-        self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListDevicesRequest, context: Context
     ) -> pb.ListDevicesResponse:
         if self.gateway is not None:
             return pb.ListDevicesResponse(devices=self.gateway.node_devices())
@@ -146,16 +149,15 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return pb.ListDevicesResponse(devices=self.devices(), readiness=ready)
 
     async def WatchEvents(
-        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchEventsRequest, context: Context
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         async for event in self.jobs.watch_operations(request.replay_count):
             yield pb.WatchEventsResponse(event=event)
 
-    async def ResetGpu(
-        self, request: pb.ResetGpuRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ResetGpuResponse:
+    async def ResetGpu(self, request: pb.ResetGpuRequest, context: Context) -> pb.ResetGpuResponse:
         if self.gateway is not None:
-            return await self._forward("ResetGpu", request, request.device_index, context)
+            answer = await self._forward("ResetGpu", request, request.device_index, context)
+            return cast(pb.ResetGpuResponse, answer)
         known = self.jobs.device_indices()
         if request.device_index < 0:
             await context.abort(
@@ -195,12 +197,13 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return pb.ResetGpuResponse(steps=steps, success=ok)
 
     async def RestartWorkers(
-        self, request: pb.RestartWorkersRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RestartWorkersRequest, context: Context
     ) -> pb.RestartWorkersResponse:
         device = request.device_index if request.HasField("device_index") else ALL_DEVICES
         if self.gateway is not None:
             on = request.device_index if request.HasField("device_index") else None
-            return await self._forward("RestartWorkers", request, on, context)
+            answer = await self._forward("RestartWorkers", request, on, context)
+            return cast(pb.RestartWorkersResponse, answer)
         known = self.jobs.device_indices()
         if request.HasField("device_index") and device not in known:
             await context.abort(
@@ -229,9 +232,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             log.info("cleanup: %d jobs", deleted)
         return deleted
 
-    async def Cleanup(
-        self, request: pb.CleanupRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CleanupResponse:
+    async def Cleanup(self, request: pb.CleanupRequest, context: Context) -> pb.CleanupResponse:
         if request.HasField("older_than"):
             d = request.older_than
             older = d.seconds + d.nanos / 1e9
@@ -262,7 +263,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             return self._gateway_versions
 
     async def ListBuilders(
-        self, request: pb.ListBuildersRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListBuildersRequest, context: Context
     ) -> pb.ListBuildersResponse:
         # SQLite (--role all) has the table and never a builder: an empty list.
         rows = self.jobs.builders()
@@ -287,9 +288,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             info.expire_time.FromNanoseconds(int(b.expires * 1e9))
         return resp
 
-    async def GetStats(
-        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetStatsResponse:
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
         s = self.jobs.stats()
         resp = pb.GetStatsResponse(
             jobs_by_state={job_pb2.JobState.Name(k): v for k, v in s.by_state.items()},
