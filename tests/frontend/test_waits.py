@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.jobs import judge_record
 from kerneleval_server.jobs import waits as waits_mod
 from kerneleval_server.jobs.running import Running
@@ -118,7 +118,7 @@ def test_a_job_process_that_answers_without_a_verdict_is_the_services_failure(
     run_async(scenario)
 
 
-def _judged_run(m: object, job_id: str, worker: WorkerState, shared: int) -> Running:
+def _judged_run(m: object, job_id: str, worker: JobProcess, shared: int) -> Running:
     """A compared job whose kernel ran and handed `shared` bytes over by descriptor, held on
     GPU 0 for its judge, now `worker`."""
     spec = job_spec()
@@ -131,8 +131,8 @@ def _judged_run(m: object, job_id: str, worker: WorkerState, shared: int) -> Run
     return run
 
 
-def _worker(worker_id: str) -> WorkerState:
-    return WorkerState(worker_id=worker_id, pid=1, device_index=0, spare=False, start_time_ms=0)
+def _worker(worker_id: str) -> JobProcess:
+    return JobProcess(worker_id=worker_id, pid=1, device_index=0, spare=False, start_time_ms=0)
 
 
 def test_a_judges_shares_stay_held_until_its_own_admission_which_goes_first(
@@ -210,8 +210,11 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
             m.workers.by_id[name].judge_key = "a reference"  # standing: takes no other job
         kernels = []
         for i, name in enumerate(("c-j1", "c-j2")):
-            run = Running(job=job_pb2.Job(job_id=f"K{i}", spec=job_spec(), device_index=-1),
-                          worker=WorkerState(f"c-k{i}", 1, -1, False, 0), timeout_s=10.0)
+            run = Running(
+                job=job_pb2.Job(job_id=f"K{i}", spec=job_spec(), device_index=-1),
+                worker=JobProcess(f"c-k{i}", 1, -1, False, 0),
+                timeout_s=10.0,
+            )
             run.ahead = m.workers.by_id[name]  # fmt: skip
             m.running[run.job.job_id] = run
             kernels.append(run)

@@ -18,7 +18,7 @@ from kerneleval_server.jobs.store import SqliteStore
 
 def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.jobs.running import Running, xid_suspects
     from kerneleval_server.metrics import Metrics
@@ -27,7 +27,7 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
 
     def run(job_id: str, worker_id: str, pid: int) -> Running:
-        w = WorkerState(worker_id, pid, 0, False, 0)
+        w = JobProcess(worker_id, pid, 0, False, 0)
         r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
         m.running[job_id] = r
         return r
@@ -101,7 +101,7 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     is written to the store (one store write less on the way to every result); the event is
     stored, with the next sequence, right after."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
@@ -117,13 +117,13 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
                 kinds = [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
                 stored_at_grant.append(kinds)
 
-    worker = WorkerState("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
+    worker = JobProcess("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
     m.workers.by_id[worker.worker_id] = worker
     m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
     validating = job_channel_pb2.PhaseUpdate(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
 
     async def main() -> None:
-        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
 
     asyncio.run(main())
     assert stored_at_grant == [["queued"]]
@@ -157,12 +157,12 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
         return [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
 
     async def main() -> None:
-        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
         assert worker.writer.sent == [] and events() == ["queued"]
-        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
         assert worker.writer.sent == ["grant"] and events() == ["queued"]
-        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
-        m.messages.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING))
         assert worker.writer.sent == ["grant"]
         assert events() == ["queued", "phase"]
 
@@ -206,9 +206,9 @@ class _Channel:
 def _process(worker_id: str, device: int = 0, *, judge_key: str = "") -> Any:
     """A warm job process: fresh, or a standing judge of `judge_key` between jobs."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
 
-    w = WorkerState(worker_id, 100, device, False, 0, writer=_Channel())  # type: ignore[arg-type]
+    w = JobProcess(worker_id, 100, device, False, 0, writer=_Channel())  # type: ignore[arg-type]
     w.hello = job_channel_pb2.Hello(worker_id=worker_id, judges=True)
     if judge_key:
         w.assigned_job_id, w.reusable, w.judge_key = "earlier", True, judge_key
@@ -457,14 +457,14 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
 
         checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
         assert gate == [("ask", "d0-ja")] and judge.check_asked  # asked with its job
-        m.messages.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_process_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
         kernel = m.workers.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
         assert check_frame(kernel, prepared) == "a JudgePrepared for a job it was not given ahead"
         assert check_frame(judge, prepared) == ""
-        m.messages.on_worker_message(judge, prepared)
+        m.messages.on_process_message(judge, prepared)
         assert gate == [("ask", "d0-ja"), ("release", "d0-ja")]
         assert run.phase == 0  # the kernel's process reports the job's phases
 
@@ -481,7 +481,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert go.job_id == "j" and not go.abandon
         assert gate == [("ask", "d0-ja")] and judge.check_asked
         # Its PHASE_VALIDATING then is the job's event, and asks nothing more.
-        m.messages.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_process_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         assert run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
@@ -500,7 +500,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check ahead, read after its go (the job's frame now), asks nothing a second
         # time: a second grant, in after its JudgePrepared let the first go, would let its
         # next check run without a share of the GPU.
-        m.messages.on_worker_message(
+        m.messages.on_process_message(
             judge4,
             frame(phase=job_channel_pb2.PhaseUpdate(job_id="j4", phase=job_pb2.PHASE_VALIDATING)),
         )
@@ -521,10 +521,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check, asked for with its job, stays asked (not released) when it is left: it
         # is granted, else the judge waits for ever and never reads the abandon.
         late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
-        m.messages.on_worker_message(judge2, frame(phase=late))
+        m.messages.on_process_message(judge2, frame(phase=late))
         assert gate == [] and not judge2.check_asked
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
-        m.messages.on_worker_message(judge2, frame(outcome=left))
+        m.messages.on_process_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
         # Given the job's next attempt ahead (the same job id), what it said of the last one
         # counts no more: until its new JudgePrepared its go asks nothing for it.
@@ -570,7 +570,7 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
 
     def phase(worker: Any, job_id: str, p: int) -> None:
         update = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=p)  # type: ignore[arg-type]
-        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
 
     def phases(job_id: str) -> list[int]:
         return [e.phase.phase for e in m.store.events_after(job_id, 0) if e.HasField("phase")]
@@ -615,14 +615,14 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
         m.workers.by_id[judge.worker_id] = judge
         for phase in (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
             update = job_channel_pb2.PhaseUpdate(job_id="j", phase=phase)  # type: ignore[arg-type]
-            m.messages.on_worker_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
+            m.messages.on_process_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
             if phase == job_pb2.PHASE_VALIDATING:
                 assert asked == ["d0-w0"]  # its check goes through memory admission at once
                 m.gate.release(0, "d0-w0")
         assert asked == ["d0-w0"] and run.timing_waits_kernel
         exited = watchdog_pb2.WorkerExited(exit_code=0)
         exited.worker.worker_id = kernel.worker_id
-        m.watchdog_events.on_worker_exited(exited, drain=False)
+        m.watchdog_events.on_process_exited(exited, drain=False)
         assert asked == ["d0-w0", "d0-w0"] and not run.timing_waits_kernel
         run.record.close()
 
@@ -675,7 +675,7 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     ones of its GPU; but one refused because the GPU is held for a job re-run alone must not
     hold back that job (a judge that asked first kept it waiting for ever, on an H100). A
     holder that no longer exists is swept first."""
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.running import Running
 
     m = _judging_manager(tmp_path)
@@ -684,7 +684,7 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     m.gpu_use.use = lambda run: used.append(run.job.job_id)  # type: ignore[method-assign]
 
     def run(job_id: str, worker_id: str) -> Running:
-        w = WorkerState(worker_id, 1, 0, False, 0, job_id=job_id)
+        w = JobProcess(worker_id, 1, 0, False, 0, job_id=job_id)
         r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
         m.running[job_id], m.workers.by_id[worker_id] = r, w
         return r
@@ -707,7 +707,7 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
     a build given the reference adds it back to the kernel it built."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.jobs.running import Running
     from kerneleval_server.metrics import Metrics
@@ -731,7 +731,7 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
         return out
 
     def run(given: list[job_channel_pb2.KernelArtifact] | None = None) -> Running:
-        worker = WorkerState("build-w0", 1, -3, False, 0)
+        worker = JobProcess("build-w0", 1, -3, False, 0)
         r = Running(job=job_pb2.Job(), worker=worker, timeout_s=60)
         r.build_arch, r.given_reference = "sm_90", list(given or [])
         return r
@@ -762,14 +762,14 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
     waits for a launch process (where it would have run after all)."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.deadline import Deadline
     from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     job.spec.kernel.type, job.spec.kernel.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "kernel"
     job.spec.kernel.io.args.add(name="n", int_value=4)
-    worker = WorkerState("build-w0", 100, -3, False, 0, job_id="j1")
+    worker = JobProcess("build-w0", 100, -3, False, 0, job_id="j1")
     m.workers.by_id[worker.worker_id] = worker
     m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
     built = job_channel_pb2.BuildOutcome(job_id="j1")
@@ -785,7 +785,7 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
             m.on_deadline("j1")
         kill = m.running["j1"].kill
         assert kill is not None and kill.value == asked
-        m.messages.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(build=built))
         assert not m.running["j1"].awaiting_launch and "j1" not in m.builds.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id

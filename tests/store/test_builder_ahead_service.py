@@ -339,7 +339,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
     tmp_path: Path, services: tuple[str, list[ServiceProcess]]
 ) -> None:
     from kerneleval_server import config as config_mod
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobproc import BUILD_DEVICE
     from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
     from kerneleval_server.jobs.builds.builder_node import probe_versions
@@ -373,7 +373,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
             m.watchdog_events.on_event(
                 watchdog_pb2.WatchdogEvent(device=watchdog_pb2.DeviceUpdate(device=status))
             )
-        gpu = WorkerState("d0-w0", 100, 0, False, 0, writer=_Writer())  # type: ignore[arg-type]
+        gpu = JobProcess("d0-w0", 100, 0, False, 0, writer=_Writer())  # type: ignore[arg-type]
         gpu.has_channel = True
         gpu.hello = job_channel_pb2.Hello(worker_id="d0-w0", device_index=0)
         gpu.hello.device.CopyFrom(
@@ -381,7 +381,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
                                torch_version=torch_version, cuda_version=cuda_version)
         )  # fmt: skip
         m.workers.by_id[gpu.worker_id] = gpu
-        m.messages.on_worker_ready(gpu)
+        m.messages.on_process_ready(gpu)
         assert m.builds.device_arch == {0: "sm_90"}
         artifacts.refresh()
         job = m.submit(triton_spec())

@@ -23,7 +23,7 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server.config import GATEWAY
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcessTable
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.metrics import Metrics
 
@@ -49,7 +49,7 @@ class DevicesHost(Protocol):
     @property
     def ops(self) -> OpsEvents: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def metrics(self) -> Metrics: ...
     @property

@@ -25,7 +25,7 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.fleet.devices import Devices, OpsEvents
-from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobChannels, JobProcess, JobProcessTable
 from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
 from kerneleval_server.fleet.watchdog import AttachedFd, WatchdogLike
 from kerneleval_server.jobproc import POISONED_EXIT
@@ -37,7 +37,7 @@ class WatchdogEventsHost(Protocol):
     its tables to keep, and what an exit means for jobs (`process_exited`)."""
 
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def channels(self) -> JobChannels: ...
     @property
@@ -51,7 +51,7 @@ class WatchdogEventsHost(Protocol):
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def dispatch(self) -> None: ...
     def on_health_change(self) -> None: ...
-    def process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None: ...
+    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None: ...
 
 
 log = logging.getLogger("kerneleval.jobs")
@@ -102,7 +102,7 @@ class WatchdogEvents:
                 promoted.spare = False
                 m.dispatch()
         elif kind == "worker_exited":
-            self.on_worker_exited(ev.worker_exited)
+            self.on_process_exited(ev.worker_exited)
         elif kind == "xid":
             m.fleet.on_xid(ev.xid)
         elif kind == "device":
@@ -158,7 +158,7 @@ class WatchdogEvents:
             info.standing_judge = bool(state.judge_key)
         return info
 
-    def on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
+    def on_process_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
         """A job process exited (the watchdog says so, or the front end gave it up for gone):
         out of the table, counted and told; then the job manager for what it held."""
         m = self.m
@@ -211,7 +211,7 @@ class WatchdogEvents:
         m.on_health_change()
         m.dispatch()
 
-    def _drain_fallback(self, worker: WorkerState) -> None:
+    def _drain_fallback(self, worker: JobProcess) -> None:
         exited = worker.pending_exit
         if exited is not None and self.m.workers.by_id.get(worker.worker_id) is worker:
             log.warning(
@@ -219,7 +219,7 @@ class WatchdogEvents:
                 worker.worker_id,
                 extra={"worker_id": worker.worker_id},
             )
-            self.on_worker_exited(exited, drain=False)
+            self.on_process_exited(exited, drain=False)
 
     def watchdog_lost(self) -> None:
         """The watchdog died: its workers are gone with it (parent-death signal)."""
@@ -232,4 +232,4 @@ class WatchdogEvents:
             exited.worker.worker_id = worker.worker_id
             exited.worker.pid = worker.pid
             exited.worker.device_index = worker.device_index
-            self.on_worker_exited(exited, drain=False)
+            self.on_process_exited(exited, drain=False)

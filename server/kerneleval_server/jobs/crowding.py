@@ -11,7 +11,7 @@ from kerneleval.v1 import job_pb2
 
 from kerneleval_server.error_texts import NVML_OOM_ASSERT
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.judging import Judges
 from kerneleval_server.jobs.running import Running, Stage
@@ -29,7 +29,7 @@ class CrowdingHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def queue(self) -> FairQueue: ...
     @property
@@ -48,7 +48,7 @@ class Crowding:
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
         self.alone: set[str] = set()
 
-    def mark(self, run: Running, worker: WorkerState) -> None:
+    def mark(self, run: Running, worker: JobProcess) -> None:
         """A job starts on `worker`: it, and the jobs already on its GPU, are crowded when
         they share it (their memory was each other's too)."""
         others = [o for o in self._running_on(worker.device_index) if o is not run]
@@ -95,7 +95,7 @@ class Crowding:
                     held.setdefault(job.device_index, job_id)
         return held
 
-    def busy_on(self, device: int, but: WorkerState | None = None) -> bool:
+    def busy_on(self, device: int, but: JobProcess | None = None) -> bool:
         """A job process of the device has used the GPU for a job and has not exited (its GPU
         memory is not given back until it has), other than `but` and idle launch processes.
         Jobs still compiling (a load_inline build can take half a minute) hold next to none."""

@@ -21,7 +21,8 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet.gpu_memory import GpuMemory, problem_key
-from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
+from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
 from kerneleval_server.fleet.timing_windows import TimingWindows, Window, public_conditions
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobs.events import EventHub

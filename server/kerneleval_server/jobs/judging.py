@@ -25,7 +25,8 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.config import Config
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
+from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
 from kerneleval_server.fleet.timing_windows import TimingWindows
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.framing import FrameError

@@ -43,7 +43,7 @@ from kerneleval_server.config import Config
 from kerneleval_server.fleet import faults
 from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import JobChannels, WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobChannels, JobProcess, JobProcessTable
 from kerneleval_server.fleet.timing_windows import (
     WATCHDOG_REPLY_S,
     TimingWindows,
@@ -116,7 +116,7 @@ class JobManager:
         self.gpu_use = GpuUse(self)
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
-        self.workers = WorkerTable()
+        self.workers = JobProcessTable()
         # What its job processes say (messages.py), on their channels.
         self.messages = JobProcessMessages(self)
         self.channels = JobChannels(self.messages)
@@ -371,7 +371,7 @@ class JobManager:
                     self.start(queued.job_id, worker)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _start_alone(self, worker: WorkerState, job_id: str) -> None:
+    def _start_alone(self, worker: JobProcess, job_id: str) -> None:
         """Starts the job held for the worker's GPU once the GPU runs nothing else."""
         if job_id in self.running or self.crowding.busy_on(worker.device_index, worker):
             return
@@ -379,7 +379,7 @@ class JobManager:
         if queued is not None:
             self.start(queued.job_id, worker)
 
-    def start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None:
+    def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None:
         """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
         waiting = self.running.get(job_id)  # built ahead: this is its launch
@@ -482,7 +482,7 @@ class JobManager:
     def track(
         self,
         job: job_pb2.Job,
-        worker: WorkerState,
+        worker: JobProcess,
         compile_cache: list[job_channel_pb2.CacheFile] | None = None,
     ) -> Running:
         """A job that starts now: followed until it ends, its timeout running."""
@@ -517,7 +517,7 @@ class JobManager:
 
     # ---- its process answers: on_outcome (what else it says: messages.py) ----------------
 
-    def on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
+    def on_outcome(self, worker: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
         run = self.running.get(outcome.job_id)
         if self.judges.answers_ahead(worker, outcome.job_id, run):  # the job left it
             self.judges.ahead_answered(worker, outcome)
@@ -619,7 +619,7 @@ class JobManager:
         self.dispatch()
         return True
 
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
+    def on_protocol_violation(self, worker: JobProcess, what: str) -> None:
         """The job process sent what its channel does not allow: kill it; its job ends with
         a runtime error that says what it sent (not retried: the job's own code did it)."""
         worker.gone = True
@@ -819,7 +819,7 @@ class JobManager:
             )
         )
 
-    def process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None:
+    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
         """A job process exited (out of the table already): what it held goes back (its GPU
         grant and memory), an extension build it ran is lost, its job ends or retries."""
         self.gate.release(worker.device_index, worker.worker_id)
@@ -950,5 +950,5 @@ class JobManager:
     def _held_devices(self) -> dict[int, str]:
         return self.crowding.held_devices()
 
-    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool:
+    def _busy_on(self, device: int, but: JobProcess | None = None) -> bool:
         return self.crowding.busy_on(device, but)

@@ -15,7 +15,7 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet.devices import Devices
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.jobproc import BUILD_DEVICE, GATED_PHASES
 from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.builds.paths import BuildPaths
@@ -30,7 +30,7 @@ LOST_FALLBACK_S = 10.0  # a dropped job process connection the watchdog never ex
 
 
 class WatchdogExits(Protocol):
-    def on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None: ...
+    def on_process_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None: ...
 
 
 class MessagesHost(Protocol):
@@ -56,9 +56,9 @@ class MessagesHost(Protocol):
     def watchdog_events(self) -> WatchdogExits: ...
     def on_health_change(self) -> None: ...
     def dispatch(self) -> None: ...
-    def on_outcome(self, worker: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None: ...
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
-    def watch_exit(self, worker: WorkerState) -> None: ...
+    def on_outcome(self, worker: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None: ...
+    def on_protocol_violation(self, worker: JobProcess, what: str) -> None: ...
+    def watch_exit(self, worker: JobProcess) -> None: ...
     def on_process_lost(self, job_id: str, worker_id: str) -> None: ...
 
 
@@ -68,10 +68,10 @@ class JobProcessMessages:
     def __init__(self, m: MessagesHost) -> None:
         self.m = m
 
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None:
+    def on_protocol_violation(self, worker: JobProcess, what: str) -> None:
         self.m.on_protocol_violation(worker, what)
 
-    def on_worker_ready(self, worker: WorkerState) -> None:
+    def on_process_ready(self, worker: JobProcess) -> None:
         if worker.device_index == BUILD_DEVICE:
             self.m.fleet.warm_devices.add(BUILD_DEVICE)  # builds are ready (fleet/readiness.py)
             self.m.on_health_change()
@@ -90,8 +90,8 @@ class JobProcessMessages:
         if self.m.shared is not None:
             self.m.shared.claim_soon()
 
-    def on_worker_message(
-        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
+    def on_process_message(
+        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage
     ) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "outcome":
@@ -174,10 +174,10 @@ class JobProcessMessages:
         ):
             self.m.gpu_use.ask_early(run)
 
-    def on_worker_disconnected(self, worker: WorkerState) -> None:
+    def on_process_disconnected(self, worker: JobProcess) -> None:
         worker.gone = True
         if worker.pending_exit is not None:
-            self.m.watchdog_events.on_worker_exited(worker.pending_exit)
+            self.m.watchdog_events.on_process_exited(worker.pending_exit)
             return
         # Without its channel a job process is of no use: it exits at once (the runtime's
         # reader does), or it is killed (a candidate that closed the channel and stayed).

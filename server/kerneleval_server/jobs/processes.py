@@ -14,7 +14,7 @@ from kerneleval.internal.v1 import job_channel_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.events import EventHub
@@ -35,7 +35,7 @@ class ProcessesHost(Protocol):
     @property
     def watchdog(self) -> WatchdogLike | None: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def gate(self) -> GpuGate: ...
     @property
@@ -70,13 +70,13 @@ class ProcessKeeper:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def watch_exit(self, worker: WorkerState) -> None:
+    def watch_exit(self, worker: JobProcess) -> None:
         if worker.exit_watch is None:
             worker.exit_watch = asyncio.get_running_loop().call_later(
                 OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
             )
 
-    def _kill_if_still_there(self, worker: WorkerState) -> None:
+    def _kill_if_still_there(self, worker: JobProcess) -> None:
         if self.m.workers.by_id.get(worker.worker_id) is not worker or self.m.watchdog is None:
             return  # it exited
         log.warning(
@@ -87,12 +87,12 @@ class ProcessKeeper:
         )
         self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
 
-    def worker_lost(self, worker: WorkerState) -> None:
+    def worker_lost(self, worker: JobProcess) -> None:
         worker.gone = True
         if self.m.watchdog is not None:
             self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
 
-    def free_worker(self, worker: WorkerState, completed: bool) -> None:
+    def free_worker(self, worker: JobProcess, completed: bool) -> None:
         self.m.gate.release(worker.device_index, worker.worker_id)
         if worker.job_id:
             if completed:
@@ -103,7 +103,7 @@ class ProcessKeeper:
 
     def after_outcome(
         self,
-        worker: WorkerState,
+        worker: JobProcess,
         run: Running,
         outcome: job_channel_pb2.JobOutcome,
         judge: bool,
@@ -113,7 +113,7 @@ class ProcessKeeper:
         # says it cleaned up, it takes the next built job. Any other job process ran one job:
         # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
         # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
-        # (A process given a job whole can never be given another: WorkerState.assign.)
+        # (A process given a job whole can never be given another: JobProcess.assign.)
         if (
             outcome.reusable
             and not outcome.context_poisoned

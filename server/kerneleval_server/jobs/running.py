@@ -28,7 +28,7 @@ from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet import faults
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.fleet.timing_windows import Window
 from kerneleval_server.jobs.deadline import Deadline
 from kerneleval_server.jobs.judge_record import Record
@@ -53,7 +53,7 @@ class Kill(enum.Enum):
 @dataclass
 class Running:
     job: job_pb2.Job
-    worker: WorkerState
+    worker: JobProcess
     timeout_s: float
     phase: int = 0
     stage: Stage = Stage.RUNNING
@@ -82,9 +82,9 @@ class Running:
     kernel_window: Window | None = None
     # The kernel's process from its outcome until it has exited: its judge may start and
     # check meanwhile, but times the reference only once nothing of the kernel is left.
-    kernel_worker: WorkerState | None = None
+    kernel_worker: JobProcess | None = None
     # Its judge, started ahead with its kernel (judging.start_ahead), until its JudgeGo.
-    ahead: WorkerState | None = None
+    ahead: JobProcess | None = None
     # Its kernel's process stays after its outcome, serving its timed calls to the judge
     # (JobOutcome.serves_timed_calls), and the judge's window lets it run (drives_kernel).
     kernel_serves: bool = False

@@ -13,7 +13,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server.fleet.devices import DeviceState
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.fleet.sandbox_report import SandboxReport
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobs.manager import JobManager
@@ -107,7 +107,7 @@ class JobService:
         """The devices with a reading, by index."""
         return sorted(self._m.fleet.devices.items())
 
-    def job_processes(self) -> Iterable[WorkerState]:
+    def job_processes(self) -> Iterable[JobProcess]:
         """The job processes the watchdog announced and that have not exited."""
         return self._m.workers.by_id.values()
 

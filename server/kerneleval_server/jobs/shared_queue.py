@@ -42,7 +42,7 @@ from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server.config import NODE
 from kerneleval_server.fleet.devices import Devices
-from kerneleval_server.fleet.job_processes import WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcessTable
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.events import EventHub, now_event
 from kerneleval_server.jobs.running import Running
@@ -64,7 +64,7 @@ class SharedQueueHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def fleet(self) -> Devices: ...
     @property

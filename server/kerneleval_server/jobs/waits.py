@@ -27,7 +27,7 @@ from kerneleval.v1 import job_pb2
 
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcessTable
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.builds.paths import BuildPaths
@@ -61,7 +61,7 @@ class WaitsHost(Protocol):
     @property
     def hub(self) -> EventHub: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def workers(self) -> JobProcessTable: ...
     @property
     def memory(self) -> GpuMemory: ...
     @property

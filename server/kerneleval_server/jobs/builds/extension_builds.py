@@ -52,7 +52,7 @@ BUILD_TIMEOUT_S = 600.0
 @dataclass
 class Waiter:
     job_id: str
-    worker: Any  # the job process's WorkerState
+    worker: Any  # the job process's JobProcess
     request_id: int
 
 
@@ -64,7 +64,7 @@ class Build:
     arguments_json: str
     arch: str
     waiters: list[Waiter] = field(default_factory=list)
-    worker: Any = None  # the build process's WorkerState, once started
+    worker: Any = None  # the build process's JobProcess, once started
     started: float = 0.0
     versions: str = ""  # the target without the architecture (versions_of)
     # A builder's: asked through the shared store, built with nobody waiting here.

@@ -26,7 +26,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.config import Config
 from kerneleval_server.fleet.devices import Devices
-from kerneleval_server.fleet.job_processes import WorkerState, WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs.builds import prebuild
@@ -57,18 +57,18 @@ class Lifecycle(Protocol):
     queue: FairQueue
     fleet: Devices
     running: dict[str, Running]
-    workers: WorkerTable
+    workers: JobProcessTable
     max_timeout_s: float
 
     def dispatch(self) -> None: ...
-    def start(self, job_id: str, worker: WorkerState, build_arch: str = "") -> None: ...
+    def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None: ...
     def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None: ...
     def track(
         self,
         job: job_pb2.Job,
-        worker: WorkerState,
+        worker: JobProcess,
         compile_cache: list[job_channel_pb2.CacheFile] | None = None,
     ) -> Running: ...
     def mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None: ...
@@ -76,9 +76,9 @@ class Lifecycle(Protocol):
     def unstored(self, job_id: str) -> Unstored | None: ...
     def store_new(self, job_id: str, as_it_is: bool = False) -> None: ...
     def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None: ...
-    def watch_exit(self, worker: WorkerState) -> None: ...
-    def free_worker(self, worker: WorkerState, completed: bool) -> None: ...
-    def worker_lost(self, worker: WorkerState) -> None: ...
+    def watch_exit(self, worker: JobProcess) -> None: ...
+    def free_worker(self, worker: JobProcess, completed: bool) -> None: ...
+    def worker_lost(self, worker: JobProcess) -> None: ...
 
 
 class BuildPaths:
@@ -101,7 +101,7 @@ class BuildPaths:
             return ""
         return prebuild.kind(job.spec, self.judges_launch(job.spec))
 
-    def dispatch_builds(self, ready: list[WorkerState], draining: bool) -> None:
+    def dispatch_builds(self, ready: list[JobProcess], draining: bool) -> None:
         """Build processes' work: `load_inline` builds first (their jobs hold a GPU's
         process), then jobs built ahead (the shared artifact store and the builders first).
         While draining, only the builds that started jobs wait on."""
@@ -127,7 +127,7 @@ class BuildPaths:
                     break
 
     def on_build_message(
-        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage, kind: str | None
+        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage, kind: str | None
     ) -> bool:
         """A build process's message (True: it was one): its `load_inline` build's answer or
         log, or its build of a job."""
@@ -143,7 +143,7 @@ class BuildPaths:
             return True
         return False
 
-    def process_exited(self, worker: WorkerState, exited: watchdog_pb2.WorkerExited) -> None:
+    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
         """A job process exited: a `load_inline` build it ran is lost."""
         if self.extensions.building(worker) is not None:
             why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
@@ -172,7 +172,7 @@ class BuildPaths:
         return self.m.hub
 
     @property
-    def workers(self) -> WorkerTable:
+    def workers(self) -> JobProcessTable:
         return self.m.workers
 
     @property
@@ -184,7 +184,7 @@ class BuildPaths:
 
     # ---- load_inline builds ---------------------------------------------------------------
 
-    def start_extension_build(self, worker: WorkerState) -> None:
+    def start_extension_build(self, worker: JobProcess) -> None:
         build = self.extensions.next_build()
         if build is None:
             return
@@ -206,14 +206,14 @@ class BuildPaths:
             BUILD_TIMEOUT_S, self._extension_build_timeout, worker
         )
 
-    def _extension_build_timeout(self, worker: WorkerState) -> None:
+    def _extension_build_timeout(self, worker: JobProcess) -> None:
         if self.extensions.building(worker) is None:
             return
         self.extension_build_lost(worker, f"ran past {BUILD_TIMEOUT_S:.0f} s and was killed")
         self.m.worker_lost(worker)
 
     def on_extension_request(
-        self, worker: WorkerState, run: Running, req: job_channel_pb2.ExtensionRequest
+        self, worker: JobProcess, run: Running, req: job_channel_pb2.ExtensionRequest
     ) -> None:
         assert worker.hello is not None
         device = worker.hello.device
@@ -234,7 +234,7 @@ class BuildPaths:
             self.publish_log([waiter], "kerneleval: load_inline from the build cache")
         worker.send(job_channel_pb2.FrontendMessage(extension=answer))
 
-    def _on_extension_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
+    def _on_extension_built(self, worker: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
         worker.gone = True  # a build process builds once, then exits
         if worker.exit_watch is not None:  # the build's timeout
             worker.exit_watch.cancel()
@@ -244,7 +244,7 @@ class BuildPaths:
         self.answer_extensions(self.extensions.finished_build(worker, built))
         self.m.dispatch()
 
-    def extension_build_lost(self, worker: WorkerState, why: str) -> None:
+    def extension_build_lost(self, worker: JobProcess, why: str) -> None:
         self.answer_extensions(self.extensions.lost(worker, why))
 
     def answer_extensions(
@@ -344,7 +344,7 @@ class BuildPaths:
         else:
             self.m.store.update(job)
             self.m.hub.publish(event)
-        run = self.m.track(job, WorkerState("", 0, BUILD_DEVICE, False, 0, gone=True))
+        run = self.m.track(job, JobProcess("", 0, BUILD_DEVICE, False, 0, gone=True))
         self.await_launch(run, artifacts)
         return True
 
@@ -367,7 +367,7 @@ class BuildPaths:
         if job is None or job.state in TERMINAL:
             return
         self.m.mark_started(job, built_by, new_attempt=True)
-        worker = WorkerState(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
+        worker = JobProcess(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
         run = self.m.track(job, worker)
         run.build_arch = arch
         built.job_id = job_id
@@ -394,7 +394,7 @@ class BuildPaths:
                 return job_id
         return ""
 
-    def on_built(self, worker: WorkerState, built: job_channel_pb2.BuildOutcome) -> None:
+    def on_built(self, worker: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
         """A build process's answer: the job ends (a compile error), waits for a launch
         process with what was built, or goes back to the queue to run whole."""
         run = self.m.running.get(built.job_id)
