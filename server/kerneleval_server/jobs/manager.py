@@ -162,7 +162,7 @@ class JobManager:
     ) -> job_pb2.Job:
         """Persists a new QUEUED job and queues it (flags: the static checks' result, when
         the caller ran them off the event loop), or answers it from the result cache or an
-        identical job in flight (result_cache.py). A Submit retried with its idempotency key
+        identical job in flight (admission.py). A Submit retried with its idempotency key
         gets the job the first one made. Raises QueueFull past the queue limit, KeyReused.
 
         Without `flags`, a job that runs here is started before its static checks (a
@@ -194,7 +194,7 @@ class JobManager:
         rejected = bool(flags) and spec.options.reject_flagged
         if hit is None and self.shared is None and not rejected:
             # Stored as the dispatch below sends it to a process, or right after it if none
-            # takes it (_store_new): the process starts on it while the store is written.
+            # takes it (store_new): the process starts on it while the store is written.
             self._unstored[job.job_id] = Unstored(job, event, key, idempotency_key)
         else:
             self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)

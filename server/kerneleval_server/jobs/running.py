@@ -1,7 +1,7 @@
 """A started job as the front end follows it, from its start on a process to its end: its
 `Running` record, and where it is (`Stage`) as one value.
 
-A job goes QUEUED -> RUNNING in the store when a process takes it (manager.py `_start`); from
+A job goes QUEUED -> RUNNING in the store when a process takes it (manager.py `start`); from
 then on the manager follows it here until `_finish`. On the way it may be:
 
     RUNNING            its process (whole, a build, a launch or its judge) runs it

@@ -248,7 +248,7 @@ class SharedArtifacts:
             return  # no one architecture to build for: nothing a builder would take
         job = host.store.get(job_id)
         if job is None or host.compile_cache.holds(job.spec, built_key(arch)):
-            return  # built here before: a build process of this node finds it (_built_earlier)
+            return  # built here before: a build process of this node finds it (built_earlier)
         versions = self._job_versions(host)
         if not versions:
             return  # no job process has said what this node's Python is yet

@@ -359,7 +359,7 @@ class BuildPaths:
     ) -> None:
         """A queued job's build answer from the shared artifact store or a builder
         (jobs/builds/artifact_store.py): the job starts as a build job `built_by` ran for
-        `arch`, and goes on as after a build here (_on_built: a launch, its result, or run
+        `arch`, and goes on as after a build here (on_built: a launch, its result, or run
         whole)."""
         if not self.m.queue.remove(job_id):
             return  # it ended, or started, meanwhile
