@@ -33,7 +33,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kerneleval.internal.v1 import job_channel_pb2, watchdog_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
@@ -74,13 +73,11 @@ from kerneleval_server.jobs.running import (
     xid_suspects,
 )
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
+from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
 from kerneleval_server.metrics import Metrics
 from kerneleval_server.spec import placement
-
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.shared_queue import SharedQueue
 
 log = logging.getLogger("kerneleval.jobs")
 
