@@ -52,16 +52,20 @@ $(STAMPS)/venv: pyproject.toml clients/python/pyproject.toml clients/python/setu
 	$(PY) -m pip install -q -e 'clients/python[mcp,rich]' -e '.[dev]'
 	@touch $@
 
-# Python code generated from proto/ (never edited by hand): messages, gRPC stubs, and the
-# Connect stubs (*_connect.py, on google.protobuf messages) that --http-port serves (their
-# generator, protoc-gen-connectrpc, is in .[dev]; it needs Python 3.11).
+# Python code generated from proto/ (never edited by hand): messages and their stubs (.pyi),
+# gRPC stubs typed by mypy-protobuf (*_pb2_grpc.pyi), and the Connect stubs (*_connect.py, on
+# google.protobuf messages) that --http-port serves (their generator, protoc-gen-connectrpc, is
+# in .[dev]; it needs Python 3.11).
+MYPY_GRPC_GEN := --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
+  --mypy_grpc_out=quiet:$(GEN_OUT)
 CONNECT_PLUGIN := $(VENV)/bin/protoc-gen-connectrpc
 CONNECT_GEN := --plugin=protoc-gen-connectrpc=$(CONNECT_PLUGIN) --connectrpc_out=$(GEN_OUT) \
   --connectrpc_opt=protobuf=google
 $(STAMPS)/gen: $(PROTOS) $(STAMPS)/venv
 	rm -rf $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$(GEN_OUT) --pyi_out=$(GEN_OUT) \
-	  --grpc_python_out=$(GEN_OUT) $$([ -x $(CONNECT_PLUGIN) ] && echo '$(CONNECT_GEN)') $(PROTOS)
+	  --grpc_python_out=$(GEN_OUT) $(MYPY_GRPC_GEN) \
+	  $$([ -x $(CONNECT_PLUGIN) ] && echo '$(CONNECT_GEN)') $(PROTOS)
 	for d in $(GEN_OUT)/kerneleval/v1 $(GEN_OUT)/kerneleval/internal $(GEN_OUT)/kerneleval/internal/v1; do touch $$d/__init__.py; done
 	@touch $@
 
@@ -87,7 +91,8 @@ clients-cpp: $(STAMPS)/apt
 
 lint: setup
 	$(VENV)/bin/ruff check server clients/python tests bench
-	$(VENV)/bin/mypy server/kerneleval_server clients/python/src/kerneleval
+	$(VENV)/bin/mypy server/kerneleval_server
+	$(VENV)/bin/mypy --config-file clients/python/pyproject.toml clients/python/src/kerneleval
 	$(VENV)/bin/lint-imports  # the layers, top to bottom, and no import cycles (pyproject.toml)
 	cd proto && ../$(VENV)/bin/buf lint
 

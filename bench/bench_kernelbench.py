@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def run_all(
                         "reference_median_ms": r.reference_runtime.median_ms,
                         "speedup": r.speedup,
                         "flags": [f.rule_id for f in r.flags],  # integrity flags (issue 13)
+                        "notes": [n for n in r.notes if "timed from outside" in n],
                         "message": (r.compilation_error or r.validation_error or r.error.message
                                     or r.fault.description)[:300],
                     }  # fmt: skip
@@ -121,6 +123,102 @@ def run_all(
     return out
 
 
+_PATH = re.compile(
+    r"the path's own cost ([\d.]+) us a call, the kernel's clock within (-?[\d.]+) us of the "
+    r"judge's \(tolerance ([\d.]+) us; its calls of no work took ([\d.]+) us, the judge's "
+    r"own measure of their work ([\d.]+)"
+)
+
+
+def outside_path(row: dict[str, Any]) -> str:
+    """From the outside timing's note: the path's cost, the claims' gap and the tolerance."""
+    for note in row.get("notes", []):
+        m = _PATH.search(note)
+        if m:
+            return " / ".join(m.groups()) + (" (capped)" if "took longer" in note else "")
+    return "-"
+
+
+def self_report(
+    args: argparse.Namespace, info: dict[str, Any], jobs: list[tuple[str, Any, bool]],
+    results: dict[str, dict[str, Any]], eager: dict[str, Any], level_of: dict[str, int],
+    service_wall: float,
+) -> int:  # fmt: skip
+    """--compare-self: per level, the verdicts, speedups and flags of each Model against
+    itself, and both of its times over do_bench's (issue 40's fidelity, issue 41's defaults)."""
+    rows: list[list[Any]] = []
+    per_level: dict[int, dict[str, list[Any]]] = {}
+    for name, _spec, _c in jobs:
+        if name not in level_of:
+            continue
+        r = results.get(name, {"verdict": "NOT_RUN (budget)", "e2e_s": 0.0})
+        e = eager.get(name, {})
+        kernel, ref = r.get("engine_median_ms", 0.0), r.get("reference_median_ms", 0.0)
+        db, synced = e.get("do_bench_median_ms", 0.0), e.get("synced_median_ms", 0.0)
+        lv = per_level.setdefault(level_of[name], {
+            "jobs": [], "ok": [], "flagged": [], "speedup": [], "kernel": [], "ref": [],
+            "synced": []})  # fmt: skip
+        lv["jobs"].append(name)
+        if r["verdict"] == "VERDICT_OK":
+            lv["ok"].append(name)
+            lv["speedup"].append(r.get("speedup", 0.0))
+        if r.get("flags"):
+            lv["flagged"].append(f"{name}: {','.join(r['flags'])}")
+        if db and kernel:
+            lv["kernel"].append(kernel / db)
+        if db and ref:
+            lv["ref"].append(ref / db)
+        if db and synced:
+            lv["synced"].append(synced / db)
+        rows.append([
+            name, r["verdict"].removeprefix("VERDICT_"), r.get("speedup", 0.0), kernel, ref,
+            db or "-", C.ratio(kernel, db) if db and kernel else "-",
+            C.ratio(ref, db) if db and ref else "-", C.ratio(synced, db) if db and synced else "-",
+            ",".join(r.get("flags", [])) or r.get("message", "")[:80], outside_path(r),
+        ])  # fmt: skip
+
+    def q(values: list[float], pct: int) -> float:
+        return float(statistics.quantiles(values, n=10)[pct // 10 - 1]) if len(values) > 1 else (
+            values[0] if values else 0.0)  # fmt: skip
+
+    summary = []
+    for level, lv in sorted(per_level.items()):
+        summary.append([
+            level, len(lv["jobs"]), len(lv["ok"]), len(lv["flagged"]),
+            statistics.median(lv["speedup"]) if lv["speedup"] else 0.0,
+            statistics.median(lv["kernel"]) if lv["kernel"] else 0.0, q(lv["kernel"], 90),
+            statistics.median(lv["ref"]) if lv["ref"] else 0.0, q(lv["ref"], 90),
+            statistics.median(lv["synced"]) if lv["synced"] else 0.0, q(lv["synced"], 90),
+        ])  # fmt: skip
+    data = {"results": results, "eager": eager, "service_wall_s": service_wall,
+            "levels": {str(k): {kk: vv for kk, vv in v.items()} for k, v in per_level.items()}}
+    notes = [
+        f"Each problem's Model against itself (ModelNew subclasses it, nothing changed), "
+        f"through Compare with the service's defaults but {args.trials} timed trials; every "
+        f"{args.every} problem(s) of each level; {args.workers_per_device} job processes, "
+        f"{args.in_flight} jobs in flight; all jobs took {service_wall:.0f} s.",
+        "kernel = the ModelNew's median, timed from outside its process (its judge drives its "
+        "calls); reference = the judge's own timing of the Model; do_bench = "
+        "triton.testing.do_bench's median of the Model in a plain process after the service "
+        "stopped; synced = that process with the L2 flush waited for before each call's start "
+        "event (no lead: the launch-bound calls' host pace shows).",
+        "flagged: " + ("; ".join(f for lv in per_level.values() for f in lv["flagged"])
+                       or "none"),
+    ]  # fmt: skip
+    C.write_results(
+        args.out, "bench_kernelbench_self", "KernelBench: each Model against itself", info, data,
+        [("Per level", ["level", "jobs", "OK", "flagged", "speedup median", "kernel/do_bench "
+          "median", "p90", "reference/do_bench median", "p90", "synced/do_bench median", "p90"],
+          summary),
+         ("Per problem", ["problem", "verdict", "speedup", "kernel ms", "reference ms",
+                          "do_bench ms", "kernel/do_bench", "reference/do_bench",
+                          "synced/do_bench", "flags or message",
+                          "path us / gap us / tolerance us / no-work calls us / own us"], rows)],
+        notes,
+    )  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
@@ -134,6 +232,15 @@ def main() -> int:
     ap.add_argument("--no-do-bench", action="store_true", help="eager: CUDA events only")
     ap.add_argument("--budget-s", type=float, default=0, help="start no job after this (0: none)")
     ap.add_argument("--eager-budget-s", type=float, default=600, help="eager baseline limit")
+    ap.add_argument("--levels", default="1", help="KernelBench levels, e.g. 1,2,3")
+    ap.add_argument("--every", type=int, default=1, help="every Nth problem of each level")
+    ap.add_argument(
+        "--compare-self", action="store_true",
+        help="Compare each problem's Model as its own ModelNew (subclassed, nothing changed): "
+        "the verdict (OK expected), the speedup (1.00 expected), flags (none expected), both "
+        "times (timed the trusted way: the kernel from outside its process) against do_bench",
+    )  # fmt: skip
+    ap.add_argument("--no-examples", action="store_true", help="skip the example pairs")
     args = ap.parse_args()
     smoke = args.cpu_smoke
     kb = Path(args.kernelbench)
@@ -141,19 +248,37 @@ def main() -> int:
         raise SystemExit(f"no level1/ under {kb}: pass --kernelbench")
     info = C.machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="kerneleval-kb-"))
-    problems = sorted((kb / "level1").glob("*.py"), key=problem_key)
-    if smoke:
-        problems = [p for p in problems if p.name.startswith(SMOKE_PROBLEMS)]
-    if args.limit:
-        problems = problems[: args.limit]
+    levels = [int(x) for x in args.levels.split(",") if x]
+    problems = []
+    for level in levels:
+        found = sorted((kb / f"level{level}").glob("*.py"), key=problem_key)
+        if smoke:
+            found = [p for p in found if p.name.startswith(SMOKE_PROBLEMS)]
+        found = found[:: max(1, args.every)]
+        if args.limit:
+            found = found[: args.limit]
+        problems += found
     files: dict[str, Path] = {}
+    level_of: dict[str, int] = {}
     jobs: list[tuple[str, kernel_pb2.JobSpec, bool]] = []
     for p in problems:
-        f = tmp / p.name
+        level = int(p.parent.name.removeprefix("level"))
+        name = p.stem if level == 1 else f"L{level}/{p.stem}"
+        (tmp / f"level{level}").mkdir(exist_ok=True)
+        f = tmp / f"level{level}" / p.name
         f.write_text(scaled(p.read_text(), 64) if smoke else p.read_text())
-        files[p.stem] = f
-        spec = job_from_files(f, options=options(args.trials, args.timeout), client_tag="kb-l1")
-        jobs.append((p.stem, spec, False))
+        files[name], level_of[name] = f, level
+        opts = options(args.trials, args.timeout)
+        if args.compare_self:
+            new = tmp / f"level{level}" / f"self_{p.name}"
+            new.write_text(
+                f.read_text() + "\n\nclass ModelNew(Model):  # the reference, unchanged\n"
+                "    pass\n"
+            )
+            spec = job_from_files(new, f, options=opts, client_tag=f"kb-l{level}-self")
+        else:
+            spec = job_from_files(f, options=opts, client_tag=f"kb-l{level}")
+        jobs.append((name, spec, args.compare_self))
     pairs = []
     for new in sorted((kb / "examples").glob("model_new_ex_*.py")):
         stem = new.stem.removeprefix("model_new_ex_")
@@ -162,7 +287,7 @@ def main() -> int:
             ref = kb / "examples" / f"model_ex_{stem.split('_')[0]}.py"
         if ref.exists():
             pairs.append((new, ref))
-    for new, ref in pairs:
+    for new, ref in [] if args.no_examples else pairs:
         spec = job_from_files(new, ref, options=options(args.trials, args.timeout),
                               client_tag="kb-examples")  # fmt: skip
         jobs.append((f"example {new.name} vs {ref.name}", spec, True))
@@ -199,13 +324,16 @@ def main() -> int:
             out = late.stdout
             stdout = out.decode() if isinstance(out, bytes) else (out or "")
             stderr = "eager baseline ran out of its budget"
-        eager = {Path(k).stem: v for k, v in parse_items(stdout).items()}
+        by_path = {str(f): name for name, f in files.items()}
+        eager = {by_path.get(k, Path(k).stem): v for k, v in parse_items(stdout).items()}
         if not eager:
             print("eager baseline failed:", stderr[-1500:], flush=True)
         print(
             f"eager baseline: {len(eager)} problems in {time.perf_counter() - t:.0f} s", flush=True
         )
 
+    if args.compare_self:
+        return self_report(args, info, jobs, results, eager, level_of, service_wall)
     rows: list[list[Any]] = []
     for name, _spec, compare in jobs:
         r = results.get(name, {"verdict": "NOT_RUN (budget)", "e2e_s": 0.0})

@@ -34,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,12 +328,41 @@ def step(
             "why": why, "device": job.device_index if job else -1,
             "speedup": job.result.speedup if job else 0.0,
             "phases": phases(events[i]) if i in events and job else {},
+            "window_parts": window_parts(job.result.notes) if job else {},
         })  # fmt: skip
     return {
         "wall_s": wall, "finished": len(finished), "refused": refused, "jobs": jobs,
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
     }  # fmt: skip
+
+
+_PARTS = re.compile(r"the judge's timed phase: (\d+) ms \(([^)]*)\)")
+
+
+def window_parts(notes: Sequence[str]) -> dict[str, float]:
+    """Milliseconds of a judge's timed phase by part, from its result's note (judge.py's
+    _Stopwatch): {"total": ..., "waiting for the window": ..., "reference": ..., ...}."""
+    for note in notes:
+        m = _PARTS.search(note)
+        if m:
+            parts = {"total": float(m.group(1))}
+            for item in m.group(2).split(", "):
+                name, _, ms = item.rpartition(" ")
+                parts[name] = float(ms)
+            # the windows themselves: the phase less its waits for them (other jobs' windows)
+            parts["in windows"] = parts["total"] - parts.get("waiting for the window", 0.0)
+            return parts
+    return {}
+
+
+def window_rows(jobs: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per part of the judges' windows: the median and the largest, ms, over timed jobs."""
+    timed = [j["window_parts"] for j in jobs if j.get("window_parts")]
+    names = sorted({k for t in timed for k in t}, key=lambda k: (k != "total", k))
+    return [[k, len([t for t in timed if k in t]),
+             statistics.median(t.get(k, 0.0) for t in timed),
+             max(t.get(k, 0.0) for t in timed)] for k in names]  # fmt: skip
 
 
 PROGRESS_S = 15.0
@@ -391,11 +421,17 @@ def main() -> int:
         warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
         warm_step = step(svc, warm_specs, warm, expected)
         data["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
-        for n in range(args.steps):
-            tag = f"step{n}-{time.time_ns()}"
-            result = step(svc, specs_for(planned, tag, smoke, args.timeout_s), planned, expected)
-            print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
-            data["steps"].append(result)
+        try:
+            for n in range(args.steps):
+                tag = f"step{n}-{time.time_ns()}"
+                specs = specs_for(planned, tag, smoke, args.timeout_s)
+                result = step(svc, specs, planned, expected)
+                print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
+                data["steps"].append(result)
+        except KeyboardInterrupt:  # cut at its time limit: the steps done are still written
+            data["cut_after_steps"] = len(data["steps"])
+            if not data["steps"]:
+                raise
         data["service_log_tail"] = svc.tail()[-3000:]
     finally:
         svc.stop()
@@ -416,6 +452,9 @@ def main() -> int:
         tables.append((f"step {i} ({what}): where the jobs' time went, job-seconds",
                        ["phase", "sum s", "share", "median s", "max s"],
                        phase_rows(st["jobs"])))  # fmt: skip
+        tables.append((f"step {i}: the judges' timed phases, ms per timed job "
+                       "(in windows: less the waits)",
+                       ["part", "jobs", "median ms", "max ms"], window_rows(st["jobs"])))
     kinds: dict[tuple[str, str], list[int]] = {}
     for j in best["jobs"]:
         k = kinds.setdefault((j["backend"], j["kind"]), [0, 0])
@@ -435,9 +474,12 @@ def main() -> int:
         f"precompiled headers made at start in {data['pch_s']:.1f} s (before the steps)",
         "not as planted: " + ("; ".join(off[:8]) if off else "none"),
     ]
+    if "cut_after_steps" in data:
+        notes.append(f"cut at its time limit after {data['cut_after_steps']} of {args.steps} steps")
     name = f"bench_rl_step_{gpus}gpu" if gpus else "bench_rl_step_smoke"
     C.write_results(args.out, name, "The RL step benchmark (issue 19)", info, data, tables, notes)
-    return 0 if not off and all(s["finished"] == args.count for s in data["steps"]) else 1
+    done = all(s["finished"] == args.count for s in data["steps"]) and "cut_after_steps" not in data
+    return 0 if not off and done else 1
 
 
 if __name__ == "__main__":

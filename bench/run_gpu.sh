@@ -7,6 +7,8 @@
 #   OUT=/some/dir bench/run_gpu.sh overhead recovery
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
 #   OUT=/some/dir bench/run_gpu.sh kernelbench  # KernelBench level 1 + examples (~8 min)
+#   OUT=/some/dir bench/run_gpu.sh kernelbench_self # each Model against itself, levels 1-3
+#                                               # (EVERY=3: a third of each), vs do_bench
 #   OUT=/some/dir bench/run_gpu.sh soak         # fault soak, 480 s (~9 min)
 #   OUT=/some/dir bench/run_gpu.sh throughput   # 300 candidates via RunBatch per KINDS, with
 #                                               # and without freezing (WPD per GPU; on a
@@ -89,6 +91,13 @@ case "$STAGE" in
     run $(( ${BUDGET_S:-300} + ${EAGER_BUDGET_S:-120} + 90 )) bench_kernelbench \
       --kernelbench "$KERNELBENCH" --budget-s "${BUDGET_S:-300}" \
       --eager-budget-s "${EAGER_BUDGET_S:-120}"
+    ;;
+  kernelbench_self)  # issues 40 and 41: each Model against itself, levels 1-3, vs do_bench
+    run $(( ${BUDGET_S:-300} + ${EAGER_BUDGET_S:-180} + 90 )) bench_kernelbench \
+      --kernelbench "$KERNELBENCH" --budget-s "${BUDGET_S:-300}" \
+      --eager-budget-s "${EAGER_BUDGET_S:-180}" --compare-self --no-examples \
+      --levels "${LEVELS:-1,2,3}" --every "${EVERY:-3}" --trials "${TRIALS:-10}" \
+      --workers-per-device "${WPD:-8}" --in-flight "${IN_FLIGHT:-8}"
     ;;
   soak)
     run $(( ${DURATION_S:-480} + 80 )) fault_soak --duration-s "${DURATION_S:-480}"

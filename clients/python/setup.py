@@ -21,6 +21,8 @@ HERE = Path(__file__).resolve().parent
 PROTO_ROOT = HERE.parent.parent / "proto"
 # Packages protoc writes (one folder per proto package), each given an __init__.py.
 GENERATED_PACKAGES = ("kerneleval/v1", "kerneleval/internal", "kerneleval/internal/v1")
+# Typed gRPC stubs (*_pb2_grpc.pyi), from mypy-protobuf (a build requirement).
+MYPY_GRPC_PLUGIN = "protoc-gen-mypy_grpc"
 # The Connect stubs (--http-port of the server) need their plugin, which needs Python 3.11.
 CONNECT_PLUGIN = "protoc-gen-connectrpc"
 
@@ -30,7 +32,8 @@ def _protos() -> list[Path]:
 
 
 def generate(out: Path) -> None:
-    """Messages, .pyi stubs, gRPC stubs and, where the plugin is, Connect stubs into `out`."""
+    """Messages, .pyi stubs, gRPC stubs and, where their plugins are, typed gRPC stubs and
+    Connect stubs into `out`."""
     from grpc_tools import protoc  # a build requirement: imported only when there are protos
 
     args = [
@@ -41,6 +44,9 @@ def generate(out: Path) -> None:
         f"--pyi_out={out}",
         f"--grpc_python_out={out}",
     ]
+    mypy_grpc = shutil.which(MYPY_GRPC_PLUGIN)
+    if mypy_grpc:
+        args += [f"--plugin={MYPY_GRPC_PLUGIN}={mypy_grpc}", f"--mypy_grpc_out=quiet:{out}"]
     plugin = shutil.which(CONNECT_PLUGIN)
     if plugin:
         args += [

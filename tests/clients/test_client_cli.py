@@ -274,7 +274,7 @@ def test_live_progress_bars_on_a_tty(tmp_path, triton_file):
 
 def test_serve_without_the_server_package_says_so(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "kerneleval_server.main", None)
-    monkeypatch.setattr(cli.os, "execv", lambda *a: pytest.fail(f"exec'd the server: {a}"))
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"exec'd the server: {a}"))
     assert cli.main(["serve", "--port", "1"]) == cli.EXIT_USAGE
     assert "kerneleval-server" in capsys.readouterr().err
 
@@ -692,6 +692,42 @@ def test_a_dropped_stream_is_re_attached_and_said_so(capsys, triton_file):
         assert code == 0, err
         assert "lost the stream of job job-0001 after event #4" in err
         assert "re-attached to job job-0001 at event #5" in err
+    finally:
+        server.stop()
+
+
+def test_watch_follows_a_job_across_a_service_restart(capsys, monkeypatch, triton_file):
+    """The client re-attaches (the CLI only says so): the server goes away mid-job and comes
+    back on the same port; the job's every event is shown once and its result decides."""
+    state = FakeState(event_delay=0.05)
+    server = FakeServer(state)
+    try:
+        from kerneleval.client import Client
+
+        with Client(server.address) as c:
+            kernel = kernel_pb2.KernelSource(
+                source_code=triton_file.read_text(), type=kernel_pb2.KERNEL_TYPE_TRITON
+            )
+            job = c.submit(kernel_pb2.JobSpec(kernel=kernel))
+        real = progress.JobView.event
+        seen: list[int] = []
+
+        def bounce_after_three(self, event):  # type: ignore[no-untyped-def]
+            real(self, event)
+            seen.append(event.sequence)
+            if len(seen) == 3:
+                server.stop()
+                time.sleep(0.7)  # past the client's quiet wait: it says it waits
+                server.start()
+
+        monkeypatch.setattr(progress.JobView, "event", bounce_after_three)
+        code = cli.main(["--server", server.address, "--jsonl", "watch", job.job_id])
+        out, err = capsys.readouterr()
+        assert code == cli.EXIT_OK, err
+        assert seen == list(range(1, len(seen) + 1)) and len(seen) > 3
+        assert [int(json.loads(line)["sequence"]) for line in out.splitlines()] == seen
+        assert f"lost the stream of job {job.job_id} after event #3" in err
+        assert f"re-attached to job {job.job_id} at event #4" in err
     finally:
         server.stop()
 

@@ -57,8 +57,10 @@ def test_wheel_from_a_clone_has_the_generated_code(tmp_path: Path) -> None:
         "kerneleval/v1/kernel_eval_service_pb2.py",
         "kerneleval/v1/kernel_eval_service_pb2_grpc.py",
         "kerneleval/v1/kernel_eval_service_pb2.pyi",
+        "kerneleval/v1/kernel_eval_service_pb2_grpc.pyi",  # typed by mypy-protobuf
         "kerneleval/internal/v1/watchdog_pb2.py",
-        "kerneleval/cli.py",
+        "kerneleval/cli/__init__.py",
+        "kerneleval/cli/__main__.py",
         "kerneleval/py.typed",
     ):
         assert module in names, sorted(names)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from fake_server import ADMIN_TOKEN, Failure, FakeServer, FakeState
 from kerneleval import cli, contracts, errors
-from kerneleval.client import AsyncClient, Client, _SubmitRetry, is_terminal
+from kerneleval.client import AsyncClient, Client, StreamNote, _SubmitRetry, is_terminal
 from kerneleval.kernelbench import kernel_source
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2, kernel_pb2
 
@@ -91,6 +91,39 @@ def test_run_reattaches_after_a_dropped_stream(client: Client, fake: FakeServer)
     ]
     assert watches[-1].after_sequence == 3
     assert watches[-1].job_id == events[0].job_id
+
+
+def test_run_says_what_its_stream_went_through(client: Client, fake: FakeServer):
+    """on_note hears one "lost" per drop and one "reattached" at the first new event (the CLI
+    says them)."""
+    fake.state.drop_after = 3
+    notes: list[StreamNote] = []
+    events = list(client.run(spec(), on_note=notes.append))
+    assert_contiguous(events)
+    assert [(n.kind, n.sequence) for n in notes] == [("lost", 3), ("reattached", 4)]
+    assert {n.job_id for n in notes} == {events[0].job_id}
+    assert notes[0].code is not None
+
+
+def test_async_run_says_what_its_stream_went_through(fake: FakeServer):
+    fake.state.drop_after = 3
+    notes: list[StreamNote] = []
+
+    async def scenario() -> list[job_pb2.JobEvent]:
+        async with AsyncClient(fake.address, timeout=20) as c:
+            return [e async for e in c.run(spec(), on_note=notes.append)]
+
+    assert_contiguous(asyncio.run(scenario()))
+    assert [(n.kind, n.sequence) for n in notes] == [("lost", 3), ("reattached", 4)]
+
+
+def test_watch_says_it_waits_for_a_server_that_is_down():
+    notes: list[StreamNote] = []
+    with Client("127.0.0.1:1", reconnect_timeout=1.0) as c:
+        with pytest.raises(errors.Unavailable):
+            list(c.watch("job-x", on_note=notes.append))
+    assert [n.kind for n in notes] == ["waiting"]
+    assert 0 < notes[0].seconds <= 1.0
 
 
 def test_run_without_reconnect_raises_unavailable(client: Client, fake: FakeServer):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from kerneleval import cli, render
+from kerneleval.cli import evaluate as cli_evaluate
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 TASK = Path(__file__).resolve().parents[1] / "gpumode_tasks" / "softmax_py"
@@ -156,7 +157,7 @@ def test_gpumode_options_reach_the_spec(capsys, monkeypatch, tmp_path: Path) -> 
         sent.extend(specs)
         return cli.EXIT_OK
 
-    monkeypatch.setattr(cli, "_run_specs", capture)
+    monkeypatch.setattr(cli_evaluate, "run_specs", capture)
     monkeypatch.setattr(sys, "stdin", io.StringIO(NEEDS_CUDA))
     code, _, _ = run(capsys, "--server", "127.0.0.1:1", "gpumode", str(TASK), "-", "--seed", "7",
                      "--perf-trials", "9", "--tag", "gm", "--label", "task=softmax")  # fmt: skip
@@ -203,12 +204,12 @@ def test_cannot_run_here_is_a_warning_in_every_table() -> None:
 def test_the_exit_code_policy() -> None:
     ok, incorrect = job(job_pb2.VERDICT_OK), job(job_pb2.VERDICT_INCORRECT)
     not_run = job(job_pb2.VERDICT_CANNOT_RUN_HERE)
-    assert cli._exit_code([ok]) == cli.EXIT_OK
-    assert cli._exit_code([not_run]) == cli.EXIT_NOT_RUN == 4
-    assert cli._exit_code([ok, not_run]) == cli.EXIT_NOT_RUN
-    assert cli._exit_code([not_run, incorrect]) == cli.EXIT_VERDICT  # a failure comes first
-    assert cli._exit_code([ok, "refused: bad spec"]) == cli.EXIT_VERDICT
+    assert cli.exit_code([ok]) == cli.EXIT_OK
+    assert cli.exit_code([not_run]) == cli.EXIT_NOT_RUN == 4
+    assert cli.exit_code([ok, not_run]) == cli.EXIT_NOT_RUN
+    assert cli.exit_code([not_run, incorrect]) == cli.EXIT_VERDICT  # a failure comes first
+    assert cli.exit_code([ok, "refused: bad spec"]) == cli.EXIT_VERDICT
     cancelled = job(job_pb2.VERDICT_CANNOT_RUN_HERE)
     cancelled.state = job_pb2.JOB_STATE_CANCELLED
-    assert cli._exit_code([cancelled]) == cli.EXIT_VERDICT
+    assert cli.exit_code([cancelled]) == cli.EXIT_VERDICT
     assert "4 not evaluated" in cli.MAIN_EXAMPLES

@@ -69,6 +69,14 @@ def raiser(args):
 def dies(args):
     os._exit(3)
 
+def oom_args(values, layout):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+
+if sys.argv[2] == "setup_oom":
+    try:
+        tc.serve(sock_fd, honest, oom_args, torch.device("cpu"), idle_s=30)
+    except torch.OutOfMemoryError:
+        sys.exit(0)
 tc.serve(sock_fd, globals()[sys.argv[2]], make_args, torch.device("cpu"), idle_s=30)
 """
 
@@ -175,3 +183,28 @@ def test_a_server_that_dies_in_a_call_is_told_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - began < 5
     assert proc.wait(10) == 3
     driver.close()
+
+
+def test_a_dear_calibration_is_capped_at_the_drivers_own_measure() -> None:
+    """Calls of no work made 20 ms dearer by the server would lower the bound by as much, and
+    a claim 20 ms short would agree with it: the path's cost is taken at most the driver's
+    own measure of that work plus the slack, and the claim is then caught."""
+    ms = 1_000_000
+    calib = [20 * ms + k * 1000 for k in range(10)]  # slowed on purpose
+    outside = [20 * ms + 100_000] * 8  # the real calls: 20 ms of work and the path
+    inside = [100_000] * 8  # claims of 0.1 ms
+    fooled = tc.decide(inside, outside, calib, cpu=True)
+    assert not fooled.flagged  # without the cap, the lie agrees with the lowered bound
+    caught = tc.decide(inside, outside, calib, cpu=True, own_path_ns=50_000)
+    assert caught.flagged and caught.calibration_capped
+    assert min(caught.times_ms) > 17.0
+    honest = tc.decide([20 * ms] * 8, outside, [100_000 + k for k in range(10)], cpu=True,
+                       own_path_ns=50_000)  # fmt: skip
+    assert not honest.flagged and not honest.calibration_capped
+
+
+def test_a_server_that_cannot_take_its_buffers_says_why(tmp_path: Path) -> None:
+    """Its failure to map them (out of memory, most often, beside other jobs) reaches the
+    driver as its message, so that the job's verdict is that failure, not a silence."""
+    with pytest.raises(tc.TimedCallError, match="did not take .*CUDA out of memory"):
+        _session("setup_oom", tmp_path)

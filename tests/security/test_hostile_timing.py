@@ -83,6 +83,38 @@ class ModelNew(torch.nn.Module):
             time.perf_counter_ns = once
         return x * 2.0
 """,
+    # Its calls of no work slowed by 20 ms (the engine's function they alone call, rebound:
+    # a module no check watches), so that the path's cost looks 20 ms dearer and the bound
+    # of its real calls 20 ms lower; its own clock then swapped, as above, to agree with it.
+    "calls-of-no-work-slowed": """
+from kerneleval_server.engine import timed_calls
+
+
+def _slow_sync(device):
+    time.sleep(0.02)
+
+
+timed_calls._sync = _slow_sync
+
+
+class ModelNew(torch.nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        ModelNew.calls += 1
+        t = time.monotonic() + 0.02
+        while time.monotonic() < t:
+            pass
+        if ModelNew.calls > 1:
+            real = time.perf_counter_ns
+
+            def once():
+                time.perf_counter_ns = real
+                return real() - 19_900_000
+
+            time.perf_counter_ns = once
+        return x * 2.0
+""",
     # The result's time, rewritten through the frames of the code that builds it (its own
     # process's report: the judge takes no time from there).
     "frames-rewritten": """
@@ -152,6 +184,18 @@ def test_a_swapped_clock_is_timed_by_the_judges_bound(stub, svc) -> None:  # typ
     assert r.runtime.source == job_pb2.TIMING_SOURCE_OUTSIDE_BOUND, ran.describe()
     assert r.runtime.median_ms > SLOW_MS * 0.8, ran.describe()
     assert 0 < r.speedup < 1, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_slowed_calls_of_no_work_do_not_lower_the_bound(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """The path's cost is measured through the candidate's process, which may slow it: it is
+    capped at what the judge measures of that work itself (timed_calls.decide)."""
+    ran = run_job(stub, _spec("calls-of-no-work-slowed"), svc)
+    r = ran.job.result
+    assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert "time_outside_bound" in [f.rule_id for f in r.flags], ran.describe()
+    assert r.runtime.median_ms > SLOW_MS * 0.8, ran.describe()
+    assert any("calls of no work took longer" in n for n in r.notes), r.notes
     next_tenants_are_judged_right(stub, svc, ran)
 
 

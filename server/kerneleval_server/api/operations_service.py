@@ -88,8 +88,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         metadata = context.invocation_metadata() or ()
         forwarded = [(k, v) for k, v in metadata if k == "authorization"]
         async with grpc.aio.insecure_channel(node) as channel:
-            # The generated stubs are untyped (no *_grpc.pyi): the call is the method's own.
-            stub = operations_service_pb2_grpc.OperationsServiceStub(channel)  # type: ignore[no-untyped-call]
+            stub = operations_service_pb2_grpc.OperationsServiceStub(channel)
             try:
                 return await getattr(stub, method)(request, metadata=forwarded, timeout=3600)
             except grpc.aio.AioRpcError as e:

@@ -50,7 +50,10 @@ from .stops import Stop as _Stop
 from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
-CALIBRATION_CALLS = 20  # calls of no work: what the path of a timed call costs by itself
+CALIBRATION_CALLS = 10  # calls of no work: what the path of a timed call costs by itself
+# Warm-up calls past the options' count (until timing.WARMUP_MS), at most: each goes through
+# the timed calls' path, whose own cost is tens of microseconds.
+MAX_WARMUP_CALLS = 200
 CHECKED_MIN = 3  # timed calls checked against the reference, at least (else a quarter)
 SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 # What the kernel's process sent at last, to a judge started ahead: its report, whether it
@@ -159,6 +162,7 @@ class _Judge(_Job):
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
     go: Go | None  # started ahead: waits for the kernel's report
     kernel_serves: bool  # the kernel's process waits for its timed calls (timed_calls.py)
+    spent: _Stopwatch  # where its timed phase's time went (said in the result's notes)
 
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
@@ -217,8 +221,10 @@ class _Judge(_Job):
             compiled = self._compile_reference(ref, make_args(base))
             # The reference first, in a window with the kernel's process frozen (nothing it
             # leaves running can slow it); then the kernel's calls, that process running.
+            self.spent = _Stopwatch()
             reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
-            self._time_kernel_outside(cand, ref, make_args, base)
+            self.spent.lap("reference")
+            self._time_kernel_outside(cand, ref, make_args, base, self.spent)
             self._time_reference(self.result, ref, make_args, reference, compiled_times)
         elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
@@ -228,14 +234,16 @@ class _Judge(_Job):
         self.result.verdict = job_pb2.VERDICT_OK
 
     def _time_kernel_outside(
-        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, base: int
-    ) -> None:
+        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, base: int,
+        spent: _Stopwatch,
+    ) -> None:  # fmt: skip
         """The kernel's timed calls, driven in its process from here (timed_calls.py): each
         on inputs made here from trial numbers it cannot foresee, written into the shared
         arguments after the last call was answered; a share of them, picked at random,
         checked against the reference on the same inputs; its time its own claim only where
         that agrees with this process's clock, else that clock's bound (flagged)."""
         self.reporter.drive_kernel()
+        spent.lap("waiting for the window")
         n = self.opts.perf_trials
         first = make_args(base)
         ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
@@ -243,30 +251,42 @@ class _Judge(_Job):
         picked = set(random.SystemRandom().sample(range(n), min(n, max(CHECKED_MIN, n // 4))))
         inside: list[int] = []
         outside: list[int] = []
+        spent.lap("reference")  # its outputs for the first call's check
+        flush = _L2Flush(self.dev, self.opts.flush_l2)
         try:
-            driver = timed_calls.Driver(self.share_fd, first, [_like(o) for o in ref_out], self.dev)
+            driver = timed_calls.Driver(
+                self.share_fd, first, [_like(o) for o in ref_out], self.dev,
+                prepare=flush.enqueue, lead=flush.lead_kind,
+            )  # fmt: skip
         except timed_calls.TimedCallError as e:
             self._kernel_failed_timed(str(e))
+        spent.lap("buffers")
         try:
             calibration = timed_calls.calibrate(driver, first, CALIBRATION_CALLS)
-            for _ in range(max(1, self.opts.warmup)):
-                driver.call(first)
-            flush = _L2Flush(self.dev, self.opts.flush_l2)
+            own_path = driver.own_path_ns(flush.lead)
+            spent.lap("calibration")
+            _warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
+            spent.lap("warmup")
             for i in range(n):
                 args = make_args(base + 1 + i)
                 pristine = args.clone() if i in picked else None
-                flush()
+                spent.lap("inputs")
                 call = driver.call(args)
                 inside.append(call.inside_ns)
                 outside.append(call.outside_ns)
+                spent.lap("calls")
                 if pristine is not None:
                     self._check_timed_call(i, call.outputs, ref, pristine, names)
+                    spent.lap("checks")
                 self._progress(i + 1, n)
         except timed_calls.TimedCallError as e:
             self._kernel_failed_timed(str(e))
         finally:
             driver.close()
-        decision = timed_calls.decide(inside, outside, calibration, cpu=self.dev.type != "cuda")
+        spent.lap("buffers")
+        decision = timed_calls.decide(
+            inside, outside, calibration, cpu=self.dev.type != "cuda", own_path_ns=own_path
+        )
         source = (
             job_pb2.TIMING_SOURCE_OUTSIDE_BOUND if decision.flagged
             else job_pb2.TIMING_SOURCE_CUDA_EVENTS if self.dev.type == "cuda"
@@ -281,8 +301,16 @@ class _Judge(_Job):
             f"timed from outside its process: {n} calls driven by its judge on fresh inputs "
             f"({len(picked)} checked against the reference), the path's own cost "
             f"{decision.calibration_us:.1f} us a call, the kernel's clock within "
-            f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us)"
+            f"{decision.gap_us:.1f} us of the judge's (tolerance {decision.tolerance_us:.1f} us; "
+            f"its calls of no work took {decision.calibration_measured_us:.1f} us, the judge's "
+            f"own measure of their work {own_path / 1e3:.1f} us); "
+            f"the judge's timed phase: {spent}"
         )
+        if decision.calibration_capped:
+            said += (
+                "; its calls of no work took longer than the judge's own measure of their "
+                "work allows: taken at that measure"
+            )
         if decision.flagged:
             self._flag([integrity.flag(
                 integrity.TIME_OUTSIDE_BOUND,
@@ -481,6 +509,7 @@ class _Judge(_Job):
         if self.reference_time is not None and compiled is None:
             return None, None
         self.reporter.phase(job_pb2.PHASE_PROFILING)
+        self.spent.lap("waiting for the window")
         eager = None
         if self.reference_time is None:
             with self._guard(REFERENCE_PREFIX):
@@ -505,17 +534,25 @@ class _Judge(_Job):
         flush = _L2Flush(self.dev, self.opts.flush_l2)
         cuda = self.dev.type == "cuda"
         times: list[float] = []
-        for _ in range(max(1, self.opts.warmup)):
+
+        def warm_up_call() -> float:
+            t0 = time.perf_counter()
             prog.run(args)
+            if cuda:
+                torch.cuda.synchronize(self.dev)
+            return (time.perf_counter() - t0) * 1e3
+
+        _warm_up(warm_up_call, self.opts.warmup)
         for i in range(n):
             fresh = make_args(base + 1 + i)
-            flush()
             for dst, src in zip(args.values, fresh.values, strict=True):
                 if isinstance(dst, torch.Tensor):
                     dst.copy_(src)
             if cuda:
                 start, end = _timing_event(), _timing_event()
+                flush.enqueue()  # after the inputs' write: they are not left in the L2
                 torch.cuda.synchronize(self.dev)
+                flush.lead()  # as the kernel's server does before its start event
                 start.record()
                 out = prog.run(args)
                 end.record()
@@ -597,16 +634,60 @@ def _timing_event() -> Any:
     return timing._Event(enable_timing=True)
 
 
+class _Stopwatch:
+    """Where a timed phase's time went, by part (said in the job's notes: a window costs the
+    GPU to every other job, so its parts are worth seeing)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self.last
+        self.last = now
+
+    def __str__(self) -> str:
+        total = sum(self.parts.values())
+        each = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in self.parts.items())
+        return f"{total * 1e3:.0f} ms ({each})"
+
+
 class _L2Flush:
-    """Before each timed call, the L2 flushed with timing.py's own buffer and write
-    (timing.CudaOps), then waited for: outside the call's span."""
+    """Before each timed call, once its inputs are written, the L2 flushed with timing.py's
+    own buffer and write (timing.CudaOps; `enqueue`, waited for outside the call's span).
+    Then, right before the call's start event, the lead timing.py's loop and do_bench's
+    queue there (`lead`: the flush again, else a short spin), not waited for: the host
+    queues the call's first launches while the GPU runs it, as it does in do_bench."""
 
     def __init__(self, device: torch.device, on: bool) -> None:
         self.device = device
         self.ops = timing.CudaOps()
-        self.buffer = self.ops.flush_buffer() if on and device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.buffer = self.ops.flush_buffer() if on and cuda else None
+        self.lead_kind = (
+            timed_calls.LEAD_NONE if not cuda
+            else timed_calls.LEAD_FLUSH if self.buffer is not None
+            else timed_calls.LEAD_IDLE
+        )  # fmt: skip
 
-    def __call__(self) -> None:
+    def enqueue(self) -> None:
         if self.buffer is not None:
             self.ops.flush(self.buffer)
-            self.ops.synchronize()
+
+    def lead(self) -> None:
+        if self.buffer is not None:
+            self.ops.flush(self.buffer)
+        elif self.device.type == "cuda":
+            self.ops.idle()
+
+
+def _warm_up(call: Callable[[], float], count: int) -> None:
+    """`count` calls (at least one), then more until timing.WARMUP_MS have passed, as
+    timing.py's warm-up and do_bench's 25 ms: the clocks settle under load. `call` runs one
+    and returns its milliseconds."""
+    spent = sum(call() for _ in range(max(1, count)))
+    extra = 0
+    while spent < timing.WARMUP_MS and extra < MAX_WARMUP_CALLS:
+        spent += call()
+        extra += 1

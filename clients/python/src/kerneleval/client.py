@@ -6,8 +6,9 @@
             ...
 
 Streams that follow a job (`run`, `watch`) re-attach after a dropped connection with
-`Watch(after_sequence=last seen)`, so no event is lost or repeated. Every failed call raises a
-typed `kerneleval.errors.KernelEvalError`.
+`Watch(after_sequence=last seen)`, so no event is lost or repeated; `on_note` hears what they
+go through (a `StreamNote`: lost, waiting for the server, re-attached), which is how the CLI
+says it. Every failed call raises a typed `kerneleval.errors.KernelEvalError`.
 
 Retries: the channel retries the idempotent calls (GetJob, ListJobs, CancelJob, ListDevices,
 GetStats, ListBuilders) on UNAVAILABLE, up to 5 attempts with exponential back-off (a gRPC
@@ -31,9 +32,9 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -64,8 +65,11 @@ _REATTACH_CODES = frozenset(
 # A wait_ready health check that ended so has not reached the server (it is down, stopping, or
 # the time ran out); any other answer came from it.
 _NOT_READY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Before a re-attach, a server that does not answer within this many seconds is said to be
+# waited for (StreamNote "waiting"); one that answers at once is not.
+_QUIET_WAIT = 0.5
 # Large sources and results: raise gRPC's 4 MiB default.
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+_CHANNEL_OPTIONS: list[tuple[str, str | int]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
@@ -81,7 +85,7 @@ _IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
 # so a server that stays away costs a call under a second more before its UNAVAILABLE (a
 # blip, a connection reset, a GOAWAY race is what these retries are for; `watch` and `run`
 # ride out longer outages with their own re-attach).
-_RETRY_POLICY: dict[str, Any] = {
+_RETRY_POLICY: dict[str, str | int | list[str]] = {
     "maxAttempts": 5,
     "initialBackoff": "0.05s",
     "maxBackoff": "1s",
@@ -114,6 +118,9 @@ _SUBMIT_MIN_DELAY = 0.01
 Event = job_pb2.JobEvent
 JobSpecLike = kernel_pb2.JobSpec | kernel_pb2.KernelSource
 BatchItem = kernel_pb2.JobSpec | tuple[str, kernel_pb2.JobSpec]
+Metadata = tuple[tuple[str, str], ...]
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 def resolve_address(address: str | None = None) -> str:
@@ -155,7 +162,7 @@ def resolve_admin_token(token: str | None = None) -> str | None:
 
 def is_terminal(event: job_pb2.JobEvent) -> bool:
     """Whether this is the job's last event."""
-    return event.WhichOneof("kind") == "finished"
+    return event.HasField("finished")
 
 
 def event_kind(event: job_pb2.JobEvent) -> str:
@@ -302,23 +309,92 @@ def _batch_request(
     )
 
 
+def _rpc_code(error: BaseException | None) -> grpc.StatusCode | None:
+    """The status code of a failed call (None for anything else)."""
+    code = getattr(error, "code", None)
+    result = code() if callable(code) else None
+    return result if isinstance(result, grpc.StatusCode) else None
+
+
 def _reattachable(error: grpc.RpcError) -> bool:
-    code = error.code() if callable(getattr(error, "code", None)) else None
+    code = _rpc_code(error)
     if code in _REATTACH_CODES:
         return True
     details = (error.details() if callable(getattr(error, "details", None)) else "") or ""
     return code == grpc.StatusCode.INTERNAL and "RST_STREAM" in details
 
 
-class _Follow:
-    """Book-keeping of a followed job: the last sequence seen and the re-attach budget."""
+@dataclass(frozen=True)
+class StreamNote:
+    """What the stream of a followed job (`run`, `watch`) goes through, for `on_note`:
 
-    def __init__(self, job_id: str, after_sequence: int, reconnect_timeout: float) -> None:
+    - "lost": the stream dropped after event `sequence` (`code`: how; None when it ended
+      without the job's last event); the client re-attaches within `reconnect_timeout`.
+      Said once until the next event arrives.
+    - "waiting": the server does not answer; the client waits up to `seconds` for it.
+    - "answers": it answers again after "waiting".
+    - "reattached": a Watch re-attached to the job; `sequence` is its first new event.
+    """
+
+    kind: Literal["lost", "waiting", "answers", "reattached"]
+    job_id: str
+    sequence: int
+    code: grpc.StatusCode | None = None
+    seconds: float = 0.0
+
+
+NoteHandler = Callable[[StreamNote], None]
+
+
+class _EventResponse(Protocol):
+    """RunResponse and WatchResponse: each carries one JobEvent."""
+
+    @property
+    def event(self) -> job_pb2.JobEvent: ...
+
+
+class _Stream(Protocol):
+    """A followed job's server stream (Run's or Watch's) on the blocking channel."""
+
+    def __iter__(self) -> Iterator[_EventResponse]: ...
+    def cancel(self) -> bool: ...
+
+
+class _AsyncStream(Protocol):
+    """A followed job's server stream on the asyncio channel."""
+
+    def __aiter__(self) -> AsyncIterator[_EventResponse]: ...
+    def cancel(self) -> bool: ...
+
+
+class _Follow:
+    """Book-keeping of a followed job: the last sequence seen, the re-attach budget, and the
+    notes to the caller's `on_note` about both."""
+
+    def __init__(
+        self,
+        job_id: str,
+        after_sequence: int,
+        reconnect_timeout: float,
+        on_note: NoteHandler | None = None,
+    ) -> None:
         self.job_id = job_id
         self.last = after_sequence
         self.reconnect_timeout = reconnect_timeout
+        self._on_note = on_note
         self._deadline: float | None = None
         self._backoff = 0.05
+        self._lost = False  # a "lost" was said and no event came since
+
+    def note(
+        self,
+        kind: Literal["lost", "waiting", "answers", "reattached"],
+        *,
+        code: grpc.StatusCode | None = None,
+        seconds: float = 0.0,
+    ) -> None:
+        if self._on_note is not None:
+            self._on_note(StreamNote(kind, self.job_id, self.last, code, seconds))
 
     def accept(self, event: job_pb2.JobEvent) -> bool:
         """Whether the event is new (re-attached streams replay nothing twice)."""
@@ -329,6 +405,9 @@ class _Follow:
         self.last = event.sequence
         self._deadline = None
         self._backoff = 0.05
+        if self._lost:
+            self._lost = False
+            self.note("reattached")
         return True
 
     def next_delay(self, cause: BaseException | None) -> float:
@@ -341,6 +420,9 @@ class _Follow:
         now = time.monotonic()
         if self._deadline is None:
             self._deadline = now + self.reconnect_timeout
+        if not self._lost:
+            self._lost = True
+            self.note("lost", code=_rpc_code(cause))
         if now >= self._deadline:
             raise errors.Unavailable(
                 f"lost the stream of job {self.job_id} after sequence {self.last} and could not "
@@ -383,7 +465,7 @@ class _Base:
         self.reconnect_timeout = reconnect_timeout
         self.retry_timeout = max(0.0, retry_timeout)
 
-    def _channel_options(self) -> list[tuple[str, Any]]:
+    def _channel_options(self) -> list[tuple[str, str | int]]:
         """Channel options: message limits, and the retry policy of the idempotent calls."""
         if self.retry_timeout <= 0:
             return list(_CHANNEL_OPTIONS)
@@ -393,12 +475,12 @@ class _Base:
             ("grpc.service_config", SERVICE_CONFIG),
         ]
 
-    def _admin_metadata(self) -> list[tuple[str, str]]:
+    def _admin_metadata(self) -> Metadata:
         if not self.admin_token:
             raise errors.Unauthenticated(
                 f"operations calls need an admin token (argument or ${ADMIN_TOKEN_ENV})"
             )
-        return [("authorization", f"Bearer {self.admin_token}")]
+        return (("authorization", f"Bearer {self.admin_token}"),)
 
     def _submit_request(
         self,
@@ -425,14 +507,6 @@ class _Base:
     ) -> kernel_eval_service_pb2.RunRequest:
         return kernel_eval_service_pb2.RunRequest(
             spec=_as_spec(spec, options, labels), keep_on_disconnect=keep_on_disconnect
-        )
-
-    def _health_check(self, channel: Any) -> Any:
-        """grpc.health.v1.Health/Check on the channel (sync or asyncio)."""
-        return channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_encode_health_request,
-            response_deserializer=_decode_health_response,
         )
 
 
@@ -476,11 +550,25 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        metadata: Metadata | None = None,
+    ) -> _Resp:
         try:
-            return method(request, timeout=self.timeout, **kwargs)
+            return method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
+
+    def _health_check(self) -> grpc.UnaryUnaryMultiCallable[str, str]:
+        """grpc.health.v1.Health/Check (its messages coded here, see _encode_health_request)."""
+        check: grpc.UnaryUnaryMultiCallable[str, str] = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+        return check
 
     # --- KernelEvalService ---------------------------------------------------------------
 
@@ -542,31 +630,54 @@ class Client(_Base):
         labels: Mapping[str, str] | None = None,
         keep_on_disconnect: bool = False,
         reconnect: bool = True,
+        on_note: NoteHandler | None = None,
     ) -> Iterator[job_pb2.JobEvent]:
-        """Submits a job and yields its events to the last (`finished`)."""
+        """Submits a job and yields its events to the last (`finished`), re-attaching with
+        Watch when the stream drops (unless `reconnect` is False); `on_note` hears about it."""
         req = self._run_request(spec, options, labels, keep_on_disconnect)
-        follow = _Follow("", 0, self.reconnect_timeout)
+        follow = _Follow("", 0, self.reconnect_timeout, on_note)
         opener = lambda: self._stub.Run(req, timeout=self.timeout)  # noqa: E731
         yield from self._follow(follow, opener, reconnect)
 
     def watch(
-        self, job_id: str, after_sequence: int = 0, *, reconnect: bool = True
+        self,
+        job_id: str,
+        after_sequence: int = 0,
+        *,
+        reconnect: bool = True,
+        on_note: NoteHandler | None = None,
     ) -> Iterator[job_pb2.JobEvent]:
-        """Yields a job's events after `after_sequence` (0: all) to the last (`finished`)."""
-        follow = _Follow(job_id, after_sequence, self.reconnect_timeout)
+        """Yields a job's events after `after_sequence` (0: all) to the last (`finished`),
+        waiting for a server that is down and re-attaching as `run` does."""
+        follow = _Follow(job_id, after_sequence, self.reconnect_timeout, on_note)
         yield from self._follow(follow, None, reconnect)
 
-    def _follow(self, follow: _Follow, first: Any, reconnect: bool) -> Iterator[job_pb2.JobEvent]:
+    def _reach_server(self, follow: _Follow) -> None:
+        """Returns once the server answers, within the re-attach budget (a Watch with
+        wait_for_ready would wait forever); a wait longer than a moment is noted."""
+        budget = follow.remaining()
+        started = time.monotonic()
+        if self.wait_ready(min(_QUIET_WAIT, budget)):
+            return
+        follow.note("waiting", seconds=max(0.0, budget - (time.monotonic() - started)))
+        if not self.wait_ready(max(0.0, budget - (time.monotonic() - started))):
+            raise follow.gave_up()
+        follow.note("answers")
+
+    def _follow(
+        self,
+        follow: _Follow,
+        first: Callable[[], _Stream] | None,
+        reconnect: bool,
+    ) -> Iterator[job_pb2.JobEvent]:
         opener = first
         while True:
             cause: BaseException | None = None
+            call: _Stream
             if opener is not None:
                 call = opener()
             else:
-                # Wait for the server within the re-attach budget (a Watch with
-                # wait_for_ready would wait forever).
-                if not self.wait_ready(follow.remaining()):
-                    raise follow.gave_up()
+                self._reach_server(follow)
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
@@ -697,7 +808,7 @@ class Client(_Base):
 
     # --- OperationsService (admin token) --------------------------------------------------
 
-    def _ops_call(self, method: Any, request: Any) -> Any:
+    def _ops_call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         return self._call(method, request, metadata=self._admin_metadata())
 
     def list_devices(self) -> list[operations_service_pb2.Device]:
@@ -752,14 +863,14 @@ class Client(_Base):
 
     def health(self, service: str = "") -> str:
         """The health status name ("SERVING", "NOT_SERVING", ...) from grpc.health.v1."""
-        return self._call(self._health_check(self.channel), service)
+        return self._call(self._health_check(), service)
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the server answers within `timeout` seconds (waiting for a server that is
         down or restarting). A health check that waits for the connection, not
         grpc.channel_ready_future: that one's connectivity-polling thread outlives it and
         raises "Channel closed!" in the background once the channel is closed."""
-        check = self._health_check(self.channel)
+        check = self._health_check()
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -807,11 +918,25 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any, **kwargs: Any) -> Any:
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp],
+        request: _Req,
+        metadata: Metadata | None = None,
+    ) -> _Resp:
         try:
-            return await method(request, timeout=self.timeout, **kwargs)
+            return await method(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
+
+    def _health_check(self) -> grpc.aio.UnaryUnaryMultiCallable[str, str]:
+        """As `Client._health_check`."""
+        check: grpc.aio.UnaryUnaryMultiCallable[str, str] = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_encode_health_request,
+            response_deserializer=_decode_health_response,
+        )
+        return check
 
     async def evaluate(
         self,
@@ -863,29 +988,50 @@ class AsyncClient(_Base):
         labels: Mapping[str, str] | None = None,
         keep_on_disconnect: bool = False,
         reconnect: bool = True,
+        on_note: NoteHandler | None = None,
     ) -> AsyncIterator[job_pb2.JobEvent]:
         """As `Client.run`."""
         req = self._run_request(spec, options, labels, keep_on_disconnect)
-        follow = _Follow("", 0, self.reconnect_timeout)
+        follow = _Follow("", 0, self.reconnect_timeout, on_note)
         return self._follow(follow, lambda: self._stub.Run(req, timeout=self.timeout), reconnect)
 
     def watch(
-        self, job_id: str, after_sequence: int = 0, *, reconnect: bool = True
+        self,
+        job_id: str,
+        after_sequence: int = 0,
+        *,
+        reconnect: bool = True,
+        on_note: NoteHandler | None = None,
     ) -> AsyncIterator[job_pb2.JobEvent]:
-        follow = _Follow(job_id, after_sequence, self.reconnect_timeout)
+        """As `Client.watch`."""
+        follow = _Follow(job_id, after_sequence, self.reconnect_timeout, on_note)
         return self._follow(follow, None, reconnect)
 
+    async def _reach_server(self, follow: _Follow) -> None:
+        """As `Client._reach_server`."""
+        budget = follow.remaining()
+        started = time.monotonic()
+        if await self.wait_ready(min(_QUIET_WAIT, budget)):
+            return
+        follow.note("waiting", seconds=max(0.0, budget - (time.monotonic() - started)))
+        if not await self.wait_ready(max(0.0, budget - (time.monotonic() - started))):
+            raise follow.gave_up()
+        follow.note("answers")
+
     async def _follow(
-        self, follow: _Follow, first: Any, reconnect: bool
+        self,
+        follow: _Follow,
+        first: Callable[[], _AsyncStream] | None,
+        reconnect: bool,
     ) -> AsyncIterator[job_pb2.JobEvent]:
         opener = first
         while True:
             cause: BaseException | None = None
+            call: _AsyncStream
             if opener is not None:
                 call = opener()
             else:
-                if not await self.wait_ready(follow.remaining()):
-                    raise follow.gave_up()
+                await self._reach_server(follow)
                 call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
             opener = None
             try:
@@ -1076,7 +1222,7 @@ class AsyncClient(_Base):
 
     async def health(self, service: str = "") -> str:
         """As `Client.health`."""
-        return await self._call(self._health_check(self.channel), service)
+        return await self._call(self._health_check(), service)
 
     async def wait_ready(self, timeout: float) -> bool:
         """As `Client.wait_ready` (grpc.aio's channel_ready polls nothing in the background)."""

@@ -67,7 +67,7 @@ def dtype(value: DTypeLike) -> int:
 
 def dtype_name(value: int) -> str:
     """ "float32" for DTYPE_FLOAT32."""
-    return dtype_pb2.DType.Name(value).removeprefix("DTYPE_").lower()  # type: ignore[arg-type]
+    return dtype_pb2.DType.Name(value).removeprefix("DTYPE_").lower()
 
 
 # --- initialisers -------------------------------------------------------------------------

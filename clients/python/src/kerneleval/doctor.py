@@ -16,7 +16,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 CHILD_TIMEOUT_S = 90.0
 TOOL_TIMEOUT_S = 20.0
@@ -177,7 +180,7 @@ def check_nvidia_smi(r: Report) -> None:
 def check_nvml(r: Report) -> None:
     s = r.section("NVML")
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         s.add("pynvml", "not installed (skipped; pip install nvidia-ml-py)")
         return
@@ -256,7 +259,7 @@ def check_service(
     address: str,
     admin_token: str | None,
     timeout: float,
-    credentials: Any = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     from kerneleval import errors
     from kerneleval.client import Client
@@ -315,7 +318,7 @@ def run_doctor(
     timeout: float,
     *,
     checks: Sequence[Callable[[Report], None]] | None = None,
-    credentials: Any = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Report:
     r = Report()
     for check in checks or (

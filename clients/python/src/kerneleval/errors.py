@@ -162,7 +162,7 @@ def _retry_delay(status: status_pb2.Status) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            return max(0.0, info.retry_delay.ToNanoseconds() / 1e9)
+            return max(0.0, float(info.retry_delay.ToNanoseconds()) / 1e9)
     return None
 
 

@@ -302,8 +302,8 @@ class Bar:
 
     def as_dict(self) -> dict[str, Any]:
         """The bar in --jsonl: {"label", "phase" (its enum name), "done", "total"}."""
-        return {"label": self.label, "phase": job_pb2.Phase.Name(self.phase),  # type: ignore[arg-type]
-                "done": self.done, "total": self.total}  # fmt: skip
+        phase = job_pb2.Phase.Name(self.phase)
+        return {"label": self.label, "phase": phase, "done": self.done, "total": self.total}
 
 
 def timed_trials(spec: kernel_pb2.JobSpec) -> int:
