@@ -93,6 +93,7 @@ lint: setup
 	$(VENV)/bin/ruff check server clients/python tests bench
 	$(VENV)/bin/mypy server/kerneleval_server
 	$(VENV)/bin/mypy --config-file clients/python/pyproject.toml clients/python/src/kerneleval
+	$(VENV)/bin/lint-imports  # the layers, top to bottom, and no import cycles (pyproject.toml)
 	cd proto && ../$(VENV)/bin/buf lint
 
 serve: setup

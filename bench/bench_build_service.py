@@ -1,5 +1,5 @@
 """KernelBench load_inline candidates through the service: builds by build processes and the
-build cache (jobs/extension_builds.py) against each job building its own (torch's
+build cache (jobs/builds/extension_builds.py) against each job building its own (torch's
 load_inline in its job process, --build-processes 0), in the same run.
 
 Candidates are the example pairs' ModelNews (../shared/kernelbench/examples, read in place)

@@ -1,4 +1,4 @@
-"""Builds of KernelBench `load_inline` candidates: the builder (kerneleval_server.builder)
+"""Builds of KernelBench `load_inline` candidates: the builder (kerneleval_server.fast_build)
 against torch's own load_inline, in the same run.
 
 Candidates are the example pairs' ModelNews (../shared/kernelbench/examples/model_new_ex_*.py,
@@ -73,7 +73,7 @@ def build_plain(call: dict[str, Any], root: str) -> dict[str, Any]:
 
 
 def build_fast(call: dict[str, Any], root: str, pch: str) -> dict[str, Any]:
-    from kerneleval_server.builder import extension
+    from kerneleval_server.fast_build import extension
 
     folder = Path(root) / f"fast_{call['name']}"
     built = extension.build_load_inline(call, folder, Path(pch), lambda _: None)

@@ -312,8 +312,13 @@ def test_reasons_the_code_emits_are_known() -> None:
     assert {f"killed:{k}" for k in metrics_mod.KILL_REASONS} <= reasons
 
     server = REPO / "server" / "kerneleval_server"
-    # The job manager's kills, and the watchdog events' (a job process without its channel).
-    killers = [server / "jobs" / "manager.py", server / "fleet" / "watchdog_events.py"]
+    # The job manager's kills, its job processes' keeping's, and the watchdog events' (a job
+    # process without its channel).
+    killers = [
+        server / "jobs" / "manager.py",
+        server / "jobs" / "processes.py",
+        server / "fleet" / "watchdog_events.py",
+    ]
     kills = []
     for node in (n for p in killers for n in ast.walk(ast.parse(p.read_text()))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

@@ -41,7 +41,7 @@ from kerneleval.v1 import (
 
 from kerneleval_server import config as config_mod
 from kerneleval_server import logs, reflection
-from kerneleval_server.api import auth, validation
+from kerneleval_server.api import auth
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
@@ -49,15 +49,17 @@ from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
 from kerneleval_server.fleet import readiness as readiness_mod
 from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
-from kerneleval_server.jobs.artifact_store import SharedArtifacts
-from kerneleval_server.jobs.builder_node import BuilderNode, probe_versions
+from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+from kerneleval_server.jobs.builds.builder_node import BuilderNode, probe_versions
 from kerneleval_server.jobs.events import EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.service import JobService
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import StoreError, open_store
 from kerneleval_server.jobs.store.base import ARTIFACTS_CHANNEL
 from kerneleval_server.jobs.waits import unfinished
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
+from kerneleval_server.spec import validation
 
 if TYPE_CHECKING:
     from kerneleval_server.api.connect_gateway import HttpGateway
@@ -164,7 +166,7 @@ def read_only_paths(cfg: Config, env: dict[str, str]) -> list[str]:
         *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
         str(src),
         str(gen),
-        env.get(PCH_DIR_ENV, ""),  # the service's precompiled headers (builder/pch.py)
+        env.get(PCH_DIR_ENV, ""),  # the service's precompiled headers (fast_build/pch.py)
     ]
     cuda_home = os.environ.get("CUDA_HOME", "")
     if cuda_home:
@@ -276,7 +278,7 @@ class Server:
         # The watchdog's own folder (reset logs, the sandboxes' roots): the service's only.
         self.watchdog_dir = self.state / "watchdog"
         self.watchdog_dir.mkdir(mode=0o700, exist_ok=True)
-        # Precompiled torch headers for build processes' load_inline builds (builder/pch.py).
+        # Precompiled torch headers for build processes' load_inline builds (fast_build/pch.py).
         self.pch_dir: Path | None = None
         if cfg.build_pch and cfg.effective_build_processes() > 0 and cfg.role != GATEWAY:
             self.pch_dir = self.state / "pch"
@@ -299,9 +301,10 @@ class Server:
     def _shared_artifacts(self, shared: SharedQueue) -> SharedArtifacts:
         m = self.manager
         artifacts = SharedArtifacts(
-            self.store, m.extensions, shared.node_id,
+            self.store, m.builds.extensions, shared.node_id,
             wait_s=self.cfg.builder_wait_s, keep_s=self.cfg.retention_hours * 3600.0,
-            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch, host=m,
+            answer=m.builds.answer_extensions, say=m.builds.publish_log, dispatch=m.dispatch,
+            host=m.builds,
         )  # fmt: skip
         shared.on_beat.append(artifacts.refresh)
         shared.on_note[ARTIFACTS_CHANNEL] = artifacts.wake
@@ -317,7 +320,7 @@ class Server:
             return sum(1 for w in workers.values() if w.ready and w.device_index == BUILD_DEVICE)
 
         builder = BuilderNode(
-            self.store, self.manager.extensions, url=self.cfg.store,
+            self.store, self.manager.builds.extensions, url=self.cfg.store,
             lease_s=self.cfg.lease_seconds, torch_version=torch_version,
             cuda_version=cuda_version, slots=self.cfg.effective_build_processes(), idle=idle,
             dispatch=self.manager.dispatch, address=address,
@@ -396,7 +399,7 @@ class Server:
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kerneleval_server.builder.pch", str(self.pch_dir),
+                sys.executable, "-m", "kerneleval_server.fast_build.pch", str(self.pch_dir),
                 env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
             out, _ = await proc.communicate()
@@ -452,11 +455,12 @@ class Server:
     async def run(self) -> int:
         cfg = self.cfg
         server = self._grpc_server(admin_token(cfg, self.state))
-        ops = OperationsService(self.manager, self.shared, self.readiness.kinds)
+        jobs = JobService(self.manager)  # the servicers' one face of the job service
+        ops = OperationsService(jobs, self.shared, self.readiness.kinds)
         names: tuple[str, ...] = (health.SERVICE_NAME,)
         if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
             kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
-                KernelEvalService(self.manager, self.limits), server
+                KernelEvalService(jobs, self.limits), server
             )
             operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
             names = (

@@ -10,9 +10,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+
+# A method's handler, whatever its request and response (grpc-stubs make it generic).
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -159,9 +162,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler:
         handler = await continuation(details)
         if handler is None:
             return handler

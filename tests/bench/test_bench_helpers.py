@@ -32,7 +32,7 @@ import bench_timing_fidelity  # noqa: E402
 import fault_soak  # noqa: E402
 from google.protobuf import timestamp_pb2  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
-from kerneleval_server.api.validation import validate_spec  # noqa: E402
+from kerneleval_server.spec.validation import validate_spec  # noqa: E402
 
 KERNELBENCH = REPO.parent / "shared" / "kernelbench"
 

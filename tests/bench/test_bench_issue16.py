@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_result_cache as RC  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
-from kerneleval_server.api.validation import validate_spec  # noqa: E402
+from kerneleval_server.spec.validation import validate_spec  # noqa: E402
 
 
 def test_job_plan_spreads_repeats_of_earlier_jobs() -> None:

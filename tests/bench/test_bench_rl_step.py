@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import bench_rl_step as R  # noqa: E402
-from kerneleval_server.api.validation import validate_spec  # noqa: E402
+from kerneleval_server.spec.validation import validate_spec  # noqa: E402
 
 needs_kernelbench = pytest.mark.skipif(
     not (R.KERNELBENCH / "level1").is_dir(), reason="no ../shared/kernelbench"

@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_scale_out as S  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
-from kerneleval_server.api.validation import validate_spec  # noqa: E402
+from kerneleval_server.spec.validation import validate_spec  # noqa: E402
 
 
 def test_time_job_is_distinct_and_valid() -> None:

@@ -19,7 +19,7 @@ import _common as C  # noqa: E402
 import bench_scale_out as S  # noqa: E402
 import gpu_scale_out as G  # noqa: E402
 from kerneleval.v1 import job_pb2  # noqa: E402
-from kerneleval_server.api.validation import validate_spec  # noqa: E402
+from kerneleval_server.spec.validation import validate_spec  # noqa: E402
 
 KB = REPO.parent / "shared" / "kernelbench"
 needs_kernelbench = pytest.mark.skipif(not (KB / "level1").is_dir(), reason="no kernelbench")

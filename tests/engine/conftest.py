@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import RecordingReporter
 from kerneleval.v1 import kernel_pb2
-from kerneleval_server.api.validation import Limits
 from kerneleval_server.engine import DeviceLimits, EngineConfig, Outcome, run_job
+from kerneleval_server.spec.validation import Limits
 
 RunFn = Callable[..., tuple[Outcome, RecordingReporter]]
 

@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import HAS_GPU, V
 from kerneleval import gpumode
 from kerneleval.v1 import kernel_pb2
-from kerneleval_server.api.validation import validate_spec
+from kerneleval_server.spec.validation import validate_spec
 
 TASK = Path(__file__).resolve().parents[1] / "gpumode_tasks" / "softmax_py"
 LIST_TASK = TASK.parent / "grouped_matmul_py"  # cases that hold lists
@@ -203,7 +203,7 @@ def test_validation_pairs_the_types_and_checks_the_task() -> None:
 
 
 def test_validation_of_list_and_mapping_values() -> None:
-    from kerneleval_server.api.validation import Limits
+    from kerneleval_server.spec.validation import Limits
 
     case = gpumode.task_case(
         {"m": [1.0, 2.0], "opts": {"a": [1, "x" * 300], "b": 2}, "seed": 1}, "tests[0]"

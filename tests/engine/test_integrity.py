@@ -99,7 +99,7 @@ def test_a_persisting_l2_found_at_timed_trials_is_flagged_once(run, monkeypatch)
 def test_every_runtime_rule_reaches_the_result() -> None:
     """The front end keeps only runtime flags of the rules it knows (it does not import the
     engine): every rule of engine/integrity.py is one of them."""
-    from kerneleval_server.jobs.manager import RUNTIME_RULES
+    from kerneleval_server.jobs.endings import RUNTIME_RULES
 
     rules_here = {v for k, v in vars(integrity).items() if k.isupper() and isinstance(v, str)}
     assert len(rules_here) == 7 and rules_here <= set(RUNTIME_RULES)

@@ -1,4 +1,6 @@
-"""Debug aids and the process started for one job (python -m kerneleval_server.engine.isolated)."""
+"""Debug aids and the process started for one job
+(python -m kerneleval_server.engine.isolated_child).
+"""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def test_child_process_runs_a_job_and_writes_its_result(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "kerneleval_server.engine.isolated",
+        "kerneleval_server.engine.isolated_child",
         "--spec",
         str(tmp_path / "spec.pb"),
         "--out",

@@ -383,7 +383,7 @@ def test_cuda_preflight_without_gpu_at_build_time(tmp_path: Path) -> None:
 
 
 def test_invalid_spec_is_refused_like_run_job(tmp_path: Path) -> None:
-    from kerneleval_server.api.validation import Limits
+    from kerneleval_server.spec.validation import Limits
 
     cfg = config(tmp_path, limits=Limits(max_args=2))
     rep = RecordingReporter()

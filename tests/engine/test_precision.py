@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 from engine_helpers import KERNELBENCH, TORCH, V, job, needs_kernelbench, source, tensor
-from kerneleval_server.api.validation import Limits
 from kerneleval_server.engine import compare, integrity, precision
+from kerneleval_server.spec.validation import Limits
 
 LEVEL1 = KERNELBENCH / "level1"
 KB_TOL = {"atol": 1e-2, "rtol": 1e-2}  # KernelBench's tolerances for float32

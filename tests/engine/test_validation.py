@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_helpers import ADD_MODEL, CUDA, INOUT, OUT, TORCH, TRITON, job, scalar, source, tensor
 from google.protobuf.duration_pb2 import Duration
 from kerneleval.v1 import dtype_pb2, kernel_pb2
-from kerneleval_server.api.validation import Limits, validate_spec
+from kerneleval_server.spec.validation import Limits, validate_spec
 
 
 def fields(spec: kernel_pb2.JobSpec, **kw: object) -> dict[str, str]:

@@ -16,8 +16,8 @@ from engine_helpers import (
     tensor,
 )
 from kerneleval.v1 import job_pb2
-from kerneleval_server.api.validation import Limits
 from kerneleval_server.engine import DeviceLimits
+from kerneleval_server.spec.validation import Limits
 
 BROKEN_FORWARD = ADD_MODEL.replace("return a + b", "return {body}")
 

@@ -1,6 +1,6 @@
 """fe_fake_engine with a judge: its job processes say they judge (a `judge_job`), so the front
 end records compared jobs for a judge process, and launches a kernel built ahead alone when
-its reference has host code (jobs/prebuild.py: reference_judged). The kernel's process writes
+its reference has host code (jobs/builds/prebuild.py: reference_judged). The kernel's process writes
 what it is into the record; the judge answers with what it read there and who it is:
   {"do": "build", "judged_wrong": true}   the judge finds the outputs wrong (INCORRECT)
 Used with `serve --engine fe_fake_engine_judges` (tests/frontend on PYTHONPATH).

@@ -25,7 +25,7 @@ from kerneleval.v1 import dtype_pb2, job_pb2, kernel_pb2, operations_service_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import kernel_eval_service_pb2_grpc as pb_grpc
 from kerneleval.v1 import operations_service_pb2 as ops_pb
-from kerneleval_server.api import auth, validation
+from kerneleval_server.api import auth
 from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
@@ -33,8 +33,10 @@ from kerneleval_server.api.operations_service import OperationsService
 from kerneleval_server.config import Config
 from kerneleval_server.jobs.events import LOG_CUT_PREFIX, EventHub, OpsLog
 from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.service import JobService
 from kerneleval_server.jobs.store import SqliteStore
 from kerneleval_server.metrics import Metrics, MetricsInterceptor
+from kerneleval_server.spec import validation
 
 MIB = 1 << 20
 MESSAGE_LIMIT = 64 * MIB
@@ -82,10 +84,10 @@ async def serve(tmp_path: Path) -> AsyncIterator[Harness]:
         options=OPTIONS,
     )
     pb_grpc.add_KernelEvalServiceServicer_to_server(
-        KernelEvalService(manager, validation.Limits()), server
+        KernelEvalService(JobService(manager), validation.Limits()), server
     )
     operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(
-        OperationsService(manager), server
+        OperationsService(JobService(manager)), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -542,8 +544,8 @@ def test_log_cap_counts_lines_and_survives_a_restart(tmp_path: Path) -> None:
 def test_spec_limit_cannot_be_raised_past_one_frame() -> None:
     """KERNELEVAL_LIMIT_MAX_SPEC_BYTES above what a job process can receive would accept specs
     that are never delivered: it is held at the ceiling; lower values are kept."""
-    from kerneleval_server.api import validation
     from kerneleval_server.framing import MAX_FRAME
+    from kerneleval_server.spec import validation
 
     high = validation.Limits.from_env({"KERNELEVAL_LIMIT_MAX_SPEC_BYTES": str(64 << 20)})
     assert high.max_spec_bytes == validation.SPEC_BYTES_CEILING < MAX_FRAME

@@ -1,7 +1,8 @@
-"""load_inline through the service (jobs/extension_builds.py, builder/extension.py) on the CPU,
-with the real engine, the real watchdog and a build process: a job's load_inline call is built
-by the build process and its library sent to the job, which imports it as torch would; an
-identical call later comes from the build cache (across restarts: test_build_cache.py); a
+"""load_inline through the service (jobs/builds/extension_builds.py, fast_build/extension.py) on
+the CPU, with the real engine, the real watchdog and a build process: a job's load_inline call
+is built by the build process and its library sent to the job, which imports it as torch would; an
+identical call later comes from the build cache (across restarts:
+tests/jobs/builds/test_build_cache.py); a
 compile error comes back as the candidate's error with its first lines; calls with flags the
 service does not pass on build in the job's own process. The CPU build of torch builds C++
 extensions only, so these jobs' extensions are C++ (cpp_sources); CUDA sources take the same

@@ -225,12 +225,12 @@ def test_a_waiter_answers_from_the_finished_job_before_the_store_has_it(tmp_path
         stored_when_answered: list[int] = []
 
         async def evaluate() -> job_pb2.Job | None:
-            got = await m.finished(job.job_id)
+            got = await m.endings.finished(job.job_id)
             stored_when_answered.append(m.store.get(job.job_id).state)  # type: ignore[union-attr]
             return got
 
         waiter = asyncio.create_task(evaluate())
-        stored = asyncio.create_task(m.wait_finished(job.job_id, 5))
+        stored = asyncio.create_task(m.endings.wait_finished(job.job_id, 5))
         await asyncio.sleep(0.05)
         outcome = job_channel_pb2.JobOutcome(job_id=job.job_id)
         outcome.result.verdict = job_pb2.VERDICT_OK
@@ -241,7 +241,7 @@ def test_a_waiter_answers_from_the_finished_job_before_the_store_has_it(tmp_path
         assert stored_when_answered == [job_pb2.JOB_STATE_RUNNING]  # answered first
         await asyncio.wait_for(stored, 5)
         assert m.store.get(job.job_id) == got  # then stored, as it was answered
-        assert await m.finished(job.job_id) == got  # from the store, once it has it
+        assert await m.endings.finished(job.job_id) == got  # from the store, once it has it
         proc.writer.close()
 
     run_async(scenario)
@@ -295,7 +295,7 @@ def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
         outcome = job_channel_pb2.JobOutcome(job_id=job.job_id)
         outcome.result.verdict = job_pb2.VERDICT_OK
         await proc.send(outcome=outcome)
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         done = m.store.get(job.job_id)
         assert done is not None and done.result.verdict == job_pb2.VERDICT_OK
         # Its slot goes to a spare as soon as its outcome is in (it keeps the job for XIDs).
@@ -332,7 +332,7 @@ def test_exit_reported_before_the_outcome_is_read(tmp_path: Path) -> None:
         proc.writer.close()
         # The watchdog's WorkerExited is handled before the job channel is read.
         m.watchdog_events.on_event(exited("c-w1"))
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         done = m.store.get(job.job_id)
         assert done is not None and done.state == job_pb2.JOB_STATE_DONE
         assert done.result.verdict == job_pb2.VERDICT_INCORRECT and done.attempt_count == 1
@@ -378,7 +378,7 @@ def test_protocol_violation_kills_the_process_and_ends_the_job(
         job = m.submit(job_spec())
         await proc.receive()
         proc.send_raw(frames(job.job_id))
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         done = m.store.get(job.job_id)
         assert done is not None and done.state == job_pb2.JOB_STATE_DONE
         assert done.result.verdict == job_pb2.VERDICT_RUNTIME_ERROR, done.result
@@ -419,7 +419,7 @@ def test_second_outcome(tmp_path: Path) -> None:
         outcome.result.verdict = job_pb2.VERDICT_OK
         frame = encode(job_channel_pb2.JobProcessMessage(outcome=outcome).SerializeToString())
         proc.send_raw(frame + frame)
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         await until(lambda: wd.kills == [("c-w1", "protocol")])
         assert m.store.get(job.job_id).result.verdict == job_pb2.VERDICT_OK  # type: ignore[union-attr]
         # While the job still waits (a poisoned context waits for its XID): it ends with
@@ -433,7 +433,7 @@ def test_second_outcome(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         assert m.store.get(job2.job_id).state == job_pb2.JOB_STATE_RUNNING  # type: ignore[union-attr]
         await proc2.send(outcome=poisoned)
-        await m.wait_finished(job2.job_id, 5)
+        await m.endings.wait_finished(job2.job_id, 5)
         done = m.store.get(job2.job_id)
         assert done is not None and done.result.error.exception_type == "ProtocolViolation"
         assert "after its job's outcome" in done.result.error.message

@@ -17,7 +17,7 @@ from ke_service import ServiceProcess
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import dtype_pb2, job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
-from kerneleval_server.jobs import prebuild
+from kerneleval_server.jobs.builds import prebuild
 
 REFERENCE = "class Model: the eager reference (host code)"
 
@@ -197,12 +197,12 @@ def test_the_front_ends_copies_of_the_engines_sizes_match_it() -> None:
     """prebuild.py sizes what a judge reads without importing the engine (torch): its copies
     of the record's and the shares' sizes and of the default correctness trials are the
     engine's own."""
-    from kerneleval_server.engine import device_share, record, runner
+    from kerneleval_server.engine import device_share, options, record
 
     assert prebuild.RECORD_HEADER == record.MAX_HEADER and prebuild.RECORD_ALIGN == record.ALIGN
     assert prebuild.SHARE_GRANULARITY == device_share.GRANULARITY
     assert prebuild.MAX_SHARES == device_share.MAX_SHARES
-    assert prebuild.DEFAULT_CORRECT_TRIALS == runner.DEFAULT_CORRECT_TRIALS
+    assert prebuild.DEFAULT_CORRECT_TRIALS == options.DEFAULT_CORRECT_TRIALS
 
 
 def profiled(events: list[job_pb2.JobEvent]) -> int:

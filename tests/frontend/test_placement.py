@@ -14,8 +14,8 @@ from fe_service import fake_engine_service
 from ke_service import ServiceProcess
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
-from kerneleval_server.jobs import placement
 from kerneleval_server.jobs.scheduler import FairQueue, QueuedJob
+from kerneleval_server.spec import placement
 
 
 @pytest.fixture(scope="module")

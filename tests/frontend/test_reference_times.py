@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server.jobs import reference_times
-from kerneleval_server.jobs.judging import reference_key
+from kerneleval_server.jobs.judge_record import reference_key
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 
 

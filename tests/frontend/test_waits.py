@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
-from kerneleval_server.fleet.job_processes import WorkerState
-from kerneleval_server.jobs import judging
+from kerneleval_server.fleet.job_processes import JobProcess
+from kerneleval_server.jobs import judge_record
 from kerneleval_server.jobs import waits as waits_mod
-from kerneleval_server.jobs.manager import Running
+from kerneleval_server.jobs.running import Running
 from test_job_channels import job_spec, new_manager, run_async, start_process, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +65,7 @@ def test_a_wait_that_never_ends_is_said_then_ends_the_job_failed_and_the_next_jo
         outcome = job_channel_pb2.JobOutcome(job_id=nxt.job_id)
         outcome.result.verdict = job_pb2.VERDICT_OK
         await holder.send(outcome=outcome)
-        await m.wait_finished(nxt.job_id, 5)
+        await m.endings.wait_finished(nxt.job_id, 5)
         done = m.store.get(nxt.job_id)
         assert done is not None and done.result.verdict == job_pb2.VERDICT_OK
         for p in (proc, holder):
@@ -108,7 +108,7 @@ def test_a_job_process_that_answers_without_a_verdict_is_the_services_failure(
         job = m.submit(job_spec())
         assert (await proc.receive()).assign.job_id == job.job_id
         await proc.send(outcome=job_channel_pb2.JobOutcome(job_id=job.job_id))
-        await m.wait_finished(job.job_id, 5)
+        await m.endings.wait_finished(job.job_id, 5)
         ended = m.store.get(job.job_id)
         assert ended is not None and ended.state == job_pb2.JOB_STATE_FAILED
         assert ended.result.verdict == job_pb2.VERDICT_SERVICE_ERROR
@@ -118,21 +118,21 @@ def test_a_job_process_that_answers_without_a_verdict_is_the_services_failure(
     run_async(scenario)
 
 
-def _judged_run(m: object, job_id: str, worker: WorkerState, shared: int) -> Running:
+def _judged_run(m: object, job_id: str, worker: JobProcess, shared: int) -> Running:
     """A compared job whose kernel ran and handed `shared` bytes over by descriptor, held on
     GPU 0 for its judge, now `worker`."""
     spec = job_spec()
     spec.reference.source_code = "reference"
     run = Running(job=job_pb2.Job(job_id=job_id, spec=spec, device_index=0), worker=worker,
                   timeout_s=10.0)  # fmt: skip
-    run.record = judging.Record.make(job_id, 1 << 20, spec, share_max_bytes=100 * GB)
+    run.record = judge_record.Record.make(job_id, 1 << 20, spec, share_max_bytes=100 * GB)
     run.record.kernel_outcome = job_channel_pb2.JobOutcome(job_id=job_id, shared_bytes=shared)
     run.record.gpu_held_on = 0
     return run
 
 
-def _worker(worker_id: str) -> WorkerState:
-    return WorkerState(worker_id=worker_id, pid=1, device_index=0, spare=False, start_time_ms=0)
+def _worker(worker_id: str) -> JobProcess:
+    return JobProcess(worker_id=worker_id, pid=1, device_index=0, spare=False, start_time_ms=0)
 
 
 def test_a_judges_shares_stay_held_until_its_own_admission_which_goes_first(
@@ -155,7 +155,7 @@ def test_a_judges_shares_stay_held_until_its_own_admission_which_goes_first(
                     worker=_worker("d0-k"), timeout_s=10.0)  # fmt: skip
     for run in (judge, alone, other):
         m.running[run.job.job_id] = run
-    m.alone.add("X")
+    m.crowding.alone.add("X")
     assert m.memory.usage(0)[0] == 6 * GB  # held while nobody admitted the judge
     assert not m.gpu_use.admit(other)  # the GPU is held for X
     assert not m.gpu_use.admit(alone)  # X waits for the shares
@@ -210,8 +210,11 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
             m.workers.by_id[name].judge_key = "a reference"  # standing: takes no other job
         kernels = []
         for i, name in enumerate(("c-j1", "c-j2")):
-            run = Running(job=job_pb2.Job(job_id=f"K{i}", spec=job_spec(), device_index=-1),
-                          worker=WorkerState(f"c-k{i}", 1, -1, False, 0), timeout_s=10.0)
+            run = Running(
+                job=job_pb2.Job(job_id=f"K{i}", spec=job_spec(), device_index=-1),
+                worker=JobProcess(f"c-k{i}", 1, -1, False, 0),
+                timeout_s=10.0,
+            )
             run.ahead = m.workers.by_id[name]  # fmt: skip
             m.running[run.job.job_id] = run
             kernels.append(run)

@@ -26,9 +26,9 @@ from kerneleval import Client
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 from kerneleval.v1 import operations_service_pb2 as ops
-from kerneleval_server.builder import pch
+from kerneleval_server.fast_build import pch
 
-# ---- kept or made again (builder/pch.py) ----------------------------------------------------
+# ---- kept or made again (fast_build/pch.py) ----------------------------------------------------
 
 
 @pytest.fixture

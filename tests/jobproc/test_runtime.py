@@ -211,7 +211,7 @@ def test_warm_up_job_passes_through_the_real_engine() -> None:
     probe = """
 from kerneleval_server.jobproc import warm_job
 from kerneleval_server.jobproc.runtime import load_engine
-from kerneleval_server.api.validation import validate_spec
+from kerneleval_server.spec.validation import validate_spec
 assert validate_spec(warm_job.spec()) == []
 engine, _ = load_engine()
 spec = warm_job.spec()

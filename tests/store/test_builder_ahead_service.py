@@ -318,12 +318,12 @@ def elf_sections(blob: bytes) -> dict[str, bytes]:
 def local_build(spec: kernel_pb2.JobSpec, arch: str, folder: Path) -> job_channel_pb2.BuildOutcome:
     """What a node's build process makes of the spec: engine/build.py, in a child with Triton
     in compiled mode and no GPU, as build_job runs it in a build process without one."""
-    from kerneleval_server.engine.isolated import _import_path
+    from kerneleval_server.engine.isolated import import_path
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spec.pb").write_bytes(spec.SerializeToString())
     env = {**os.environ, "KERNELEVAL_BUILD_CHILD": "1", "TRITON_INTERPRET": "0",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": _import_path(),
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": import_path(),
            "TRITON_CACHE_DIR": str(folder / "triton-cache")}  # fmt: skip
     subprocess.run(
         [sys.executable, "-m", "kerneleval_server.engine.build", "--spec", str(folder / "spec.pb"),
@@ -339,10 +339,10 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
     tmp_path: Path, services: tuple[str, list[ServiceProcess]]
 ) -> None:
     from kerneleval_server import config as config_mod
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobproc import BUILD_DEVICE
-    from kerneleval_server.jobs.artifact_store import SharedArtifacts
-    from kerneleval_server.jobs.builder_node import probe_versions
+    from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+    from kerneleval_server.jobs.builds.builder_node import probe_versions
     from kerneleval_server.jobs.events import EventHub, OpsLog
     from kerneleval_server.jobs.manager import JobManager
     from kerneleval_server.jobs.store import PostgresStore, SqliteStore
@@ -362,8 +362,9 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
         shared = PostgresStore(url, shared=True)
         m = JobManager(cfg, jobs, EventHub(jobs), OpsLog(), Metrics(), 600.0)
         artifacts = SharedArtifacts(
-            shared, m.extensions, "node-in-process", wait_s=5.0, keep_s=0,
-            answer=m.answer_extensions, say=m.publish_log, dispatch=m.dispatch, host=m,
+            shared, m.builds.extensions, "node-in-process", wait_s=5.0, keep_s=0,
+            answer=m.builds.answer_extensions, say=m.builds.publish_log, dispatch=m.dispatch,
+            host=m.builds,
         )  # fmt: skip
         for index in (BUILD_DEVICE, 0):  # build processes configured (none is ever up)
             status = watchdog_pb2.DeviceStatus(
@@ -372,7 +373,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
             m.watchdog_events.on_event(
                 watchdog_pb2.WatchdogEvent(device=watchdog_pb2.DeviceUpdate(device=status))
             )
-        gpu = WorkerState("d0-w0", 100, 0, False, 0, writer=_Writer())  # type: ignore[arg-type]
+        gpu = JobProcess("d0-w0", 100, 0, False, 0, writer=_Writer())  # type: ignore[arg-type]
         gpu.has_channel = True
         gpu.hello = job_channel_pb2.Hello(worker_id="d0-w0", device_index=0)
         gpu.hello.device.CopyFrom(
@@ -380,8 +381,8 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
                                torch_version=torch_version, cuda_version=cuda_version)
         )  # fmt: skip
         m.workers.by_id[gpu.worker_id] = gpu
-        m.on_worker_ready(gpu)
-        assert m.device_arch == {0: "sm_90"}
+        m.messages.on_process_ready(gpu)
+        assert m.builds.device_arch == {0: "sm_90"}
         artifacts.refresh()
         job = m.submit(triton_spec())
         writer = gpu.writer
@@ -512,7 +513,7 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
     # The builder computes the key itself: a request whose key is not what its sources build
     # to with the builder's versions, or whose sources are not built ahead, is refused and
     # nothing is written under that key.
-    from kerneleval_server.jobs import ahead_builds
+    from kerneleval_server.jobs.builds import ahead_builds
     from kerneleval_server.jobs.store import PostgresStore
     from kerneleval_server.jobs.store.base import BUILD_REFUSED
 
@@ -565,7 +566,7 @@ def test_a_job_built_by_a_builder_runs_on_the_nodes_gpu(
 
 
 def prebuild_cpu_arch() -> str:
-    from kerneleval_server.jobs import prebuild
+    from kerneleval_server.jobs.builds import prebuild
 
     return prebuild.cpu_arch()
 

@@ -1,5 +1,6 @@
-"""`--role builder` and the shared artifact store (jobs/artifact_store.py, builder_node.py) on a
-real PostgreSQL server, in one process: a node's ExtensionBuilds and SharedArtifacts, builders'
+"""`--role builder` and the shared artifact store (jobs/builds/artifact_store.py,
+builder_node.py) on a real PostgreSQL server, in one process: a node's ExtensionBuilds and
+SharedArtifacts, builders'
 ExtensionBuilds and BuilderNode, one store. The build processes are acted out (a "build" hands
 the queued build its library at once), so what is tested is the protocol: who builds, what the
 node receives, versions, leases. The service processes' own path (a real builder, a real node,
@@ -19,11 +20,11 @@ from typing import Any
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
-from kerneleval_server.builder import extension
-from kerneleval_server.jobs.artifact_store import SharedArtifacts
-from kerneleval_server.jobs.build_cache import BuildCache
-from kerneleval_server.jobs.builder_node import BuilderNode
-from kerneleval_server.jobs.extension_builds import ExtensionBuilds, Waiter
+from kerneleval_server.fast_build import extension
+from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+from kerneleval_server.jobs.builds.build_cache import BuildCache
+from kerneleval_server.jobs.builds.builder_node import BuilderNode
+from kerneleval_server.jobs.builds.extension_builds import ExtensionBuilds, Waiter
 from kerneleval_server.jobs.store import PostgresStore
 from kerneleval_server.jobs.store.base import BUILD_REFUSED
 from pg_server import PostgresServer

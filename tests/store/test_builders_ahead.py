@@ -1,5 +1,5 @@
 """Jobs built ahead (prebuild.py: Triton and raw CUDA kernels launched from their IOContract)
-through the shared artifact store and `--role builder`s (jobs/ahead_builds.py,
+through the shared artifact store and `--role builder`s (jobs/builds/ahead_builds.py,
 artifact_store.py, builder_node.py) on a real PostgreSQL server, in one process: a node's
 SharedArtifacts with the job manager's side acted out (`Host`: its queue, and the build answers
 JobManager.built_elsewhere would take), builders' ExtensionBuilds and BuilderNode whose build
@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import dtype_pb2, job_pb2, kernel_pb2
-from kerneleval_server.jobs import ahead_builds
-from kerneleval_server.jobs.artifact_store import SharedArtifacts
-from kerneleval_server.jobs.build_cache import BuildCache
-from kerneleval_server.jobs.builder_node import BuilderNode
-from kerneleval_server.jobs.compile_cache import CompileCache, as_files, built_key
-from kerneleval_server.jobs.extension_builds import ExtensionBuilds
+from kerneleval_server.jobs.builds import ahead_builds
+from kerneleval_server.jobs.builds.artifact_store import SharedArtifacts
+from kerneleval_server.jobs.builds.build_cache import BuildCache
+from kerneleval_server.jobs.builds.builder_node import BuilderNode
+from kerneleval_server.jobs.builds.compile_cache import CompileCache, as_files, built_key
+from kerneleval_server.jobs.builds.extension_builds import ExtensionBuilds
 from kerneleval_server.jobs.store import PostgresStore
 from kerneleval_server.jobs.store.base import BUILD_REFUSED
 from pg_server import PostgresServer

@@ -26,18 +26,18 @@ WRAP = {
     "kerneleval_server.jobs.manager": [
         "JobManager.submit",
         "JobManager.dispatch",
-        "JobManager._start",
+        "JobManager.start",
         "JobManager._flag_late",
-        "JobManager.on_worker_message",
-        "JobManager._on_outcome",
-        "JobManager._finish",
+        "JobManager.on_outcome",
+        "JobManager.finish",
         "JobManager._finish_outcome",
-        "JobManager._built_earlier",
-        "JobManager.wait_finished",
-        "JobManager._mark_started",
+        "JobManager.mark_started",
         "JobManager._enqueue_or_wait",
-        "JobManager._cache_key",
     ],
+    "kerneleval_server.jobs.messages": ["JobProcessMessages.on_process_message"],
+    "kerneleval_server.jobs.builds.paths": ["BuildPaths.built_earlier"],
+    "kerneleval_server.jobs.endings": ["Endings.wait_finished"],
+    "kerneleval_server.jobs.admission": ["Admission.cache_key"],
     "kerneleval_server.jobs.judging": [
         "Judges.start_ahead",
         "Judges.await_judge",
@@ -47,9 +47,8 @@ WRAP = {
         "Judges.ahead_answered",
         "Judges._seal_and_queue",
         "Judges.start",
-        "Record.seal",
-        "Record.make",
     ],
+    "kerneleval_server.jobs.judge_record": ["Record.seal", "Record.make"],
     "kerneleval_server.jobs.gpu_use": [
         "GpuUse.ask",
         "GpuUse.ask_early",
@@ -65,9 +64,9 @@ WRAP = {
     "kerneleval_server.jobs.events": ["EventHub.publish"],
     "kerneleval_server.jobs.static_checks": ["check"],
     "kerneleval_server.fleet.job_processes": [
-        "WorkerState.send",
-        "WorkerState.assign",
-        "WorkerState._send_with_fds",
+        "JobProcess.send",
+        "JobProcess.assign",
+        "JobProcess._send_with_fds",
     ],
     # job processes
     "kerneleval_server.jobproc.runtime": [
@@ -202,9 +201,9 @@ def _write(text: str) -> None:
 def _detail(name: str, args: tuple) -> str:
     """What the call is about, for the few whose argument says it (frames, phases)."""
     try:
-        if name in ("WorkerState.send",):
+        if name in ("JobProcess.send",):
             return ":" + args[1].WhichOneof("kind")
-        if name == "JobManager.on_worker_message":
+        if name == "JobManager.on_process_message":
             return ":" + args[2].WhichOneof("kind")
         if name == "_Reporter.phase":
             return f":{args[1]}"

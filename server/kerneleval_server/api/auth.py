@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+
+# A method handler's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+# A method's handler, whatever its request and response (grpc-stubs make it generic).
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 ADMIN_SERVICE = "/kerneleval.v1.OperationsService/"
 MESSAGE = "OperationsService needs the metadata 'authorization: Bearer <admin token>'"
@@ -48,14 +53,14 @@ def refusal(
 
 
 def _refuse(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> None:
+    async def refuse(request: Any, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return refuse
 
 
 def _refuse_stream(message: str) -> Any:
-    async def refuse(request: Any, context: Any) -> AsyncIterator[Any]:
+    async def refuse(request: Any, context: Context) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 
@@ -71,9 +76,9 @@ class AdminAuth(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler:
         handler = await continuation(details)
         method = getattr(details, "method", "") or ""
         if handler is None or not method.startswith(ADMIN_SERVICE):

@@ -190,7 +190,7 @@ class Forwarder:
             self._handlers[method.name.lower()] = wrap(multicallable)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        handlers = self.__dict__.get("_handlers", {})
+        handlers: dict[str, Callable[..., Any]] = self.__dict__.get("_handlers", {})
         try:
             return handlers[name.replace("_", "").lower()]
         except KeyError:
@@ -247,11 +247,11 @@ def application(channel: grpc.aio.Channel, max_message_bytes: int) -> Router:
     return Router(
         [
             kernel_eval_service_connect.KernelEvalServiceASGIApplication(
-                kernel_eval,  # type: ignore[arg-type]
+                kernel_eval,
                 read_max_bytes=max_message_bytes,
             ),
             operations_service_connect.OperationsServiceASGIApplication(
-                operations,  # type: ignore[arg-type]
+                operations,
                 read_max_bytes=max_message_bytes,
             ),
         ]
@@ -316,7 +316,7 @@ class HttpGateway:
         self._channel = grpc.aio.insecure_channel(self.grpc_target, options=options)
         app = application(self._channel, self.max_message_bytes)
         self._task = asyncio.get_running_loop().create_task(
-            hypercorn_serve(app, self._config, shutdown_trigger=self._stop.wait)  # type: ignore[arg-type]
+            hypercorn_serve(app, self._config, shutdown_trigger=self._stop.wait)
         )
         self._task.add_done_callback(self._served)
         log.info("HTTP/JSON (Connect) on %s, forwarding to %s", self.url, self.grpc_target)

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf.message import DecodeError, Message
+
+# A method handler's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+# A method's handler, whatever its request and response (grpc-stubs make it generic).
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 _MAX_DEPTH = 32
 
@@ -169,7 +174,7 @@ async def _reject(context: Any, request: _Undecodable) -> None:
 def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream_out(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def stream_out(request: Any, context: Context) -> AsyncIterator[Any]:
             if isinstance(request, _Undecodable):
                 await _reject(context, request)
                 return
@@ -178,7 +183,7 @@ def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
 
         return stream_out
 
-    async def unary_out(request: Any, context: Any) -> Any:
+    async def unary_out(request: Any, context: Context) -> Any:
         if isinstance(request, _Undecodable):
             await _reject(context, request)
             return None
@@ -190,7 +195,7 @@ def _unary_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return unary_out
 
 
-def _checked(requests: Any, context: Any) -> AsyncIterator[Any]:
+def _checked(requests: Any, context: Context) -> AsyncIterator[Any]:
     async def gen() -> AsyncIterator[Any]:
         async for request in requests:
             if isinstance(request, _Undecodable):
@@ -204,13 +209,13 @@ def _checked(requests: Any, context: Any) -> AsyncIterator[Any]:
 def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream_out(requests: Any, context: Any) -> AsyncIterator[Any]:
+        async def stream_out(requests: Any, context: Context) -> AsyncIterator[Any]:
             async for item in behavior(_checked(requests, context), context):
                 yield item
 
         return stream_out
 
-    async def unary_out(requests: Any, context: Any) -> Any:
+    async def unary_out(requests: Any, context: Context) -> Any:
         result = behavior(_checked(requests, context), context)
         if inspect.isawaitable(result):
             result = await result
@@ -224,9 +229,9 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler

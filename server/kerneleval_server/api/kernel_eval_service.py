@@ -1,4 +1,4 @@
-"""KernelEvalService: the evaluation API over the job manager."""
+"""KernelEvalService: the evaluation API over the job service (jobs/service.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, TypeAlias, cast
 
 import grpc
 from google.protobuf import duration_pb2
@@ -15,11 +15,14 @@ from grpc_status import rpc_status
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
-from kerneleval_server.api import validation
-from kerneleval_server.jobs import placement
-from kerneleval_server.jobs.manager import JobManager, KeyReused, QueueFull, static_checks
+from kerneleval_server.jobs import static_checks
+from kerneleval_server.jobs.admission import KeyReused, QueueFull
+from kerneleval_server.jobs.service import JobService
+from kerneleval_server.spec import placement, validation
 
 log = logging.getLogger("kerneleval.service")
+# A servicer method's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 DEFAULT_PAGE = 50
 _BROKEN = pb.RunBatchResponse()  # sentinel: the request stream failed
@@ -97,14 +100,20 @@ def invalid(field: str, description: str) -> Refused:
     )
 
 
-async def abort(context: Any, err: Refused) -> NoReturn:
-    await context.abort_with_status(err.status())
+class _AbortsWithStatus(Protocol):
+    """grpc.aio's ServicerContext has abort_with_status; grpc-stubs do not list it."""
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn: ...
+
+
+async def abort(context: Context, err: Refused) -> NoReturn:
+    await cast(_AbortsWithStatus, context).abort_with_status(err.status())
     raise AssertionError("unreachable")
 
 
 class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
-    def __init__(self, manager: JobManager, limits: validation.Limits) -> None:
-        self.m = manager
+    def __init__(self, jobs: JobService, limits: validation.Limits) -> None:
+        self.jobs = jobs
         self.limits = limits
 
     # ---- submission -------------------------------------------------------------------
@@ -114,7 +123,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     ) -> job_pb2.Job:
         """Validates and queues; raises Refused. A large source's static checks run in a
         thread first; a small one's in the manager, after its job started (JobManager.submit)."""
-        if self.m.draining:
+        if self.jobs.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
         violations = validation.validate_spec(
             spec, self.limits, require_reference=require_reference
@@ -122,7 +131,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         validation.check_string(
             "idempotency_key", idempotency_key, self.limits.max_idempotency_key_bytes, violations
         )
-        known = self.m.fleet.device_indices()
+        known = self.jobs.device_indices()
         if spec.options.HasField("device_index") and known and spec.options.device_index >= 0:
             if spec.options.device_index not in known:
                 violations.append(
@@ -132,7 +141,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                     )
                 )
         if spec.options.device_model and not violations:
-            why = placement.refusal(spec, self.m.fleet.device_names())
+            why = placement.refusal(spec, self.jobs.device_names())
             if why:
                 violations.append(validation.FieldViolation("spec.options.device_model", why))
         if violations:
@@ -143,10 +152,10 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         flags = None  # a millisecond or less: on the event loop, while the job starts
         if len(spec.kernel.source_code) > INLINE_STATIC_CHECK_CHARS:
             flags = await asyncio.to_thread(static_checks.check, spec)
-        if self.m.draining:
+        if self.jobs.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
         try:
-            return self.m.submit(spec, flags, idempotency_key)
+            return self.jobs.submit(spec, flags, idempotency_key)
         except QueueFull as exc:
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), [], exc.retry_after_s
@@ -157,7 +166,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     async def _submit_or_abort(
         self,
         spec: kernel_pb2.JobSpec,
-        context: grpc.aio.ServicerContext,
+        context: Context,
         require_reference: bool = False,
         idempotency_key: str = "",
     ) -> job_pb2.Job:
@@ -167,11 +176,11 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             await abort(context, err)
 
     async def _run_to_end(self, job_id: str) -> job_pb2.Job:
-        job = await self.m.finished(job_id)
+        job = await self.jobs.finished(job_id)
         assert job is not None
         return job
 
-    async def Evaluate(self, request: pb.EvaluateRequest, context: Any) -> pb.EvaluateResponse:
+    async def Evaluate(self, request: pb.EvaluateRequest, context: Context) -> pb.EvaluateResponse:
         job = await self._submit_or_abort(request.spec, context)
         try:
             return pb.EvaluateResponse(job=await self._run_to_end(job.job_id))
@@ -179,7 +188,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             await self._cancel_quietly(job.job_id)
             raise
 
-    async def Compare(self, request: pb.CompareRequest, context: Any) -> pb.CompareResponse:
+    async def Compare(self, request: pb.CompareRequest, context: Context) -> pb.CompareResponse:
         job = await self._submit_or_abort(request.spec, context, require_reference=True)
         try:
             return pb.CompareResponse(job=await self._run_to_end(job.job_id))
@@ -188,44 +197,44 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             raise
 
     async def _cancel_quietly(self, job_id: str) -> None:
-        if self.m.draining:
+        if self.jobs.draining:
             return  # the service is stopping, not the client: the job runs after the restart
         log.info("client went away: cancelling", extra={"job_id": job_id})
-        self.m.cancel_soon(job_id)
+        self.jobs.cancel_soon(job_id)
 
-    async def Run(self, request: pb.RunRequest, context: Any) -> AsyncIterator[pb.RunResponse]:
+    async def Run(self, request: pb.RunRequest, context: Context) -> AsyncIterator[pb.RunResponse]:
         job = await self._submit_or_abort(request.spec, context)
         finished = False
         try:
-            async for event in self.m.hub.watch(job.job_id, 0):
+            async for event in self.jobs.watch(job.job_id, 0):
                 finished = event.HasField("finished")
                 yield pb.RunResponse(event=event)
         finally:
             if not finished and not request.keep_on_disconnect:
                 await self._cancel_quietly(job.job_id)
 
-    async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
+    async def Submit(self, request: pb.SubmitRequest, context: Context) -> pb.SubmitResponse:
         job = await self._submit_or_abort(
             request.spec, context, idempotency_key=request.idempotency_key
         )
         return pb.SubmitResponse(job=job)
 
     async def _job_or_abort(
-        self, job_id: str, context: Any, include_spec: bool = True
+        self, job_id: str, context: Context, include_spec: bool = True
     ) -> job_pb2.Job:
         if not job_id:
             await abort(context, invalid("job_id", "required"))
         too_long = validation.check_string("job_id", job_id, self.limits.max_job_id_bytes)
         if too_long is not None:
             await abort(context, invalid(too_long.field, too_long.description))
-        job = self.m.store.get(job_id, include_spec=include_spec)
+        job = self.jobs.get(job_id, include_spec=include_spec)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
         assert job is not None
         return job
 
     async def Watch(
-        self, request: pb.WatchRequest, context: Any
+        self, request: pb.WatchRequest, context: Context
     ) -> AsyncIterator[pb.WatchResponse]:
         if request.after_sequence > validation.INT64_MAX:
             await context.abort(
@@ -234,13 +243,13 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                 f"can have ({validation.INT64_MAX})",
             )
         await self._job_or_abort(request.job_id, context, include_spec=False)
-        async for event in self.m.hub.watch(request.job_id, request.after_sequence):
+        async for event in self.jobs.watch(request.job_id, request.after_sequence):
             yield pb.WatchResponse(event=event)
 
-    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.GetJobResponse:
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.GetJobResponse:
         return pb.GetJobResponse(job=await self._job_or_abort(request.job_id, context))
 
-    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
         if request.page_size < 0:
             await abort(context, invalid("page_size", "must be >= 0"))
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
@@ -265,7 +274,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         validation.check_labels("labels", request.labels, self.limits, bad_labels)
         if bad_labels:
             await abort(context, invalid(bad_labels[0].field, bad_labels[0].description))
-        rows = self.m.store.list(
+        rows = self.jobs.list_jobs(
             limit=size + 1,
             before_rowid=before,
             state=request.state,
@@ -278,21 +287,23 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             resp.next_page_token = _encode_token(rows[size - 1][0])
         return resp
 
-    async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.CancelJobResponse:
+    async def CancelJob(
+        self, request: pb.CancelJobRequest, context: Context
+    ) -> pb.CancelJobResponse:
         await self._job_or_abort(request.job_id, context, include_spec=False)
-        job = await self.m.cancel(request.job_id)
+        job = await self.jobs.cancel(request.job_id)
         assert job is not None
         return pb.CancelJobResponse(job=job)
 
     async def RunBatch(
-        self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: Context
     ) -> AsyncIterator[pb.RunBatchResponse]:
         out: asyncio.Queue[pb.RunBatchResponse | None] = asyncio.Queue()
         followers: set[asyncio.Task[None]] = set()
         unfinished: set[str] = set()
 
         async def follow(job_id: str, tag: str) -> None:
-            async for event in self.m.hub.watch(job_id, 0):
+            async for event in self.jobs.watch(job_id, 0):
                 if event.HasField("finished"):
                     unfinished.discard(job_id)
                 await out.put(pb.RunBatchResponse(event=event, request_tag=tag))

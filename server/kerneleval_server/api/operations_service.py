@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import grpc
 from kerneleval.v1 import job_pb2, operations_service_pb2_grpc
@@ -16,8 +16,8 @@ from kerneleval.v1 import operations_service_pb2 as pb
 
 from kerneleval_server.config import GATEWAY
 from kerneleval_server.jobproc import BUILD_DEVICE
-from kerneleval_server.jobs.builder_node import probe_versions
-from kerneleval_server.jobs.manager import JobManager
+from kerneleval_server.jobs.builds.builder_node import probe_versions
+from kerneleval_server.jobs.service import JobService
 from kerneleval_server.jobs.shared_queue import SharedQueue
 
 
@@ -29,6 +29,8 @@ def _pseudo_name(index: int) -> str:
 ALL_DEVICES = -2  # RestartWorkers without a device (watchdog.ALL_DEVICES)
 
 log = logging.getLogger("kerneleval.ops")
+# A servicer method's context (grpc-stubs type it by the method's request and response).
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 DEFAULT_RESET_GRACE_S = 30.0
 MAX_RESET_GRACE_S = 3600.0
@@ -52,11 +54,11 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
 
     def __init__(
         self,
-        manager: JobManager,
+        jobs: JobService,
         shared: SharedQueue | None = None,
         readiness: Callable[[], list[pb.JobKindReadiness]] | None = None,
     ) -> None:
-        self.m = manager
+        self.jobs = jobs
         self.readiness = readiness  # per kind of job (fleet/readiness.py)
         # A gateway (--role gateway) owns no device: it lists its nodes' and names the node
         # that owns a device for ResetGpu and RestartWorkers.
@@ -64,7 +66,9 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         self._gateway_versions: list[str] | None = None  # probed at the first ListBuilders
         self._probing = asyncio.Lock()
 
-    async def _forward(self, method: str, request: Any, device: int | None, context: Any) -> Any:
+    async def _forward(
+        self, method: str, request: Any, device: int | None, context: Context
+    ) -> Any:
         """A gateway owns no device: the call goes to the node that does (`request.node`, or
         the one node with that device), with the caller's own metadata (its admin token: the
         node checks it again), and the node's answer or error comes back as it is."""
@@ -81,7 +85,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
                 f"the node that owns it, {where} (ListDevices on a gateway names each "
                 "device's node)",
             )
-        forwarded = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+        metadata = context.invocation_metadata() or ()
+        forwarded = [(k, v) for k, v in metadata if k == "authorization"]
         async with grpc.aio.insecure_channel(node) as channel:
             stub = operations_service_pb2_grpc.OperationsServiceStub(channel)
             try:
@@ -92,7 +97,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
 
     def devices(self) -> list[pb.Device]:
         out: dict[int, pb.Device] = {}
-        for index, dev in sorted(self.m.fleet.devices.items()):
+        for index, dev in self.jobs.devices():
             s = dev.status
             out[index] = pb.Device(
                 index=index,
@@ -110,7 +115,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
                 recent_xids=list(dev.xids),
                 driver_version=s.driver_version,
             )
-        for w in self.m.workers.by_id.values():
+        for w in self.jobs.job_processes():
             if w.gone:
                 continue
             dev_pb = out.get(w.device_index)
@@ -135,7 +140,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return [out[i] for i in sorted(out)]
 
     async def ListDevices(
-        self, request: pb.ListDevicesRequest, context: Any
+        self, request: pb.ListDevicesRequest, context: Context
     ) -> pb.ListDevicesResponse:
         if self.gateway is not None:
             return pb.ListDevicesResponse(devices=self.gateway.node_devices())
@@ -143,15 +148,16 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return pb.ListDevicesResponse(devices=self.devices(), readiness=ready)
 
     async def WatchEvents(
-        self, request: pb.WatchEventsRequest, context: Any
+        self, request: pb.WatchEventsRequest, context: Context
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        async for event in self.m.ops.watch(request.replay_count):
+        async for event in self.jobs.watch_operations(request.replay_count):
             yield pb.WatchEventsResponse(event=event)
 
-    async def ResetGpu(self, request: pb.ResetGpuRequest, context: Any) -> pb.ResetGpuResponse:
+    async def ResetGpu(self, request: pb.ResetGpuRequest, context: Context) -> pb.ResetGpuResponse:
         if self.gateway is not None:
-            return await self._forward("ResetGpu", request, request.device_index, context)
-        known = self.m.fleet.device_indices()
+            answer = await self._forward("ResetGpu", request, request.device_index, context)
+            return cast(pb.ResetGpuResponse, answer)
+        known = self.jobs.device_indices()
         if request.device_index < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -163,9 +169,8 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"device_index: no GPU {request.device_index} here (devices: {known})",
             )
-        if self.m.watchdog is None:
+        if not self.jobs.has_watchdog():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the watchdog is not running")
-        assert self.m.watchdog is not None
         grace = request.grace_period
         grace_s = (
             grace.seconds + grace.nanos / 1e9
@@ -179,7 +184,7 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             )
         log.warning("GPU reset requested", extra={"device_index": request.device_index})
         try:
-            ok, reports = await self.m.watchdog.reset_gpu(request.device_index, int(grace_s * 1000))
+            ok, reports = await self.jobs.reset_gpu(request.device_index, int(grace_s * 1000))
         except Exception as exc:  # noqa: BLE001 - the watchdog refused: tell the operator why
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"reset refused: {exc}")
             raise
@@ -191,28 +196,28 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         return pb.ResetGpuResponse(steps=steps, success=ok)
 
     async def RestartWorkers(
-        self, request: pb.RestartWorkersRequest, context: Any
+        self, request: pb.RestartWorkersRequest, context: Context
     ) -> pb.RestartWorkersResponse:
         device = request.device_index if request.HasField("device_index") else ALL_DEVICES
         if self.gateway is not None:
             on = request.device_index if request.HasField("device_index") else None
-            return await self._forward("RestartWorkers", request, on, context)
-        known = self.m.fleet.device_indices()
+            answer = await self._forward("RestartWorkers", request, on, context)
+            return cast(pb.RestartWorkersResponse, answer)
+        known = self.jobs.device_indices()
         if request.HasField("device_index") and device not in known:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"device_index: no device {device} here (devices: {known})",
             )
-        if self.m.watchdog is None:
+        if not self.jobs.has_watchdog():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the watchdog is not running")
-        assert self.m.watchdog is not None
         count = sum(
             1
-            for w in self.m.workers.by_id.values()
+            for w in self.jobs.job_processes()
             if not w.gone and (device == ALL_DEVICES or w.device_index == device)
         )
         try:
-            await self.m.watchdog.restart_workers(device)
+            await self.jobs.restart_job_processes(device)
         except Exception as exc:  # noqa: BLE001 - the watchdog refused: tell the operator why
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"restart refused: {exc}")
             raise
@@ -221,19 +226,19 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
     def cleanup(self, older_than_s: float) -> int:
         """Deletes finished jobs; job processes leave no folders (their /tmp is a tmpfs that
         goes with them), so there is nothing else to sweep."""
-        deleted = self.m.store.delete_finished_before(time.time() - older_than_s)
+        deleted = self.jobs.delete_finished_before(time.time() - older_than_s)
         if deleted:
             log.info("cleanup: %d jobs", deleted)
         return deleted
 
-    async def Cleanup(self, request: pb.CleanupRequest, context: Any) -> pb.CleanupResponse:
+    async def Cleanup(self, request: pb.CleanupRequest, context: Context) -> pb.CleanupResponse:
         if request.HasField("older_than"):
             d = request.older_than
             older = d.seconds + d.nanos / 1e9
             if older < 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "older_than: must be >= 0")
         else:
-            older = self.m.config.retention_hours * 3600.0
+            older = self.jobs.retention_hours * 3600.0
         return pb.CleanupResponse(deleted_job_count=self.cleanup(older))
 
     async def own_versions(self) -> list[str]:
@@ -241,27 +246,26 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
         node's, or an all-in-one service's, are those its job processes reported, the ones its
         load_inline calls ask the builders for. A gateway has no job processes: its own Python's
         (probed once, as a builder probes its own) and its compilers'."""
-        ext = self.m.extensions
-        await asyncio.to_thread(ext.compilers)  # `c++ --version`, `nvcc --version`: once
+        await asyncio.to_thread(self.jobs.probe_compilers)
         if self.gateway is None:
-            return sorted(ext.versions_of_job_processes(self.m.workers.by_id.values()))
+            return self.jobs.build_versions()
         async with self._probing:
             if self._gateway_versions is None:
                 try:
                     torch_version, cuda_version = await asyncio.to_thread(
                         probe_versions, dict(os.environ)
                     )
-                    self._gateway_versions = [ext.versions_of(torch_version, cuda_version)]
+                    self._gateway_versions = [self.jobs.versions_of(torch_version, cuda_version)]
                 except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
                     log.warning("ListBuilders: this gateway's versions are not known: %s", exc)
                     self._gateway_versions = []
             return self._gateway_versions
 
     async def ListBuilders(
-        self, request: pb.ListBuildersRequest, context: Any
+        self, request: pb.ListBuildersRequest, context: Context
     ) -> pb.ListBuildersResponse:
         # SQLite (--role all) has the table and never a builder: an empty list.
-        rows = self.m.store.list_builders()
+        rows = self.jobs.builders()
         own = await self.own_versions()
         now = time.time()
         resp = pb.ListBuildersResponse(versions=own)
@@ -283,24 +287,24 @@ class OperationsService(operations_service_pb2_grpc.OperationsServiceServicer):
             info.expire_time.FromNanoseconds(int(b.expires * 1e9))
         return resp
 
-    async def GetStats(self, request: pb.GetStatsRequest, context: Any) -> pb.GetStatsResponse:
-        by_state, by_verdict = self.m.store.counts()
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.GetStatsResponse:
+        s = self.jobs.stats()
         resp = pb.GetStatsResponse(
-            jobs_by_state={job_pb2.JobState.Name(k): v for k, v in by_state.items()},
-            jobs_by_verdict={job_pb2.Verdict.Name(k): v for k, v in by_verdict.items()},
-            queue_depth=len(self.m.queue),
-            queue_latency=percentiles(self.m.queue_latency),
-            run_latency=percentiles(self.m.run_latency),
-            fault_count=self.m.fleet.counters["faults"],
-            worker_restart_count=self.m.fleet.counters["restarts"],
-            gpu_reset_count=self.m.fleet.counters["resets"],
-            xid_count=self.m.fleet.counters["xids"],
-            sandbox_warnings=self.m.watchdog_events.sandbox.to_proto(),
-            sandbox_state=self.m.watchdog_events.sandbox.state(),
+            jobs_by_state={job_pb2.JobState.Name(k): v for k, v in s.by_state.items()},
+            jobs_by_verdict={job_pb2.Verdict.Name(k): v for k, v in s.by_verdict.items()},
+            queue_depth=s.queue_depth,
+            queue_latency=percentiles(s.queue_latency),
+            run_latency=percentiles(s.run_latency),
+            fault_count=s.counters["faults"],
+            worker_restart_count=s.counters["restarts"],
+            gpu_reset_count=s.counters["resets"],
+            xid_count=s.counters["xids"],
+            sandbox_warnings=s.sandbox.to_proto(),
+            sandbox_state=s.sandbox.state(),
         )
-        for index, (seconds, count, wanted) in self.m.gate.occupancy().items():
+        for index, (seconds, count, wanted) in s.occupancy.items():
             occupancy = resp.device_occupancy.add(device_index=index, timing_window_count=count)
             occupancy.timing_window.FromNanoseconds(int(seconds * 1e9))
             occupancy.timing_wanted.FromNanoseconds(int(wanted * 1e9))
-        resp.uptime.FromNanoseconds(int((time.time() - self.m.started_at) * 1e9))
+        resp.uptime.FromNanoseconds(int((time.time() - s.started_at) * 1e9))
         return resp

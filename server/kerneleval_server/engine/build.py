@@ -46,15 +46,11 @@ from .backends.triton_build import (
     triton_compiles_here,
 )
 from .device import DeviceLimits
-from .runner import (
-    _ReporterError,
-    _SafeReporter,
-    _Stop,
-    build_failure,
-    internal_error,
-    invalid_spec,
-    preserved_torch_state,
-)
+from .runner import preserved_torch_state
+from .stops import ReporterError as _ReporterError
+from .stops import SafeReporter as _SafeReporter
+from .stops import Stop as _Stop
+from .stops import build_failure, internal_error, invalid_spec
 from .types import EngineConfig, Reporter
 
 CHILD_ENV = "KERNELEVAL_BUILD_CHILD"
@@ -226,7 +222,7 @@ def _cannot_build(k: kernel_pb2.KernelSource) -> str:
 def _build_in_child(
     spec: kernel_pb2.JobSpec, config: EngineConfig, arch: str, reporter: _SafeReporter
 ) -> job_channel_pb2.BuildOutcome:
-    from .isolated import _import_path
+    from .isolated import import_path as _import_path
 
     folder = config.work_dir / "build-child"
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from kerneleval.v1 import job_pb2
 
-from kerneleval_server.jobproc import NVML_OOM_ASSERT
+from kerneleval_server.error_texts import NVML_OOM_ASSERT
 
 
 @dataclass(frozen=True)

@@ -31,19 +31,20 @@ import json
 import math
 import random
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
 from . import compare, integrity, record, tamper, timed_calls, timing
-from . import runner as _runner  # circular, used at call time only: runner dispatches here
 from .backends import BuildContext
 from .backends import gpumode as backend
 from .inputs import TrialArgs, mix_seed
+from .options import Options
+from .stops import ReporterError, SafeReporter, Stop, build_failure
 
 JUDGE = "reference: check_implementation(): "
 GENERATE = "reference: generate_input(): "
@@ -307,7 +308,54 @@ def judgement(answer: Any) -> tuple[bool, str]:
     )
 
 
-def run(job: _runner._Job, ctx: BuildContext) -> None:
+class Job(Protocol):
+    """What a GPU MODE job uses of the job that runs it (runner.Job, judge.py's _Judge)."""
+
+    spec: kernel_pb2.JobSpec
+    reporter: SafeReporter
+    result: job_pb2.EvalResult
+    poisoned: bool
+    notes: list[str]
+    opts: Options
+    dev: torch.device
+    source_files: tuple[str, ...]
+    serves_cases: Callable[[int], None] | None  # the judge's timed calls, one session a case
+
+    @property
+    def judged_elsewhere(self) -> bool: ...
+    def _timed_by_judge(self) -> bool: ...
+    def _refuse_rewritten_timers(
+        self, timers_changed: Callable[..., list[str]] = ...
+    ) -> None: ...
+    def _guard(
+        self, who: str = "", side: job_pb2.Side | None = None
+    ) -> contextlib.AbstractContextManager[None]: ...
+    def _cpu_shim(self) -> contextlib.AbstractContextManager[None]: ...
+    def _sync(self) -> None: ...
+    def _record(
+        self,
+        trial: int,
+        outputs: list[Any],
+        replay: bool = False,
+        structure: str = "",
+        aliased: Collection[int] = (),
+    ) -> bool: ...
+    def _tampered(self, message: str, who: str = "") -> NoReturn: ...
+    def _cpu_times_note(self) -> None: ...
+    def _judge_speedup(self) -> None: ...
+    def _progress(self, done: int, total: int) -> None: ...
+    def _measure(
+        self,
+        run: Callable[[], object],
+        who: str,
+        progress: Callable[[int], None],
+        check: timing.TrialCheck | None = None,
+        measure: Callable[..., timing.Timing] = ...,
+        timers_changed: Callable[..., list[str]] = ...,
+    ) -> job_pb2.RuntimeStats: ...
+
+
+def run(job: Job, ctx: BuildContext) -> None:
     """The job's whole evaluation; ends with a verdict in job.result (or raises _Stop)."""
     _GpuModeRun(job, ctx).run()
 
@@ -316,7 +364,7 @@ class _GpuModeRun:
     modules: backend.SharedModules  # set for the time of run()
     index = 0  # the case being checked, in the order tests then benchmarks
 
-    def __init__(self, job: _runner._Job, ctx: BuildContext) -> None:
+    def __init__(self, job: Job, ctx: BuildContext) -> None:
         self.job = job
         self.ctx = ctx
         self.result = job.result
@@ -358,12 +406,12 @@ class _GpuModeRun:
         try:
             with self.job._cpu_shim(), self._side(who):
                 return make()
-        except (_runner._Stop, _runner._ReporterError, KeyboardInterrupt):
+        except (Stop, ReporterError, KeyboardInterrupt):
             raise
         except BaseException as e:
-            poisoned = _runner.build_failure(e, who, self.result, self.ctx, self.job.notes)
+            poisoned = build_failure(e, who, self.result, self.ctx, self.job.notes)
             self.job.poisoned = self.job.poisoned or poisoned
-        raise _runner._Stop
+        raise Stop
 
     # -- correctness ---------------------------------------------------------------------
     def _check_all(self, ref: backend.GpuModeReference, cand: backend.GpuModeSubmission) -> None:
@@ -399,7 +447,7 @@ class _GpuModeRun:
             r.correctness = False
             r.correctness_status = job_pb2.CORRECTNESS_FAILED
             self.job.notes.append("incorrect: not timed")
-            raise _runner._Stop
+            raise Stop
         r.correctness = True
         r.correctness_status = job_pb2.CORRECTNESS_PASSED
 
@@ -428,7 +476,7 @@ class _GpuModeRun:
                 if self.job._record(self.index, leaves, structure=structure):
                     return True, ""  # not this process's to say: its judge's
             return self._judge(ref, data, output)
-        except _runner._Stop:
+        except Stop:
             record.message = self.result.error.message or self.result.compilation_error
             raise
 
@@ -585,7 +633,7 @@ def geometric_means(stats: list[job_pb2.RuntimeStats]) -> job_pb2.RuntimeStats:
 
 
 def judge(
-    job: _runner._Job,
+    job: Job,
     ctx: BuildContext,
     read_record: Callable[[], list[record.Trial]],
     fitted: Callable[[int, list[Any]], bool],
@@ -792,16 +840,15 @@ class _GpuModeJudge(_GpuModeRun):
         first variant's, the shared outputs as the kernel's recorded output on the case;
         calibration, warm-up, then each call on the data of a fresh variant written into the
         shared leaves; the case's time (timed_calls.decide) into `result`. What it says."""
-        from . import judge as _judge  # judge.py imports this module
 
         job: Any = self.job
         n = job.opts.perf_trials
         first = self._variant(ref, case)
         leaves, tree = share_layout(first)
         signature = _signature(leaves, tree)
-        picked = set(random.SystemRandom().sample(range(n), min(n, max(_judge.CHECKED_MIN,
+        picked = set(random.SystemRandom().sample(range(n), min(n, max(timed_calls.CHECKED_MIN,
                                                                         n // 4))))  # fmt: skip
-        flush = _judge._L2Flush(job.dev, job.opts.flush_l2)
+        flush = timed_calls.L2Flush(job.dev, job.opts.flush_l2)
         total = n * len(self.benchmarks)
         done = n * self.benchmarks.index(case)
         try:
@@ -817,9 +864,9 @@ class _GpuModeJudge(_GpuModeRun):
         finished = False
         try:
             base = _leaf_args(leaves)
-            calibration = timed_calls.calibrate(driver, base, _judge.CALIBRATION_CALLS)
+            calibration = timed_calls.calibrate(driver, base, timed_calls.CALIBRATION_CALLS)
             own_path = driver.own_path_ns(flush.lead)
-            _judge._warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
+            timed_calls.warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
             for k in range(n):
                 data = self._matching_variant(ref, case, signature)
                 if data is None:

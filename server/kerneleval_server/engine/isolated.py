@@ -3,13 +3,12 @@ launch_blocking (CUDA_LAUNCH_BLOCKING=1), device_side_assertions (TORCH_USE_CUDA
 sanitize (compute-sanitizer memcheck; timing is skipped) and device_metrics (Nsight Compute on
 the kernel's launches, beside the normal in-process evaluation).
 
-Child: python -m kerneleval_server.engine.isolated --spec S --out R --work-dir D
-reads a JobSpec, runs run_job, writes the EvalResult.
+Child: python -m kerneleval_server.engine.isolated_child --spec S --out R --work-dir D
+(isolated_child.py) reads a JobSpec, runs run_job, writes the EvalResult.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import os
@@ -22,11 +21,11 @@ from pathlib import Path
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.api.validation import is_timed
+from kerneleval_server.spec.validation import is_timed
 
 from . import device
 from .device import has_gpu
-from .types import EngineConfig, NullReporter, Outcome, Reporter
+from .types import EngineConfig, Outcome, Reporter
 
 NCU_METRICS = (
     "gpu__time_duration.sum",
@@ -199,7 +198,7 @@ def parse_ncu_csv(text: str) -> job_pb2.DeviceMetrics | None:
     return out
 
 
-def _import_path() -> str:
+def import_path() -> str:
     """PYTHONPATH for the child: where this package and the generated code were loaded from."""
     import kerneleval
 
@@ -230,7 +229,7 @@ def _run_child(
         *prefix,
         sys.executable,
         "-m",
-        "kerneleval_server.engine.isolated",
+        "kerneleval_server.engine.isolated_child",
         "--spec",
         str(spec_path),
         "--out",
@@ -238,7 +237,7 @@ def _run_child(
         "--work-dir",
         str(folder / "work"),
     ]
-    child_env = {**os.environ, **env, CHILD_ENV: "1", "PYTHONPATH": _import_path()}
+    child_env = {**os.environ, **env, CHILD_ENV: "1", "PYTHONPATH": import_path()}
     timeout = spec.options.timeout.seconds or 120
     try:
         proc = subprocess.run(
@@ -265,31 +264,3 @@ def _run_child(
         r.fault.description = f"the process started for this job exited with {code}"
     r.error.message = log[-4000:]
     return _Child(r, log)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--spec", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--work-dir", required=True)
-    a = p.parse_args()
-    from . import configure_process_environment
-
-    configure_process_environment()
-    from .runner import run_job
-    from .tamper import arm
-
-    arm()  # the job's code runs here from now on (tamper.py)
-
-    spec = kernel_pb2.JobSpec()
-    spec.ParseFromString(Path(a.spec).read_bytes())
-    work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    outcome = run_job(spec, NullReporter(), EngineConfig(work_dir=work))
-    Path(a.out).write_bytes(outcome.result.SerializeToString())
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: a dead CUDA context can hang it
-
-
-if __name__ == "__main__":
-    main()

@@ -41,26 +41,15 @@ from . import (
 )
 from .backends import Program
 from .inputs import TrialArgs
-from .runner import (
-    REFERENCE_PREFIX,
-    RecordedProgram,
-    _Abandoned,
-    _Job,
-    _SafeReporter,
-    _Stop,
-    preserved_torch_state,
-    stopped_by_a_source,
-    unexpected_error,
-    where_compared,
-)
+from .runner import Job as _Job
+from .runner import RecordedProgram, preserved_torch_state, where_compared
+from .stops import REFERENCE_PREFIX, stopped_by_a_source, unexpected_error
+from .stops import Abandoned as _Abandoned
+from .stops import SafeReporter as _SafeReporter
+from .stops import Stop as _Stop
 from .types import EngineConfig, Outcome, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
-CALIBRATION_CALLS = 10  # calls of no work: what the path of a timed call costs by itself
-# Warm-up calls past the options' count (until timing.WARMUP_MS), at most: each goes through
-# the timed calls' path, whose own cost is tens of microseconds.
-MAX_WARMUP_CALLS = 200
-CHECKED_MIN = 3  # timed calls checked against the reference, at least (else a quarter)
 SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
 # What the kernel's process sent at last, to a judge started ahead: its report, whether it
 # has exited, and the reference's time from an earlier job with its age (or None). None: the
@@ -262,11 +251,12 @@ class _Judge(_Job):
         first = make_args(base)
         ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
         names = self._output_names(cand, ref, first)
-        picked = set(random.SystemRandom().sample(range(n), min(n, max(CHECKED_MIN, n // 4))))
+        checked = min(n, max(timed_calls.CHECKED_MIN, n // 4))
+        picked = set(random.SystemRandom().sample(range(n), checked))
         inside: list[int] = []
         outside: list[int] = []
         spent.lap("reference")  # its outputs for the first call's check
-        flush = _L2Flush(self.dev, self.opts.flush_l2)
+        flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
         try:
             driver = timed_calls.Driver(
                 self.share_fd, first, [_like(o) for o in ref_out], self.dev,
@@ -276,10 +266,10 @@ class _Judge(_Job):
             self._kernel_failed_timed(str(e))
         spent.lap("buffers")
         try:
-            calibration = timed_calls.calibrate(driver, first, CALIBRATION_CALLS)
+            calibration = timed_calls.calibrate(driver, first, timed_calls.CALIBRATION_CALLS)
             own_path = driver.own_path_ns(flush.lead)
             spent.lap("calibration")
-            _warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
+            timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
             for i in range(n):
                 args = make_args(base + 1 + i)
@@ -561,7 +551,7 @@ class _Judge(_Job):
         """`prog` timed call by call (_reference_calls), on trials base + 1 ... + n."""
         n = self.opts.perf_trials
         args = make_args(base)
-        flush = _L2Flush(self.dev, self.opts.flush_l2)
+        flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
         cuda = self.dev.type == "cuda"
         times: list[float] = []
 
@@ -572,7 +562,7 @@ class _Judge(_Job):
                 torch.cuda.synchronize(self.dev)
             return (time.perf_counter() - t0) * 1e3
 
-        _warm_up(warm_up_call, self.opts.warmup)
+        timed_calls.warm_up(warm_up_call, self.opts.warmup)
         for i in range(n):
             fresh = make_args(base + 1 + i)
             for dst, src in zip(args.values, fresh.values, strict=True):
@@ -681,43 +671,3 @@ class _Stopwatch:
         total = sum(self.parts.values())
         each = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in self.parts.items())
         return f"{total * 1e3:.0f} ms ({each})"
-
-
-class _L2Flush:
-    """Before each timed call, once its inputs are written, the L2 flushed with timing.py's
-    own buffer and write (timing.CudaOps; `enqueue`, waited for outside the call's span).
-    Then, right before the call's start event, the lead timing.py's loop and do_bench's
-    queue there (`lead`: the flush again, else a short spin), not waited for: the host
-    queues the call's first launches while the GPU runs it, as it does in do_bench."""
-
-    def __init__(self, device: torch.device, on: bool) -> None:
-        self.device = device
-        self.ops = timing.CudaOps()
-        cuda = device.type == "cuda"
-        self.buffer = self.ops.flush_buffer() if on and cuda else None
-        self.lead_kind = (
-            timed_calls.LEAD_NONE if not cuda
-            else timed_calls.LEAD_FLUSH if self.buffer is not None
-            else timed_calls.LEAD_IDLE
-        )  # fmt: skip
-
-    def enqueue(self) -> None:
-        if self.buffer is not None:
-            self.ops.flush(self.buffer)
-
-    def lead(self) -> None:
-        if self.buffer is not None:
-            self.ops.flush(self.buffer)
-        elif self.device.type == "cuda":
-            self.ops.idle()
-
-
-def _warm_up(call: Callable[[], float], count: int) -> None:
-    """`count` calls (at least one), then more until timing.WARMUP_MS have passed, as
-    timing.py's warm-up and do_bench's 25 ms: the clocks settle under load. `call` runs one
-    and returns its milliseconds."""
-    spent = sum(call() for _ in range(max(1, count)))
-    extra = 0
-    while spent < timing.WARMUP_MS and extra < MAX_WARMUP_CALLS:
-        spent += call()
-        extra += 1

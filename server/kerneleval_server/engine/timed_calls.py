@@ -757,3 +757,52 @@ class _Meta:
 
     def detach(self) -> _Meta:
         return self
+
+
+# ---- what the judge's drivers share (engine/judge.py, engine/gpumode.py) ---------------
+
+CALIBRATION_CALLS = 10  # calls of no work: what the path of a timed call costs by itself
+# Warm-up calls past the options' count (until timing.WARMUP_MS), at most: each goes through
+# the timed calls' path, whose own cost is tens of microseconds.
+MAX_WARMUP_CALLS = 200
+CHECKED_MIN = 3  # timed calls checked against the reference, at least (else a quarter)
+
+
+class L2Flush:
+    """Before each timed call, once its inputs are written, the L2 flushed with timing.py's
+    own buffer and write (timing.CudaOps; `enqueue`, waited for outside the call's span).
+    Then, right before the call's start event, the lead timing.py's loop and do_bench's
+    queue there (`lead`: the flush again, else a short spin), not waited for: the host
+    queues the call's first launches while the GPU runs it, as it does in do_bench."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.device = device
+        self.ops = timing.CudaOps()
+        cuda = device.type == "cuda"
+        self.buffer = self.ops.flush_buffer() if on and cuda else None
+        self.lead_kind = (
+            LEAD_NONE if not cuda
+            else LEAD_FLUSH if self.buffer is not None
+            else LEAD_IDLE
+        )  # fmt: skip
+
+    def enqueue(self) -> None:
+        if self.buffer is not None:
+            self.ops.flush(self.buffer)
+
+    def lead(self) -> None:
+        if self.buffer is not None:
+            self.ops.flush(self.buffer)
+        elif self.device.type == "cuda":
+            self.ops.idle()
+
+
+def warm_up(call: Callable[[], float], count: int) -> None:
+    """`count` calls (at least one), then more until timing.WARMUP_MS have passed, as
+    timing.py's warm-up and do_bench's 25 ms: the clocks settle under load. `call` runs one
+    and returns its milliseconds."""
+    spent = sum(call() for _ in range(max(1, count)))
+    extra = 0
+    while spent < timing.WARMUP_MS and extra < MAX_WARMUP_CALLS:
+        spent += call()
+        extra += 1

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2
 
-from kerneleval_server.api import validation
+from kerneleval_server.spec import validation
 
 from .device import DeviceLimits
 

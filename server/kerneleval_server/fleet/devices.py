@@ -16,17 +16,50 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server.config import GATEWAY
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import JobProcessTable
 from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.metrics import Metrics
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
-    from kerneleval_server.jobs.shared_queue import SharedQueue
+
+class OpsEvents(Protocol):
+    """The operations events (jobs/events.py OpsLog): WatchEvents' feed."""
+
+    def emit(self, device_index: int, **kind: Any) -> ops_pb2.OpsEvent: ...
+
+
+class Nodes(Protocol):
+    """A front end's view of the shared store's nodes (jobs/shared_queue.py SharedQueue)."""
+
+    @property
+    def role(self) -> str: ...
+    def node_devices(self) -> list[ops_pb2.Device]: ...
+    def device_indices(self) -> list[int]: ...
+
+
+class DevicesHost(Protocol):
+    """What the devices ask of the job life cycle (jobs/manager.py JobManager)."""
+
+    @property
+    def ops(self) -> OpsEvents: ...
+    @property
+    def workers(self) -> JobProcessTable: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def shared(self) -> Nodes | None: ...
+    def on_health_change(self) -> None: ...
+    def dispatch(self) -> None: ...
+    def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
 RECENT_XIDS = 32
@@ -49,17 +82,17 @@ class DeviceState:
 class Devices:
     """The job manager's (`m`) devices."""
 
-    def __init__(self, m: JobManager) -> None:
+    def __init__(self, m: DevicesHost) -> None:
         self.m = m
         self.devices: dict[int, DeviceState] = {}
         # Devices whose job processes have come up warm (a Hello) since the watchdog started;
         # BUILD_DEVICE once a build process has (fleet/readiness.py: builds are ready).
         self.warm_devices: set[int] = set()
-        # GetStats' counts: jobs that ended with a fault (JobManager._finish), job process
+        # GetStats' counts: jobs that ended with a fault (JobManager.finish), job process
         # restarts (not a process leaving after its one job), GPU resets, XIDs.
         self.counters = {"faults": 0, "restarts": 0, "resets": 0, "xids": 0}
 
-    def _gateway(self) -> SharedQueue | None:
+    def _gateway(self) -> Nodes | None:
         shared = self.m.shared
         return shared if shared is not None and shared.role == GATEWAY else None
 

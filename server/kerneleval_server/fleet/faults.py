@@ -16,7 +16,7 @@ from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.config import Config
-from kerneleval_server.jobproc import NVML_OOM_ASSERT
+from kerneleval_server.error_texts import NVML_OOM_ASSERT
 
 # Signals a kernel raises itself; never worth a second try.
 KERNEL_SIGNALS = {

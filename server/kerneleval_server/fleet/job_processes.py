@@ -38,7 +38,7 @@ CHANNEL_BUDGET = 64 << 20
 
 
 @dataclass
-class WorkerState:
+class JobProcess:
     """One job process, from WorkerStarted to WorkerExited."""
 
     worker_id: str
@@ -188,24 +188,24 @@ class WorkerState:
 
 
 class JobProcessHandler(Protocol):
-    def on_worker_ready(self, worker: WorkerState) -> None: ...
-    def on_worker_message(
-        self, worker: WorkerState, msg: job_channel_pb2.JobProcessMessage
+    def on_process_ready(self, worker: JobProcess) -> None: ...
+    def on_process_message(
+        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage
     ) -> None: ...
-    def on_worker_disconnected(self, worker: WorkerState) -> None: ...
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+    def on_process_disconnected(self, worker: JobProcess) -> None: ...
+    def on_protocol_violation(self, worker: JobProcess, what: str) -> None: ...
 
 
-class WorkerTable:
+class JobProcessTable:
     """Job processes the watchdog announced and that have not exited, by id."""
 
     def __init__(self) -> None:
-        self.by_id: dict[str, WorkerState] = {}
+        self.by_id: dict[str, JobProcess] = {}
 
-    def announce(self, w: watchdog_pb2.Worker) -> WorkerState:
+    def announce(self, w: watchdog_pb2.Worker) -> JobProcess:
         state = self.by_id.get(w.worker_id)
         if state is None:
-            state = WorkerState(
+            state = JobProcess(
                 worker_id=w.worker_id,
                 pid=w.pid,
                 device_index=w.device_index,
@@ -217,10 +217,10 @@ class WorkerTable:
             state.pid, state.spare = w.pid, w.spare
         return state
 
-    def remove(self, worker_id: str) -> WorkerState | None:
+    def remove(self, worker_id: str) -> JobProcess | None:
         return self.by_id.pop(worker_id, None)
 
-    def on_device(self, device_index: int) -> list[WorkerState]:
+    def on_device(self, device_index: int) -> list[JobProcess]:
         return [w for w in self.by_id.values() if w.device_index == device_index]
 
 
@@ -252,7 +252,7 @@ def _unknown_enum(msg: job_channel_pb2.JobProcessMessage) -> str:
     return ""
 
 
-def check_frame(worker: WorkerState, msg: job_channel_pb2.JobProcessMessage) -> str:
+def check_frame(worker: JobProcess, msg: job_channel_pb2.JobProcessMessage) -> str:
     """What is wrong with this frame from this process; "" when nothing is."""
     kind = msg.WhichOneof("kind")
     if kind is None:
@@ -289,7 +289,7 @@ class JobChannels:
         self._handler = handler
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def attach(self, worker: WorkerState, fd: int) -> None:
+    def attach(self, worker: JobProcess, fd: int) -> None:
         """Owns `fd` (the front end's end of the process's socketpair) from now on."""
         try:
             sock = socket.socket(fileno=fd)
@@ -308,14 +308,14 @@ class JobChannels:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _serve(self, worker: WorkerState, sock: socket.socket) -> None:
+    async def _serve(self, worker: JobProcess, sock: socket.socket) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except OSError as exc:
             sock.close()
             log.warning("job process channel: %s", exc, extra={"worker_id": worker.worker_id})
             worker.gone = True
-            self._handler.on_worker_disconnected(worker)
+            self._handler.on_process_disconnected(worker)
             return
         worker.writer = writer
         violation = ""
@@ -334,9 +334,9 @@ class JobChannels:
                 )
                 worker.gone = True
                 self._handler.on_protocol_violation(worker, f"the job process sent {violation}")
-            self._handler.on_worker_disconnected(worker)
+            self._handler.on_process_disconnected(worker)
 
-    async def _read(self, worker: WorkerState, reader: asyncio.StreamReader) -> str:
+    async def _read(self, worker: JobProcess, reader: asyncio.StreamReader) -> str:
         """Reads until the end of the channel; returns what broke the protocol, if anything."""
         total = 0
         while True:
@@ -362,8 +362,8 @@ class JobChannels:
             kind = msg.WhichOneof("kind")
             if kind == "hello":
                 worker.hello = msg.hello
-                self._handler.on_worker_ready(worker)
+                self._handler.on_process_ready(worker)
                 continue
             if kind in ("outcome", "build"):
                 worker.outcome_seen = True
-            self._handler.on_worker_message(worker, msg)
+            self._handler.on_process_message(worker, msg)

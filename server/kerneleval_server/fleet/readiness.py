@@ -5,7 +5,7 @@ warm job process (fleet/devices.py). A job of some kinds needs more to run at it
 speed, and right after a start that can take minutes:
 - "jobs": any job in a job process (PyTorch, Triton, ModelNew): a device's warm job process.
 - "load_inline": KERNEL_TYPE_TORCH_CUDA's builds, by build processes: a warm build process and
-  the precompiled torch headers (builder/pch.py: kept in the state folder from an earlier
+  the precompiled torch headers (fast_build/pch.py: kept in the state folder from an earlier
   start, else made, 1-2 minutes on a GPU host; builds meanwhile go without them, at several
   times the time). Without build processes the job's own process builds (torch's build).
 - "built_ahead": Triton and raw CUDA kernels launched from their IOContract, built by build
@@ -20,14 +20,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
+from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.jobproc import BUILD_DEVICE
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+
+class ReadinessHost(Protocol):
+    """What readiness asks of the job life cycle (jobs/manager.py JobManager)."""
+
+    @property
+    def fleet(self) -> Devices: ...
+    @property
+    def draining(self) -> bool: ...
+
 
 HEALTH_PREFIX = "kerneleval.ready."
 BUILD_KINDS = ("load_inline", "built_ahead")
@@ -66,7 +74,7 @@ class Readiness:
 
     def __init__(
         self,
-        m: JobManager,
+        m: ReadinessHost,
         serving: Callable[[], bool],
         build_processes: int,
         takes_jobs: bool = True,

@@ -5,7 +5,7 @@ the front end's end of a new job process's channel just before its WorkerStarted
 (`on_job_channel`). An event becomes the fleet's state (the job process table, the devices of
 fleet/devices.py, the sandbox report), counters, metrics, operations events and log lines.
 What it means for a job is the job manager's, called from here: a job process's exit (its
-GPU slot and memory, an extension build, its job's verdict: `JobManager.job_process_exited`)
+GPU slot and memory, an extension build, its job's verdict: `JobManager.process_exited`)
 and an XID (the jobs it belongs to: `JobManager.attribute_xid`, through devices.py).
 
 Apart from devices.py: that is the fleet's state, which dispatch, the API and the health
@@ -17,19 +17,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server import metrics as metrics_mod
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.fleet.devices import Devices, OpsEvents
+from kerneleval_server.fleet.job_processes import JobChannels, JobProcess, JobProcessTable
 from kerneleval_server.fleet.sandbox_report import SandboxReport, is_sandbox_feature
-from kerneleval_server.fleet.watchdog import AttachedFd
+from kerneleval_server.fleet.watchdog import AttachedFd, WatchdogLike
 from kerneleval_server.jobproc import POISONED_EXIT
+from kerneleval_server.metrics import Metrics
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+
+class WatchdogEventsHost(Protocol):
+    """What the watchdog's events ask of the job life cycle (jobs/manager.py JobManager):
+    its tables to keep, and what an exit means for jobs (`process_exited`)."""
+
+    @property
+    def workers(self) -> JobProcessTable: ...
+    @property
+    def channels(self) -> JobChannels: ...
+    @property
+    def fleet(self) -> Devices: ...
+    @property
+    def ops(self) -> OpsEvents: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    def dispatch(self) -> None: ...
+    def on_health_change(self) -> None: ...
+    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
 DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its end
@@ -38,7 +61,7 @@ DRAIN_FALLBACK_S = 2.0  # an exited job process whose channel does not reach its
 class WatchdogEvents:
     """The job manager's (`m`) handler of the watchdog's events."""
 
-    def __init__(self, m: JobManager) -> None:
+    def __init__(self, m: WatchdogEventsHost) -> None:
         self.m = m
         # Sandbox features the host refused, and other warnings of the watchdog (also in the
         # ops log, the metrics and the service log, at WARNING); GetStats serves them.
@@ -66,7 +89,7 @@ class WatchdogEvents:
                 )
                 worker.gone = True
                 if m.watchdog is not None:
-                    m._spawn(m.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
+                    m.spawn(m.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
             m.ops.emit(
                 w.device_index,
                 worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
@@ -79,7 +102,7 @@ class WatchdogEvents:
                 promoted.spare = False
                 m.dispatch()
         elif kind == "worker_exited":
-            self.on_worker_exited(ev.worker_exited)
+            self.on_process_exited(ev.worker_exited)
         elif kind == "xid":
             m.fleet.on_xid(ev.xid)
         elif kind == "device":
@@ -135,7 +158,7 @@ class WatchdogEvents:
             info.standing_judge = bool(state.judge_key)
         return info
 
-    def on_worker_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
+    def on_process_exited(self, exited: watchdog_pb2.WorkerExited, drain: bool = True) -> None:
         """A job process exited (the watchdog says so, or the front end gave it up for gone):
         out of the table, counted and told; then the job manager for what it held."""
         m = self.m
@@ -182,13 +205,13 @@ class WatchdogEvents:
         )
         if worker is not None:
             worker.gone = True
-            m.job_process_exited(worker, exited)
+            m.process_exited(worker, exited)
             if worker.writer is not None:
                 worker.writer.close()
         m.on_health_change()
         m.dispatch()
 
-    def _drain_fallback(self, worker: WorkerState) -> None:
+    def _drain_fallback(self, worker: JobProcess) -> None:
         exited = worker.pending_exit
         if exited is not None and self.m.workers.by_id.get(worker.worker_id) is worker:
             log.warning(
@@ -196,7 +219,7 @@ class WatchdogEvents:
                 worker.worker_id,
                 extra={"worker_id": worker.worker_id},
             )
-            self.on_worker_exited(exited, drain=False)
+            self.on_process_exited(exited, drain=False)
 
     def watchdog_lost(self) -> None:
         """The watchdog died: its workers are gone with it (parent-death signal)."""
@@ -209,4 +232,4 @@ class WatchdogEvents:
             exited.worker.worker_id = worker.worker_id
             exited.worker.pid = worker.pid
             exited.worker.device_index = worker.device_index
-            self.on_worker_exited(exited, drain=False)
+            self.on_process_exited(exited, drain=False)

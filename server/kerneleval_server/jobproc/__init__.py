@@ -37,10 +37,11 @@ MAX_LOG_LINE_BYTES = 64 * 1024
 # Where Triton keeps what it compiled; a job process gets a private, empty one.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 TRITON_BINARY_ONLY_ENV = "TRITON_STORE_BINARY_ONLY"  # Triton's knob: cache binaries only
-# What torch's allocator raises instead of its out-of-memory error where NVML cannot start (in
-# the sandbox): read as an out-of-memory by the engine and by the front end.
-NVML_OOM_ASSERT = "nvmlInit_v2_() INTERNAL ASSERT FAILED"
-# The service's precompiled torch headers (builder/pch.py), read-only in build processes.
+# A compile cache entry (jobs/builds/compile_cache.py): what a job process sends back of what its
+# compile cache gained, at most. It travels with the spec in one frame.
+MAX_CACHE_FILES = 256
+MAX_CACHE_ENTRY_BYTES = 3 << 20
+# The service's precompiled torch headers (fast_build/pch.py), read-only in build processes.
 PCH_DIR_ENV = "KERNELEVAL_PCH_DIR"
 
 # Phases whose GPU work waits for the front end's grant (the device's GPU gate): checks share

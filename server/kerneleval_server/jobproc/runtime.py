@@ -56,7 +56,6 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.framing import FdFrameReader, FrameError, encode
-from kerneleval_server.jobs.compile_cache import MAX_ENTRY_BYTES, MAX_FILES
 
 from . import (
     BUILD_DEVICE,
@@ -75,6 +74,8 @@ from . import (
     drain,
     warm_job,
 )
+from . import MAX_CACHE_ENTRY_BYTES as MAX_ENTRY_BYTES
+from . import MAX_CACHE_FILES as MAX_FILES
 
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_LIBRARY_BYTES = 12 << 20  # a built extension travels in one frame (framing.MAX_FRAME)
@@ -681,9 +682,9 @@ def _build_one(engine: ModuleType, channel: _Channel, assign: job_channel_pb2.As
 def _build_extension(
     assign: job_channel_pb2.AssignJob, job_dir: Path, reporter: "_Reporter"
 ) -> job_channel_pb2.ExtensionBuilt:
-    """A load_inline call the service sent (builder/extension.py), with the service's
+    """A load_inline call the service sent (fast_build/extension.py), with the service's
     precompiled headers (read-only here) when it made them."""
-    from kerneleval_server.builder import extension
+    from kerneleval_server.fast_build import extension
 
     pch = os.environ.get(PCH_DIR_ENV, "")
     started = time.monotonic()

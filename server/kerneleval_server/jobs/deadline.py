@@ -10,6 +10,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from kerneleval.v1 import kernel_pb2
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_of(spec: kernel_pb2.JobSpec, max_timeout_s: float) -> float:
+    """A job's timeout: its options' (DEFAULT_TIMEOUT_S when unset), at most the service's."""
+    t = spec.options.timeout
+    seconds = t.seconds + t.nanos / 1e9
+    return min(seconds if seconds > 0 else DEFAULT_TIMEOUT_S, max_timeout_s)
+
 
 class Deadline:
     def __init__(

@@ -21,8 +21,8 @@ from typing import Any
 from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
-from kerneleval_server.api.validation import LOG_EVENT_OVERHEAD, Limits
 from kerneleval_server.jobs.store import TERMINAL, JobStore
+from kerneleval_server.spec.validation import LOG_EVENT_OVERHEAD, Limits
 
 # The note that ends a job's stored log output when it was cut.
 LOG_CUT_PREFIX = "[kerneleval: log output cut"

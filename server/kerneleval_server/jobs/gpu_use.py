@@ -14,18 +14,52 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
-from kerneleval_server.api.validation import is_timed
-from kerneleval_server.fleet.gpu_memory import problem_key
-from kerneleval_server.fleet.job_processes import WorkerState
-from kerneleval_server.fleet.timing_windows import Window, public_conditions
+from kerneleval_server.fleet.gpu_memory import GpuMemory, problem_key
+from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
+from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
+from kerneleval_server.fleet.timing_windows import TimingWindows, Window, public_conditions
+from kerneleval_server.fleet.watchdog import WatchdogLike
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.running import Running
+from kerneleval_server.jobs.scheduler import GpuGate
+from kerneleval_server.metrics import Metrics
+from kerneleval_server.spec.validation import is_timed
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager, Running
+
+class GpuUseHost(Protocol):
+    """What a job's GPU use asks of the job life cycle (manager.py JobManager). (The names
+    with an underscore are the manager's public ones under this module's older names.)"""
+
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def workers(self) -> WorkerTable: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def windows(self) -> TimingWindows: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def alone(self) -> set[str]: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    @property
+    def _launched(self) -> set[str]: ...
+    def _held_devices(self) -> dict[int, str]: ...
+    def _spawn(self, coro: Awaitable[Any]) -> None: ...
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
 STOP_GPU_USERS_S = 0.25  # between asks for the frozen processes that keep a window's GPU busy
@@ -38,7 +72,7 @@ def _size(n: int) -> str:
 class GpuUse:
     """The job manager's (`m`) side of its jobs' GPU use."""
 
-    def __init__(self, m: JobManager) -> None:
+    def __init__(self, m: GpuUseHost) -> None:
         self.m = m
         self.waiting: dict[str, Running] = {}  # checks waiting for memory, by worker, in order
 

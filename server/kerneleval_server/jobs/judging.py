@@ -15,30 +15,69 @@ the next reference to run there is that same code.
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
-import hashlib
 import logging
-import os
-import socket
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.api.validation import is_timed
-from kerneleval_server.fleet.job_processes import WorkerState
+from kerneleval_server.config import Config
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
+from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
+from kerneleval_server.fleet.timing_windows import TimingWindows
+from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.reference_times import ReferenceTimes
+from kerneleval_server.jobs.running import Running
+from kerneleval_server.jobs.scheduler import GpuGate
+from kerneleval_server.jobs.store import JobStore
+from kerneleval_server.spec.validation import is_timed
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager, Running
+
+class JudgesHost(Protocol):
+    """What the judges ask of the job life cycle (manager.py JobManager). (The names with an
+    underscore are the manager's public ones under this module's older names.)"""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def workers(self) -> WorkerTable: ...
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def windows(self) -> TimingWindows: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def gpu_use(self) -> GpuUse: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def dispatch(self) -> None: ...
+    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+    def _finish(
+        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+    ) -> None: ...
+    def _free_worker(self, worker: WorkerState, completed: bool) -> None: ...
+    def _worker_lost(self, worker: WorkerState) -> None: ...
+    def _watch_exit(self, worker: WorkerState) -> None: ...
+    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool: ...
+    def _held_devices(self) -> dict[int, str]: ...
+    def _spawn(self, coro: Awaitable[Any]) -> None: ...
+
 
 log = logging.getLogger("kerneleval.jobs")
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
 STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
@@ -70,82 +109,6 @@ def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
     session per benchmark case (engine/gpumode.py); one whose data cannot be shared is timed
     in its own process, as its result says."""
     return is_timed(spec.options) and not prebuilt
-
-
-def reference_key(spec: kernel_pb2.JobSpec) -> str:
-    """What a standing judge may judge next: jobs whose reference is this one, byte for byte
-    (its source, type, entry points and I/O). A reference can leave state in its process, but
-    only for the same code, which could do the same in a process of its own."""
-    data = spec.reference.SerializeToString(deterministic=True)
-    # A GPU MODE task's shared modules are imported beside its reference.
-    files = kernel_pb2.GpuModeTask(files=spec.gpu_mode.files)
-    return hashlib.sha256(data + files.SerializeToString(deterministic=True)).hexdigest()
-
-
-@dataclass
-class Record:
-    """One job's record: the memfd, its limit, who may judge it (`reference_key`), and the
-    kernel's process's outcome once in. With `share_max_bytes`, the record's socket: outputs
-    past the record go by descriptor (engine/device_share.py) from the kernel's end
-    (`share_theirs`, given to its process and closed here) to the judge's (`share_ours`),
-    which the front end only passes on, never reads."""
-
-    fd: int
-    max_bytes: int
-    reference_key: str
-    kernel_outcome: job_channel_pb2.JobOutcome | None = None
-    share_max_bytes: int = 0
-    share_ours: int = -1
-    share_theirs: int = -1
-    gpu_held_on: int | None = None  # the GPU whose memory admission holds the shares' bytes
-    holder: str = ""  # the shares' name there
-
-    @classmethod
-    def make(
-        cls, job_id: str, max_bytes: int, spec: kernel_pb2.JobSpec, share_max_bytes: int = 0
-    ) -> Record:
-        fd = os.memfd_create(f"kerneleval-record-{job_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        record = cls(fd, max_bytes, reference_key(spec), share_max_bytes=share_max_bytes)
-        record.holder = f"shares:{job_id}"
-        if share_max_bytes > 0:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            record.share_ours, record.share_theirs = ours.detach(), theirs.detach()
-        return record
-
-    @property
-    def shared_bytes(self) -> int:
-        """What the kernel's process says it handed over by descriptor (its claim, at most
-        the limit): memory on its GPU until the judge has read it."""
-        said = self.kernel_outcome.shared_bytes if self.kernel_outcome is not None else 0
-        return min(said, self.share_max_bytes) if self.share_ours >= 0 else 0
-
-    def given_to_kernel(self) -> None:
-        """The kernel's process has its end of the socket: once it is gone, the judge's end
-        reads to the end of what it sent."""
-        _close(self, "share_theirs")
-
-    def seal(self) -> bool:
-        """No writes, no resizing from now on. False while a process still maps it writable
-        (the kernel's, not yet gone): try again once it is."""
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as e:
-            if e.errno == errno.EBUSY:
-                return False
-            if e.errno != errno.EPERM:  # EPERM: sealed already (F_SEAL_SEAL)
-                raise
-        return True
-
-    def close(self) -> None:
-        for name in ("fd", "share_ours", "share_theirs"):
-            _close(self, name)
-
-
-def _close(record: Record, name: str) -> None:
-    fd = getattr(record, name)
-    if fd >= 0:
-        os.close(fd)
-        setattr(record, name, -1)
 
 
 def judge_request(
@@ -191,7 +154,7 @@ class Judges:
     judges. `m` is the job manager (jobs/manager.py): its running jobs, dispatch, GPU windows,
     job processes and job ends."""
 
-    def __init__(self, m: JobManager, exit_grace_s: float, kill_fallback_s: float) -> None:
+    def __init__(self, m: JudgesHost, exit_grace_s: float, kill_fallback_s: float) -> None:
         self.m = m
         self.queue: deque[str] = deque()  # their kernel ran OK: each waits for a judge
         self.freed_for_judge: dict[int, float] = {}  # GPU -> when a launch process left for one

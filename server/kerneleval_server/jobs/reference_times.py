@@ -6,7 +6,7 @@ per problem). Timing it again for each candidate took a second timing window per
 GPU, held in windows all the time under a batch, timed half as many kernels. Only a judge's
 time is kept: the judge is a process no candidate's code ran in, and its window had the GPU
 to itself. The time is kept for what decides it: the reference (its code, entry points and
-I/O: judging.reference_key, given by the caller), the inputs (the kernel's IOContract and
+I/O: judge_record.reference_key, given by the caller), the inputs (the kernel's IOContract and
 the seed), how it is timed (trials, warm-up, L2 flush) and the GPU. A job that asks for
 torch.compile's baseline (EvalOptions.compile_baseline) neither takes nor leaves a time: its
 judge compiles and times both references itself, and an eager-only time is never mixed with
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from kerneleval_server.api.validation import is_timed
+from kerneleval_server.spec.validation import is_timed
 
 MAX_KEPT = 1024  # distinct references a front end keeps times of, the oldest dropped first
 

@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import placement
+from kerneleval_server.spec import placement
 
 
 @dataclass

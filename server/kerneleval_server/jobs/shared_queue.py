@@ -20,7 +20,7 @@ One place for what front ends sharing a store do beyond `--role all`:
   (`kerneleval_cancel`, and at each heartbeat) and cancels as `--role all` does.
 - **Nodes.** Each node registers its gRPC address and its devices (ListDevices' answer) with
   the heartbeat; gateways list them (ListDevices) and name the node of a device.
-- **More on the same loops.** A node's shared artifact store (jobs/artifact_store.py) hears
+- **More on the same loops.** A node's shared artifact store (jobs/builds/artifact_store.py) hears
   its channel through this LISTEN connection (`on_note`) and refreshes its list of builders
   with the heartbeat (`on_beat`); a builder runs the same two loops (`listen_forever`,
   `beat_forever`) for its own channel and leases.
@@ -35,19 +35,45 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2
 from kerneleval.v1 import operations_service_pb2 as ops_pb2
 
 from kerneleval_server.config import NODE
+from kerneleval_server.fleet.devices import Devices
+from kerneleval_server.fleet.job_processes import JobProcessTable
 from kerneleval_server.jobproc import BUILD_DEVICE
-from kerneleval_server.jobs.events import now_event
+from kerneleval_server.jobs.events import EventHub, now_event
+from kerneleval_server.jobs.running import Running
+from kerneleval_server.jobs.scheduler import FairQueue
 from kerneleval_server.jobs.store import JobStore
 from kerneleval_server.jobs.store.base import CANCEL_CHANNEL, EVENTS_CHANNEL, QUEUED_CHANNEL
 
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager
+
+class SharedQueueHost(Protocol):
+    """What the shared queue asks of the node's job life cycle (manager.py JobManager): its
+    jobs, queue and devices to read; the jobs it leased or lost, and cancels, to hand over."""
+
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def queue(self) -> FairQueue: ...
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def workers(self) -> JobProcessTable: ...
+    @property
+    def fleet(self) -> Devices: ...
+    @property
+    def draining(self) -> bool: ...
+    def take(self, job: job_pb2.Job) -> None: ...
+    def abandon(self, job_id: str) -> None: ...
+    def cancel_soon(self, job_id: str) -> None: ...
+    def dispatch(self) -> None: ...
+
 
 log = logging.getLogger("kerneleval.shared")
 
@@ -114,7 +140,7 @@ async def claim_forever(wake: asyncio.Event, claim: Callable[[], object], what: 
 class SharedQueue:
     def __init__(
         self,
-        manager: JobManager,
+        manager: SharedQueueHost,
         url: str,
         role: str,
         lease_s: float,
@@ -138,7 +164,7 @@ class SharedQueue:
         self._tasks: list[asyncio.Task[Any]] = []
         self.listening = asyncio.Event()  # the LISTEN connection is up
         # More channels to LISTEN on (channel -> handler of a payload), more work for each
-        # heartbeat: the shared artifact store's (jobs/artifact_store.py).
+        # heartbeat: the shared artifact store's (jobs/builds/artifact_store.py).
         self.on_note: dict[str, Callable[[str], None]] = {}
         self.on_beat: list[Callable[[], None]] = []
 
@@ -293,7 +319,7 @@ class SharedQueue:
                 continue
             for job_id in wanted:
                 run = self.m.running.get(job_id)
-                if run is not None and run.pending:
+                if run is not None and run.kill is not None:
                     continue  # being killed already
                 self.m.cancel_soon(job_id)
 

@@ -19,16 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server import metrics as metrics_mod
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import JobProcessTable
+from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobproc import BUILD_DEVICE
-
-if TYPE_CHECKING:
-    from kerneleval_server.jobs.manager import JobManager, Running
+from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.crowding import Crowding
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.judging import Judges
+from kerneleval_server.jobs.running import Running, Stage
+from kerneleval_server.jobs.scheduler import FairQueue, GpuGate
+from kerneleval_server.jobs.store import JobStore
 
 log = logging.getLogger("kerneleval.jobs")
 CHECK_S = 5.0
@@ -39,6 +48,40 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+class WaitsHost(Protocol):
+    """What the watch over waits reads of the job life cycle (manager.py JobManager), and
+    what it does to a job that waited too long: its process killed, the job ended."""
+
+    @property
+    def running(self) -> dict[str, Running]: ...
+    @property
+    def queue(self) -> FairQueue: ...
+    @property
+    def store(self) -> JobStore: ...
+    @property
+    def hub(self) -> EventHub: ...
+    @property
+    def workers(self) -> JobProcessTable: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def crowding(self) -> Crowding: ...
+    @property
+    def judges(self) -> Judges: ...
+    @property
+    def gpu_use(self) -> GpuUse: ...
+    @property
+    def builds(self) -> BuildPaths: ...
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
+    def finish(
+        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+    ) -> None: ...
+
+
 @dataclass
 class _Seen:
     what: str
@@ -46,29 +89,29 @@ class _Seen:
     said: bool = False
 
 
-def waiting_for(m: JobManager, run: Running) -> str:
+def waiting_for(m: WaitsHost, run: Running) -> str:
     """What a started job waits for ("" when it runs: its own time, under its deadline)."""
     device = run.worker.device_index
-    if run.awaiting_launch:
+    if run.stage is Stage.AWAITING_LAUNCH:
         return f"a launch process on GPU {device}"
-    if run.awaiting_judge:
+    if run.stage is Stage.AWAITING_JUDGE:
         if run.job.job_id in m.judges.queue:
             return f"a judge process on GPU {run.job.device_index}"
         if run.kernel_worker is not None:
             return "its kernel's process to exit (its outputs are read once nothing can write them)"
         return "its kernel's record to be sealed for its judge"
-    if run.pending:
-        return f"its job process to exit after its {run.pending}"
+    if run.kill is not None:
+        return f"its job process to exit after its {run.kill.value}"
     if run.worker.worker_id in m.gpu_use.waiting:
         need = m.memory.footprint(m.gpu_use.memory_key(run))
         held, budget, holders = m.memory.usage(device)
-        if run.job.job_id in m.alone or need is None:
+        if run.job.job_id in m.crowding.alone or need is None:
             return f"GPU {device} to itself ({holders} holder(s) of its memory)"
         return (
             f"{_size(need)} of GPU {device}'s memory ({_size(held)} of {_size(budget)} held "
             f"by {holders})"
         )
-    if run.timing_waits_kernel:
+    if run.stage is Stage.TIMING_WAITS_KERNEL:
         return "its kernel's process to exit before the reference is timed"
     if run.window is not None and run.window.draining:
         return f"GPU {device} to drain other jobs' queued work"
@@ -80,7 +123,7 @@ def waiting_for(m: JobManager, run: Running) -> str:
     return ""
 
 
-def unfinished(m: JobManager) -> list[tuple[str, str]]:
+def unfinished(m: WaitsHost) -> list[tuple[str, str]]:
     """(job id, why it has not finished) for each started job: what it waits for, or what
     still runs. Said when a drain's grace ends (main.py `_shutdown`): these run again at the
     next start."""
@@ -99,7 +142,7 @@ def unfinished(m: JobManager) -> list[tuple[str, str]]:
 class Waits:
     """The manager's (`m`) watch over its jobs' waits (module docstring)."""
 
-    def __init__(self, m: JobManager, max_wait_s: float) -> None:
+    def __init__(self, m: WaitsHost, max_wait_s: float) -> None:
         self.m = m
         self.max_wait_s = max_wait_s
         self._seen: dict[str, _Seen] = {}
@@ -157,8 +200,8 @@ class Waits:
                 self._say(job_id, s.what, waited)
 
     def _queue_note(self, job_id: str) -> str:
-        if job_id in self.m.alone:
-            held = self.m._held_devices()
+        if job_id in self.m.crowding.alone:
+            held = self.m.crowding.held_devices()
             device = next((d for d, j in held.items() if j == job_id), None)
             if device is not None:
                 return f" with GPU {device} to itself, once its other processes have exited"
@@ -192,7 +235,7 @@ class Waits:
             )
         parts.append(
             f"queue {len(m.queue)}, judges wanted {len(m.judges.queue)}, launches wanted "
-            f"{len(m.launch_queue)}, memory waits {len(m.gpu_use.waiting)}"
+            f"{len(m.builds.launch_queue)}, memory waits {len(m.gpu_use.waiting)}"
         )
         return "; ".join(parts)
 
@@ -214,10 +257,10 @@ class Waits:
         elif run.worker.job_id == job_id and not run.worker.gone:
             run.worker.gone = True
             if m.watchdog is not None:
-                m._spawn(m.watchdog.kill_worker(run.worker.worker_id, metrics_mod.KILL_STALLED))
+                m.spawn(m.watchdog.kill_worker(run.worker.worker_id, metrics_mod.KILL_STALLED))
         result = job_pb2.EvalResult()
         result.CopyFrom(job.result)
         result.verdict = job_pb2.VERDICT_SERVICE_ERROR
         result.error.exception_type = "ServiceStalled"
         result.error.message = reason
-        m._finish(job, job_pb2.JOB_STATE_FAILED, result, reason)
+        m.finish(job, job_pb2.JOB_STATE_FAILED, result, reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kerneleval.v1 import kernel_pb2
 
-from kerneleval_server.api.validation import is_triton_launch
+from kerneleval_server.spec.validation import is_triton_launch
 
 from .base import BuildContext, LaunchProgram, ModelProgram, NoDeviceError, Program
 from .cuda import build_cuda

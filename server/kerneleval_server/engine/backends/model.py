@@ -75,13 +75,13 @@ def _extension_env(ctx: BuildContext, kind: int) -> Iterator[None]:
 
 
 def _service_load_inline(ctx: BuildContext, real: Any, ext_dir: Path, cuda_build: bool) -> Any:
-    """load_inline through the service (builder/extension.py): the service builds the call in
+    """load_inline through the service (fast_build/extension.py): the service builds the call in
     a build process, or takes it from its build cache, and sends the library; it is imported
     as torch would import its own build. A call the service does not take builds here."""
     no_cuda = _no_cuda_load_inline(ctx)
 
     def load_inline(*args: Any, **kwargs: Any) -> Any:
-        from kerneleval_server.builder import extension
+        from kerneleval_server.fast_build import extension
 
         try:
             call = extension.normalize_call(real, args, kwargs)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from ..placement import wanted_device, wanted_model
+from kerneleval_server.spec.placement import wanted_device, wanted_model
 
 # SQL's BIGINT is int64: a larger Python int raises OverflowError. Numbers that come from a
 # client (a sequence, a page's rowid) are clamped to it here as a last line of defence.
@@ -26,7 +26,7 @@ _UNFINISHED = (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING)
 EVENTS_CHANNEL = "kerneleval_events"
 QUEUED_CHANNEL = "kerneleval_queued"
 CANCEL_CHANNEL = "kerneleval_cancel"
-# The shared artifact store (jobs/artifact_store.py): a build request for builders (payload:
+# The shared artifact store (jobs/builds/artifact_store.py): a build request for builders (payload:
 # its versions), an artifact written or a build request ended (payload: its key).
 BUILDS_CHANNEL = "kerneleval_builds"
 ARTIFACTS_CHANNEL = "kerneleval_artifacts"
@@ -564,7 +564,7 @@ class SqlStore:
         rows = self._query("SELECT node_id, address, devices FROM nodes ORDER BY node_id")
         return [(str(r[0]), str(r[1]), bytes(r[2] or b"")) for r in rows]
 
-    # ---- the shared artifact store, build requests, builders (jobs/artifact_store.py) -----
+    # ---- the shared artifact store, build requests, builders (jobs/builds/artifact_store.py) -----
 
     def artifact(self, key: str) -> tuple[bytes, str] | None:
         """A built artifact by its content key: (its bytes, who built it). Its use is noted

@@ -31,10 +31,9 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from .build_cache import BuildCache
+from kerneleval_server.jobproc import MAX_CACHE_ENTRY_BYTES, MAX_CACHE_FILES
 
-MAX_FILES = 256  # per entry
-MAX_ENTRY_BYTES = 3 << 20  # per entry: it travels with the spec in one frame
+from .build_cache import BuildCache
 
 
 def cache_key(spec: kernel_pb2.JobSpec, device_index: int | str) -> str:
@@ -56,7 +55,7 @@ def built_reference(spec: kernel_pb2.JobSpec) -> kernel_pb2.JobSpec:
     """The spec under which a raw CUDA reference's artifact is kept by itself (with
     built_key), for every later job with that reference whatever its kernel: nvcc made it
     from the reference's source alone, in a build whose kernel was raw CUDA too, so no
-    candidate's code ran where it was made (manager._on_built)."""
+    candidate's code ran where it was made (paths.py on_built)."""
     return kernel_pb2.JobSpec(reference=spec.reference)
 
 
@@ -70,8 +69,8 @@ def as_artifacts(files: list[job_channel_pb2.CacheFile]) -> list[job_channel_pb2
 
 def check_files(files: list[job_channel_pb2.CacheFile]) -> str:
     """Why these files cannot be kept ("" when they can)."""
-    if len(files) > MAX_FILES:
-        return f"{len(files)} files, more than {MAX_FILES}"
+    if len(files) > MAX_CACHE_FILES:
+        return f"{len(files)} files, more than {MAX_CACHE_FILES}"
     total = 0
     for f in files:
         path = f.path
@@ -87,8 +86,8 @@ def check_files(files: list[job_channel_pb2.CacheFile]) -> str:
         ):
             return f"the path {path[:80]!r} is not a plain relative path"
         total += len(f.data)
-    if total > MAX_ENTRY_BYTES:
-        return f"{total} bytes, more than {MAX_ENTRY_BYTES}"
+    if total > MAX_CACHE_ENTRY_BYTES:
+        return f"{total} bytes, more than {MAX_CACHE_ENTRY_BYTES}"
     return ""
 
 

@@ -1,11 +1,10 @@
-"""The front end's parts alone: scheduler, store, event fan-out, fault mapping, config."""
+"""The job life cycle (jobs/manager.py) and the parts beside it, with no service: XIDs,
+GPU grants, judges, launches, jobs run alone, builds answered late."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,330 +12,22 @@ import pytest
 from kerneleval.internal.v1 import watchdog_pb2
 from kerneleval.v1 import job_pb2
 from kerneleval_server import config as config_mod
-from kerneleval_server.fleet import faults
 from kerneleval_server.jobs.events import EventHub, OpsLog
-from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
 from kerneleval_server.jobs.store import SqliteStore
-
-
-def test_fair_queue_round_robin_and_devices() -> None:
-    q = FairQueue()
-    for i in range(3):
-        q.push(QueuedJob(f"a{i}", "alice", None))
-    q.push(QueuedJob("b0", "bob", None))
-    q.push(QueuedJob("b1", "bob", 1))
-    q.push(QueuedJob("c0", "carol", None))
-    order = []
-    while (j := q.pop_for(0)) is not None:
-        order.append(j.job_id)
-    # Clients take turns; the job pinned to device 1 waits for that device.
-    assert order == ["a0", "b0", "c0", "a1", "a2"]
-    assert "b1" in q and len(q) == 1
-    popped = q.pop_for(1)
-    assert popped is not None and popped.job_id == "b1"
-    q.push(QueuedJob("x", "t", None))
-    assert q.remove("x") and not q.remove("x") and len(q) == 0
-
-
-def test_gpu_gate_checks_share_a_window_is_alone_per_device() -> None:
-    granted: list[tuple[str, bool]] = []
-    gate = GpuGate(lambda w, x: granted.append((w, x)))
-    gate.request(0, "c1", False)
-    gate.request(0, "c2", False)  # checks share the GPU
-    gate.request(1, "t9", True)  # another device: independent
-    assert granted == [("c1", False), ("c2", False), ("t9", True)]
-    gate.request(0, "t1", True)  # a window waits for the checks that hold the GPU
-    gate.request(0, "c3", False)  # a check that asks after a waiting window waits behind it
-    assert gate.holders(0) == (None, {"c1", "c2"}) and len(granted) == 3
-    gate.release(0, "c1")
-    assert len(granted) == 3  # c2 still checks
-    gate.request(0, "c2", True)  # c2 goes on to time: gives its share back, queues after t1
-    assert granted[3:] == [("t1", True)] and gate.holders(0) == ("t1", set())
-    gate.release(0, "t1")
-    # In order of request: c3 (asked before c2's window), then c2's window once c3 is done.
-    assert granted[4:] == [("c3", False)]
-    gate.release(0, "c3")
-    assert granted[5:] == [("c2", True)]
-    gate.request(0, "c4", False)
-    gate.release(0, "c4")  # a waiter that leaves is dropped
-    gate.release(0, "c2")
-    assert gate.holders(0) == (None, set()) and granted[6:] == []
-
-
-def test_gpu_gate_counts_the_time_windows_are_held() -> None:
-    now = [100.0]
-    ended: list[tuple[int, str, float]] = []
-    gate = GpuGate(lambda w, x: None, on_window=lambda d, w, s: ended.append((d, w, s)),
-                   clock=lambda: now[0])  # fmt: skip
-    gate.request(0, "c", False)
-    now[0] += 5.0  # checks are no window
-    gate.request(0, "t1", True)  # waits for the check
-    now[0] += 1.0
-    gate.release(0, "c")  # t1's window opens at 106
-    now[0] += 2.0
-    gate.release(0, "t1")
-    gate.request(0, "t2", True)
-    gate.request(1, "u", True)
-    now[0] += 0.5
-    assert ended == [(0, "t1", 2.0)]
-    # the windows held now count too: 2 + 0.5 on device 0, 0.5 on device 1; a window was
-    # wanted on device 0 from t1's request at 105 (it waited 1 s for the check) on
-    assert gate.occupancy() == {0: (2.5, 2, 3.5), 1: (0.5, 1, 0.5)}
-
-
-def test_gpu_gate_devices_on_the_hosts_cpu_time_one_at_a_time() -> None:
-    """Issue 41: devices whose job processes see no GPU (fake-NVML devices on a CPU host) time
-    on the same cores: one window at a time on the host, its end told for its own device;
-    a device with a GPU stays independent."""
-    granted: list[tuple[str, bool]] = []
-    ended: list[tuple[int, str]] = []
-    gate = GpuGate(
-        lambda w, x: granted.append((w, x)), on_window=lambda d, w, s: ended.append((d, w))
-    )
-    for device in (0, 1):
-        gate.share_host(device)
-    assert gate.on_host(0) and gate.on_host(1) and not gate.on_host(2)
-    gate.request(0, "a", True)
-    gate.request(1, "b", True)  # another device of the host: waits for a's window
-    gate.request(2, "g", True)  # a device with a GPU: independent
-    assert granted == [("a", True), ("g", True)]
-    assert gate.holders(1) == ("a", set())
-    gate.release(0, "a")
-    assert granted[2:] == [("b", True)] and ended == [(0, "a")]
-    gate.request(0, "c", False)  # a check on the host waits for the window too
-    assert len(granted) == 3
-    gate.release(1, "b")
-    assert granted[3:] == [("c", False)] and ended[1:] == [(1, "b")]
-    # A device whose own gate is in use joins the host's gate once it is idle.
-    gate.request(3, "d", True)
-    gate.share_host(3)
-    assert not gate.on_host(3)
-    gate.release(3, "d")
-    gate.share_host(3)
-    assert gate.on_host(3)
-
-
-def test_gpu_gate_is_fair_to_windows_under_a_stream_of_checks() -> None:
-    """Checks that keep coming never starve a window, and windows never starve checks."""
-    granted: list[str] = []
-    gate = GpuGate(lambda w, x: granted.append(w))
-    gate.request(0, "c0", False)
-    gate.request(0, "t0", True)
-    for i in range(1, 4):
-        gate.request(0, f"c{i}", False)
-    gate.request(0, "t1", True)
-    gate.request(0, "c4", False)
-    for holder in ("c0", "t0", "c1", "c2", "c3", "t1", "c4"):
-        gate.release(0, holder)
-    assert granted == ["c0", "t0", "c1", "c2", "c3", "t1", "c4"]
-
-
-def _job(store: SqliteStore, hub: EventHub, job_id: str, tag: str = "") -> job_pb2.Job:
-    job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_QUEUED)
-    job.spec.client_tag = tag
-    job.spec.kernel.source_code = "src"
-    job.create_time.GetCurrentTime()
-    event = hub.next_event(job_id)
-    event.queued.position = 0
-    store.insert(job, event)
-    hub.publish(event, persisted=True)
-    return job
-
-
-def test_store_pages_filters_and_survives_reopen(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "db.sqlite")
-    hub = EventHub(store)
-    for i in range(5):
-        _job(store, hub, f"j{i}", "even" if i % 2 == 0 else "odd")
-    page = store.list(limit=2)
-    assert [j.job_id for _, j in page] == ["j4", "j3"]
-    nxt = store.list(limit=2, before_rowid=page[-1][0])
-    assert [j.job_id for _, j in nxt] == ["j2", "j1"]
-    assert [j.job_id for _, j in store.list(limit=9, client_tag="odd")] == ["j3", "j1"]
-    assert not store.list(limit=1)[0][1].HasField("spec")
-    done = store.get("j0")
-    assert done is not None and done.spec.kernel.source_code == "src"
-    done.state = job_pb2.JOB_STATE_DONE
-    done.end_time.FromSeconds(1000)
-    store.update(done)
-    store.close()
-
-    store = SqliteStore(tmp_path / "db.sqlite")
-    assert [j.job_id for j in store.unfinished()] == ["j1", "j2", "j3", "j4"]
-    assert EventHub(store).next_event("j1").sequence == 2  # numbering continues
-    assert store.delete_finished_before(2000) == 1
-    assert store.get("j0") is None and store.events_after("j0", 0) == []
-    by_state, _ = store.counts()
-    assert by_state == {job_pb2.JOB_STATE_QUEUED: 4}
-
-
-def test_event_hub_replay_then_live_without_gaps(tmp_path: Path) -> None:
-    async def scenario() -> list[int]:
-        store = SqliteStore(tmp_path / "db.sqlite")
-        hub = EventHub(store)
-        _job(store, hub, "j", "")
-        for _ in range(3):
-            ev = hub.next_event("j")
-            ev.log.text = "x"
-            hub.publish(ev)
-        seen: list[int] = []
-
-        async def watch() -> None:
-            async for ev in hub.watch("j", 1):
-                seen.append(ev.sequence)
-                await asyncio.sleep(0)  # let the publisher run between replayed events
-
-        task = asyncio.create_task(watch())
-        for _ in range(5):
-            await asyncio.sleep(0)
-            ev = hub.next_event("j")
-            ev.log.text = "y"
-            hub.publish(ev)
-        ev = hub.next_event("j")
-        ev.finished.job_id = "j"
-        hub.publish(ev)
-        await asyncio.wait_for(task, 5)
-        return seen
-
-    assert asyncio.run(scenario()) == list(range(2, 11))
-
-    async def after_the_end() -> list[int]:
-        store = SqliteStore(tmp_path / "db.sqlite")
-        hub = EventHub(store)
-        job = store.get("j")
-        assert job is not None
-        job.state = job_pb2.JOB_STATE_DONE
-        store.update(job)
-        # Re-attaching after the last event ends at once instead of waiting forever.
-        return [ev.sequence async for ev in hub.watch("j", 10)]
-
-    assert asyncio.run(asyncio.wait_for(after_the_end(), 5)) == []
-
-
-def test_ops_log_replay_and_live() -> None:
-    async def scenario() -> list[int]:
-        log = OpsLog(keep=3)
-        for _ in range(5):
-            log.emit(-1, warning="w")
-        out: list[int] = []
-
-        async def watch() -> None:
-            async for ev in log.watch(2):
-                out.append(ev.sequence)
-                if ev.sequence == 6:
-                    return
-
-        task = asyncio.create_task(watch())
-        await asyncio.sleep(0)
-        log.emit(0, warning="live")
-        await asyncio.wait_for(task, 5)
-        return out
-
-    assert asyncio.run(scenario()) == [4, 5, 6]
-
-
-def _exited(sig: int = 0, code: int = 0, reason: str = "crashed") -> watchdog_pb2.WorkerExited:
-    ex = watchdog_pb2.WorkerExited(exit_code=code if not sig else -1, signal=sig, reason=reason)
-    ex.worker.worker_id, ex.worker.pid, ex.restarting = "d0-w1", 1234, True
-    return ex
-
-
-@pytest.mark.parametrize(
-    ("exited", "pending", "xid", "verdict"),
-    [
-        (_exited(sig=signal.SIGSEGV), "", None, job_pb2.VERDICT_CRASHED),
-        (_exited(code=3, reason="exited"), "", None, job_pb2.VERDICT_CRASHED),
-        (
-            _exited(sig=signal.SIGKILL, reason="killed:timeout"),
-            "timeout",
-            None,
-            job_pb2.VERDICT_TIMEOUT,
-        ),
-        (
-            _exited(sig=signal.SIGKILL),
-            "",
-            faults.XidSeen(31, "application", ""),
-            job_pb2.VERDICT_DEVICE_FAULT,
-        ),
-        (_exited(sig=signal.SIGKILL, reason="crashed"), "", None, job_pb2.VERDICT_UNSPECIFIED),
-        (_exited(sig=signal.SIGTERM, reason="reset"), "", None, job_pb2.VERDICT_UNSPECIFIED),
-        (_exited(sig=signal.SIGKILL, reason="xid"), "", None, job_pb2.VERDICT_DEVICE_FAULT),
-    ],
-)
-def test_classify_exit(
-    exited: watchdog_pb2.WorkerExited, pending: str, xid: faults.XidSeen | None, verdict: int
-) -> None:
-    d = faults.classify_exit(
-        exited, pending=pending, xid=xid, phase=job_pb2.PHASE_VALIDATING, timeout_s=5
-    )
-    assert d.verdict == verdict
-    assert d.fault.worker_pid == 1234 and d.fault.description
-    if exited.signal:
-        assert d.fault.signal == exited.signal and not d.fault.HasField("exit_code")
-    else:
-        assert d.fault.exit_code == exited.exit_code
-    if xid is not None:
-        assert d.fault.xid == 31 and d.fault.xid_category == "application"
-
-
-def test_config_flags_over_env_over_defaults() -> None:
-    parser = argparse.ArgumentParser()
-    config_mod.add_arguments(parser)
-    env = {
-        "KERNELEVAL_PORT": "6000",
-        "KERNELEVAL_WARM_SPARE": "false",
-        "KERNELEVAL_HOST": "0.0.0.0",
-    }
-    cfg = config_mod.from_args(parser.parse_args(["--port", "7000"]), env)
-    assert cfg.port == 7000 and cfg.warm_spare is False and cfg.host == "0.0.0.0"
-    assert cfg.workers_per_device == 1 and cfg.database_path().name == "jobs.db"
-    cfg = config_mod.from_args(parser.parse_args([]), {"XDG_STATE_HOME": "/x"})
-    assert cfg.port == 50051 and cfg.host == "127.0.0.1"
-    assert cfg.device_list() == [] and cfg.effective_xid_wait_s() == 2.5
-
-
-def test_config_problems_are_reported() -> None:
-    assert config_mod.Config().problems() == []
-    bad = config_mod.Config(
-        nvml="fake", tls_cert="c", port=70000, workers_per_device=0, devices="a",
-        isolate_network=False, compile_cache_mib=-1, build_nice=20, reference_time_reuse_s=-1,
-    )  # fmt: skip
-    text = " ".join(bad.problems())
-    for flag in (
-        "--fake-nvml-path", "--tls-key", "--port", "--workers-per-device", "--devices",
-        "--isolate-network false", "--compile-cache-mib", "--build-nice",
-        "--reference-time-reuse-s",
-    ):  # fmt: skip
-        assert flag in text
-
-
-def test_job_sandbox_flags() -> None:
-    parser = argparse.ArgumentParser()
-    config_mod.add_arguments(parser)
-    ns = parser.parse_args(
-        ["--worker-user", "alice", "--sandbox-path", "/a,/b", "--sandbox-path", "/c"]
-    )
-    cfg = config_mod.from_args(ns, {})
-    assert cfg.job_user == "alice"  # --worker-user is the old spelling of --job-user
-    assert cfg.sandbox_paths() == ["/a", "/b", "/c"]
-    cfg = config_mod.from_args(parser.parse_args([]), {"KERNELEVAL_WORKER_USER": "bob"})
-    assert cfg.job_user == "bob" and cfg.spare_count == 3 and cfg.job_memory_mib == 0  # auto
-    bad = config_mod.Config(job_user="root", sandbox_path="rel", job_max_pids=0).problems()
-    text = " ".join(bad)
-    assert "--job-user" in text and "--sandbox-path" in text and "--job-max-pids" in text
 
 
 def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.fleet.job_processes import JobProcess
+    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.running import Running, xid_suspects
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
     m = JobManager(config_mod.Config(), store, EventHub(store), OpsLog(), Metrics(), 600.0)
 
     def run(job_id: str, worker_id: str, pid: int) -> Running:
-        w = WorkerState(worker_id, pid, 0, False, 0)
+        w = JobProcess(worker_id, pid, 0, False, 0)
         r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
         m.running[job_id] = r
         return r
@@ -345,76 +36,18 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
     bad.outcome = job_channel_pb2.JobOutcome(job_id="bad", context_poisoned=True)
     # NVML is late: the watchdog names the worker now running on the GPU (no pid known).
     guess = watchdog_pb2.XidObserved(device_index=0, xid=31, worker_ids=["d0-w1"])
-    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(guess)] == [("bad", True)]
+
+    def suspects(x: watchdog_pb2.XidObserved) -> list[tuple[str, bool]]:
+        return [(r.job.job_id, sure) for r, sure in xid_suspects(m.running.values(), x)]
+
+    assert suspects(guess) == [("bad", True)]
     by_pid = watchdog_pb2.XidObserved(device_index=0, xid=31, pid=101)
-    assert [(r.job.job_id, sure) for r, sure in m._xid_suspects(by_pid)] == [("next", True)]
+    assert suspects(by_pid) == [("next", True)]
     del m.running["bad"]
-    assert [(r.job.job_id, s) for r, s in m._xid_suspects(guess)] == [("next", False)]
+    assert suspects(guess) == [("next", False)]
     other = watchdog_pb2.XidObserved(device_index=1, xid=31)
-    assert m._xid_suspects(other) == []
+    assert suspects(other) == []
     assert nxt.xid is None
-
-
-def test_interceptor_counts_codes_and_turns_bugs_into_internal() -> None:
-    import types
-
-    import grpc
-    from kerneleval_server.metrics import Metrics, MetricsInterceptor
-
-    class Context:
-        def __init__(self) -> None:
-            self.aborted: tuple[grpc.StatusCode, str] | None = None
-
-        def code(self) -> None:
-            return None
-
-        async def abort(self, code: grpc.StatusCode, details: str) -> None:
-            self.aborted = (code, details)
-            raise grpc.aio.AbortError()
-
-    async def ok(request: object, context: object) -> str:
-        return "fine"
-
-    async def buggy(request: object, context: object) -> str:
-        raise ValueError("oops")
-
-    async def scenario() -> Context:
-        m = Metrics()
-        icpt = MetricsInterceptor(m)
-        results = []
-        for fn, name in ((ok, "/svc.S/Ok"), (buggy, "/svc.S/Buggy")):
-            details: Any = types.SimpleNamespace(method=name, invocation_metadata=())
-            handler = grpc.unary_unary_rpc_method_handler(fn)
-
-            async def cont(_: object, h: grpc.RpcMethodHandler = handler) -> grpc.RpcMethodHandler:
-                return h
-
-            wrapped = await icpt.intercept_service(cont, details)
-            ctx = Context()
-            try:
-                results.append(await wrapped.unary_unary(None, ctx))
-            except grpc.aio.AbortError:
-                results.append(ctx)
-        assert results[0] == "fine"
-        text = m.handled.labels("svc.S", "Ok", "OK")._value.get()  # type: ignore[attr-defined]
-        assert text == 1
-        assert m.handled.labels("svc.S", "Buggy", "INTERNAL")._value.get() == 1  # type: ignore[attr-defined]
-        assert isinstance(results[1], Context)
-        return results[1]
-
-    ctx = asyncio.run(scenario())
-    assert ctx.aborted is not None and ctx.aborted[0] == grpc.StatusCode.INTERNAL
-    assert "ValueError: oops" in ctx.aborted[1]
-
-
-def test_a_generated_admin_token_never_reads_as_an_option(tmp_path: Path) -> None:
-    # A bare token_urlsafe starts with "-" one time in 64: `--admin-token "$(cat ...)"` broke.
-    from kerneleval_server.main import admin_token
-
-    cfg = config_mod.Config()
-    tokens = {admin_token(cfg, d) for d in (tmp_path / str(i) for i in range(8)) if not d.mkdir()}
-    assert len(tokens) == 8 and all(t.startswith("ket_") and len(t) > 40 for t in tokens)
-    assert admin_token(cfg, tmp_path / "0") in tokens  # read back, not made again
 
 
 def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
@@ -425,16 +58,21 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
 
     from kerneleval.v1 import kernel_pb2
     from kerneleval.v1 import operations_service_pb2 as ops
+    from kerneleval_server.jobs.admission import Admission
     from kerneleval_server.jobs.manager import JobManager
 
     def target(devices: list[ops.Device], pinned: int | None = None) -> str:
         shared = SimpleNamespace(node_devices=lambda: devices)
-        me = SimpleNamespace(shared=shared, devices={}, config=SimpleNamespace(engine=""),
-                             _software="sw")  # fmt: skip
+        me = SimpleNamespace(shared=shared, devices={})
+        admission = Admission(
+            SimpleNamespace(engine=""),  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            lambda: JobManager._devices(me),  # type: ignore[arg-type]
+        )
         spec = kernel_pb2.JobSpec()
         if pinned is not None:
             spec.options.device_index = pinned
-        return JobManager._target(me, spec)  # type: ignore[arg-type]
+        return admission.target(spec)
 
     h100 = ops.Device(index=0, name="H100", driver_version="580", node="a:1")
     h200 = ops.Device(index=1, name="H200", driver_version="580", node="b:1")
@@ -463,8 +101,8 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
     is written to the store (one store write less on the way to every result); the event is
     stored, with the next sequence, right after."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.fleet.job_processes import JobProcess
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     stored_at_grant: list[list[str]] = []
@@ -479,13 +117,13 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
                 kinds = [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
                 stored_at_grant.append(kinds)
 
-    worker = WorkerState("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
+    worker = JobProcess("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
     m.workers.by_id[worker.worker_id] = worker
     m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
     validating = job_channel_pb2.PhaseUpdate(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
 
     async def main() -> None:
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(phase=validating))
 
     asyncio.run(main())
     assert stored_at_grant == [["queued"]]
@@ -502,7 +140,7 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
     with no event; the PHASE_VALIDATING that follows is stored and asks nothing more. An ahead
     for another phase, or a second one, asks nothing."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     worker = _process("d0-w0")
@@ -519,12 +157,12 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
         return [e.WhichOneof("kind") or "" for e in store.events_after("j1", 0)]
 
     async def main() -> None:
-        m.on_worker_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_PROFILING, ahead=True))
         assert worker.writer.sent == [] and events() == ["queued"]
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
         assert worker.writer.sent == ["grant"] and events() == ["queued"]
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
-        m.on_worker_message(worker, phase(job_pb2.PHASE_VALIDATING))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING, ahead=True))
+        m.messages.on_process_message(worker, phase(job_pb2.PHASE_VALIDATING))
         assert worker.writer.sent == ["grant"]
         assert events() == ["queued", "phase"]
 
@@ -568,9 +206,9 @@ class _Channel:
 def _process(worker_id: str, device: int = 0, *, judge_key: str = "") -> Any:
     """A warm job process: fresh, or a standing judge of `judge_key` between jobs."""
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
 
-    w = WorkerState(worker_id, 100, device, False, 0, writer=_Channel())  # type: ignore[arg-type]
+    w = JobProcess(worker_id, 100, device, False, 0, writer=_Channel())  # type: ignore[arg-type]
     w.hello = job_channel_pb2.Hello(worker_id=worker_id, judges=True)
     if judge_key:
         w.assigned_job_id, w.reusable, w.judge_key = "earlier", True, judge_key
@@ -581,15 +219,15 @@ def _judged(m: Any, job_id: str, kernel: Any, reference: str = "ref") -> Any:
     """A compared job whose kernel's process (`kernel`, gone from now on) just answered OK."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     spec = kernel_pb2.JobSpec()
     spec.reference.source_code = reference
     job = job_pb2.Job(job_id=job_id, device_index=kernel.device_index, spec=spec)
     r = Running(job=job, worker=kernel, timeout_s=60)
-    r.record = judging.Record.make(job_id, 1 << 20, spec)
+    r.record = judge_record.Record.make(job_id, 1 << 20, spec)
     r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
     m.running[job_id] = r
     m.workers.by_id[kernel.worker_id] = kernel
@@ -617,17 +255,17 @@ def test_a_judged_record_is_sealed_at_the_kernels_outcome_or_once_its_process_is
             os.write(first.record.fd, b"x")
 
         # A kernel's process holding the record mapped for writing (a hostile one could).
-        from kerneleval_server.jobs import judging
+        from kerneleval_server.jobs import judge_record
 
-        record = judging.Record.make("mapped", 1 << 20, job_pb2.Job().spec)
+        record = judge_record.Record.make("mapped", 1 << 20, job_pb2.Job().spec)
         os.ftruncate(record.fd, 4096)
         mapping = mmap.mmap(record.fd, 4096, flags=mmap.MAP_SHARED)
-        m_make = judging.Record.make
-        judging.Record.make = lambda *a: record  # type: ignore[method-assign,assignment]
+        m_make = judge_record.Record.make
+        judge_record.Record.make = lambda *a: record  # type: ignore[method-assign,assignment]
         try:
             held = _judged(m, "mapped", _process("d0-w1"))
         finally:
-            judging.Record.make = m_make  # type: ignore[method-assign]
+            judge_record.Record.make = m_make  # type: ignore[method-assign]
         assert list(m.judges.queue) == ["first"]  # not sealed: it may still change
         mapping.close()  # the process exits: its mappings go with it
         m.judges.kernel_exited(held)
@@ -643,7 +281,7 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
     """A judged job goes to a standing judge of its own reference before a fresh process,
     never to one of another reference, on the GPU its kernel ran on; a GPU held for a job
     re-run alone judges that job only (others waited for ever behind it on the H100)."""
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
 
     m = _judging_manager(tmp_path)
     started: list[tuple[str, str]] = []
@@ -655,7 +293,7 @@ def test_judges_go_to_a_standing_judge_of_their_reference_on_their_gpu(tmp_path:
         on1 = _judged(m, "on1", _process("d1-k0", device=1), reference="ref A")
         key_a = a.record.reference_key
         assert key_a != b.record.reference_key
-        assert key_a == judging.reference_key(on1.job.spec)  # the same reference, byte for byte
+        assert key_a == judge_record.reference_key(on1.job.spec)  # the same reference
         other = _process("d0-j0", judge_key=b.record.reference_key + "x")
         mine = _process("d0-j1", judge_key=key_a)
         fresh = _process("d0-w0")
@@ -769,7 +407,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     another reference, or on another GPU is never started ahead."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval_server.fleet.job_processes import check_frame
-    from kerneleval_server.jobs import judging
+    from kerneleval_server.jobs import judge_record
 
     m = _judging_manager(tmp_path)
     gate: list[tuple[str, str]] = []
@@ -785,7 +423,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     def kernel_started(job_id: str, kernel_id: str) -> Any:
         from kerneleval.v1 import kernel_pb2
         from kerneleval_server.jobs.deadline import Deadline
-        from kerneleval_server.jobs.manager import Running
+        from kerneleval_server.jobs.running import Running
 
         kernel = _process(kernel_id)
         m.workers.by_id[kernel_id] = kernel
@@ -793,7 +431,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         spec.reference.source_code = "ref A"
         r = Running(job=job_pb2.Job(job_id=job_id, device_index=0, spec=spec), worker=kernel,
                     timeout_s=60)  # fmt: skip
-        r.record = judging.Record.make(job_id, 1 << 20, spec)
+        r.record = judge_record.Record.make(job_id, 1 << 20, spec)
         r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
         m.running[job_id] = r
         kernel.job_id = job_id
@@ -801,7 +439,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         return r
 
     async def main() -> None:
-        key = judging.reference_key(kernel_started("probe", "d0-kp").job.spec)
+        key = judge_record.reference_key(kernel_started("probe", "d0-kp").job.spec)
         m.running.pop("probe").record.close()
         other = standing("d0-jb", key + "x")
         elsewhere = standing("d1-ja", key, device=1)
@@ -819,14 +457,14 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
 
         checking = job_channel_pb2.PhaseUpdate(job_id="j", phase=job_pb2.PHASE_VALIDATING)
         assert gate == [("ask", "d0-ja")] and judge.check_asked  # asked with its job
-        m.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_process_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
         kernel = m.workers.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
         assert check_frame(kernel, prepared) == "a JudgePrepared for a job it was not given ahead"
         assert check_frame(judge, prepared) == ""
-        m.on_worker_message(judge, prepared)
+        m.messages.on_process_message(judge, prepared)
         assert gate == [("ask", "d0-ja"), ("release", "d0-ja")]
         assert run.phase == 0  # the kernel's process reports the job's phases
 
@@ -843,7 +481,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         assert go.job_id == "j" and not go.abandon
         assert gate == [("ask", "d0-ja")] and judge.check_asked
         # Its PHASE_VALIDATING then is the job's event, and asks nothing more.
-        m.on_worker_message(judge, frame(phase=checking))
+        m.messages.on_process_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         assert run.phase == job_pb2.PHASE_VALIDATING
         assert list(m.judges.queue) == []
@@ -862,7 +500,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check ahead, read after its go (the job's frame now), asks nothing a second
         # time: a second grant, in after its JudgePrepared let the first go, would let its
         # next check run without a share of the GPU.
-        m.on_worker_message(
+        m.messages.on_process_message(
             judge4,
             frame(phase=job_channel_pb2.PhaseUpdate(job_id="j4", phase=job_pb2.PHASE_VALIDATING)),
         )
@@ -883,10 +521,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Its check, asked for with its job, stays asked (not released) when it is left: it
         # is granted, else the judge waits for ever and never reads the abandon.
         late = job_channel_pb2.PhaseUpdate(job_id="j3", phase=job_pb2.PHASE_VALIDATING)
-        m.on_worker_message(judge2, frame(phase=late))
+        m.messages.on_process_message(judge2, frame(phase=late))
         assert gate == [] and not judge2.check_asked
         left = job_channel_pb2.JobOutcome(job_id="j3", reusable=True)
-        m.on_worker_message(judge2, frame(outcome=left))
+        m.messages.on_process_message(judge2, frame(outcome=left))
         assert judge2.ready and not judge2.ahead_job and judge2.judge_key == key and not judge2.gone
         # Given the job's next attempt ahead (the same job id), what it said of the last one
         # counts no more: until its new JudgePrepared its go asks nothing for it.
@@ -907,7 +545,7 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running, Stage
 
     m = _judging_manager(tmp_path)
     asked: list[tuple[str, bool]] = []
@@ -922,17 +560,17 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
         worker = _process(worker_id)
         m.workers.by_id[worker_id] = worker
         waiting = Running(job=job, worker=worker, timeout_s=60)  # fmt: skip
-        waiting.awaiting_launch = True
+        waiting.stage = Stage.AWAITING_LAUNCH
         waiting.built = [job_channel_pb2.KernelArtifact(role="kernel")]
         waiting.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
         m.running[job_id] = waiting
-        m._launched.add(job_id)
-        m._start(job_id, worker)
+        m.builds.launched.add(job_id)
+        m.start(job_id, worker)
         return waiting, worker
 
     def phase(worker: Any, job_id: str, p: int) -> None:
         update = job_channel_pb2.PhaseUpdate(job_id=job_id, phase=p)  # type: ignore[arg-type]
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(phase=update))
 
     def phases(job_id: str) -> list[int]:
         return [e.phase.phase for e in m.store.events_after(job_id, 0) if e.HasField("phase")]
@@ -977,14 +615,14 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
         m.workers.by_id[judge.worker_id] = judge
         for phase in (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
             update = job_channel_pb2.PhaseUpdate(job_id="j", phase=phase)  # type: ignore[arg-type]
-            m.on_worker_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
+            m.messages.on_process_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
             if phase == job_pb2.PHASE_VALIDATING:
                 assert asked == ["d0-w0"]  # its check goes through memory admission at once
                 m.gate.release(0, "d0-w0")
         assert asked == ["d0-w0"] and run.timing_waits_kernel
         exited = watchdog_pb2.WorkerExited(exit_code=0)
         exited.worker.worker_id = kernel.worker_id
-        m.watchdog_events.on_worker_exited(exited, drain=False)
+        m.watchdog_events.on_process_exited(exited, drain=False)
         assert asked == ["d0-w0", "d0-w0"] and not run.timing_waits_kernel
         run.record.close()
 
@@ -1037,8 +675,8 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     ones of its GPU; but one refused because the GPU is held for a job re-run alone must not
     hold back that job (a judge that asked first kept it waiting for ever, on an H100). A
     holder that no longer exists is swept first."""
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.fleet.job_processes import JobProcess
+    from kerneleval_server.jobs.running import Running
 
     m = _judging_manager(tmp_path)
     m.memory.set_total(0, 80 * 10**9)
@@ -1046,13 +684,13 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
     m.gpu_use.use = lambda run: used.append(run.job.job_id)  # type: ignore[method-assign]
 
     def run(job_id: str, worker_id: str) -> Running:
-        w = WorkerState(worker_id, 1, 0, False, 0, job_id=job_id)
+        w = JobProcess(worker_id, 1, 0, False, 0, job_id=job_id)
         r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
         m.running[job_id], m.workers.by_id[worker_id] = r, w
         return r
 
     judge, alone = run("judge", "d0-w1"), run("alone", "d0-w2")
-    m.alone.add("alone")
+    m.crowding.alone.add("alone")
     m.memory.hold(0, "d0-w9", 10**9)  # a job process whose exit went unheard
     m.gpu_use.waiting = {"d0-w1": judge, "d0-w2": alone}  # the judge asked first
     m.gpu_use.admit_waiting()
@@ -1069,8 +707,9 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
     a build given the reference adds it back to the kernel it built."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
-    from kerneleval_server.jobs.manager import JobManager, Running
+    from kerneleval_server.fleet.job_processes import JobProcess
+    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.running import Running
     from kerneleval_server.metrics import Metrics
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -1092,25 +731,25 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
         return out
 
     def run(given: list[job_channel_pb2.KernelArtifact] | None = None) -> Running:
-        worker = WorkerState("build-w0", 1, -3, False, 0)
+        worker = JobProcess("build-w0", 1, -3, False, 0)
         r = Running(job=job_pb2.Job(), worker=worker, timeout_s=60)
         r.build_arch, r.given_reference = "sm_90", list(given or [])
         return r
 
     triton = spec(kernel_pb2.KERNEL_TYPE_TRITON, "a triton candidate")
-    m._keep_reference(triton, run(), built("kernel", "reference"))
-    assert m._reference_built_before(triton, "sm_90") == []
+    m.builds.keep_reference(triton, run(), built("kernel", "reference"))
+    assert m.builds.reference_built_before(triton, "sm_90") == []
     cuda = spec(kernel_pb2.KERNEL_TYPE_CUDA, "a cuda candidate")
-    m._keep_reference(cuda, run(), built("kernel", "reference"))
-    given = m._reference_built_before(triton, "sm_90")  # any later job with that reference
+    m.builds.keep_reference(cuda, run(), built("kernel", "reference"))
+    given = m.builds.reference_built_before(triton, "sm_90")  # any later job with that reference
     assert [a.cubin for a in given] == [b"\x7fELF reference"]
-    assert m._reference_built_before(triton, "sm_100") == []  # built for one architecture
+    assert m.builds.reference_built_before(triton, "sm_100") == []  # built for one architecture
     later = run(given)
     kernel_only = built("kernel")
-    m._with_given_reference(later, kernel_only)
+    m.builds._with_given_reference(later, kernel_only)
     assert [a.role for a in kernel_only.artifacts] == ["kernel", "reference"]
     # A build that was given it never keeps it again (what it answers holds the given one).
-    m._keep_reference(cuda, later, kernel_only)
+    m.builds.keep_reference(cuda, later, kernel_only)
     store.close()
 
 
@@ -1123,14 +762,14 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
     waits for a launch process (where it would have run after all)."""
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import kernel_pb2
-    from kerneleval_server.fleet.job_processes import WorkerState
+    from kerneleval_server.fleet.job_processes import JobProcess
     from kerneleval_server.jobs.deadline import Deadline
-    from kerneleval_server.jobs.manager import Running
+    from kerneleval_server.jobs.running import Running
 
     m, store, job = _one_running_job(tmp_path)
     job.spec.kernel.type, job.spec.kernel.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "kernel"
     job.spec.kernel.io.args.add(name="n", int_value=4)
-    worker = WorkerState("build-w0", 100, -3, False, 0, job_id="j1")
+    worker = JobProcess("build-w0", 100, -3, False, 0, job_id="j1")
     m.workers.by_id[worker.worker_id] = worker
     m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
     built = job_channel_pb2.BuildOutcome(job_id="j1")
@@ -1143,16 +782,17 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
             ask = asyncio.create_task(m.cancel("j1"))
             await asyncio.sleep(0)  # the kill is asked for
         else:
-            m._on_deadline("j1")
-        assert m.running["j1"].pending == asked
-        m.on_worker_message(worker, job_channel_pb2.JobProcessMessage(build=built))
-        assert not m.running["j1"].awaiting_launch and "j1" not in m.launch_queue
+            m.on_deadline("j1")
+        kill = m.running["j1"].kill
+        assert kill is not None and kill.value == asked
+        m.messages.on_process_message(worker, job_channel_pb2.JobProcessMessage(build=built))
+        assert not m.running["j1"].awaiting_launch and "j1" not in m.builds.launch_queue
         exited = watchdog_pb2.WorkerExited(exit_code=-9, reason="killed")
         exited.worker.worker_id = worker.worker_id
-        m.job_process_exited(worker, exited)
+        m.process_exited(worker, exited)
         if asked == "cancel":
             return await asyncio.wait_for(ask, 5)
-        await m.wait_finished("j1", 5)
+        await m.endings.wait_finished("j1", 5)
         return store.get("j1")
 
     ended = asyncio.run(main())
@@ -1161,5 +801,5 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
         assert ended.state == job_pb2.JOB_STATE_CANCELLED, ended
     else:
         assert ended.result.verdict == job_pb2.VERDICT_TIMEOUT, ended
-    assert "j1" not in m.launch_queue
+    assert "j1" not in m.builds.launch_queue
     store.close()

@@ -22,7 +22,7 @@ What the node builds itself goes into the store too, for the other nodes.
 
 A queued job built ahead (prebuild.py: every source a Triton or raw CUDA kernel launched from
 its IOContract) takes the same three steps before a build process of this node compiles it
-(jobs/ahead_builds.py says what is asked, under which key, and what is kept): JobManager's
+(jobs/builds/ahead_builds.py says what is asked, under which key, and what is kept): JobManager's
 dispatch offers each such job (`offer_ahead`) and gives its own build processes only those
 this module let go (`builds_here`). A job whose build this node's compile cache holds goes
 there at once; for the others, by key (jobs with the same code share one lookup): the store,
@@ -53,12 +53,12 @@ from typing import Any
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
+from ..deadline import timeout_of
+from ..store import JobStore
+from ..store.base import BUILD_FAILED, BUILD_REFUSED, Builder
 from . import ahead_builds
 from .compile_cache import built_key
 from .extension_builds import BUILD_TIMEOUT_S, Build, ExtensionBuilds, Waiter
-from .manager import timeout_of
-from .store import JobStore
-from .store.base import BUILD_FAILED, BUILD_REFUSED, Builder
 
 log = logging.getLogger("kerneleval.artifacts")
 
@@ -191,7 +191,7 @@ class SharedArtifacts:
     def failed_ahead(self, build: Build, built: job_channel_pb2.BuildOutcome) -> None:
         """A builder's only: a node builds its jobs ahead in JobManager, not as Builds."""
 
-    # ---- jobs built ahead (JobManager.dispatch; jobs/ahead_builds.py) -------------------------
+    # ---- jobs built ahead (JobManager.dispatch; ahead_builds.py) ------------------------------
 
     def offer_ahead(self, jobs: list[tuple[str, str]]) -> None:
         """The queued jobs JobManager builds ahead, (job id, architecture), at each dispatch:
@@ -248,7 +248,7 @@ class SharedArtifacts:
             return  # no one architecture to build for: nothing a builder would take
         job = host.store.get(job_id)
         if job is None or host.compile_cache.holds(job.spec, built_key(arch)):
-            return  # built here before: a build process of this node finds it (_built_earlier)
+            return  # built here before: a build process of this node finds it (built_earlier)
         versions = self._job_versions(host)
         if not versions:
             return  # no job process has said what this node's Python is yet

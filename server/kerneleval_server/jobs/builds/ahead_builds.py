@@ -2,14 +2,14 @@
 `--role builder`s for a job whose every source is a Triton or raw CUDA kernel launched from its
 IOContract, under which key, and what is kept.
 
-It is the load_inline machinery of jobs/artifact_store.py and jobs/builder_node.py (one request
+It is the load_inline machinery of artifact_store.py and builder_node.py (one request
 table, one lease, one artifact table, one wait), with another kind of request:
 - **What is built**: the job's kernel and reference sources only (`build_spec`: no options, no
-  client tag, no labels), for the architecture the node would build for (`_build_arch` in
-  manager.py: the job's GPU's, or the one all its GPUs share; prebuild.cpu_arch() for raw CUDA
-  on a node without a GPU), by `engine.build_job` in a build process, exactly as a node's own
-  build process builds it (Triton: `triton.compile` for that architecture, in a child with
-  Triton in compiled mode where the build process has none; raw CUDA: nvcc).
+  client tag, no labels), for the architecture the node would build for (paths.py
+  `BuildPaths.build_arch`: the job's GPU's, or the one all its GPUs share; prebuild.cpu_arch()
+  for raw CUDA on a node without a GPU), by `engine.build_job` in a build process, exactly as
+  a node's own build process builds it (Triton: `triton.compile` for that architecture, in a
+  child with Triton in compiled mode where the build process has none; raw CUDA: nvcc).
 - **The key** (`key`): the kernel and reference sources with their IOContracts and entry
   points, the architecture, and the versions (`ExtensionBuilds.versions_of`: torch and CUDA,
   triton, g++ and nvcc, the load_inline recipe and RECIPE_VERSION here). A builder takes only
@@ -50,14 +50,20 @@ _ARCH = re.compile(r"sm_[0-9]{2,3}[a-z]?")
 
 
 class Host(Protocol):
-    """The node's job manager, as the shared artifact store sees it (JobManager)."""
+    """The node's job builds, as the shared artifact store sees them (paths.BuildPaths)."""
 
-    queue: Any  # `job_id in queue`: still waiting to start here
-    store: Any
-    hub: Any
-    workers: Any
-    compile_cache: Any
-    max_timeout_s: float
+    @property
+    def queue(self) -> Any: ...  # `job_id in queue`: still waiting to start here
+    @property
+    def store(self) -> Any: ...
+    @property
+    def hub(self) -> Any: ...
+    @property
+    def workers(self) -> Any: ...
+    @property
+    def compile_cache(self) -> Any: ...
+    @property
+    def max_timeout_s(self) -> float: ...
 
     def built_elsewhere(
         self, job_id: str, arch: str, built_by: str, built: job_channel_pb2.BuildOutcome

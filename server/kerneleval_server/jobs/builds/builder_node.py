@@ -3,8 +3,8 @@ jobs' `load_inline` calls, and the Triton and raw CUDA kernels of their jobs bui
 
 A builder has no GPU, no job processes and no API but health: its watchdog runs only build
 processes (the build pseudo-device, the same sandbox as on a node), and this module feeds
-them from the store's build requests (jobs/artifact_store.py says what a node asks and how it
-waits; jobs/ahead_builds.py what a job's build request holds and what is kept of it):
+them from the store's build requests (jobs/builds/artifact_store.py says what a node asks and how it
+waits; jobs/builds/ahead_builds.py what a job's build request holds and what is kept of it):
 - it registers in `builders` with the heartbeat (every third of `--lease-seconds`): its id,
   address, how many builds it runs at once and its **versions** (torch and CUDA as the build
   processes' Python has them, probed at start; triton; the compilers; the recipes);
@@ -44,13 +44,13 @@ from typing import Any
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from kerneleval_server.builder import extension
+from kerneleval_server.fast_build import extension
 
+from ..shared_queue import beat_forever, claim_forever, listen_forever
+from ..store import JobStore
+from ..store.base import BUILD_FAILED, BUILD_REFUSED, BUILDS_CHANNEL
 from . import ahead_builds
 from .extension_builds import Build, ExtensionBuilds
-from .shared_queue import beat_forever, claim_forever, listen_forever
-from .store import JobStore
-from .store.base import BUILD_FAILED, BUILD_REFUSED, BUILDS_CHANNEL
 
 log = logging.getLogger("kerneleval.builder")
 

@@ -1,5 +1,6 @@
-"""The build cache (jobs/build_cache.py), the extension-build queue (jobs/extension_builds.py)
-and the flags the service passes on to a build process (builder/extension.refusal)."""
+"""The build cache (jobs/builds/build_cache.py), the extension-build queue
+(jobs/builds/extension_builds.py) and the flags the service passes on to a build process
+(fast_build/extension.refusal)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from types import SimpleNamespace
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2, kernel_pb2
-from kerneleval_server.builder import extension
-from kerneleval_server.jobs.build_cache import BuildCache
-from kerneleval_server.jobs.compile_cache import CompileCache, cache_key
-from kerneleval_server.jobs.extension_builds import MAX_CALLS_PER_JOB, ExtensionBuilds, Waiter
+from kerneleval_server.fast_build import extension
+from kerneleval_server.jobs.builds.build_cache import BuildCache
+from kerneleval_server.jobs.builds.compile_cache import CompileCache, cache_key
+from kerneleval_server.jobs.builds.extension_builds import (
+    MAX_CALLS_PER_JOB,
+    ExtensionBuilds,
+    Waiter,
+)
 
 DEVICE = job_pb2.DeviceInfo(torch_version="2.11.0", cuda_version="13.0")
 

@@ -1,6 +1,6 @@
 """The service's precompiled torch headers, made once at start for the build processes.
 
-    python -m kerneleval_server.builder.pch DIR
+    python -m kerneleval_server.fast_build.pch DIR
 
 A precompiled header is only used by a compile with the same flags, so one is made per flag
 set that candidates commonly use (VARIANTS: torch's defaults, and -O3), by building a probe

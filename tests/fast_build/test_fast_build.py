@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.cpp_extension as cpp_ext
-from kerneleval_server.builder import extension
-from kerneleval_server.builder.cuda_split import LAUNCH_PREFIX
-from kerneleval_server.builder.extension import FastBuildError, _host_flags
+from kerneleval_server.fast_build import extension
+from kerneleval_server.fast_build.cuda_split import LAUNCH_PREFIX
+from kerneleval_server.fast_build.extension import FastBuildError, _host_flags
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO.parent / "shared" / "kernelbench" / "examples"

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from kerneleval_server.builder import cuda_split
-from kerneleval_server.builder.cuda_split import LAUNCH_PREFIX, SplitError
+from kerneleval_server.fast_build import cuda_split
+from kerneleval_server.fast_build.cuda_split import LAUNCH_PREFIX, SplitError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO.parent / "shared" / "kernelbench" / "examples"

@@ -19,8 +19,8 @@ from kerneleval.contracts import ITEMSIZE
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from kerneleval_server.api.validation import is_triton_launch
 from kerneleval_server.jobproc import BUILD_DEVICE
+from kerneleval_server.spec.validation import is_triton_launch
 
 __all__ = [
     "BUILD_DEVICE", "arch_of", "check_artifacts", "judged_launch_fits", "kind",
@@ -33,7 +33,7 @@ RECORD_HEADER = 1 << 20
 RECORD_ALIGN = 64
 SHARE_GRANULARITY = 2 << 20
 MAX_SHARES = 256
-DEFAULT_CORRECT_TRIALS = 5  # engine/runner.py's
+DEFAULT_CORRECT_TRIALS = 5  # engine/options.py's
 
 
 def kind(spec: kernel_pb2.JobSpec, judged: bool = False) -> str:

@@ -13,13 +13,13 @@ The service builds only calls the builder takes (extension.refusal: plain code g
 flags); for any other call, and where there are no build processes, the answer is
 `build_here`: load_inline runs in the job's own process, as torch would.
 
-On a shared PostgreSQL store (`--role node` with `--role builder`s, jobs/artifact_store.py) a
+On a shared PostgreSQL store (`--role node` with `--role builder`s, jobs/builds/artifact_store.py) a
 `remote` stands between the local cache and the local build processes: a build not in the
 local cache is first looked for in the shared artifact store, then asked of the builders whose
 versions are this node's, and built here (or in the job, `build_here`) only when none answers
 in time. What this node builds itself goes into the shared store too. On a builder the builds
 come from the store's requests (`add_requested`) and their results go back there; a builder
-also builds the kernels of nodes' jobs built ahead (`add_requested_ahead`, jobs/ahead_builds.py:
+also builds the kernels of nodes' jobs built ahead (`add_requested_ahead`, ahead_builds.py:
 a Build with the job's sources in `spec`, which its build process compiles with
 `engine.build_job` as a node's build process would).
 """
@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import kernel_pb2
 
-from kerneleval_server.builder import extension
+from kerneleval_server.fast_build import extension
 from kerneleval_server.jobproc import BUILD_DEVICE
 
 from . import ahead_builds, prebuild
@@ -52,7 +52,7 @@ BUILD_TIMEOUT_S = 600.0
 @dataclass
 class Waiter:
     job_id: str
-    worker: Any  # the job process's WorkerState
+    worker: Any  # the job process's JobProcess
     request_id: int
 
 
@@ -64,12 +64,12 @@ class Build:
     arguments_json: str
     arch: str
     waiters: list[Waiter] = field(default_factory=list)
-    worker: Any = None  # the build process's WorkerState, once started
+    worker: Any = None  # the build process's JobProcess, once started
     started: float = 0.0
     versions: str = ""  # the target without the architecture (versions_of)
     # A builder's: asked through the shared store, built with nobody waiting here.
     requested: bool = False
-    # A builder's build of a node's job built ahead (jobs/ahead_builds.py): the job's sources,
+    # A builder's build of a node's job built ahead (ahead_builds.py): the job's sources,
     # which its build process compiles for `arch` (no load_inline call).
     spec: kernel_pb2.JobSpec | None = None
 
@@ -88,7 +88,7 @@ def _answer(
 
 
 class Remote(Protocol):
-    """The shared artifact store's side of the builds (jobs/artifact_store.py): a node's
+    """The shared artifact store's side of the builds (jobs/builds/artifact_store.py): a node's
     (`SharedArtifacts`) or a builder's (`BuilderNode`)."""
 
     def can_build(self, versions: str) -> bool:

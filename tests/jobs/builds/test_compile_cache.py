@@ -8,8 +8,9 @@ from pathlib import Path
 
 from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import kernel_pb2
+from kerneleval_server.jobproc import MAX_CACHE_FILES
 from kerneleval_server.jobproc.runtime import compile_cache_added, seed_compile_cache
-from kerneleval_server.jobs.compile_cache import MAX_FILES, CompileCache, cache_key, check_files
+from kerneleval_server.jobs.builds.compile_cache import CompileCache, cache_key, check_files
 
 
 def spec(source: str, reference: str = "ref") -> kernel_pb2.JobSpec:
@@ -41,7 +42,7 @@ def test_paths_that_could_leave_the_folder_are_refused() -> None:
     assert check_files(files(a__b=b"x")) == ""
     for bad in ("../x", "/etc/passwd", "a/../../x", "a//b", "./a", "", "a/\0"):
         assert check_files([jc.CacheFile(path=bad, data=b"")]) != "", bad
-    many = [jc.CacheFile(path=f"f{i}", data=b"") for i in range(MAX_FILES + 1)]
+    many = [jc.CacheFile(path=f"f{i}", data=b"") for i in range(MAX_CACHE_FILES + 1)]
     assert "files" in check_files(many)
 
 

@@ -21,7 +21,7 @@ from kerneleval.contracts import ITEMSIZE  # bytes per element of every DType
 from kerneleval.v1 import dtype_pb2, kernel_pb2
 
 from kerneleval_server.framing import MAX_FRAME
-from kerneleval_server.jobs import placement
+from kerneleval_server.spec import placement
 
 # The largest spec a job process can receive: one frame less the AssignJob wrapper's room.
 SPEC_BYTES_CEILING = MAX_FRAME - (4 << 20)

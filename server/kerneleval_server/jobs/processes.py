@@ -1,0 +1,152 @@
+"""The job life cycle's job processes (manager.py): the watchdog told which job each runs,
+each watched to its exit once its job is done with it (killed if it stays), freed for the
+next job or lost; the watchdog commands run in the background, their failures logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from kerneleval.internal.v1 import job_channel_pb2
+
+from kerneleval_server import metrics as metrics_mod
+from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
+from kerneleval_server.fleet.watchdog import WatchdogLike
+from kerneleval_server.jobs.builds.paths import BuildPaths
+from kerneleval_server.jobs.events import EventHub
+from kerneleval_server.jobs.judging import Judges
+from kerneleval_server.jobs.running import Running
+from kerneleval_server.jobs.scheduler import GpuGate
+
+log = logging.getLogger("kerneleval.jobs")
+# A job process exits at once after its outcome or when its channel closes; one still alive
+# this long after is killed (a candidate that sent an outcome itself, or closed the channel,
+# and went on running must not keep its process and its GPU slot).
+OUTCOME_EXIT_GRACE_S = 5.0
+
+
+class ProcessesHost(Protocol):
+    """What the keeping of job processes reads of the job life cycle (JobManager)."""
+
+    @property
+    def watchdog(self) -> WatchdogLike | None: ...
+    @property
+    def workers(self) -> JobProcessTable: ...
+    @property
+    def gate(self) -> GpuGate: ...
+    @property
+    def memory(self) -> GpuMemory: ...
+    @property
+    def judges(self) -> Judges: ...
+    @property
+    def builds(self) -> BuildPaths: ...
+    @property
+    def hub(self) -> EventHub: ...
+
+
+class ProcessKeeper:
+    def __init__(self, m: ProcessesHost) -> None:
+        self.m = m
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
+        """Tells the watchdog which job a job process runs ("": none), so that its exits and
+        XIDs name the job (`finished`: its job is done; its slot goes to a spare)."""
+        if self.m.watchdog is not None:
+            self.spawn(self.m.watchdog.set_job(worker_id, job_id, finished=finished))
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as exc:  # noqa: BLE001 - a failed command is logged, not fatal
+                log.warning("background task failed (a watchdog command, a cancel): %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def watch_exit(self, worker: JobProcess) -> None:
+        if worker.exit_watch is None:
+            worker.exit_watch = asyncio.get_running_loop().call_later(
+                OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
+            )
+
+    def _kill_if_still_there(self, worker: JobProcess) -> None:
+        if self.m.workers.by_id.get(worker.worker_id) is not worker or self.m.watchdog is None:
+            return  # it exited
+        log.warning(
+            "job process %s still runs %.0f s after its outcome or its channel's end: killed",
+            worker.worker_id,
+            OUTCOME_EXIT_GRACE_S,
+            extra={"worker_id": worker.worker_id},
+        )
+        self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
+
+    def worker_lost(self, worker: JobProcess) -> None:
+        worker.gone = True
+        if self.m.watchdog is not None:
+            self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
+
+    def free_worker(self, worker: JobProcess, completed: bool) -> None:
+        self.m.gate.release(worker.device_index, worker.worker_id)
+        if worker.job_id:
+            if completed:
+                worker.completed += 1
+            if self.m.watchdog is not None and not worker.gone:
+                self.spawn(self.m.watchdog.set_job(worker.worker_id, ""))
+        worker.job_id = ""
+
+    def after_outcome(
+        self,
+        worker: JobProcess,
+        run: Running,
+        outcome: job_channel_pb2.JobOutcome,
+        judge: bool,
+    ) -> None:
+        """What becomes of a job process once it answered its job (`judge`: as its judge)."""
+        # A launch process whose job came wholly prebuilt ran none of the job's code: when it
+        # says it cleaned up, it takes the next built job. Any other job process ran one job:
+        # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
+        # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
+        # (A process given a job whole can never be given another: JobProcess.assign.)
+        if (
+            outcome.reusable
+            and not outcome.context_poisoned
+            and (run.job.job_id in self.m.builds.launched or judge)
+        ):
+            worker.reusable = True
+            worker.used_gpu = False  # it cleans up before it reads the next job
+            self.m.memory.release(worker.device_index, worker.worker_id)
+            if judge:
+                assert run.record is not None
+                self.m.judges.stand(worker, run.record.reference_key)
+            else:
+                worker.launches += 1
+        else:
+            worker.gone = True
+            if outcome.serves_timed_calls and run.record is not None and not judge:
+                # It stays, for its judge's timed calls; it is watched to its exit once the
+                # job is done with it (_drop_record). Its slot goes to a spare all the same,
+                # and its memory to its judge's admission: it let go of its checks' tensors,
+                # and what its calls use is the judge's (timed_calls.py); held apart, the
+                # judges its processes wait for would wait for them (seen on an H200).
+                run.kernel_serves = True
+                self.m.memory.release(worker.device_index, worker.worker_id)
+            else:
+                self.watch_exit(worker)
+            self.set_job(worker.worker_id, outcome.job_id, finished=True)
+        if outcome.context_poisoned:
+            event = self.m.hub.next_event(outcome.job_id)
+            event.fault.worker_pid = worker.pid
+            event.fault.worker_restarted = True
+            event.fault.description = (
+                f"{outcome.result.error.cuda_error_name or 'a sticky CUDA error'} poisoned the "
+                f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
+            )
+            self.m.hub.publish(event)
+        self.free_worker(worker, completed=True)
