@@ -115,6 +115,20 @@ class ModelNew(torch.nn.Module):
             time.perf_counter_ns = once
         return x * 2.0
 """,
+    # Its process told, through the frames of the code that runs it, not to serve its timed
+    # calls to its judge: it then times itself, where it can choose its clock.
+    "declines-to-serve": """
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            config = getattr(owner, "config", None)
+            if config is not None and hasattr(config, "timed_by_judge"):
+                config.timed_by_judge = False
+            frame = frame.f_back
+        return x * 2.0
+""",
     # The result's time, rewritten through the frames of the code that builds it (its own
     # process's report: the judge takes no time from there).
     "frames-rewritten": """
@@ -196,6 +210,18 @@ def test_slowed_calls_of_no_work_do_not_lower_the_bound(stub, svc) -> None:  # t
     assert "time_outside_bound" in [f.rule_id for f in r.flags], ran.describe()
     assert r.runtime.median_ms > SLOW_MS * 0.8, ran.describe()
     assert any("calls of no work took longer" in n for n in r.notes), r.notes
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_a_process_that_declines_to_serve_its_timed_calls_is_not_believed(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """The front end tells the judge that the kernel's process was given its timed calls
+    (JudgeRequest.kernel_timed_by_judge): one that timed itself instead, its outputs all in
+    the record, chose its clock, and its times are not taken."""
+    ran = run_job(stub, _spec("declines-to-serve"), svc)
+    r = ran.job.result
+    assert r.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert "was to serve its timed calls" in r.error.message, ran.describe()
+    assert r.runtime.median_ms == 0 and r.speedup == 0, ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
 
 

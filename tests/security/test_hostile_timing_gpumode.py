@@ -123,6 +123,24 @@ def custom_kernel(data):
             frame = frame.f_back
     return torch.softmax(x, dim=-1)
 """,
+    # Its process told, through the frames, not to serve its judge's timed calls: it then
+    # times itself, where it chooses its clock.
+    "gpumode-declines-to-serve": """
+import sys
+
+import torch
+
+
+def custom_kernel(data):
+    x, out = data
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = getattr(frame.f_locals.get("self"), "config", None)
+        if config is not None and hasattr(config, "timed_by_judge"):
+            config.timed_by_judge = False
+        frame = frame.f_back
+    return torch.softmax(x, dim=-1)
+""",
 }
 
 
@@ -157,6 +175,15 @@ def test_a_gpu_mode_kernel_rewriting_its_times_through_frames_is_not_believed(st
     for case in r.benchmark_cases:
         assert case.runtime.median_ms > SLOW_MS * 0.8 and 0 < case.speedup < 1, case
     assert r.runtime.median_ms > SLOW_MS * 0.8 and 0 < r.speedup < 1, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+def test_a_gpu_mode_kernel_that_declines_to_serve_is_not_believed(stub, svc) -> None:  # type: ignore[no-untyped-def]
+    source = GPUMODE_ATTACKS["gpumode-declines-to-serve"]
+    ran = run_job(stub, _gpumode_spec(source, "mallory-gpumode-declines"), svc)
+    r = ran.job.result
+    assert r.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert "was to serve its timed calls" in r.error.message, ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
 
 

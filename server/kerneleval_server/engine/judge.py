@@ -216,7 +216,9 @@ class _Judge(_Job):
                 f"{len(checked)} of {wanted} correctness trials judged outside the kernel's "
                 f"process (its outputs are over {self._limits()}); the rest only in it"
             )
-        if over is None:
+        # A correctness trial over the record's limits is the one reason not to serve: a
+        # replay trial over them is recorded only by a process that timed itself already.
+        if not any(t.over_limit and not t.replay for t in trials):
             self._refuse_self_timed(candidate)
         if self.kernel_serves and self.opts.perf_trials > 0:
             base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee

@@ -44,6 +44,7 @@ class Record:
     share_theirs: int = -1
     gpu_held_on: int | None = None  # the GPU whose memory admission holds the shares' bytes
     holder: str = ""  # the shares' name there
+    timed_by_judge: bool = False  # its kernel's process was given its timed calls to serve
 
     @classmethod
     def make(

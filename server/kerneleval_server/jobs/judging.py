@@ -488,6 +488,7 @@ class Judges:
         known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
         request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
         request.kernel_serves = run.kernel_serves and run.kernel_worker is not None
+        request.kernel_timed_by_judge = run.record.timed_by_judge
         ahead = run.ahead is worker
         try:
             if ahead:

@@ -407,6 +407,9 @@ class JobManager:
                 job_id, self.config.record_max_mib << 20, job.spec,
                 self.config.record_share_max_mib << 20,
             )  # fmt: skip
+        timed_by_judge = record is not None and judging.times_kernel(job.spec, prebuilt)
+        if record is not None:  # its process serves the calls only with the record's socket
+            record.timed_by_judge = timed_by_judge and record.share_theirs >= 0
         try:
             sent = worker.assign(
                 job_id,
@@ -419,7 +422,7 @@ class JobManager:
                 record_max_bytes=record.max_bytes if record is not None else 0,
                 share_fd=record.share_theirs if record is not None else -1,
                 share_max_bytes=record.share_max_bytes if record is not None else 0,
-                timed_by_judge=record is not None and judging.times_kernel(job.spec, prebuilt),
+                timed_by_judge=timed_by_judge,
             )
             if record is not None:
                 record.given_to_kernel()
