@@ -45,7 +45,7 @@ def violations(spec: kernel_pb2.JobSpec, require_reference: bool = False) -> lis
             if d < 0:
                 out.append((f"spec.kernel.io.args[{i}].tensor.shape[{j}]", "must be >= 0"))
     if "REFUSE_WITHOUT_IO" in spec.kernel.source_code and not spec.kernel.io.args:
-        # The service's words for a Triton source without a ModelNew (api/validation.py); the
+        # The service's words for a Triton source without a ModelNew (spec/validation.py); the
         # other tests' Triton files without --io are accepted here.
         out.append(("spec.kernel.io.args", "a TRITON source without a ModelNew class is "
                     "launched from its IOContract: give its args and launch.grid"))  # fmt: skip

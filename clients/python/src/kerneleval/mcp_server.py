@@ -36,7 +36,7 @@ from .v1 import job_pb2, kernel_pb2
 T = TypeVar("T")
 MAX_TEXT_LINES = 12  # of a compiler's or a traceback's output, in the text an LLM reads
 
-# The service's default limits (server: api/validation.py Limits); a server configured
+# The service's default limits (server: spec/validation.py Limits); a server configured
 # otherwise answers a value past its own limits with a tool error naming the field.
 MAX_TRIALS = 10_000
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1, 600
