@@ -427,9 +427,9 @@ def _judged_ahead(
         compare.compare_outputs = clean  # what the kernel's code patched: another process
         builtins._ke_reference_runs = 0  # type: ignore[attr-defined]
 
-        def go() -> tuple[V.EvalResult, bool, None, bool] | None:
+        def go() -> tuple[V.EvalResult, bool, None, bool, bool] | None:
             runs_before_go.append(builtins._ke_reference_runs)  # type: ignore[attr-defined]
-            return None if ends_without else (own.result, True, None, False)
+            return None if ends_without else (own.result, True, None, False, False)
 
         reporter = RecordingReporter()
         final = judge_job(

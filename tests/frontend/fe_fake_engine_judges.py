@@ -48,7 +48,7 @@ def judge_job(
     spec: Any, reporter: Any, config: Any, candidate: job_pb2.EvalResult, record_fd: int,
     record_max_bytes: int, share_fd: int = -1, share_max_bytes: int = 0,
     kernel_gone: bool = False, reference_time: Any = None, go: Any = None,
-    kernel_serves: bool = False,
+    kernel_serves: bool = False, kernel_must_serve: bool = False,
 ) -> Outcome:  # fmt: skip
     global _judged
     _judged += 1
