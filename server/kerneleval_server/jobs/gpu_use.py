@@ -33,8 +33,7 @@ from kerneleval_server.spec.validation import is_timed
 
 
 class GpuUseHost(Protocol):
-    """What a job's GPU use asks of the job life cycle (manager.py JobManager). (The names
-    with an underscore are the manager's public ones under this module's older names.)"""
+    """What a job's GPU use asks of the job life cycle (manager.py JobManager)."""
 
     @property
     def running(self) -> dict[str, Running]: ...
@@ -55,9 +54,9 @@ class GpuUseHost(Protocol):
     @property
     def watchdog(self) -> WatchdogLike | None: ...
     @property
-    def _launched(self) -> set[str]: ...
-    def _held_devices(self) -> dict[int, str]: ...
-    def _spawn(self, coro: Awaitable[Any]) -> None: ...
+    def launched(self) -> set[str]: ...
+    def held_devices(self) -> dict[int, str]: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
     def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
 
 
@@ -97,7 +96,7 @@ class GpuUse:
         it loads it, then checks it), its go (a judge started ahead) or its process asks ahead
         (a whole job, its kernel built: PhaseUpdate.ahead), when that check shares
         the GPU: the grant is there by the time the process says PHASE_VALIDATING (it waits
-        for it as always; manager.on_worker_message asks nothing more), not a round trip
+        for it as always; messages.py on_process_message asks nothing more), not a round trip
         later. A check that asks for the GPU alone (a timed launch's: its window) is asked
         for when the kernel is loaded, as before."""
         if self._exclusive(run, job_pb2.PHASE_VALIDATING):
@@ -114,7 +113,7 @@ class GpuUse:
     def admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
         """Whether the job may use its GPU's memory now (fleet/gpu_memory.py): what its problem
         was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
-        held for a job re-run alone, but that job. `held_devices`: m._held_devices(), when the
+        held for a job re-run alone, but that job. `held_devices`: m.held_devices(), when the
         caller has it."""
         device, worker_id = run.worker.device_index, run.worker.worker_id
         if not self.m.memory.admits_on(device) or self.m.memory.holds(device, worker_id):
@@ -127,7 +126,7 @@ class GpuUse:
             # exit): it is not held back by a GPU held for a job alone.
             return self.m.memory.admit(device, worker_id, self.memory_key(run))
         if held_devices is None:
-            held_devices = self.m._held_devices()
+            held_devices = self.m.held_devices()
         held = held_devices.get(device)
         if held is not None and held != run.job.job_id:
             return False
@@ -200,7 +199,7 @@ class GpuUse:
         if not self.waiting:
             return
         blocked: set[int] = set()
-        held_devices = self.m._held_devices()
+        held_devices = self.m.held_devices()
         self._sweep({run.worker.device_index for run in self.waiting.values()})
         # Judges whose kernels hold memory or a process go first: they give it back.
         order = sorted(self.waiting.items(), key=lambda item: not self._goes_first(item[1]))
@@ -265,7 +264,7 @@ class GpuUse:
         if phase == job_pb2.PHASE_PROFILING:
             return True
         timed = is_timed(run.job.spec.options)
-        return timed and run.job.job_id in self.m._launched and not run.judged_now
+        return timed and run.job.job_id in self.m.launched and not run.judged_now
 
     def drive_kernel(self, run: Running) -> None:
         """A judge asks to drive its kernel's timed calls (PhaseUpdate.drives_kernel): a
@@ -307,7 +306,7 @@ class GpuUse:
         ):
             self._send_grant(worker, phase)  # its window is open: its check ran in it
         else:
-            self.m._spawn(self._open_window(worker, phase))
+            self.m.spawn(self._open_window(worker, phase))
 
     async def _open_window(self, worker: WorkerState, phase: int) -> None:
         device = worker.device_index
@@ -362,7 +361,7 @@ class GpuUse:
             "they were frozen" + ("; those still using the GPU are stopped" if frozen else ""),
         )
         if frozen:
-            self.m._spawn(self._stop_gpu_users(worker.device_index, run))
+            self.m.spawn(self._stop_gpu_users(worker.device_index, run))
 
     async def _stop_gpu_users(self, device: int, run: Running) -> None:
         assert run.window is not None
@@ -412,7 +411,7 @@ class GpuUse:
         holder = self.m.workers.by_id.get(holder_id)
         run = self.m.running.get(holder.job_id) if holder is not None and holder.job_id else None
         # The window as it is now: a judged job's next one (its judge's) is another.
-        self.m._spawn(self._close_window(device, run.window if run is not None else None, seconds))
+        self.m.spawn(self._close_window(device, run.window if run is not None else None, seconds))
 
     async def _close_window(self, device: int, window: Window | None, held_s: float = 0.0) -> None:
         began = time.perf_counter()

@@ -41,8 +41,7 @@ from kerneleval_server.spec.validation import is_timed
 
 
 class JudgesHost(Protocol):
-    """What the judges ask of the job life cycle (manager.py JobManager). (The names with an
-    underscore are the manager's public ones under this module's older names.)"""
+    """What the judges ask of the job life cycle (manager.py JobManager)."""
 
     @property
     def config(self) -> Config: ...
@@ -66,15 +65,15 @@ class JudgesHost(Protocol):
     def watchdog(self) -> WatchdogLike | None: ...
     def dispatch(self) -> None: ...
     def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
-    def _finish(
+    def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None: ...
-    def _free_worker(self, worker: WorkerState, completed: bool) -> None: ...
-    def _worker_lost(self, worker: WorkerState) -> None: ...
-    def _watch_exit(self, worker: WorkerState) -> None: ...
-    def _busy_on(self, device: int, but: WorkerState | None = None) -> bool: ...
-    def _held_devices(self) -> dict[int, str]: ...
-    def _spawn(self, coro: Awaitable[Any]) -> None: ...
+    def free_worker(self, worker: WorkerState, completed: bool) -> None: ...
+    def worker_lost(self, worker: WorkerState) -> None: ...
+    def watch_exit(self, worker: WorkerState) -> None: ...
+    def busy_on(self, device: int, but: WorkerState | None = None) -> bool: ...
+    def held_devices(self) -> dict[int, str]: ...
+    def spawn(self, coro: Awaitable[Any]) -> None: ...
 
 
 log = logging.getLogger("kerneleval.jobs")
@@ -137,7 +136,7 @@ def unjudged(kernel: job_pb2.EvalResult) -> None:
         "speedup", "speedup_suspicious", "reference_runtime", "reference_runtime_age",
         "compiled_reference_runtime", "compiled_speedup", "compile_time",
     ):  # fmt: skip
-        kernel.ClearField(name)  # type: ignore[arg-type]
+        kernel.ClearField(name)
 
 
 def tampered(why: str) -> job_pb2.EvalResult:
@@ -185,7 +184,7 @@ class Judges:
             record is None
             or not self.m.config.judge_ahead
             or spec.kernel.type == kernel_pb2.KERNEL_TYPE_GPU_MODE
-            or device in self.m._held_devices()
+            or device in self.m.held_devices()
         ):
             return
         judge = next(
@@ -215,10 +214,10 @@ class Judges:
             return
         run.ahead = judge
         if self.m.watchdog is not None:
-            self.m._spawn(self.m.watchdog.set_job(judge.worker_id, run.job.job_id))
+            self.m.spawn(self.m.watchdog.set_job(judge.worker_id, run.job.job_id))
         if not sent:
             run.ahead = None
-            self.m._worker_lost(judge)
+            self.m.worker_lost(judge)
             return
         # Its check (it shares the GPU) is asked for with its job, as a launch's is
         # (GpuUse.ask_early): the grant is in by the time it has built the reference, and it
@@ -267,7 +266,7 @@ class Judges:
             run.ahead = None
         judge.ahead_job = judge.prepared_job = ""
         judge.check_asked = False
-        self.m._free_worker(judge, completed=False)
+        self.m.free_worker(judge, completed=False)
         self.m.memory.release(judge.device_index, judge.worker_id)
         if outcome.reusable and not outcome.context_poisoned and not judge.gone:
             judge.reusable, judge.used_gpu = True, False
@@ -284,7 +283,7 @@ class Judges:
             return
         go = job_channel_pb2.JudgeGo(job_id=run.job.job_id, abandon=True)
         if not judge.send(job_channel_pb2.FrontendMessage(judge_go=go)):
-            self.m._worker_lost(judge)
+            self.m.worker_lost(judge)
 
     def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The kernel ran OK in its process: its record, sealed (at once, unless that process
@@ -347,7 +346,7 @@ class Judges:
             return
         if tries * SEAL_RETRY_S > self.exit_grace_s + 1:  # it is killed before this
             why = "the kernel's process kept the record of its outputs mapped for writing"
-            self.m._finish(run.job, job_pb2.JOB_STATE_DONE, tampered(why))
+            self.m.finish(run.job, job_pb2.JOB_STATE_DONE, tampered(why))
             return
         run.timers.append(
             asyncio.get_running_loop().call_later(
@@ -380,7 +379,7 @@ class Judges:
             device = run.job.device_index
             alone = held.get(device)
             shares_held = run.record.gpu_held_on is not None
-            if alone is not None and (alone != job_id or self.m._busy_on(device)):
+            if alone is not None and (alone != job_id or self.m.busy_on(device)):
                 # Unless its kernel's shares hold memory there, or its kernel's process waits
                 # for its timed calls: the job that waits for the GPU to itself waits for
                 # them, and only this judge lets them go.
@@ -444,9 +443,9 @@ class Judges:
         log.info("job process retired: %s", why, extra={"worker_id": worker.worker_id})
         worker.gone = True
         worker.reusable = False
-        self.m._watch_exit(worker)
+        self.m.watch_exit(worker)
         if self.m.watchdog is not None:
-            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
+            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
         if worker.writer is not None:
             worker.writer.close()
 
@@ -468,7 +467,7 @@ class Judges:
                 return
             self.retire(idle[0], "a judge of a newer reference takes its place")
         if not worker.judge_key and self.m.watchdog is not None:
-            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
+            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
         worker.judge_key = key
         worker.idle_since = since = asyncio.get_running_loop().time()
         asyncio.get_running_loop().call_later(
@@ -507,7 +506,7 @@ class Judges:
                     share_max_bytes=run.record.share_max_bytes,
                 )
         except FrameError as exc:
-            self.m._finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
+            self.m.finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
         run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
         if known is not None:
@@ -538,9 +537,9 @@ class Judges:
         if self.m.windows.frozen(worker.device_index):
             run.deadline.pause()
         if self.m.watchdog is not None and not ahead:
-            self.m._spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
+            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
         if not sent:
-            self.m._worker_lost(worker)
+            self.m.worker_lost(worker)
         elif ahead and worker.prepared_job == job_id:
             # Waiting for its go (its JudgePrepared gave its share back): its check, next, is
             # asked for with it. One still preparing holds its share: it asks itself after.

@@ -102,12 +102,10 @@ class JobManager:
         self.max_timeout_s = max_timeout_s
         self.memory_limits = faults.MemoryLimits.of(config)  # what OOM results are told
         # Its job processes: the watchdog told which job each runs, each watched to its exit
-        # and freed (processes.py); judging.py and gpu_use.py know them by their older names.
+        # and freed (processes.py).
         self.processes = p = ProcessKeeper(self)
         self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
         self.free_worker, self.worker_lost = p.free_worker, p.worker_lost
-        self._spawn, self._watch_exit = p.spawn, p.watch_exit
-        self._free_worker, self._worker_lost = p.free_worker, p.worker_lost
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
@@ -935,20 +933,18 @@ class JobManager:
         """From here on, every job's wait is named and bounded (jobs/waits.py)."""
         self.waits.start()
 
-    # judging.py's and gpu_use.py's names (their bodies are being edited elsewhere: renamed
-    # with their next change).
-    _finish = finish
+    # What judging.py and gpu_use.py ask of the crowding and the builds (their Protocols).
 
     @property
-    def _launched(self) -> set[str]:
+    def launched(self) -> set[str]:
         return self.builds.launched
 
     @property
     def alone(self) -> set[str]:
         return self.crowding.alone
 
-    def _held_devices(self) -> dict[int, str]:
+    def held_devices(self) -> dict[int, str]:
         return self.crowding.held_devices()
 
-    def _busy_on(self, device: int, but: JobProcess | None = None) -> bool:
+    def busy_on(self, device: int, but: JobProcess | None = None) -> bool:
         return self.crowding.busy_on(device, but)
