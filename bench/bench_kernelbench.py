@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,19 +176,13 @@ def self_report(
             ",".join(r.get("flags", [])) or r.get("message", "")[:80], outside_path(r),
         ])  # fmt: skip
 
-    def q(values: list[float], pct: int) -> float:
-        return float(statistics.quantiles(values, n=10)[pct // 10 - 1]) if len(values) > 1 else (
-            values[0] if values else 0.0)  # fmt: skip
-
     summary = []
     for level, lv in sorted(per_level.items()):
-        summary.append([
-            level, len(lv["jobs"]), len(lv["ok"]), len(lv["flagged"]),
-            statistics.median(lv["speedup"]) if lv["speedup"] else 0.0,
-            statistics.median(lv["kernel"]) if lv["kernel"] else 0.0, q(lv["kernel"], 90),
-            statistics.median(lv["ref"]) if lv["ref"] else 0.0, q(lv["ref"], 90),
-            statistics.median(lv["synced"]) if lv["synced"] else 0.0, q(lv["synced"], 90),
-        ])  # fmt: skip
+        row: list[Any] = [level, len(lv["jobs"]), len(lv["ok"]), len(lv["flagged"]),
+                          C.summary(lv["speedup"])["median"]]  # fmt: skip
+        for ratios in (lv["kernel"], lv["ref"], lv["synced"]):
+            row += [C.summary(ratios)["median"], C.percentile(ratios, 90)]
+        summary.append(row)
     data = {"results": results, "eager": eager, "service_wall_s": service_wall,
             "levels": {str(k): {kk: vv for kk, vv in v.items()} for k, v in per_level.items()}}
     notes = [
