@@ -176,6 +176,12 @@ def self_report(
             ",".join(r.get("flags", [])) or r.get("message", "")[:80], outside_path(r),
         ])  # fmt: skip
 
+    examples = [  # the example pairs (an optimised ModelNew against its Model): flags expected none
+        [name, (r := results.get(name, {"verdict": "NOT_RUN"}))["verdict"].removeprefix("VERDICT_"),
+         r.get("speedup", 0.0), ",".join(r.get("flags", [])) or r.get("message", "")[:80],
+         outside_path(r) if r.get("notes") else "-"]
+        for name, _spec, _c in jobs if name not in level_of
+    ]  # fmt: skip
     summary = []
     for level, lv in sorted(per_level.items()):
         row: list[Any] = [level, len(lv["jobs"]), len(lv["ok"]), len(lv["flagged"]),
@@ -206,7 +212,10 @@ def self_report(
          ("Per problem", ["problem", "verdict", "speedup", "kernel ms", "reference ms",
                           "do_bench ms", "kernel/do_bench", "reference/do_bench",
                           "synced/do_bench", "flags or message",
-                          "path us / gap us / tolerance us / no-work calls us / own us"], rows)],
+                          "path us / gap us / tolerance us / no-work calls us / own us"], rows)]
+        + ([("Example pairs", ["pair", "verdict", "speedup", "flags or message",
+                               "path us / gap us / tolerance us / no-work calls us / own us"],
+             examples)] if examples else []),
         notes,
     )  # fmt: skip
     return 0
@@ -227,6 +236,7 @@ def main() -> int:
     ap.add_argument("--eager-budget-s", type=float, default=600, help="eager baseline limit")
     ap.add_argument("--levels", default="1", help="KernelBench levels, e.g. 1,2,3")
     ap.add_argument("--every", type=int, default=1, help="every Nth problem of each level")
+    ap.add_argument("--offset", type=int, default=0, help="with --every: start at this index")
     ap.add_argument(
         "--compare-self", action="store_true",
         help="Compare each problem's Model as its own ModelNew (subclassed, nothing changed): "
@@ -234,6 +244,9 @@ def main() -> int:
         "times (timed the trusted way: the kernel from outside its process) against do_bench",
     )  # fmt: skip
     ap.add_argument("--no-examples", action="store_true", help="skip the example pairs")
+    ap.add_argument(
+        "--only", default="", help="comma-separated problem-name prefixes (e.g. 66_,19_ReLU)"
+    )
     args = ap.parse_args()
     smoke = args.cpu_smoke
     kb = Path(args.kernelbench)
@@ -247,7 +260,9 @@ def main() -> int:
         found = sorted((kb / f"level{level}").glob("*.py"), key=problem_key)
         if smoke:
             found = [p for p in found if p.name.startswith(SMOKE_PROBLEMS)]
-        found = found[:: max(1, args.every)]
+        if args.only:
+            found = [p for p in found if p.name.startswith(tuple(args.only.split(",")))]
+        found = found[args.offset :: max(1, args.every)]
         if args.limit:
             found = found[: args.limit]
         problems += found

@@ -95,9 +95,9 @@ case "$STAGE" in
   kernelbench_self)  # issues 40 and 41: each Model against itself, levels 1-3, vs do_bench
     run $(( ${BUDGET_S:-300} + ${EAGER_BUDGET_S:-180} + 90 )) bench_kernelbench \
       --kernelbench "$KERNELBENCH" --budget-s "${BUDGET_S:-300}" \
-      --eager-budget-s "${EAGER_BUDGET_S:-180}" --compare-self --no-examples \
-      --levels "${LEVELS:-1,2,3}" --every "${EVERY:-3}" --trials "${TRIALS:-10}" \
-      --workers-per-device "${WPD:-8}" --in-flight "${IN_FLIGHT:-8}"
+      --eager-budget-s "${EAGER_BUDGET_S:-180}" --compare-self $([ -n "${EXAMPLES:-}" ] || echo --no-examples) \
+      --levels "${LEVELS:-1,2,3}" --every "${EVERY:-3}" --offset "${OFFSET:-0}" --trials "${TRIALS:-10}" \
+      --workers-per-device "${WPD:-8}" --in-flight "${IN_FLIGHT:-8}" ${ONLY:+--only "$ONLY"}
     ;;
   soak)
     run $(( ${DURATION_S:-480} + 80 )) fault_soak --duration-s "${DURATION_S:-480}"
