@@ -624,36 +624,35 @@ def _session(
             seed = int(words[SEED])
             if seed:  # in a call of no work too: the same path
                 seed_all(seed)
+            # A call of no work takes a call's every step but the candidate's (its events,
+            # its lead, the copy of its outputs), so that its span differs from a call's by
+            # the candidate's work alone: whatever else differs is read as the candidate's.
             if mode == CALL:
                 kept.clear()
-                if cuda:
-                    start, end = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    lead()
-                    start.record()
-                    got = run(args)
-                    end.record()
-                else:
-                    t0 = time.perf_counter_ns()
-                    got = run(args)
-                    inside = time.perf_counter_ns() - t0
-                message = _copy_outputs(got, outputs)
-                got = None
-                if message:
-                    status = BAD_OUTPUTS
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    inside = int(start.elapsed_time(end) * 1e6)
-            else:
-                if not kept:
-                    kept.extend(torch.zeros_like(o) for o in outputs)
-                    _sync(device)
-                lead()
-                for dst, src in zip(outputs, kept, strict=True):
-                    dst.copy_(src)
+            elif not kept:
+                kept.extend(torch.zeros_like(o) for o in outputs)
                 _sync(device)
+            work = (lambda: run(args)) if mode == CALL else (lambda: list(kept))
+            if cuda:
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                lead()
+                start.record()
+                got = work()
+                end.record()
+            else:
+                t0 = time.perf_counter_ns()
+                got = work()
+                inside = time.perf_counter_ns() - t0
+            message = _copy_outputs(got, outputs)
+            got = None
+            if message:
+                status = BAD_OUTPUTS
+            if cuda:
+                torch.cuda.synchronize(device)
+                inside = int(start.elapsed_time(end) * 1e6)
         except Exception as e:  # noqa: BLE001 - the candidate's failure: told to the driver
             status, message = FAILED, f"{type(e).__name__}: {e}"
         if message:
