@@ -263,7 +263,43 @@ def test_an_honest_candidate_is_timed_by_its_own_clock_unflagged(stub, svc) -> N
     assert not [f for f in r.flags if f.source == job_pb2.FLAG_SOURCE_RUNTIME], ran.describe()
     assert r.runtime.source == job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK, ran.describe()
     assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
+    assert r.runtime.timed_from_outside, ran.describe()
     assert r.runtime.trial_count == 8 and r.reference_runtime.trial_count == 8
+
+
+def test_a_time_of_its_own_process_is_never_said_to_be_from_outside(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Evaluate without a reference: the kernel's process times it (no judge), and code of its
+    own that marks that time as bounded from outside (a thread that keeps setting it on the
+    engine's result, found through the frames) is not believed: only a judge's answer says
+    so (RuntimeStats.timed_from_outside)."""
+    attack = """
+def _keep_saying(result):
+    while True:  # after the engine's own copy of its stats, until the outcome is sent
+        result.runtime.timed_from_outside = True
+        time.sleep(0.0005)
+
+
+class ModelNew(torch.nn.Module):
+    def forward(self, x):
+        frame = sys._getframe(1)
+        while frame is not None:
+            result = getattr(frame.f_locals.get("self"), "result", None)
+            if result is not None and hasattr(result, "runtime"):
+                threading.Thread(target=_keep_saying, args=(result,), daemon=True).start()
+                break
+            frame = frame.f_back
+        return x * 2.0
+
+
+def get_inputs():
+    return [torch.randn(4096)]
+"""
+    s = spec(HEAD + attack, client_tag="mallory-says-outside", perf_trials=8)
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert r.verdict == job_pb2.VERDICT_OK and r.runtime.trial_count == 8, ran.describe()
+    assert not r.runtime.timed_from_outside, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
 
 
 def test_the_victim_sources_still_pass(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811

@@ -209,9 +209,11 @@ def test_an_honest_gpu_mode_kernel_is_timed_from_outside_unflagged(stub, svc) ->
     assert not [f for f in r.flags if f.source == job_pb2.FLAG_SOURCE_RUNTIME], ran.describe()
     assert r.runtime.source == job_pb2.TIMING_SOURCE_CPU_WALL_CLOCK, ran.describe()
     assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
+    assert r.runtime.timed_from_outside, ran.describe()
     assert len(r.benchmark_cases) == 2
     for case in r.benchmark_cases:
         assert case.passed and case.runtime.trial_count == 8, case
+        assert case.runtime.timed_from_outside, case
         assert case.reference_runtime.trial_count == 8 and case.speedup > 0, case
     assert r.runtime.median_ms > 0 and r.speedup > 0, ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
@@ -264,4 +266,5 @@ def test_a_gpu_mode_task_whose_data_cannot_be_shared_is_timed_in_its_process(  #
     assert any(n.startswith("timed in its own process, not from outside: benchmark 0: its "
                             "data holds a dtype") for n in r.notes), r.notes  # fmt: skip
     assert not any(n.startswith("timed from outside") for n in r.notes), r.notes
+    assert not r.runtime.timed_from_outside, ran.describe()
     assert all(c.runtime.trial_count == 8 and c.speedup > 0 for c in r.benchmark_cases), r

@@ -626,6 +626,7 @@ def geometric_means(stats: list[job_pb2.RuntimeStats]) -> job_pb2.RuntimeStats:
     out.trial_count = stats[0].trial_count
     out.source = stats[0].source
     out.l2_flushed = stats[0].l2_flushed
+    out.timed_from_outside = all(s.timed_from_outside for s in stats)
     return out
 
 
@@ -895,6 +896,7 @@ class _GpuModeJudge(_GpuModeRun):
         result.runtime.CopyFrom(
             timing.stats(decision.times_ms, source, flushed=job.opts.flush_l2 and cuda)
         )
+        result.runtime.timed_from_outside = True
         if decision.flagged:
             job._flag([integrity.flag(
                 integrity.TIME_OUTSIDE_BOUND,

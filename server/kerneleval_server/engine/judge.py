@@ -303,6 +303,7 @@ class _Judge(_Job):
                 decision.times_ms, source, flushed=self.opts.flush_l2 and self.dev.type == "cuda"
             )
         )
+        self.result.runtime.timed_from_outside = True
         said = (
             f"timed from outside its process: {n} calls driven by its judge on fresh inputs "
             f"({len(picked)} checked against the reference), the path's own cost "

@@ -139,6 +139,15 @@ def unjudged(kernel: job_pb2.EvalResult) -> None:
         kernel.ClearField(name)
 
 
+def timed_by_itself(result: job_pb2.EvalResult) -> None:
+    """A time from the process that ran the kernel's code is the kernel's word: never said to
+    be timed from outside (RuntimeStats.timed_from_outside), whatever that process claims.
+    Only a judge's answer says so."""
+    result.runtime.timed_from_outside = False
+    for case in result.benchmark_cases:
+        case.runtime.timed_from_outside = False
+
+
 def tampered(why: str) -> job_pb2.EvalResult:
     result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
     result.failed_side = job_pb2.SIDE_KERNEL

@@ -540,6 +540,7 @@ class JobManager:
             self.judges.judged(run, outcome)
         else:  # only a judge given an earlier job's time of the reference says its age
             outcome.result.ClearField("reference_runtime_age")
+            judging.timed_by_itself(outcome.result)
         self.processes.after_outcome(worker, run, outcome, judge)
         if (
             run.record is not None
