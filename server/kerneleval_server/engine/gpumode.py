@@ -13,8 +13,9 @@ mean's relative error is under 0.1%), the median as the number to compare (it re
 mean), and a case's `seed` mixed with EvalOptions.seed when that is set (it mixes in a secret
 seed with its own formula), the global generators (torch's, numpy's, Python's) seeded from
 each case right before its generate_input (it seeds them once, with 42, per run: its data is
-made once, where ours is made again in the judge). The judge's verdict may be GPU MODE's
-(passed, message) pair or its older error string (empty when it passed).
+made once, where ours is made again in the judge), and the data's objects, not only its
+tensors, copied for the kernel. The judge's verdict may be GPU MODE's (passed, message) pair
+or its older error string (empty when it passed).
 
 Judged in a judge process and timed by it (EngineConfig.timed_by_judge, issue 40), the
 kernel's process times nothing: it serves its judge's timed calls (timed_calls.serve), one
@@ -28,6 +29,7 @@ shared (share_layout) is timed in the kernel's process as before, and the result
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import math
@@ -116,14 +118,21 @@ def spec_text(value: Any) -> str:
 
 
 def clone(data: Any) -> Any:
-    """A deep copy of the tensors in a nest of tuples, lists and dicts (the rest is shared)."""
+    """A deep copy of the data: the tensors in a nest of tuples, lists and dicts cloned, any
+    other object copied whole (copy.deepcopy: amd/mla-decode's KVCache module, which a call
+    writes into, and its Config of weights), shared only where it cannot be copied."""
     if isinstance(data, torch.Tensor):
         return data.clone()
     if isinstance(data, (tuple, list)):
         return type(data)(clone(x) for x in data)
     if isinstance(data, dict):
         return {k: clone(v) for k, v in data.items()}
-    return data
+    if data is None or isinstance(data, (bool, int, float, complex, str, bytes)):
+        return data
+    try:
+        return copy.deepcopy(data)
+    except Exception:  # noqa: BLE001 - not copyable (a lock, a handle): shared, as before
+        return data
 
 
 def tensors_of(data: Any) -> list[torch.Tensor]:
