@@ -19,14 +19,16 @@ Whether a folder can run here, in this order (the first reason found is the one 
 5. tried: the reference itself as the submission (`custom_kernel = ref_kernel`) on the task's
    first test case, not timed. A task whose reference cannot run on this GPU (ROCm-only
    dtypes, Blackwell's fp4 on a GPU of compute capability under 10, a CUDA-only reference on
-   the CPU) fails there, and is skipped with that job's message.
+   the CPU) fails there, and is skipped with that job's message. A task whose every
+   submission needs what is not installed (helion) is skipped after it.
 
 Then, per runnable task, cheapest first (the task's own test_timeout + benchmark_timeout, then
 its cases' sizes), the folder's submission.py and every file under solutions/correct/ and
-submissions/ (--with-wrong adds solutions/wrong/, expected INCORRECT), --in-flight at a time.
-No job starts after --budget-s (from the script's start); each job's timeout is
---job-timeout-s, at most what is left of the budget plus --tail-s, and the client cancels one
-still running then.
+submissions/ (--with-wrong adds solutions/wrong/, expected INCORRECT), --in-flight at a time
+(default: one per job process, --workers-per-device 4). No job starts after --budget-s (from
+the script's start); each job's timeout is --job-timeout-s (the service's 120 s), at most what
+is left of the budget plus --tail-s, and the client cancels one still running then. An
+interrupt (run_gpu.sh's SIGINT at its limit) still writes what finished.
 
 Recorded per job: task, submission, verdict, runtime (ms: the geometric mean over the benchmark
 cases of their medians, as GPU MODE ranks), the reference's, the speedup, the timing source,
@@ -36,7 +38,9 @@ jobs OK and not OK, each not-OK one with its reason).
 
     PYTHONPATH=server:clients/python/src python3 bench/bench_gpumode_tasks.py --out DIR \\
         [--tasks .carry/reference-kernels/problems]
-    ... --cpu-smoke   # here, without a GPU: 3 timed trials, each task's first benchmark case
+    ... --cpu-smoke   # here, without a GPU: each task's first 3 tests and first benchmark, 3
+                      # timed trials (tests/gpumode_tasks runs on the CPU; most reference-kernels
+                      # references ask for CUDA and are skipped with their error)
 """
 
 from __future__ import annotations
@@ -311,7 +315,11 @@ def timed_by(notes: list[str], runtime_ms: float) -> str:
 
 class Runner:
     """Sends jobs `in_flight` at a time; none starts after `start_by` (time.monotonic()), each
-    is cancelled if still running at `end_by`."""
+    is cancelled if still running at `end_by` (+ CANCEL_AFTER_S) and given up on GIVE_UP_S
+    later. An interrupt (run_gpu.sh's SIGINT at its limit) stops it: what finished is kept."""
+
+    CANCEL_AFTER_S = 15.0
+    GIVE_UP_S = 20.0
 
     def __init__(
         self, svc: C.Service, in_flight: int, start_by: float, end_by: float, job_timeout: float
@@ -321,6 +329,7 @@ class Runner:
         self.start_by = start_by
         self.end_by = end_by
         self.job_timeout = job_timeout
+        self.stopped = threading.Event()
 
     def run(self, jobs: list[Job]) -> None:
         queue = list(jobs)
@@ -333,16 +342,23 @@ class Runner:
                         if not queue:
                             return
                         job = queue.pop(0)
-                    if time.monotonic() > self.start_by:
-                        job.row = {"verdict": "NOT_RUN", "message": "the budget ran out first"}
+                    if self.stopped.is_set() or time.monotonic() > self.start_by:
+                        why = "interrupted" if self.stopped.is_set() else "the budget ran out first"
+                        job.row = {"verdict": "NOT_RUN", "message": why}
                         continue
                     self._one(c, job)
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.in_flight)]
         for th in threads:
             th.start()
-        for th in threads:
-            th.join()
+        try:
+            for th in threads:
+                th.join()
+        except KeyboardInterrupt:
+            self.stopped.set()
+            print("interrupted: the jobs that finished are reported", flush=True)
+        for job in jobs:
+            job.row = job.row or {"verdict": "NOT_RUN", "message": "interrupted while running"}
 
     def _one(self, c: Any, job: Job) -> None:
         t = time.perf_counter()
@@ -356,6 +372,11 @@ class Runner:
             job.row = job_row(done)
             if done.state not in (job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED):
                 job.row["verdict"] = job_pb2.JobState.Name(done.state)
+                job.row["message"] = (
+                    "cancelled by the bench at the end of its budget"
+                    if done.state == job_pb2.JOB_STATE_CANCELLED
+                    else "still running when the bench stopped"
+                )
         except errors.KernelEvalError as e:
             job.row = {"verdict": "RPC_ERROR", "message": f"{type(e).__name__}: {e}"}
         except Exception as e:  # noqa: BLE001 - the bench goes on: the row says what broke
@@ -366,6 +387,7 @@ class Runner:
               f"{r['wall_s']:.1f} s {str(r.get('message', ''))[:160]!r}", flush=True)  # fmt: skip
 
     def _wait(self, c: Any, job_id: str) -> job_pb2.Job:
+        cancel_at = self.end_by + self.CANCEL_AFTER_S
         cancelled = False
         while True:
             job = c.get_job(job_id)
@@ -373,7 +395,10 @@ class Runner:
                 job_pb2.JOB_STATE_DONE, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED
             ):  # fmt: skip
                 return job
-            if not cancelled and time.monotonic() > self.end_by + 15:
+            now = time.monotonic()
+            if self.stopped.is_set() or now > cancel_at + self.GIVE_UP_S:
+                return job  # still running: its state stands for its verdict in the report
+            if now > cancel_at and not cancelled:
                 c.cancel_job(job_id)
                 cancelled = True
             time.sleep(0.25)
@@ -539,7 +564,7 @@ def report(
         "jobs_run": len(ran),
         "jobs_as_expected": len(good),
         "jobs_not_as_expected": len(bad),
-        "jobs_not_run_budget": len(not_run),
+        "jobs_not_run": len(not_run),  # the budget ran out, or interrupted
         "submissions_skipped_missing_modules": len(skipped_subs),
         "wall_s": round(wall_s, 1),
     }
