@@ -2,7 +2,7 @@
 # Runs stages of the GPU benchmarks in order, each script under its own time limit, writing
 # every result (JSON, markdown, a log per script) into $OUT; a failing script does not stop
 # the rest. Stages: bench (= overhead recovery fidelity), kernelbench, soak, throughput,
-# prebuilt, scale_out, cpu.
+# prebuilt, scale_out, gpumode_tasks, cpu.
 #
 #   OUT=/some/dir bench/run_gpu.sh overhead recovery
 #   OUT=/some/dir bench/run_gpu.sh bench        # overhead, recovery, timing fidelity (~8 min)
@@ -33,6 +33,10 @@
 #                                               # PostgreSQL (Debian's or the pgserver
 #                                               # wheel's), KernelBench level 1 through the
 #                                               # gateway, one node killed mid-run (~3 min)
+#   OUT=/some/dir bench/run_gpu.sh gpumode_tasks # issue 43: every GPU MODE reference-kernels
+#                                               # task folder this GPU can run (GPUMODE_TASKS,
+#                                               # default .carry/reference-kernels/problems;
+#                                               # GPUMODE_BUDGET_S, default 450; ~9 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
@@ -127,11 +131,15 @@ case "$STAGE" in
   hygiene) run 120 gpu_launch_hygiene_check ;;
   outside) run 300 bench_outside_timing --budget-s "${BUDGET_S:-150}" ;;
   hardening) run 300 bench_hardening ;;
+  gpumode_tasks)  # issue 43: GPU MODE task folders, cheapest first, within the budget
+    run 580 bench_gpumode_tasks --tasks "${GPUMODE_TASKS:-.carry/reference-kernels/problems}" \
+      --budget-s "${GPUMODE_BUDGET_S:-450}"
+    ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out gpumode_tasks cpu)" >&2
     exit 2
     ;;
 esac

@@ -334,6 +334,41 @@ def test_the_judge_is_the_references_and_the_shared_modules_are_copies(run) -> N
     assert out.result.verdict == V.VERDICT_OK, out.result
 
 
+# amd/mla-decode: the data holds a KVCache module and a Config dataclass, and a call writes into
+# the cache (its eval.py copies both for the check); here a cache that counts its calls.
+STATEFUL_REFERENCE = """
+import torch
+
+class Cache:
+    def __init__(self, x):
+        self.data = x
+        self.calls = 0
+
+    def step(self):
+        self.calls += 1
+        return self.data * self.calls
+
+def generate_input(n, seed):
+    torch.manual_seed(seed)
+    return (Cache(torch.randn(n)), n)
+
+def ref_kernel(data):
+    return data[0].step()
+
+def check_implementation(data, output):
+    ok = torch.allclose(output, ref_kernel(data))
+    return ok, "" if ok else "values differ"
+"""
+
+
+def test_objects_in_the_data_are_the_kernels_own_copies(run) -> None:
+    """The kernel gets a copy of the data, its objects too (deepcopy), not only its tensors: a
+    call that changes an object of its data leaves the judge's as generate_input made it."""
+    submission = "def custom_kernel(data):\n    return data[0].step()\n"
+    out, _ = run(inline_spec(STATEFUL_REFERENCE, submission))
+    assert out.result.verdict == V.VERDICT_OK, out.result
+
+
 def test_older_judges_return_an_error_string(run) -> None:
     reference = DOUBLE_REFERENCE.replace(
         'return ok, "" if ok else "values differ"', 'return "" if ok else "values differ"'

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import V
+from kerneleval.gpumode import task_case
 from kerneleval_server.engine import Recorder, gpumode
 from kerneleval_server.engine import record as rec
 from test_gpumode import DOUBLE, DOUBLE_REFERENCE, inline_spec, task_spec
@@ -162,3 +163,38 @@ def test_an_fp8_output_and_its_nest_survive_the_record() -> None:
         assert torch.equal(back[1][0].view(torch.uint8), x.view(torch.uint8))
     finally:
         os.close(fd)
+
+
+# bioml/trimul's "cauchy" cases: generate_input seeds its own generator, then draws from torch's
+# global one (torch.distributions), which it never seeds; numpy's and Python's the same.
+GLOBAL_DRAWS_REFERENCE = """
+import random
+
+import numpy as np
+import torch
+
+def generate_input(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    noise = torch.distributions.Cauchy(0.0, 2.0).sample((n,))
+    return x + noise + float(np.random.rand()) + random.random()
+
+def ref_kernel(data):
+    return data * 2
+
+def check_implementation(data, output):
+    ok = torch.allclose(output, ref_kernel(data))
+    return ok, "" if ok else "values differ"
+"""
+
+
+def test_data_drawn_from_the_global_generators_is_made_alike_in_the_judge(
+    engine_dir: Path,
+) -> None:
+    """The judge makes each case's data again: the global generators (torch's, numpy's,
+    Python's) are seeded from the case before generate_input on both sides, so that what the
+    task leaves unseeded agrees too, whatever either process drew before."""
+    spec = inline_spec(GLOBAL_DRAWS_REFERENCE, DOUBLE)
+    spec.gpu_mode.benchmarks.append(task_case({"n": 16, "seed": 3}, "benchmarks[0]"))
+    _, final = judged(engine_dir, spec)
+    assert final is not None and final.result.verdict == V.VERDICT_OK, final

@@ -11,8 +11,11 @@
 What differs from GPU MODE's harness: a fixed number of timed trials (it stops early once the
 mean's relative error is under 0.1%), the median as the number to compare (it reports the
 mean), and a case's `seed` mixed with EvalOptions.seed when that is set (it mixes in a secret
-seed with its own formula). The judge's verdict may be GPU MODE's (passed, message) pair or
-its older error string (empty when it passed).
+seed with its own formula), the global generators (torch's, numpy's, Python's) seeded from
+each case right before its generate_input (it seeds them once, with 42, per run: its data is
+made once, where ours is made again in the judge), and the data's objects, not only its
+tensors, copied for the kernel. The judge's verdict may be GPU MODE's (passed, message) pair
+or its older error string (empty when it passed).
 
 Judged in a judge process and timed by it (EngineConfig.timed_by_judge, issue 40), the
 kernel's process times nothing: it serves its judge's timed calls (timed_calls.serve), one
@@ -26,6 +29,7 @@ shared (share_layout) is timed in the kernel's process as before, and the result
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import math
@@ -42,7 +46,7 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 from . import compare, integrity, record, tamper, timed_calls, timing
 from .backends import BuildContext
 from .backends import gpumode as backend
-from .inputs import TrialArgs, mix_seed
+from .inputs import TrialArgs, mix_seed, seed_all
 from .options import Options
 from .stops import ReporterError, SafeReporter, Stop, build_failure
 
@@ -58,6 +62,12 @@ class Case:
     label: str  # "test 2" or "benchmark 0"
     spec: str  # "size: 127; seed: 4242", the seed as used
     kwargs: dict[str, Any]
+    # What the global generators (torch's, numpy's, Python's) are seeded with right before
+    # generate_input, on every side that makes the case's data (_seed_globals).
+    global_seed: int = 0
+
+
+GLOBAL_SEED = 0x474C4F42  # mixed into a case's global_seed
 
 
 def cases(label: str, given: Iterable[kernel_pb2.TaskCase], seed: int | None) -> list[Case]:
@@ -70,8 +80,21 @@ def cases(label: str, given: Iterable[kernel_pb2.TaskCase], seed: int | None) ->
                 value = mix_seed(value, seed)
             kwargs[a.name] = value
         spec = "; ".join(f"{k}: {spec_text(v)}" for k, v in kwargs.items())
-        out.append(Case(f"{label} {i}", spec, kwargs))
+        own = kwargs.get("seed")
+        parts = [GLOBAL_SEED, label == "benchmark", i, seed or 0]
+        parts += [own] if type(own) is int else []
+        glob = mix_seed(*parts) & VARIANT_SEED_MASK
+        out.append(Case(f"{label} {i}", spec, kwargs, glob))
     return out
+
+
+def _seed_globals(seed: int) -> None:
+    """The generators a generate_input may draw from without seeding them (bioml/trimul's
+    torch.distributions draws from torch's): seeded alike wherever the case's data is made,
+    the kernel's process and its judge, which makes it again."""
+    seed_all(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 def task_value(v: kernel_pb2.TaskArg | kernel_pb2.TaskValue) -> Any:
@@ -95,14 +118,21 @@ def spec_text(value: Any) -> str:
 
 
 def clone(data: Any) -> Any:
-    """A deep copy of the tensors in a nest of tuples, lists and dicts (the rest is shared)."""
+    """A deep copy of the data: the tensors in a nest of tuples, lists and dicts cloned, any
+    other object copied whole (copy.deepcopy: amd/mla-decode's KVCache module, which a call
+    writes into, and its Config of weights), shared only where it cannot be copied."""
     if isinstance(data, torch.Tensor):
         return data.clone()
     if isinstance(data, (tuple, list)):
         return type(data)(clone(x) for x in data)
     if isinstance(data, dict):
         return {k: clone(v) for k, v in data.items()}
-    return data
+    if data is None or isinstance(data, (bool, int, float, complex, str, bytes)):
+        return data
+    try:
+        return copy.deepcopy(data)
+    except Exception:  # noqa: BLE001 - not copyable (a lock, a handle): shared, as before
+        return data
 
 
 def tensors_of(data: Any) -> list[torch.Tensor]:
@@ -486,6 +516,7 @@ class _GpuModeRun:
 
     def _generate(self, ref: backend.GpuModeReference, case: Case) -> Any:
         with self.job._guard(GENERATE), self._side(GENERATE), torch.device(self.job.dev):
+            _seed_globals(case.global_seed)
             return ref.generate_input(**case.kwargs)
         raise AssertionError("unreachable")
 
