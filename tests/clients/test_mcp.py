@@ -153,6 +153,7 @@ def test_compare_reports_progress_and_a_readable_result(svc) -> None:  # type: i
         assert s is not None and s["verdict"] == "OK" and s["correct"] is True
         assert s["trials_passed"] == "2/2" and s["speedup"] > 0
         assert s["timing_source"] == "cpu_wall_clock" and s["timed_trials"] == 3
+        assert s["timed_from_outside"] is True  # a compared ModelNew: its judge drove its calls
         assert s["flags"] == [] and s["speedup_suspicious"] in (True, False)
         assert s["summary"].startswith(f"OK (DONE), job {s['job_id']}")
         assert "(host clock, no GPU)" in s["summary"]
@@ -330,6 +331,7 @@ def test_answers_carry_notes_flags_and_where_the_time_came_from() -> None:
                 source=job_pb2.FLAG_SOURCE_STATIC)  # fmt: skip
     s = mcp_server.answer(job)
     assert s["timing_source"] == "cuda_events" and s["timed_trials"] == 100
+    assert s["timed_from_outside"] is False
     assert s["flags"] == [{"rule_id": "timer_patch", "source": "static",
                            "message": "line 3: replaces time.perf_counter"}]  # fmt: skip
     assert s["notes"] == ["the reference's time is an earlier job's"]

@@ -135,6 +135,12 @@ class JobAnswer(BaseModel):
         "a server without a GPU, not comparable with GPU times; outside_bound: the judge's own "
         "clock around each call, because the kernel's own times disagreed with it (flagged)",
     )
+    timed_from_outside: bool | None = Field(
+        None,
+        description="true: the judge drove the timed calls from outside the kernel's process "
+        "and bounded them on its own clock; false: the kernel's own process timed it (no "
+        "reference, or its data could not be shared), a time the kernel's code could forge",
+    )
     trials_passed: str | None = Field(None, description='correctness trials, e.g. "5/5"')
     max_abs_error: float | None = Field(None, description="the largest absolute difference seen")
     worst_output: str | None = Field(None, description="the output with the worst mismatch")
@@ -187,6 +193,7 @@ def summary(job: job_pb2.Job) -> dict[str, Any]:
     if r.runtime.median_ms:
         out["median_ms"] = r.runtime.median_ms
         out["timed_trials"] = r.runtime.trial_count
+        out["timed_from_outside"] = r.runtime.timed_from_outside
     if r.runtime.source != job_pb2.TIMING_SOURCE_UNSPECIFIED:
         source = render.enum_name(r.runtime.source, job_pb2.TimingSource, "TIMING_SOURCE_")
         out["timing_source"] = source.lower()

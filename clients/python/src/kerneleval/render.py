@@ -293,10 +293,11 @@ def labels_text(labels: Mapping[str, str]) -> str:
 def _stats(r: job_pb2.RuntimeStats) -> str:
     source = enum_name(r.source, job_pb2.TimingSource, "TIMING_SOURCE_").lower()
     flushed = ", L2 flushed" if r.l2_flushed else ""
+    outside = ", timed from outside its process" if r.timed_from_outside else ""
     return (
         f"median {r.median_ms:.4f} ms  mean {r.mean_ms:.4f}  std {r.std_ms:.4f}  "
         f"min {r.min_ms:.4f}  max {r.max_ms:.4f}  p95 {r.p95_ms:.4f}  "
-        f"({r.trial_count} trials, {source}{flushed})"
+        f"({r.trial_count} trials, {source}{flushed}{outside})"
     )
 
 
