@@ -33,6 +33,10 @@
 #                                               # PostgreSQL (Debian's or the pgserver
 #                                               # wheel's), KernelBench level 1 through the
 #                                               # gateway, one node killed mid-run (~3 min)
+#   OUT=/some/dir bench/run_gpu.sh restart      # issue 41: SIGTERM with 20 compared jobs in
+#                                               # flight (drain, restart, every job recorded
+#                                               # once), then load_inline builds before and
+#                                               # after a restart on a warm state folder (~6 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
@@ -127,11 +131,12 @@ case "$STAGE" in
   hygiene) run 120 gpu_launch_hygiene_check ;;
   outside) run 300 bench_outside_timing --budget-s "${BUDGET_S:-150}" ;;
   hardening) run 300 bench_hardening ;;
+  restart) run 420 bench_restart ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out restart cpu)" >&2
     exit 2
     ;;
 esac
