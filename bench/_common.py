@@ -101,6 +101,8 @@ class Service:
     def start(self, timeout: float = 180.0) -> Service:
         if not WATCHDOG.exists():
             raise SystemExit(f"the watchdog is not built ({WATCHDOG}): run `make watchdog`")
+        # A start again on the same folder (a restart): the last start's port is not this one's.
+        self.port_file.unlink(missing_ok=True)
         stderr = open(self.root / "service.stderr", "wb")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
             self.cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=stderr,

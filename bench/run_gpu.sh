@@ -37,6 +37,10 @@
 #                                               # task folder this GPU can run (GPUMODE_TASKS,
 #                                               # default .carry/reference-kernels/problems;
 #                                               # GPUMODE_BUDGET_S, default 450; ~9 min)
+#   OUT=/some/dir bench/run_gpu.sh restart      # issue 41: SIGTERM with 20 compared jobs in
+#                                               # flight (drain, restart, every job recorded
+#                                               # once), then load_inline builds before and
+#                                               # after a restart on a warm state folder (~6 min)
 #   OUT=/some/dir bench/run_gpu.sh cpu          # front end at scale (CPU only, ~1 min)
 #
 # Needs build/watchdog/kerneleval-watchdog (make watchdog) and the generated code under
@@ -135,11 +139,12 @@ case "$STAGE" in
     run 580 bench_gpumode_tasks --tasks "${GPUMODE_TASKS:-.carry/reference-kernels/problems}" \
       --budget-s "${GPUMODE_BUDGET_S:-450}"
     ;;
+  restart) run 420 bench_restart ;;
   cpu)
     run 300 bench_frontend_scale
     ;;
   *)
-    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out gpumode_tasks cpu)" >&2
+    echo "usage: OUT=DIR $0 STAGE... (bench overhead recovery fidelity kernelbench soak throughput watchdog interference prebuilt builds hygiene hardening judge scale_out gpumode_tasks restart cpu)" >&2
     exit 2
     ;;
 esac

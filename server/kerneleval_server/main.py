@@ -611,6 +611,7 @@ class Server:
         while m.running and time.monotonic() < began + grace:
             await asyncio.sleep(0.1)
         left = unfinished(m)
+        m.cut_off.update(job_id for job_id, _ in left)  # a result while processes stop: not taken
         for job_id, why in left:
             log.warning(
                 "job %s re-runs at the next start: the %.0f s grace ended while %s",

@@ -168,3 +168,48 @@ def test_what_cannot_finish_in_the_grace_reruns_and_the_log_names_it(tmp_path: P
         stub.CancelJob(pb.CancelJobRequest(job_id=hang.job_id))
     finally:
         svc.stop()
+
+
+# Its reference takes over a second: its judge is still at work when a short grace ends, and
+# would end within the job processes' own time to stop (the watchdog kills them 2 s on).
+LATE_REFERENCE = k.GOOD.replace(
+    "        return x * 2.0 + 1.0",
+    "        import time\n        time.sleep(0.3)\n        return x * 2.0 + 1.0",
+)
+
+
+def test_a_job_the_grace_cut_off_is_not_recorded_as_the_service_stops(tmp_path: Path) -> None:
+    """What the log names at the grace's end runs again at the next start, as it says: a
+    judge that ends while the job processes stop is not recorded (it was: attempt 1, DONE,
+    under a "re-runs at the next start" line, its timing window's freeze refused)."""
+    svc = ServiceProcess(
+        tmp_path / "state",
+        ["--nvml", "none", "--shutdown-grace-s", "0.3", "--workers-per-device", "2",
+         "--log-level", "INFO"],
+    )  # fmt: skip
+    svc.start()
+    stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+    late = k.spec(FAST_KERNEL, reference=LATE_REFERENCE, perf_trials=0)
+    late.options.correct_trial_count = 4
+    job = stub.Submit(pb.SubmitRequest(spec=late)).job
+    follow = Follow(stub, job.job_id)
+    wait_for(lambda: follow.saw(lambda e: "judged by" in e.log.text), 60, "its judge")
+    stop_and_time(svc)
+    lines = [
+        line for line in svc.log_path.read_text(errors="replace").splitlines()
+        if "re-runs at the next start" in line
+    ]  # fmt: skip
+    assert len(lines) == 1 and job.job_id in lines[0], svc.log_tail()
+    svc.start()
+    try:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+        get = lambda: stub.GetJob(pb.GetJobRequest(job_id=job.job_id)).job  # noqa: E731
+        wait_for(lambda: get().state == job_pb2.JOB_STATE_DONE, 60, "its result")
+        done = get()
+        assert done.result.verdict == job_pb2.VERDICT_OK, done.result
+        assert done.attempt_count == 2, done  # it ran again, as the log said
+        events = events_of(stub, job.job_id)
+        assert [e.started.attempt for e in events if e.HasField("started")] == [1, 2]
+        assert sum(e.HasField("finished") for e in events) == 1
+    finally:
+        svc.stop()

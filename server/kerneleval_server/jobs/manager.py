@@ -133,6 +133,9 @@ class JobManager:
         self.memory = GpuMemory(config.gpu_memory_share)
         self.watchdog: WatchdogLike | None = None
         self.draining = False
+        # Started jobs the drain's grace ended on (main.py `_shutdown`): they run again at the
+        # next start, as the log and their events say, so nothing of this run is recorded.
+        self.cut_off: set[str] = set()
         self.on_health_change: Callable[[], None] = lambda: None
         self.started_at = time.time()
         self.queue_latency: deque[float] = deque(maxlen=2000)
@@ -655,6 +658,8 @@ class JobManager:
     def finish(
         self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
     ) -> None:
+        if job.job_id in self.cut_off and state != job_pb2.JOB_STATE_CANCELLED:
+            return  # it ended as the job processes stopped, past the grace: it runs again
         run = self.running.pop(job.job_id, None)
         self.builds.forget(job.job_id)
         self.crowding.alone.discard(job.job_id)
