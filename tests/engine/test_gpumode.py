@@ -449,3 +449,28 @@ def test_run_job_forgets_the_shared_modules(run) -> None:
     assert out.result.verdict == V.VERDICT_OK
     assert "task" not in sys.modules and "utils" not in sys.modules
     assert not any("gpumode" in p for p in sys.path)
+
+
+def test_walks_over_a_nest_hold_nothing_once_done() -> None:
+    """share_layout, share_rebuild, flatten and rebuild leave no reference cycle behind: one
+    would keep a call's data (gigabytes a call on a GPU) until the cyclic collector ran, and
+    a judge timing 100 calls ran out of GPU memory that way."""
+    import gc
+    import weakref
+
+    import torch
+    from kerneleval_server.engine import gpumode as engine_gpumode
+
+    gc.collect()
+    gc.disable()
+    try:
+        data = (torch.ones(4), [torch.ones(2), {"k": torch.ones(3)}], 7)
+        gone = [weakref.ref(t) for t in (data[0], data[1][0], data[1][1]["k"])]
+        leaves, tree = engine_gpumode.share_layout(data)
+        rebuilt = engine_gpumode.share_rebuild(leaves, tree)
+        out, structure = engine_gpumode.flatten(rebuilt)
+        assert engine_gpumode.rebuild(out, structure) == rebuilt
+        del data, leaves, tree, rebuilt, out, structure
+        assert [r() for r in gone] == [None, None, None]
+    finally:
+        gc.enable()
