@@ -59,15 +59,15 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
     from kerneleval.v1 import kernel_pb2
     from kerneleval.v1 import operations_service_pb2 as ops
     from kerneleval_server.jobs.admission import Admission
-    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.intake import Intake
 
     def target(devices: list[ops.Device], pinned: int | None = None) -> str:
         shared = SimpleNamespace(node_devices=lambda: devices)
-        me = SimpleNamespace(shared=shared, devices={})
+        intake = Intake(SimpleNamespace(shared=shared, fleet=None))  # type: ignore[arg-type]
         admission = Admission(
             SimpleNamespace(engine=""),  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
-            lambda: JobManager._devices(me),  # type: ignore[arg-type]
+            intake.devices,
         )
         spec = kernel_pb2.JobSpec()
         if pinned is not None:
@@ -508,13 +508,13 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         fourth.record.close()
 
         # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
-        m._drop_record(second)
+        m.judges.drop_record(second)
         judge2 = standing("d0-jc", key)
         third = kernel_started("j3", "d0-k2")
         assert third.ahead is judge2
         judge2.writer.received()
         gate.clear()
-        m._drop_record(third)  # the job ended first
+        m.judges.drop_record(third)  # the job ended first
         m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
         assert judge2.writer.frames[-1].judge_go.abandon and gate == []  # nothing asked

@@ -41,7 +41,7 @@ JOB_MEMORY_LIMIT = "JobMemoryLimit"
 
 @dataclass
 class Decision:
-    verdict: int  # job_pb2.Verdict; VERDICT_UNSPECIFIED means: re-run if attempts remain
+    verdict: job_pb2.Verdict  # VERDICT_UNSPECIFIED: re-run if attempts remain
     fault: job_pb2.FaultInfo
     # The result's error, where the fault is one a client should read first (EvalResult.error).
     error: job_pb2.ErrorInfo | None = None

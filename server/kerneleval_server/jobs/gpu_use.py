@@ -178,6 +178,16 @@ class GpuUse:
         memory.hold(device, holder, size)  # still theirs: the judge waits with the others
         return False
 
+    def learn(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """What the job's problem needs of a GPU's memory, from a run that went to its end
+        (a poisoned context or a crash says nothing of it)."""
+        if (
+            outcome.peak_memory_bytes
+            and not outcome.context_poisoned
+            and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
+        ):
+            self.m.memory.learn(self.memory_key(run), outcome.peak_memory_bytes)
+
     @staticmethod
     def memory_key(run: Running) -> str:
         if not run.memory_key:

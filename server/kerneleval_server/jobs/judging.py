@@ -31,8 +31,10 @@ from kerneleval_server.fleet.timing_windows import TimingWindows
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
+from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.events import EventHub
 from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.judge_record import Record
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 from kerneleval_server.jobs.running import Running
 from kerneleval_server.jobs.scheduler import GpuGate
@@ -66,7 +68,11 @@ class JudgesHost(Protocol):
     def dispatch(self) -> None: ...
     def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
     def free_worker(self, worker: WorkerState, completed: bool) -> None: ...
     def worker_lost(self, worker: WorkerState) -> None: ...
@@ -108,6 +114,34 @@ def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
     session per benchmark case (engine/gpumode.py); one whose data cannot be shared is timed
     in its own process, as its result says."""
     return is_timed(spec.options) and not prebuilt
+
+
+def record_for(
+    job_id: str,
+    spec: kernel_pb2.JobSpec,
+    hello: job_channel_pb2.Hello | None,
+    config: Config,
+    prebuilt: list[job_channel_pb2.KernelArtifact],
+    build_arch: str,
+) -> tuple[Record | None, bool]:
+    """The record a job's kernel's process is given (None: it is judged there, or not at
+    all), and whether its judge times the kernel (AssignJob.timed_by_judge): a job run whole,
+    or launched built ahead with its reference judged outside (prebuild.reference_judged);
+    never a build job (`build_arch`)."""
+    if (
+        build_arch
+        or (prebuilt and not prebuild.reference_judged(spec))
+        or config.record_max_mib <= 0
+        or not wanted(spec, hello)
+    ):
+        return None, False
+    record = Record.make(
+        job_id, config.record_max_mib << 20, spec, config.record_share_max_mib << 20
+    )
+    timed_by_judge = times_kernel(spec, prebuilt)
+    # Its process serves the calls only with the record's socket.
+    record.timed_by_judge = timed_by_judge and record.share_theirs >= 0
+    return record, timed_by_judge
 
 
 def judge_request(
@@ -284,6 +318,22 @@ class Judges:
         go = job_channel_pb2.JudgeGo(job_id=run.job.job_id, abandon=True)
         if not judge.send(job_channel_pb2.FrontendMessage(judge_go=go)):
             self.m.worker_lost(judge)
+
+    def drop_record(self, run: Running) -> None:
+        """The job is done with its record: closed, what its shares held of the GPU given
+        back, a judge started ahead with it (which holds it too) told to leave it, and a
+        kernel's process that served its timed calls watched to its exit."""
+        self.leave_ahead(run)
+        kernel = run.kernel_worker
+        if run.kernel_serves and kernel is not None:
+            self.m.watch_exit(kernel)
+        record = run.record
+        if record is None:
+            return
+        if record.gpu_held_on is not None:
+            self.m.memory.release(record.gpu_held_on, record.holder)
+            record.gpu_held_on = None
+        record.close()
 
     def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The kernel ran OK in its process: its record, sealed (at once, unless that process

@@ -101,6 +101,13 @@ class ProcessKeeper:
                 self.spawn(self.m.watchdog.set_job(worker.worker_id, ""))
         worker.job_id = ""
 
+    def let_go(self, run: Running, completed: bool) -> None:
+        """The run is over for the front end: its timers stop, its process takes no more of
+        it."""
+        run.stop_timers()
+        if run.worker.job_id == run.job.job_id:
+            self.free_worker(run.worker, completed=completed)
+
     def after_outcome(
         self,
         worker: JobProcess,
@@ -131,7 +138,7 @@ class ProcessKeeper:
             worker.gone = True
             if outcome.serves_timed_calls and run.record is not None and not judge:
                 # It stays, for its judge's timed calls; it is watched to its exit once the
-                # job is done with it (_drop_record). Its slot goes to a spare all the same,
+                # job is done with it (judging.drop_record). Its slot goes to a spare all the same,
                 # and its memory to its judge's admission: it let go of its checks' tensors,
                 # and what its calls use is the judge's (timed_calls.py); held apart, the
                 # judges its processes wait for would wait for them (seen on an H200).

@@ -2,7 +2,7 @@
 `Running` record, and where it is (`Stage`) as one value.
 
 A job goes QUEUED -> RUNNING in the store when a process takes it (manager.py `start`); from
-then on the manager follows it here until `_finish`. On the way it may be:
+then on the manager follows it here until `finish`. On the way it may be:
 
     RUNNING            its process (whole, a build, a launch or its judge) runs it
     AWAITING_LAUNCH    built ahead, waiting for a launch process (its deadline paused)
@@ -94,6 +94,15 @@ class Running:
     def judged_now(self) -> bool:
         """Its kernel ran OK and handed over: what its process says now is its judge's."""
         return self.record is not None and self.record.kernel_outcome is not None
+
+    def stop_timers(self) -> None:
+        """Its kill's fallback, its deadline and its outcome's wait for an XID stop."""
+        for timer in self.timers:
+            timer.cancel()
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.outcome_wait is not None:
+            self.outcome_wait.cancel()
 
     # The stage in judging.py's and gpu_use.py's words.
     @property

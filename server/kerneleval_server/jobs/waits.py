@@ -78,7 +78,11 @@ class WaitsHost(Protocol):
     def watchdog(self) -> WatchdogLike | None: ...
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
 
 

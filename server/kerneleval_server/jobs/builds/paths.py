@@ -63,7 +63,11 @@ class Lifecycle(Protocol):
     def dispatch(self) -> None: ...
     def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
     def track(
         self,
@@ -148,6 +152,16 @@ class BuildPaths:
         if self.extensions.building(worker) is not None:
             why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
             self.extension_build_lost(worker, why)
+
+    def keep_compiled(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """What the job's process compiled, kept for later jobs with the same code."""
+        if not outcome.compile_cache:
+            return
+        why = self.compile_cache.store(
+            run.job.spec, run.worker.device_index, run.compile_cache, list(outcome.compile_cache)
+        )
+        if why:
+            log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
 
     def forget(self, job_id: str) -> None:
         """The job ended: nothing of it waits here any more."""
