@@ -99,10 +99,10 @@ def from_outcome(run: Running, result: job_pb2.EvalResult) -> job_pb2.EvalResult
             result.verdict = job_pb2.VERDICT_DEVICE_FAULT
     if run.outcome.context_poisoned:
         result.fault.worker_restarted = True
-        result.fault.worker_pid = run.worker.pid
+        result.fault.worker_pid = run.proc.pid
         if not result.fault.description:
             result.fault.description = (
-                f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
+                f"the CUDA context of worker {run.proc.worker_id} is poisoned; "
                 "it exited and was replaced"
             )
     return result
@@ -125,10 +125,10 @@ def protocol_violation(run: Running, what: str) -> job_pb2.EvalResult:
     result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
     result.error.exception_type = "ProtocolViolation"
     result.error.message = what
-    result.fault.worker_pid = run.worker.pid
+    result.fault.worker_pid = run.proc.pid
     result.fault.worker_restarted = True
     result.fault.description = (
-        f"job process {run.worker.worker_id} broke the job channel's protocol and was killed"
+        f"job process {run.proc.worker_id} broke the job channel's protocol and was killed"
     )
     return result
 

@@ -64,12 +64,12 @@ class Exits:
     def kill(self, run: Running, reason: str) -> None:
         """Asks the watchdog to kill the job's process (`reason`: a metrics.KILL_*); its exit
         ends the job, or, never reported, the fallback does."""
-        run.worker.gone = True
+        run.proc.gone = True
         if self.m.watchdog is not None:
-            self.m.spawn(self.m.watchdog.kill_worker(run.worker.worker_id, reason))
+            self.m.spawn(self.m.watchdog.kill_worker(run.proc.worker_id, reason))
         run.timers.append(
             asyncio.get_running_loop().call_later(
-                KILL_FALLBACK_S, self.lost, run.job.job_id, run.worker.worker_id
+                KILL_FALLBACK_S, self.lost, run.job.job_id, run.proc.worker_id
             )
         )
 
@@ -77,12 +77,12 @@ class Exits:
         """The job's process is gone and no exit was reported (its kill unconfirmed, its
         channel dropped): as an exit the front end makes up."""
         run = self.m.running.get(job_id)
-        if run is None or run.worker.worker_id != worker_id:
+        if run is None or run.proc.worker_id != worker_id:
             return
         exited = watchdog_pb2.WorkerExited(exit_code=-1, reason=metrics_mod.LOST_REASON)
         exited.worker.worker_id = worker_id
-        exited.worker.pid = run.worker.pid
-        exited.worker.device_index = run.worker.device_index
+        exited.worker.pid = run.proc.pid
+        exited.worker.device_index = run.proc.device_index
         self.before_outcome(run, exited)
 
     def before_outcome(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
@@ -95,7 +95,7 @@ class Exits:
         if run.kill is Kill.CANCEL:
             result = job_pb2.EvalResult()
             result.fault.worker_restarted = exited.restarting
-            result.fault.description = f"cancelled; worker {run.worker.worker_id} was replaced"
+            result.fault.description = f"cancelled; worker {run.proc.worker_id} was replaced"
             self.m.finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
             return
         decision = faults.classify_exit(

@@ -75,8 +75,7 @@ class Intake:
         if shared is not None:
             return [(d.index, d.name, d.driver_version) for d in shared.node_devices()]
         return [
-            (d.index, d.status.name, d.status.driver_version)
-            for d in self.m.fleet.devices.values()
+            (d.index, d.status.name, d.status.driver_version) for d in self.m.fleet.devices.values()
         ]
 
     # ---- sent, then stored ---------------------------------------------------------------
@@ -154,9 +153,7 @@ class Intake:
 
     # ---- answered without running ----------------------------------------------------------
 
-    def answer(
-        self, job: job_pb2.Job, source: job_pb2.Job, origin: job_pb2.ResultOrigin
-    ) -> None:
+    def answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: job_pb2.ResultOrigin) -> None:
         """Ends `job` with the result `source` computed."""
         job.result_origin = origin
         job.result_job_id = source.result_job_id or source.job_id

@@ -94,13 +94,13 @@ class JobManager:
         # and freed (processes.py).
         self.processes = p = ProcessKeeper(self)
         self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
-        self.free_worker, self.worker_lost = p.free_worker, p.worker_lost
+        self.free_process, self.kill_lost = p.free_process, p.kill_lost
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
-        self.workers = JobProcessTable()
+        self.job_processes = JobProcessTable()
         # What its job processes say (messages.py), on their channels.
         self.messages = JobProcessMessages(self)
         self.channels = JobChannels(self.messages)
@@ -243,7 +243,7 @@ class JobManager:
         lets started jobs finish: their judges, launches of what was built for them, the
         load_inline builds they wait on; nothing new leaves the queue."""
         self.gpu_use.admit_waiting()
-        ready = [w for w in self.workers.by_id.values() if w.ready]
+        ready = [w for w in self.job_processes.by_id.values() if w.ready]
         standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
         ready = [w for w in ready if not w.judge_key]
         self.builds.dispatch_builds(ready, self.draining)  # build processes' work first
@@ -260,39 +260,39 @@ class JobManager:
         held = self.crowding.held_devices()
         if self.judges.queue:  # a job half done (its kernel ran) first
             self.judges.start(gpu, standing, held)
-        for worker in gpu:
-            if worker.device_index in held and worker.ready:
-                self._start_alone(worker, held[worker.device_index])
+        for proc in gpu:
+            if proc.device_index in held and proc.ready:
+                self._start_alone(proc, held[proc.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
-        for worker in sorted(gpu, key=lambda w: -w.launches):
-            if not worker.ready:  # a judge, or a job alone, took it above
+        for proc in sorted(gpu, key=lambda w: -w.launches):
+            if not proc.ready:  # a judge, or a job alone, took it above
                 continue
-            built = self.builds.next_launch(worker.device_index)
+            built = self.builds.next_launch(proc.device_index)
             if built:
-                self.start(built, worker)
-        for worker in sorted(gpu, key=lambda w: w.launches):
-            if worker.ready and len(self.queue) and not self.draining:
+                self.start(built, proc)
+        for proc in sorted(gpu, key=lambda w: w.launches):
+            if proc.ready and len(self.queue) and not self.draining:
                 queued = self.queue.pop_for(
-                    worker.device_index,
+                    proc.device_index,
                     lambda q: (
                         not self.builds.built_ahead(q) and q.job_id not in self.crowding.alone
                     ),
-                    self.fleet.device_name(worker.device_index),
+                    self.fleet.device_name(proc.device_index),
                 )
                 if queued is not None:
-                    self.start(queued.job_id, worker)
+                    self.start(queued.job_id, proc)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _start_alone(self, worker: JobProcess, job_id: str) -> None:
-        """Starts the job held for the worker's GPU once the GPU runs nothing else."""
-        if job_id in self.running or self.crowding.busy_on(worker.device_index, worker):
+    def _start_alone(self, proc: JobProcess, job_id: str) -> None:
+        """Starts the job held for the process's GPU once the GPU runs nothing else."""
+        if job_id in self.running or self.crowding.busy_on(proc.device_index, proc):
             return
-        queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
+        queued = self.queue.pop_for(proc.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
-            self.start(queued.job_id, worker)
+            self.start(queued.job_id, proc)
 
-    def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None:
-        """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
+    def start(self, job_id: str, proc: JobProcess, build_arch: str = "") -> None:
+        """Starts the job on the job process: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
         waiting = self.running.get(job_id)  # built ahead: this is its launch
         new = self.intake.unstored(job_id)
@@ -308,14 +308,14 @@ class JobManager:
         cached = (
             []
             if build_arch or prebuilt
-            else self.builds.compile_cache.files_for(job.spec, worker.device_index)
+            else self.builds.compile_cache.files_for(job.spec, proc.device_index)
         )
         # A compared job is judged outside its kernel's process, through its record.
         record, timed_by_judge = judging.record_for(
-            job_id, job.spec, worker.hello, self.config, prebuilt, build_arch
+            job_id, job.spec, proc.hello, self.config, prebuilt, build_arch
         )
         try:
-            sent = worker.assign(
+            sent = proc.assign(
                 job_id,
                 job.spec,
                 job.attempt_count + (1 if waiting is None else 0),
@@ -343,34 +343,34 @@ class JobManager:
         try:
             self.store_new(job_id)
         except Exception:
-            self.worker_lost(worker)  # it has a job the service could not keep
+            self.kill_lost(proc)  # it has a job the service could not keep
             raise
         if not build_arch:
-            job.device_index = worker.device_index
+            job.device_index = proc.device_index
         # A build and its launch are one attempt.
-        self.mark_started(job, worker.worker_id, new_attempt=waiting is None)
+        self.mark_started(job, proc.worker_id, new_attempt=waiting is None)
         if waiting is None:
-            run = self.track(job, worker, list(cached))
+            run = self.track(job, proc, list(cached))
             run.build_arch, run.given_reference = build_arch, given
         else:
             run = waiting
-            run.job, run.worker, run.phase = job, worker, 0
+            run.job, run.proc, run.phase = job, proc, 0
             run.stage, run.built = Stage.RUNNING, []
         run.record = record
         assert run.deadline is not None
         if waiting is not None:
             run.deadline.resume()
-        worker.job_id = job_id
+        proc.job_id = job_id
         if not build_arch:
-            self.crowding.mark(run, worker)
-        if self.windows.frozen(worker.device_index):
+            self.crowding.mark(run, proc)
+        if self.windows.frozen(proc.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
-        where = {"worker_id": worker.worker_id, "device_index": worker.device_index}
+        where = {"worker_id": proc.worker_id, "device_index": proc.device_index}
         log.info("job started", extra={"job_id": job_id, **where})
         if self.watchdog is not None:
-            self.spawn(self.watchdog.set_job(worker.worker_id, job_id))
+            self.spawn(self.watchdog.set_job(proc.worker_id, job_id))
         if not sent:
-            self.worker_lost(worker)
+            self.kill_lost(proc)
             return
         if prebuilt:
             self.gpu_use.ask_early(run)
@@ -380,14 +380,14 @@ class JobManager:
     def track(
         self,
         job: job_pb2.Job,
-        worker: JobProcess,
+        proc: JobProcess,
         compile_cache: list[job_channel_pb2.CacheFile] | None = None,
     ) -> Running:
         """A job that starts now: followed until it ends, its timeout running."""
         self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
         run = Running(
             job=job,
-            worker=worker,
+            proc=proc,
             timeout_s=timeout_of(job.spec, self.max_timeout_s),
             compile_cache=compile_cache or [],
         )
@@ -415,14 +415,14 @@ class JobManager:
 
     # ---- its process answers: on_outcome (what else it says: messages.py) ----------------
 
-    def on_outcome(self, worker: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
+    def on_outcome(self, proc: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
         """Its process answered: its judge is next (its kernel ran OK and handed over), or it
         ends, once what its result may still carry is in (an XID, its window's reading)."""
         run = self.running.get(outcome.job_id)
-        if self.judges.answers_ahead(worker, outcome.job_id, run):  # the job left it
-            self.judges.ahead_answered(worker, outcome)
+        if self.judges.answers_ahead(proc, outcome.job_id, run):  # the job left it
+            self.judges.ahead_answered(proc, outcome)
             return
-        if run is None or run.worker is not worker:
+        if run is None or run.proc is not proc:
             return
         run.outcome = outcome
         self.builds.keep_compiled(run, outcome)
@@ -432,7 +432,7 @@ class JobManager:
             self.judges.judged(run, outcome)
         else:  # only a judge given an earlier job's time of the reference says its age
             outcome.result.ClearField("reference_runtime_age")
-        self.processes.after_outcome(worker, run, outcome, judge)
+        self.processes.after_outcome(proc, run, outcome, judge)
         if (
             run.record is not None
             and run.record.kernel_outcome is None
@@ -457,7 +457,7 @@ class JobManager:
             and wait > 0
         ):
             # NVML reports the XID up to ~2 s after the fault: give the result a chance to
-            # carry it. The worker is already out of the pool, so no other job waits on this.
+            # carry it. Its process is already out of the pool, so no other job waits on this.
             run.outcome_wait = asyncio.get_running_loop().call_later(
                 wait, self._finish_outcome, outcome.job_id
             )
@@ -509,17 +509,17 @@ class JobManager:
         self.dispatch()
         return True
 
-    def on_protocol_violation(self, worker: JobProcess, what: str) -> None:
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None:
         """The job process sent what its channel does not allow: kill it; its job ends with
         a runtime error that says what it sent (not retried: the job's own code did it)."""
-        worker.gone = True
+        proc.gone = True
         self.metrics.protocol_violations.inc()
         if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
-        run = next((r for r in self.running.values() if r.worker is worker), None)
+            self.spawn(self.watchdog.kill_worker(proc.worker_id, metrics_mod.KILL_PROTOCOL))
+        run = next((r for r in self.running.values() if r.proc is proc), None)
         if run is None:
-            why = f"job process {worker.worker_id} broke the protocol after its job: {what}"
-            log.warning(why, extra={"worker_id": worker.worker_id})
+            why = f"job process {proc.worker_id} broke the protocol after its job: {what}"
+            log.warning(why, extra={"worker_id": proc.worker_id})
             return
         if run.kill is Kill.CANCEL:
             return  # the kill is under way; the cancel ends the job
@@ -640,19 +640,19 @@ class JobManager:
         run.kill = Kill.TIMEOUT
         self.exits.kill(run, metrics_mod.KILL_TIMEOUT)
 
-    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
+    def process_exited(self, proc: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
         """A job process exited (out of the table already): what it held goes back (its GPU
         grant and memory), an extension build it ran is lost, its job ends or retries."""
-        self.gate.release(worker.device_index, worker.worker_id)
-        self.memory.release(worker.device_index, worker.worker_id)
-        self.gpu_use.waiting.pop(worker.worker_id, None)
-        self.builds.process_exited(worker, exited)
+        self.gate.release(proc.device_index, proc.worker_id)
+        self.memory.release(proc.device_index, proc.worker_id)
+        self.gpu_use.waiting.pop(proc.worker_id, None)
+        self.builds.process_exited(proc, exited)
         for run in list(self.running.values()):
-            if run.kernel_worker is worker:
+            if run.kernel_proc is proc:
                 self.judges.kernel_exited(run)
-            if run.ahead is worker:  # its judge starts afresh once its kernel is done
+            if run.ahead is proc:  # its judge starts afresh once its kernel is done
                 run.ahead = None
-            if run.worker is worker:
+            if run.proc is proc:
                 self.exits.before_outcome(run, exited)
 
     def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None:
