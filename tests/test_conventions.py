@@ -312,17 +312,18 @@ def test_reasons_the_code_emits_are_known() -> None:
     assert {f"killed:{k}" for k in metrics_mod.KILL_REASONS} <= reasons
 
     server = REPO / "server" / "kerneleval_server"
-    # The job manager's kills, its job processes' keeping's, and the watchdog events' (a job
-    # process without its channel).
+    # The job manager's kills (a job's process killed: exits.py), its job processes'
+    # keeping's, and the watchdog events' (a job process without its channel).
     killers = [
         server / "jobs" / "manager.py",
+        server / "jobs" / "exits.py",
         server / "jobs" / "processes.py",
         server / "fleet" / "watchdog_events.py",
     ]
     kills = []
     for node in (n for p in killers for n in ast.walk(ast.parse(p.read_text()))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in ("kill_worker", "_kill") and len(node.args) == 2:
+            if node.func.attr in ("kill_worker", "kill") and len(node.args) == 2:
                 kills.append(node.args[1])
             for kw in node.keywords:
                 if kw.arg == "reason" and isinstance(kw.value, ast.Constant):
@@ -330,7 +331,7 @@ def test_reasons_the_code_emits_are_known() -> None:
     assert len(kills) >= 6
     for arg in kills:  # a named constant, so the list above stays complete
         if isinstance(arg, ast.Name) and arg.id == "reason":
-            continue  # _kill passes its own argument on
+            continue  # Exits.kill passes its own argument on
         assert isinstance(arg, ast.Attribute) and arg.attr.startswith("KILL_"), ast.unparse(arg)
         assert getattr(metrics_mod, arg.attr) in metrics_mod.KILL_REASONS
 

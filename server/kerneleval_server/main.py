@@ -314,7 +314,7 @@ class Server:
         """The builder's part: its versions, as its build processes' Python has them."""
         env = job_env(self.cfg)
         torch_version, cuda_version = await asyncio.to_thread(probe_versions, env)
-        workers = self.manager.workers.by_id
+        workers = self.manager.job_processes.by_id
 
         def idle() -> int:
             return sum(1 for w in workers.values() if w.ready and w.device_index == BUILD_DEVICE)

@@ -10,12 +10,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
 # A method's handler, whatever its request and response (grpc-stubs make it generic).
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+# A server interceptor of any method: grpc-stubs make it generic, grpc's own class is not
+# subscriptable, so the parameters are the type checker's only.
+if TYPE_CHECKING:
+    Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.aio.ServerInterceptor
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -154,7 +160,7 @@ def _split(method: str) -> tuple[str, str]:
 _PASS_THROUGH = (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt)
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(Interceptor):
     """Counts every RPC with its final status code and times it."""
 
     def __init__(self, metrics: Metrics) -> None:

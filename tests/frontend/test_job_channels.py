@@ -177,7 +177,7 @@ async def start_process(m: JobManager, worker_id: str, hello: bool = True) -> Fa
     front, proc = socket.socketpair()
     ev = watchdog_pb2.WatchdogEvent()
     ev.worker_started.worker.worker_id = worker_id
-    ev.worker_started.worker.pid = 1000 + len(m.workers.by_id)
+    ev.worker_started.worker.pid = 1000 + len(m.job_processes.by_id)
     ev.worker_started.worker.device_index = -1
     ev.worker_started.channel_attached = True
     attached = AttachedFd(front.detach())
@@ -188,7 +188,7 @@ async def start_process(m: JobManager, worker_id: str, hello: bool = True) -> Fa
     fake = FakeJobProcess(reader, writer)
     if hello:
         await fake.send(hello=job_channel_pb2.Hello(worker_id=worker_id, pid=1, device_index=-1))
-        await until(lambda: m.workers.by_id[worker_id].ready)
+        await until(lambda: m.job_processes.by_id[worker_id].ready)
     return fake
 
 
@@ -254,7 +254,7 @@ def test_a_job_is_sent_to_its_process_before_it_is_stored(tmp_path: Path) -> Non
     async def scenario() -> None:
         m, _ = new_manager(tmp_path)
         proc = await start_process(m, "c-w1")
-        worker = m.workers.by_id["c-w1"]
+        worker = m.job_processes.by_id["c-w1"]
         order: list[str] = []
         insert, assign = m.store.insert, worker.assign
 
@@ -307,7 +307,7 @@ def test_one_job_per_process_and_its_exit_is_no_failure(tmp_path: Path) -> None:
         assert m.store.get(second.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
         proc.writer.close()
         m.watchdog_events.on_event(exited("c-w1"))
-        await until(lambda: "c-w1" not in m.workers.by_id)
+        await until(lambda: "c-w1" not in m.job_processes.by_id)
         assert m.fleet.counters["restarts"] == 0 and wd.kills == []
         # The next process takes the queued job.
         nxt = await start_process(m, "c-w2", hello=False)
@@ -336,7 +336,7 @@ def test_exit_reported_before_the_outcome_is_read(tmp_path: Path) -> None:
         done = m.store.get(job.job_id)
         assert done is not None and done.state == job_pb2.JOB_STATE_DONE
         assert done.result.verdict == job_pb2.VERDICT_INCORRECT and done.attempt_count == 1
-        await until(lambda: "c-w1" not in m.workers.by_id)
+        await until(lambda: "c-w1" not in m.job_processes.by_id)
 
     run_async(scenario)
 
@@ -400,7 +400,7 @@ def test_frame_before_hello_kills_the_process(tmp_path: Path) -> None:
         proc = await start_process(m, "c-w1", hello=False)
         await proc.send(log=job_channel_pb2.LogLine(job_id="", text="early"))
         await until(lambda: wd.kills == [("c-w1", "protocol")])
-        assert not m.workers.by_id["c-w1"].ready
+        assert not m.job_processes.by_id["c-w1"].ready
         job = m.submit(job_spec())
         await asyncio.sleep(0.05)
         assert m.store.get(job.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
@@ -452,7 +452,7 @@ def test_a_job_too_big_for_a_frame_fails_and_the_process_stays_ready(tmp_path: P
         done = m.store.get(job.job_id)
         assert done is not None and done.state == job_pb2.JOB_STATE_FAILED
         assert "cannot be sent" in done.state_reason
-        assert m.workers.by_id["c-w1"].ready and wd.kills == []
+        assert m.job_processes.by_id["c-w1"].ready and wd.kills == []
         small = m.submit(job_spec())
         assert (await proc.receive()).assign.job_id == small.job_id
 
@@ -468,7 +468,7 @@ def test_channel_is_closed_when_nobody_takes_it(tmp_path: Path) -> None:
         ev.worker_started.channel_attached = True
         m.watchdog_events.on_event(ev)
         await asyncio.sleep(0.01)
-        assert m.workers.by_id["c-w1"].gone
+        assert m.job_processes.by_id["c-w1"].gone
         assert m.watchdog is not None
         assert ("c-w1", "no_channel") in m.watchdog.kills  # type: ignore[attr-defined]
 

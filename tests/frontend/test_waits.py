@@ -123,7 +123,7 @@ def _judged_run(m: object, job_id: str, worker: JobProcess, shared: int) -> Runn
     GPU 0 for its judge, now `worker`."""
     spec = job_spec()
     spec.reference.source_code = "reference"
-    run = Running(job=job_pb2.Job(job_id=job_id, spec=spec, device_index=0), worker=worker,
+    run = Running(job=job_pb2.Job(job_id=job_id, spec=spec, device_index=0), proc=worker,
                   timeout_s=10.0)  # fmt: skip
     run.record = judge_record.Record.make(job_id, 1 << 20, spec, share_max_bytes=100 * GB)
     run.record.kernel_outcome = job_channel_pb2.JobOutcome(job_id=job_id, shared_bytes=shared)
@@ -150,9 +150,9 @@ def test_a_judges_shares_stay_held_until_its_own_admission_which_goes_first(
     m.memory.learn(key, 20 * GB)
     m.memory.hold(0, judge.record.holder, 6 * GB)  # type: ignore[union-attr]
     alone = Running(job=job_pb2.Job(job_id="X", spec=judge.job.spec, device_index=0),
-                    worker=_worker("d0-x"), timeout_s=10.0)  # fmt: skip
+                    proc=_worker("d0-x"), timeout_s=10.0)  # fmt: skip
     other = Running(job=job_pb2.Job(job_id="K", spec=judge.job.spec, device_index=0),
-                    worker=_worker("d0-k"), timeout_s=10.0)  # fmt: skip
+                    proc=_worker("d0-k"), timeout_s=10.0)  # fmt: skip
     for run in (judge, alone, other):
         m.running[run.job.job_id] = run
     m.crowding.alone.add("X")
@@ -207,15 +207,15 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
         procs = {}
         for name in ("c-j1", "c-j2"):
             procs[name] = await start_process(m, name)
-            m.workers.by_id[name].judge_key = "a reference"  # standing: takes no other job
+            m.job_processes.by_id[name].judge_key = "a reference"  # standing: takes no other job
         kernels = []
         for i, name in enumerate(("c-j1", "c-j2")):
             run = Running(
                 job=job_pb2.Job(job_id=f"K{i}", spec=job_spec(), device_index=-1),
-                worker=JobProcess(f"c-k{i}", 1, -1, False, 0),
+                proc=JobProcess(f"c-k{i}", 1, -1, False, 0),
                 timeout_s=10.0,
             )
-            run.ahead = m.workers.by_id[name]  # fmt: skip
+            run.ahead = m.job_processes.by_id[name]  # fmt: skip
             m.running[run.job.job_id] = run
             kernels.append(run)
         m.memory.admit(-1, "c-k1", "a problem")  # K1's kernel is checking already
@@ -223,7 +223,7 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
         assert m._retry_alone(x, job_pb2.EvalResult(verdict=job_pb2.VERDICT_OUT_OF_MEMORY))
         go = (await procs["c-j1"].receive()).judge_go
         assert go.job_id == "K0" and go.abandon
-        assert kernels[0].ahead is None and kernels[1].ahead is m.workers.by_id["c-j2"]
+        assert kernels[0].ahead is None and kernels[1].ahead is m.job_processes.by_id["c-j2"]
         for p in (xp, *procs.values()):
             p.writer.close()
 

@@ -28,7 +28,7 @@ def test_xid_goes_to_the_poisoned_job_not_the_next_one(tmp_path: Path) -> None:
 
     def run(job_id: str, worker_id: str, pid: int) -> Running:
         w = JobProcess(worker_id, pid, 0, False, 0)
-        r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
+        r = Running(job=job_pb2.Job(job_id=job_id), proc=w, timeout_s=60)
         m.running[job_id] = r
         return r
 
@@ -59,15 +59,15 @@ def test_a_gateways_result_cache_key_names_its_nodes_gpus() -> None:
     from kerneleval.v1 import kernel_pb2
     from kerneleval.v1 import operations_service_pb2 as ops
     from kerneleval_server.jobs.admission import Admission
-    from kerneleval_server.jobs.manager import JobManager
+    from kerneleval_server.jobs.intake import Intake
 
     def target(devices: list[ops.Device], pinned: int | None = None) -> str:
         shared = SimpleNamespace(node_devices=lambda: devices)
-        me = SimpleNamespace(shared=shared, devices={})
+        intake = Intake(SimpleNamespace(shared=shared, fleet=None))  # type: ignore[arg-type]
         admission = Admission(
             SimpleNamespace(engine=""),  # type: ignore[arg-type]
             None,  # type: ignore[arg-type]
-            lambda: JobManager._devices(me),  # type: ignore[arg-type]
+            intake.devices,
         )
         spec = kernel_pb2.JobSpec()
         if pinned is not None:
@@ -118,8 +118,8 @@ def test_a_check_is_granted_before_its_phase_event_is_stored(tmp_path: Path) -> 
                 stored_at_grant.append(kinds)
 
     worker = JobProcess("d0-w0", 100, 0, False, 0, writer=Writer(), job_id="j1")  # type: ignore[arg-type]
-    m.workers.by_id[worker.worker_id] = worker
-    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+    m.job_processes.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, proc=worker, timeout_s=60)
     validating = job_channel_pb2.PhaseUpdate(job_id="j1", phase=job_pb2.PHASE_VALIDATING)
 
     async def main() -> None:
@@ -145,8 +145,8 @@ def test_a_check_asked_for_ahead_is_granted_once_and_its_phase_comes_after(
     m, store, job = _one_running_job(tmp_path)
     worker = _process("d0-w0")
     worker.job_id = "j1"
-    m.workers.by_id[worker.worker_id] = worker
-    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+    m.job_processes.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, proc=worker, timeout_s=60)
 
     def phase(p: int, ahead: bool = False) -> job_channel_pb2.JobProcessMessage:
         return job_channel_pb2.JobProcessMessage(
@@ -226,11 +226,11 @@ def _judged(m: Any, job_id: str, kernel: Any, reference: str = "ref") -> Any:
     spec = kernel_pb2.JobSpec()
     spec.reference.source_code = reference
     job = job_pb2.Job(job_id=job_id, device_index=kernel.device_index, spec=spec)
-    r = Running(job=job, worker=kernel, timeout_s=60)
+    r = Running(job=job, proc=kernel, timeout_s=60)
     r.record = judge_record.Record.make(job_id, 1 << 20, spec)
     r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
     m.running[job_id] = r
-    m.workers.by_id[kernel.worker_id] = kernel
+    m.job_processes.by_id[kernel.worker_id] = kernel
     kernel.gone = True
     m.judges.await_judge(r, job_channel_pb2.JobOutcome(job_id=job_id))
     return r
@@ -336,7 +336,7 @@ def test_judged_jobs_wait_for_a_busy_standing_judge_of_their_reference_up_to_a_f
         other = _judged(m, "b", _process("d0-kb"), reference="ref B")
         busy = _process("d0-j0", judge_key=runs[0].record.reference_key)
         busy.job_id = "judging"  # a standing judge of ref A, busy with an earlier job
-        m.workers.by_id[busy.worker_id] = busy
+        m.job_processes.by_id[busy.worker_id] = busy
         fresh = [_process("d0-w0"), _process("d0-w1")]
         m.judges.start(fresh, [], {})
         # The first n wait for it; the one after, and ref B's job, take fresh processes.
@@ -417,7 +417,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
     def standing(worker_id: str, key: str, device: int = 0) -> Any:
         w = _process(worker_id, device, judge_key=key)
         w.writer = _FdChannel()
-        m.workers.by_id[worker_id] = w
+        m.job_processes.by_id[worker_id] = w
         return w
 
     def kernel_started(job_id: str, kernel_id: str) -> Any:
@@ -426,10 +426,10 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         from kerneleval_server.jobs.running import Running
 
         kernel = _process(kernel_id)
-        m.workers.by_id[kernel_id] = kernel
+        m.job_processes.by_id[kernel_id] = kernel
         spec = kernel_pb2.JobSpec()
         spec.reference.source_code = "ref A"
-        r = Running(job=job_pb2.Job(job_id=job_id, device_index=0, spec=spec), worker=kernel,
+        r = Running(job=job_pb2.Job(job_id=job_id, device_index=0, spec=spec), proc=kernel,
                     timeout_s=60)  # fmt: skip
         r.record = judge_record.Record.make(job_id, 1 << 20, spec)
         r.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
@@ -460,7 +460,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         m.messages.on_process_message(judge, frame(phase=checking))
         assert gate == [("ask", "d0-ja")] and not judge.check_asked
         prepared = frame(judge_prepared=job_channel_pb2.JudgePrepared(job_id="j"))
-        kernel = m.workers.by_id["d0-k0"]
+        kernel = m.job_processes.by_id["d0-k0"]
         kernel.assigned_job_id = "j"
         assert check_frame(kernel, prepared) == "a JudgePrepared for a job it was not given ahead"
         assert check_frame(judge, prepared) == ""
@@ -475,7 +475,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         # Even on a GPU held for another job alone: that job waits for this judge.
         gate.clear()
         m.judges.start([], [], {0: "another"})
-        assert run.worker is judge and run.ahead is None
+        assert run.proc is judge and run.ahead is None
         assert judge.writer.sent == ["judge_go"]
         go = judge.writer.frames[-1].judge_go
         assert go.job_id == "j" and not go.abandon
@@ -495,7 +495,7 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         m.judges.kernel_exited(fourth)
         gate.clear()
         m.judges.start([], [], {})
-        assert fourth.worker is judge4 and judge4.writer.sent == ["judge_go"]
+        assert fourth.proc is judge4 and judge4.writer.sent == ["judge_go"]
         assert gate == [] and judge4.check_asked  # only the ask made with its job
         # Its check ahead, read after its go (the job's frame now), asks nothing a second
         # time: a second grant, in after its JudgePrepared let the first go, would let its
@@ -508,13 +508,13 @@ def test_a_standing_judge_starts_ahead_with_its_kernel_and_leaves_a_job_that_end
         fourth.record.close()
 
         # j2's kernel is wrong: the job ends; had it a judge ahead, that one would leave it.
-        m._drop_record(second)
+        m.judges.drop_record(second)
         judge2 = standing("d0-jc", key)
         third = kernel_started("j3", "d0-k2")
         assert third.ahead is judge2
         judge2.writer.received()
         gate.clear()
-        m._drop_record(third)  # the job ended first
+        m.judges.drop_record(third)  # the job ended first
         m.running.pop("j3")
         assert judge2.writer.sent == ["judge_go"] and judge2.ahead_job and not judge2.ready
         assert judge2.writer.frames[-1].judge_go.abandon and gate == []  # nothing asked
@@ -558,8 +558,8 @@ def test_a_launch_has_its_shared_check_asked_for_as_it_is_sent(tmp_path: Path) -
         job = job_pb2.Job(job_id=job_id, state=job_pb2.JOB_STATE_RUNNING, spec=spec)
         m.store.insert(job, m.hub.next_event(job_id))
         worker = _process(worker_id)
-        m.workers.by_id[worker_id] = worker
-        waiting = Running(job=job, worker=worker, timeout_s=60)  # fmt: skip
+        m.job_processes.by_id[worker_id] = worker
+        waiting = Running(job=job, proc=worker, timeout_s=60)  # fmt: skip
         waiting.stage = Stage.AWAITING_LAUNCH
         waiting.built = [job_channel_pb2.KernelArtifact(role="kernel")]
         waiting.deadline = Deadline(asyncio.get_running_loop(), 60, lambda: None)
@@ -611,8 +611,8 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
         kernel = _process("d0-k0")
         run = _judged(m, "j", kernel)
         judge = _process("d0-w0")
-        run.worker, run.awaiting_judge, judge.job_id = judge, False, "j"
-        m.workers.by_id[judge.worker_id] = judge
+        run.proc, run.awaiting_judge, judge.job_id = judge, False, "j"
+        m.job_processes.by_id[judge.worker_id] = judge
         for phase in (job_pb2.PHASE_VALIDATING, job_pb2.PHASE_PROFILING):
             update = job_channel_pb2.PhaseUpdate(job_id="j", phase=phase)  # type: ignore[arg-type]
             m.messages.on_process_message(judge, job_channel_pb2.JobProcessMessage(phase=update))
@@ -643,7 +643,7 @@ def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
         judges = [_process(f"d0-j{i}") for i in range(n + 2)]
         judges.append(_process("d1-j0", device=1))
         for w in [*judges[: n + 1], judges[-1]]:
-            m.workers.by_id[w.worker_id] = w
+            m.job_processes.by_id[w.worker_id] = w
             w.assigned_job_id, w.reusable = "earlier", True
             m.judges.stand(w, "k")
         oldest = judges[0]
@@ -653,7 +653,7 @@ def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
         for w in judges[1 : n + 1]:
             w.job_id = "judging"  # all busy: the next one leaves itself
         late = judges[n + 1]
-        m.workers.by_id[late.worker_id] = late
+        m.job_processes.by_id[late.worker_id] = late
         late.assigned_job_id, late.reusable = "earlier", True
         m.judges.stand(late, "k")
         assert late.gone and all(not w.gone for w in judges[1 : n + 1])
@@ -685,8 +685,8 @@ def test_a_check_refused_for_a_gpu_held_alone_does_not_hold_back_that_job(
 
     def run(job_id: str, worker_id: str) -> Running:
         w = JobProcess(worker_id, 1, 0, False, 0, job_id=job_id)
-        r = Running(job=job_pb2.Job(job_id=job_id), worker=w, timeout_s=60)
-        m.running[job_id], m.workers.by_id[worker_id] = r, w
+        r = Running(job=job_pb2.Job(job_id=job_id), proc=w, timeout_s=60)
+        m.running[job_id], m.job_processes.by_id[worker_id] = r, w
         return r
 
     judge, alone = run("judge", "d0-w1"), run("alone", "d0-w2")
@@ -732,7 +732,7 @@ def test_a_reference_is_kept_by_itself_only_from_a_build_no_candidate_code_ran_i
 
     def run(given: list[job_channel_pb2.KernelArtifact] | None = None) -> Running:
         worker = JobProcess("build-w0", 1, -3, False, 0)
-        r = Running(job=job_pb2.Job(), worker=worker, timeout_s=60)
+        r = Running(job=job_pb2.Job(), proc=worker, timeout_s=60)
         r.build_arch, r.given_reference = "sm_90", list(given or [])
         return r
 
@@ -770,8 +770,8 @@ def test_a_build_that_answers_after_its_cancel_or_timeout_ends_so_and_never_laun
     job.spec.kernel.type, job.spec.kernel.source_code = kernel_pb2.KERNEL_TYPE_CUDA, "kernel"
     job.spec.kernel.io.args.add(name="n", int_value=4)
     worker = JobProcess("build-w0", 100, -3, False, 0, job_id="j1")
-    m.workers.by_id[worker.worker_id] = worker
-    m.running["j1"] = Running(job=job, worker=worker, timeout_s=60)
+    m.job_processes.by_id[worker.worker_id] = worker
+    m.running["j1"] = Running(job=job, proc=worker, timeout_s=60)
     built = job_channel_pb2.BuildOutcome(job_id="j1")
     built.artifacts.add(role="kernel", cubin=b"\x7fELF kernel", function="f")
 

@@ -380,7 +380,7 @@ def test_a_builder_compiles_a_triton_job_for_the_nodes_gpu_and_the_node_launches
             job_pb2.DeviceInfo(index=0, name="NVIDIA H100", compute_capability="9.0",
                                torch_version=torch_version, cuda_version=cuda_version)
         )  # fmt: skip
-        m.workers.by_id[gpu.worker_id] = gpu
+        m.job_processes.by_id[gpu.worker_id] = gpu
         m.messages.on_process_ready(gpu)
         assert m.builds.device_arch == {0: "sm_90"}
         artifacts.refresh()

@@ -102,7 +102,7 @@ class Host:
         self.hub = Hub()
         hello = job_channel_pb2.Hello(device=DEVICE)
         gpu = SimpleNamespace(hello=hello, device_index=0)
-        self.workers = SimpleNamespace(by_id={"d0-w0": gpu})
+        self.job_processes = SimpleNamespace(by_id={"d0-w0": gpu})
         self.compile_cache = CompileCache(1 << 20)
         self.max_timeout_s = 600.0
         self.built: dict[str, tuple[str, str, Outcome]] = {}  # job -> (arch, by, answer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
@@ -18,6 +18,12 @@ import grpc
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 # A method's handler, whatever its request and response (grpc-stubs make it generic).
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+# A server interceptor of any method: grpc-stubs make it generic, grpc's own class is not
+# subscriptable, so the parameters are the type checker's only.
+if TYPE_CHECKING:
+    Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.aio.ServerInterceptor
 
 ADMIN_SERVICE = "/kerneleval.v1.OperationsService/"
 MESSAGE = "OperationsService needs the metadata 'authorization: Bearer <admin token>'"
@@ -67,7 +73,7 @@ def _refuse_stream(message: str) -> Any:
     return refuse
 
 
-class AdminAuth(grpc.aio.ServerInterceptor):
+class AdminAuth(Interceptor):
     """`where`: a sentence on where the right token is, said to a caller with a wrong one."""
 
     def __init__(self, token: str, where: str = IN_STATE_DIR) -> None:

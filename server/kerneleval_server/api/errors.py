@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -25,6 +25,12 @@ from google.protobuf.message import DecodeError, Message
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 # A method's handler, whatever its request and response (grpc-stubs make it generic).
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+# A server interceptor of any method: grpc-stubs make it generic, grpc's own class is not
+# subscriptable, so the parameters are the type checker's only.
+if TYPE_CHECKING:
+    Interceptor: TypeAlias = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.aio.ServerInterceptor
 
 _MAX_DEPTH = 32
 
@@ -224,7 +230,7 @@ def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
     return unary_out
 
 
-class DecodeErrors(grpc.aio.ServerInterceptor):
+class DecodeErrors(Interceptor):
     """Undecodable request bytes -> INVALID_ARGUMENT naming the message type and the field."""
 
     async def intercept_service(

@@ -712,7 +712,7 @@ class _GpuModeJudge(_GpuModeRun):
             self._check_record(cases, records, checked, over)
             for c in records[: len(checked)]:  # the kernel's process's claims
                 for name in ("passed", "message", "reference_runtime", "speedup"):
-                    c.ClearField(name)  # type: ignore[arg-type]
+                    c.ClearField(name)
             if over is not None:
                 self._check_over_claim(ref, cases[over.trial], over, fitted)
             first_failure: tuple[Case, str] | None = None

@@ -168,7 +168,7 @@ class _Judge(_Job):
     def start_from(self, candidate: job_pb2.EvalResult) -> None:
         self.result.CopyFrom(candidate)
         for name in JUDGED_FIELDS:
-            self.result.ClearField(name)  # type: ignore[arg-type]
+            self.result.ClearField(name)
 
     def judge(self, candidate: job_pb2.EvalResult, fd: int) -> None:
         self.reporter.phase(job_pb2.PHASE_COMPILING)

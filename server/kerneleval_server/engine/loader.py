@@ -166,7 +166,7 @@ def cpu_as_device(force: bool = False) -> Iterator[None]:
 
     torch.Tensor.cuda = tensor_cuda  # type: ignore[method-assign,assignment]
     torch.nn.Module.cuda = module_cuda  # type: ignore[method-assign,assignment]
-    torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[assignment,method-assign]
+    torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -175,4 +175,4 @@ def cpu_as_device(force: bool = False) -> Iterator[None]:
         if saved[2] is None:
             del torch.Tensor.is_cuda
         else:
-            torch.Tensor.is_cuda = saved[2]  # type: ignore[method-assign]
+            torch.Tensor.is_cuda = saved[2]

@@ -173,7 +173,7 @@ def _host_value(v: Any) -> torch.Tensor | None:
     return None if t is None else t.to("cpu").contiguous()
 
 
-def _device_value(v: Any) -> torch.Tensor | None:
+def _device_value(v: object) -> torch.Tensor | None:
     """An output as a tensor where it is (a number becomes a 0-d one on the host); None when
     it is no tensor of a recorded dtype."""
     if not isinstance(v, torch.Tensor):

@@ -318,7 +318,7 @@ class Driver:
         self.words[MODE] = NOOP if noop else CALL
         self.words[GO] = self.seq
         deadline = time.monotonic() + self.answer_s
-        gone = lambda: _peer_gone(self.sock_fd)  # noqa: E731
+        gone: Callable[[], bool] = lambda: _peer_gone(self.sock_fd)  # noqa: E731
         spin = CALL_SPIN_S if self.device.type == "cuda" else 0.0
         if not _wait(self.words, DONE, self.seq, deadline, spin, gone):
             if gone():

@@ -38,7 +38,7 @@ LIMIT_PERSISTING_L2 = 0x06  # cudaLimitPersistingL2CacheSize (cuda_runtime_api.h
 # Bound at import, before any job code runs (see the module's docstring).
 _perf_counter_ns = time.perf_counter_ns
 _cuda_synchronize = torch.cuda.synchronize
-_cuda_sleep = torch.cuda._sleep
+_cuda_sleep: Callable[[int], None] = torch.cuda._sleep
 _empty = torch.empty
 
 
@@ -93,7 +93,7 @@ class PersistingL2:
         return size.value if ok else None
 
     def _call(self, name: str, *args: Any) -> bool:
-        code = getattr(self.lib, name)(*args)
+        code: int = getattr(self.lib, name)(*args)
         if code != 0:
             self.lib.cudaGetLastError()
             self.lib = None

@@ -49,7 +49,7 @@ class DevicesHost(Protocol):
     @property
     def ops(self) -> OpsEvents: ...
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def metrics(self) -> Metrics: ...
     @property
@@ -120,7 +120,7 @@ class Devices:
         gateway = self._gateway()
         if gateway is not None:
             return gateway.device_indices()
-        known = set(self.devices) | {w.device_index for w in self.m.workers.by_id.values()}
+        known = set(self.devices) | {w.device_index for w in self.m.job_processes.by_id.values()}
         return sorted(known - {BUILD_DEVICE})
 
     def serving(self) -> bool:

@@ -1,10 +1,10 @@
-"""What a lost worker means for its job: a verdict, or one more try.
+"""What a lost job process means for its job: a verdict, or one more try.
 
 The kernel's own faults end the job at once: a crash signal (SIGSEGV, SIGBUS, ...), an
 unexpected exit, an XID on its GPU, the deadline. Losses that are not the kernel's doing (a
-worker stopped for a reset or a restart, an unexplained SIGKILL such as the host's OOM killer,
+job process stopped for a reset or a restart, an unexplained SIGKILL such as the host's OOM killer,
 the front end or the watchdog going away) re-run the job while attempts remain; the last
-attempt ends with the fault, so a kernel that took its worker down twice is not tried again.
+attempt ends with the fault, so a kernel that took its process down twice is not tried again.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ JOB_MEMORY_LIMIT = "JobMemoryLimit"
 
 @dataclass
 class Decision:
-    verdict: int  # job_pb2.Verdict; VERDICT_UNSPECIFIED means: re-run if attempts remain
+    verdict: job_pb2.Verdict  # VERDICT_UNSPECIFIED: re-run if attempts remain
     fault: job_pb2.FaultInfo
     # The result's error, where the fault is one a client should read first (EvalResult.error).
     error: job_pb2.ErrorInfo | None = None
@@ -52,7 +52,7 @@ class XidSeen:
     xid: int
     category: str
     message: str
-    named: bool = True  # the watchdog tied it to this job's worker (pid or SetJob)
+    named: bool = True  # the watchdog tied it to this job's process (pid or SetJob)
 
 
 def signal_name(signum: int) -> str:
@@ -70,14 +70,14 @@ def classify_exit(
     phase: int,
     timeout_s: float,
 ) -> Decision:
-    """The verdict for a job whose worker exited before sending its result.
+    """The verdict for a job whose process exited before sending its result.
 
     `pending` is what the front end itself asked for: "timeout", "cancel" or "".
     """
-    worker = exited.worker
+    proc = exited.worker
     fault = job_pb2.FaultInfo(
         signal=max(exited.signal, 0),
-        worker_pid=worker.pid,
+        worker_pid=proc.pid,
         worker_restarted=exited.restarting,
     )
     if exited.signal <= 0:
@@ -93,13 +93,13 @@ def classify_exit(
         fault.description = (
             f"its GPU work kept running while it was frozen for another job's timing window "
             f"(work launched outside its phases, e.g. from a thread) in {where}; worker "
-            f"{worker.worker_id} killed{restarted}"
+            f"{proc.worker_id} killed{restarted}"
         )
         error = job_pb2.ErrorInfo(exception_type="GpuWorkOutsidePhase", message=fault.description)
         return Decision(job_pb2.VERDICT_RUNTIME_ERROR, fault, error)
     if pending == "timeout":
         fault.description = (
-            f"ran past its {timeout_s:g} s timeout in {where}; worker {worker.worker_id} "
+            f"ran past its {timeout_s:g} s timeout in {where}; worker {proc.worker_id} "
             f"killed{restarted}"
         )
         return Decision(job_pb2.VERDICT_TIMEOUT, fault)
@@ -107,34 +107,34 @@ def classify_exit(
         fault.xid = xid.xid
         fault.xid_category = xid.category
         fault.description = (
-            f"XID {xid.xid} ({xid.category}) on device {worker.device_index} in {where}; "
-            f"worker {worker.worker_id} {how}{restarted}"
+            f"XID {xid.xid} ({xid.category}) on device {proc.device_index} in {where}; "
+            f"worker {proc.worker_id} {how}{restarted}"
         )
         return Decision(job_pb2.VERDICT_DEVICE_FAULT, fault)
     if exited.reason in ("xid", "killed:xid"):
         fault.description = (
-            f"the watchdog stopped worker {worker.worker_id} for an XID on device "
-            f"{worker.device_index} in {where}{restarted}"
+            f"the watchdog stopped worker {proc.worker_id} for an XID on device "
+            f"{proc.device_index} in {where}{restarted}"
         )
         return Decision(job_pb2.VERDICT_DEVICE_FAULT, fault)
     if exited.reason == "oom":
         fault.description = (
             f"out of host memory in {where}: the job's processes reached their memory limit "
-            f"(--job-memory-mib) and the kernel's OOM killer ended worker {worker.worker_id}"
+            f"(--job-memory-mib) and the kernel's OOM killer ended worker {proc.worker_id}"
             f"{restarted}"
         )
         # The numbers and what to change: explain_memory, from the service's settings.
         error = job_pb2.ErrorInfo(exception_type=JOB_MEMORY_LIMIT, message=fault.description)
         return Decision(job_pb2.VERDICT_OUT_OF_MEMORY, fault, error)
     if exited.reason in SERVICE_REASONS or exited.reason.startswith("killed:reset"):
-        fault.description = f"worker {worker.worker_id} stopped by the service ({exited.reason})"
+        fault.description = f"worker {proc.worker_id} stopped by the service ({exited.reason})"
         return Decision(job_pb2.VERDICT_UNSPECIFIED, fault)
     if exited.signal in KERNEL_SIGNALS or (exited.signal <= 0 and exited.exit_code != 0):
-        fault.description = f"worker {worker.worker_id} {how} in {where}{restarted}"
+        fault.description = f"worker {proc.worker_id} {how} in {where}{restarted}"
         return Decision(job_pb2.VERDICT_CRASHED, fault)
     # SIGKILL from outside (OOM killer), SIGTERM, or a clean exit mid-job: not clearly the
     # kernel's doing.
-    fault.description = f"worker {worker.worker_id} {how} in {where} (not by the service)"
+    fault.description = f"worker {proc.worker_id} {how} in {where} (not by the service)"
     return Decision(job_pb2.VERDICT_UNSPECIFIED, fault)
 
 

@@ -54,7 +54,7 @@ class _Holder:
 @dataclass
 class _Device:
     budget: int = 0  # bytes admitted jobs may reserve together; 0: no admission (unknown)
-    holders: dict[str, _Holder] = field(default_factory=dict)  # worker id -> what it holds
+    holders: dict[str, _Holder] = field(default_factory=dict)  # worker_id -> what it holds
 
     def reserved(self) -> int:
         return sum(h.reserved for h in self.holders.values())
@@ -106,7 +106,7 @@ class GpuMemory:
                 self._hungry.pop()
 
     def admit(self, device: int, worker_id: str, key: str, alone: bool = False) -> bool:
-        """Whether the worker's job may use the GPU now; if so, what it needs is held for it
+        """Whether the job process's job may use the GPU now; if so, what it needs is held for it
         until `release`. False: ask again once memory was released or a peak learned."""
         dev = self._devices.get(device)
         if dev is None or dev.budget <= 0 or worker_id in dev.holders:
@@ -145,7 +145,7 @@ class GpuMemory:
         return dev is not None and all(h.key == "" for h in dev.holders.values())
 
     def release(self, device: int, worker_id: str) -> bool:
-        """The worker's memory is given back. True if it held some (waiters may go)."""
+        """The job process's memory is given back. True if it held some (waiters may go)."""
         dev = self._devices.get(device)
         return dev is not None and dev.holders.pop(worker_id, None) is not None
 

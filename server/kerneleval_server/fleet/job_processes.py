@@ -188,12 +188,12 @@ class JobProcess:
 
 
 class JobProcessHandler(Protocol):
-    def on_process_ready(self, worker: JobProcess) -> None: ...
+    def on_process_ready(self, proc: JobProcess) -> None: ...
     def on_process_message(
-        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage
+        self, proc: JobProcess, msg: job_channel_pb2.JobProcessMessage
     ) -> None: ...
-    def on_process_disconnected(self, worker: JobProcess) -> None: ...
-    def on_protocol_violation(self, worker: JobProcess, what: str) -> None: ...
+    def on_process_disconnected(self, proc: JobProcess) -> None: ...
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None: ...
 
 
 class JobProcessTable:
@@ -252,32 +252,32 @@ def _unknown_enum(msg: job_channel_pb2.JobProcessMessage) -> str:
     return ""
 
 
-def check_frame(worker: JobProcess, msg: job_channel_pb2.JobProcessMessage) -> str:
+def check_frame(proc: JobProcess, msg: job_channel_pb2.JobProcessMessage) -> str:
     """What is wrong with this frame from this process; "" when nothing is."""
     kind = msg.WhichOneof("kind")
     if kind is None:
         return "a frame with no message in it"
-    if worker.outcome_seen:
+    if proc.outcome_seen:
         return f"a {kind} frame after its job's outcome"
     if kind == "hello":
-        return "a second Hello" if worker.hello is not None else ""
-    if worker.hello is None:
+        return "a second Hello" if proc.hello is not None else ""
+    if proc.hello is None:
         return f"a {kind} frame before its Hello"
     job_id = getattr(msg, kind).job_id
     unknown = _unknown_enum(msg)
     if unknown:
         return unknown
-    if not worker.assigned_job_id:
+    if not proc.assigned_job_id:
         return f"a {kind} frame for job {_short(job_id)} before it was given a job"
-    if job_id != worker.assigned_job_id:
-        return f"a {kind} frame for job {_short(job_id)}; it was given job {worker.assigned_job_id}"
-    if kind == "build" and not worker.build_job:
+    if job_id != proc.assigned_job_id:
+        return f"a {kind} frame for job {_short(job_id)}; it was given job {proc.assigned_job_id}"
+    if kind == "build" and not proc.build_job:
         return "a build outcome for a job that was not a build job"
-    if kind == "outcome" and worker.build_job:
+    if kind == "outcome" and proc.build_job:
         return "a job outcome for a build job"
-    if kind == "extension" and worker.build_job:
+    if kind == "extension" and proc.build_job:
         return "an extension request from a build process"
-    if kind == "judge_prepared" and worker.ahead_job != job_id:
+    if kind == "judge_prepared" and proc.ahead_job != job_id:
         return "a JudgePrepared for a job it was not given ahead"
     return ""
 
@@ -289,15 +289,15 @@ class JobChannels:
         self._handler = handler
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def attach(self, worker: JobProcess, fd: int) -> None:
+    def attach(self, proc: JobProcess, fd: int) -> None:
         """Owns `fd` (the front end's end of the process's socketpair) from now on."""
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
             os.close(fd)
             raise
-        worker.has_channel = True
-        task = asyncio.get_running_loop().create_task(self._serve(worker, sock))
+        proc.has_channel = True
+        task = asyncio.get_running_loop().create_task(self._serve(proc, sock))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -308,35 +308,35 @@ class JobChannels:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _serve(self, worker: JobProcess, sock: socket.socket) -> None:
+    async def _serve(self, proc: JobProcess, sock: socket.socket) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except OSError as exc:
             sock.close()
-            log.warning("job process channel: %s", exc, extra={"worker_id": worker.worker_id})
-            worker.gone = True
-            self._handler.on_process_disconnected(worker)
+            log.warning("job process channel: %s", exc, extra={"worker_id": proc.worker_id})
+            proc.gone = True
+            self._handler.on_process_disconnected(proc)
             return
-        worker.writer = writer
+        proc.writer = writer
         violation = ""
         try:
-            violation = await self._read(worker, reader)
+            violation = await self._read(proc, reader)
         except (ConnectionError, OSError) as exc:
-            log.info("job process channel: %s", exc, extra={"worker_id": worker.worker_id})
+            log.info("job process channel: %s", exc, extra={"worker_id": proc.worker_id})
         finally:
-            worker.writer = None
+            proc.writer = None
             writer.close()
             if violation:
                 log.warning(
                     "job process broke the protocol: %s",
                     violation,
-                    extra={"worker_id": worker.worker_id},
+                    extra={"worker_id": proc.worker_id},
                 )
-                worker.gone = True
-                self._handler.on_protocol_violation(worker, f"the job process sent {violation}")
-            self._handler.on_process_disconnected(worker)
+                proc.gone = True
+                self._handler.on_protocol_violation(proc, f"the job process sent {violation}")
+            self._handler.on_process_disconnected(proc)
 
-    async def _read(self, worker: JobProcess, reader: asyncio.StreamReader) -> str:
+    async def _read(self, proc: JobProcess, reader: asyncio.StreamReader) -> str:
         """Reads until the end of the channel; returns what broke the protocol, if anything."""
         total = 0
         while True:
@@ -356,14 +356,14 @@ class JobChannels:
                 msg = job_channel_pb2.JobProcessMessage.FromString(frame)
             except DecodeError:
                 return f"{len(frame)} bytes that are not a JobProcessMessage"
-            what = check_frame(worker, msg)
+            what = check_frame(proc, msg)
             if what:
                 return what
             kind = msg.WhichOneof("kind")
             if kind == "hello":
-                worker.hello = msg.hello
-                self._handler.on_process_ready(worker)
+                proc.hello = msg.hello
+                self._handler.on_process_ready(proc)
                 continue
             if kind in ("outcome", "build"):
-                worker.outcome_seen = True
-            self._handler.on_process_message(worker, msg)
+                proc.outcome_seen = True
+            self._handler.on_process_message(proc, msg)

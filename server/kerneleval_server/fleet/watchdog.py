@@ -290,7 +290,7 @@ class Watchdog:
         return event.gpu_users
 
     async def shutdown(self, grace_ms: int = 2000) -> None:
-        """Stops every worker (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
+        """Stops every job process (SIGTERM, SIGKILL after grace_ms) and waits for the exit."""
         if self._closed is None:
             cmd = watchdog_pb2.WatchdogCommand(shutdown=watchdog_pb2.Shutdown(grace_ms=grace_ms))
             with contextlib.suppress(WatchdogError):
@@ -306,7 +306,7 @@ class Watchdog:
         return await self._proc.wait()
 
     async def close(self) -> None:
-        """Closes the channel (the watchdog then kills every worker and exits)."""
+        """Closes the channel (the watchdog then kills every job process and exits)."""
         self._stop_reading()
         self._out.put_nowait(None)
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -37,7 +37,7 @@ class WatchdogEventsHost(Protocol):
     its tables to keep, and what an exit means for jobs (`process_exited`)."""
 
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def channels(self) -> JobChannels: ...
     @property
@@ -51,7 +51,7 @@ class WatchdogEventsHost(Protocol):
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def dispatch(self) -> None: ...
     def on_health_change(self) -> None: ...
-    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None: ...
+    def process_exited(self, proc: JobProcess, exited: watchdog_pb2.WorkerExited) -> None: ...
 
 
 log = logging.getLogger("kerneleval.jobs")
@@ -71,33 +71,33 @@ class WatchdogEvents:
         """The descriptor of a job process's channel, just before its WorkerStarted."""
         if ev.WhichOneof("kind") != "worker_started":
             return
-        worker = self.m.workers.announce(ev.worker_started.worker)
-        if not worker.has_channel and not worker.gone:
-            self.m.channels.attach(worker, attached.take())
+        proc = self.m.job_processes.announce(ev.worker_started.worker)
+        if not proc.has_channel and not proc.gone:
+            self.m.channels.attach(proc, attached.take())
 
     def on_event(self, ev: watchdog_pb2.WatchdogEvent) -> None:
         m = self.m
         kind = ev.WhichOneof("kind")
         if kind == "worker_started":
             w = ev.worker_started.worker
-            worker = m.workers.announce(w)
-            if ev.worker_started.channel_attached and not worker.has_channel:
+            proc = m.job_processes.announce(w)
+            if ev.worker_started.channel_attached and not proc.has_channel:
                 log.error(
                     "job process %s came without its channel; it is stopped",
                     w.worker_id,
                     extra={"worker_id": w.worker_id},
                 )
-                worker.gone = True
+                proc.gone = True
                 if m.watchdog is not None:
                     m.spawn(m.watchdog.kill_worker(w.worker_id, metrics_mod.KILL_NO_CHANNEL))
             m.ops.emit(
                 w.device_index,
-                worker_started=ops_pb2.WorkerStartedEvent(worker=self._worker_info(w)),
+                worker_started=ops_pb2.WorkerStartedEvent(worker=self._process_info(w)),
             )
             if self.sandbox.started_job_process():
                 self._log_sandbox()
         elif kind == "worker_promoted":
-            promoted = m.workers.by_id.get(ev.worker_promoted.worker_id)
+            promoted = m.job_processes.by_id.get(ev.worker_promoted.worker_id)
             if promoted is not None:
                 promoted.spare = False
                 m.dispatch()
@@ -111,7 +111,7 @@ class WatchdogEvents:
             for status in ev.status.devices:
                 m.fleet.on_device(status)
             for w in ev.status.workers:
-                m.workers.announce(w)
+                m.job_processes.announce(w)
         elif kind == "reset_step":
             step = ev.reset_step
             rs = ops_pb2.ResetStep(step=step.step, ok=step.ok, message=step.message)
@@ -145,12 +145,12 @@ class WatchdogEvents:
         else:
             log.info("sandbox complete: the host gave every feature of the job sandbox")
 
-    def _worker_info(self, w: watchdog_pb2.Worker) -> ops_pb2.WorkerInfo:
+    def _process_info(self, w: watchdog_pb2.Worker) -> ops_pb2.WorkerInfo:
         info = ops_pb2.WorkerInfo(
             worker_id=w.worker_id, pid=w.pid, device_index=w.device_index, spare=w.spare
         )
         info.start_time.FromMilliseconds(w.start_time_ms)
-        state = self.m.workers.by_id.get(w.worker_id)
+        state = self.m.job_processes.by_id.get(w.worker_id)
         if state is not None:
             info.job_id = state.job_id
             info.completed_job_count = state.completed
@@ -163,24 +163,24 @@ class WatchdogEvents:
         out of the table, counted and told; then the job manager for what it held."""
         m = self.m
         w = exited.worker
-        worker = m.workers.by_id.get(w.worker_id)
-        if worker is not None and drain and worker.writer is not None:
+        proc = m.job_processes.by_id.get(w.worker_id)
+        if proc is not None and drain and proc.writer is not None:
             # Read what it sent before it exited (its outcome) first; then this exit.
-            if worker.pending_exit is None:
-                worker.pending_exit = exited
-                worker.pending_exit_timer = asyncio.get_running_loop().call_later(
-                    DRAIN_FALLBACK_S, self._drain_fallback, worker
+            if proc.pending_exit is None:
+                proc.pending_exit = exited
+                proc.pending_exit_timer = asyncio.get_running_loop().call_later(
+                    DRAIN_FALLBACK_S, self._drain_fallback, proc
                 )
             return
-        if worker is not None and worker.pending_exit_timer is not None:
-            worker.pending_exit_timer.cancel()
-        info = self._worker_info(w)
-        worker = m.workers.remove(w.worker_id)
-        if worker is not None and worker.exit_watch is not None:
-            worker.exit_watch.cancel()
+        if proc is not None and proc.pending_exit_timer is not None:
+            proc.pending_exit_timer.cancel()
+        info = self._process_info(w)
+        proc = m.job_processes.remove(w.worker_id)
+        if proc is not None and proc.exit_watch is not None:
+            proc.exit_watch.cancel()
         retired = (
-            worker is not None
-            and worker.outcome_seen
+            proc is not None
+            and proc.outcome_seen
             and exited.signal <= 0
             and exited.exit_code in (0, POISONED_EXIT)
         )
@@ -197,39 +197,39 @@ class WatchdogEvents:
             ex.exit_code = exited.exit_code
         m.ops.emit(w.device_index, worker_exited=ex)
         log.info(
-            "worker exited: %s (code %d, signal %d)",
+            "job process exited: %s (code %d, signal %d)",
             exited.reason,
             exited.exit_code,
             exited.signal,
             extra={"worker_id": w.worker_id},
         )
-        if worker is not None:
-            worker.gone = True
-            m.process_exited(worker, exited)
-            if worker.writer is not None:
-                worker.writer.close()
+        if proc is not None:
+            proc.gone = True
+            m.process_exited(proc, exited)
+            if proc.writer is not None:
+                proc.writer.close()
         m.on_health_change()
         m.dispatch()
 
-    def _drain_fallback(self, worker: JobProcess) -> None:
-        exited = worker.pending_exit
-        if exited is not None and self.m.workers.by_id.get(worker.worker_id) is worker:
+    def _drain_fallback(self, proc: JobProcess) -> None:
+        exited = proc.pending_exit
+        if exited is not None and self.m.job_processes.by_id.get(proc.worker_id) is proc:
             log.warning(
                 "job process %s exited but its channel stays open",
-                worker.worker_id,
-                extra={"worker_id": worker.worker_id},
+                proc.worker_id,
+                extra={"worker_id": proc.worker_id},
             )
             self.on_process_exited(exited, drain=False)
 
     def watchdog_lost(self) -> None:
-        """The watchdog died: its workers are gone with it (parent-death signal)."""
+        """The watchdog died: its job processes are gone with it (parent-death signal)."""
         self.m.fleet.warm_devices.clear()
         self.sandbox.watchdog_lost()
-        for worker in list(self.m.workers.by_id.values()):
+        for proc in list(self.m.job_processes.by_id.values()):
             exited = watchdog_pb2.WorkerExited(
                 exit_code=-1, signal=9, reason="stopped", restarting=True
             )
-            exited.worker.worker_id = worker.worker_id
-            exited.worker.pid = worker.pid
-            exited.worker.device_index = worker.device_index
+            exited.worker.worker_id = proc.worker_id
+            exited.worker.pid = proc.pid
+            exited.worker.device_index = proc.device_index
             self.on_process_exited(exited, drain=False)

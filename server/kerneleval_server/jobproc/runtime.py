@@ -241,7 +241,7 @@ def _warm_triton(torch: Any) -> None:
     import triton
     import triton.language as tl
 
-    @triton.jit  # type: ignore[misc]
+    @triton.jit  # type: ignore[untyped-decorator]
     def _kerneleval_warm_up(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         offsets = tl.arange(0, BLOCK)
         mask = offsets < n
@@ -454,7 +454,7 @@ class _Reporter:
         self._granted.discard(phase)
         self._channel.let_go(self._job_id, phase)
         event = self._channel.grant_event(self._job_id, phase)
-        update = job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase, drives_kernel=True)  # type: ignore[arg-type]
+        update = job_channel_pb2.PhaseUpdate(job_id=self._job_id, phase=phase, drives_kernel=True)
         self._channel.send(job_channel_pb2.JobProcessMessage(phase=update))
         event.wait()
         self._granted.add(phase)

@@ -12,7 +12,7 @@ import os
 import platform
 import resource
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -204,7 +204,7 @@ def setgroups_denied() -> bool:
 
 def drop_privileges(uid: int, gid: int) -> None:
     """setgroups([gid]), setresgid(gid), setresuid(uid): for every thread (glibc broadcasts)."""
-    steps = (
+    steps: tuple[tuple[str, Callable[[], None]], ...] = (
         ("setgroups", lambda: None if setgroups_denied() else os.setgroups([gid])),
         ("setresgid", lambda: os.setresgid(gid, gid, gid)),
         ("setresuid", lambda: os.setresuid(uid, uid, uid)),

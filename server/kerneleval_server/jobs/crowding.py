@@ -29,7 +29,7 @@ class CrowdingHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def queue(self) -> FairQueue: ...
     @property
@@ -48,11 +48,11 @@ class Crowding:
         # Jobs re-run with a GPU to themselves (they ran out of memory beside others).
         self.alone: set[str] = set()
 
-    def mark(self, run: Running, worker: JobProcess) -> None:
-        """A job starts on `worker`: it, and the jobs already on its GPU, are crowded when
+    def mark(self, run: Running, proc: JobProcess) -> None:
+        """A job starts on `proc`: it, and the jobs already on its GPU, are crowded when
         they share it (their memory was each other's too)."""
-        others = [o for o in self._running_on(worker.device_index) if o is not run]
-        if others or self.busy_on(worker.device_index, but=worker):
+        others = [o for o in self._running_on(proc.device_index) if o is not run]
+        if others or self.busy_on(proc.device_index, but=proc):
             run.crowded = True
         for other in others:
             other.crowded = True
@@ -76,8 +76,8 @@ class Crowding:
             # would ever go. It leaves (its job's judge starts afresh once the kernel ran).
             if (
                 other.ahead is not None
-                and other.worker.device_index == device
-                and not memory.holds(device, other.worker.worker_id)
+                and other.proc.device_index == device
+                and not memory.holds(device, other.proc.worker_id)
             ):
                 self.m.judges.leave_ahead(other)
         return True
@@ -88,7 +88,7 @@ class Crowding:
         for job_id in self.alone:
             run = self.m.running.get(job_id)
             if run is not None:
-                held[run.worker.device_index] = job_id
+                held[run.proc.device_index] = job_id
             elif job_id in self.m.queue and not self.m.draining:  # it starts after the stop
                 job = self.m.store.get(job_id)
                 if job is not None:
@@ -102,12 +102,12 @@ class Crowding:
         return any(
             w is not but and w.device_index == device and w.used_gpu
             and not (w.reusable and not w.job_id)
-            for w in self.m.workers.by_id.values()
+            for w in self.m.job_processes.by_id.values()
         )  # fmt: skip
 
     def _running_on(self, device: int) -> list[Running]:
         return [
             r for r in self.m.running.values()
-            if r.worker.device_index == device and r.worker.worker_id
+            if r.proc.device_index == device and r.proc.worker_id
             and r.stage not in (Stage.AWAITING_LAUNCH, Stage.AWAITING_JUDGE)
         ]  # fmt: skip

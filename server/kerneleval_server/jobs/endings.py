@@ -9,6 +9,7 @@ handed over at once, before the store has it (manager.py `finish`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from kerneleval.v1 import job_pb2
@@ -17,6 +18,9 @@ from kerneleval_server.fleet import faults
 from kerneleval_server.jobs.running import Running, stamp
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import TERMINAL, JobStore
+from kerneleval_server.metrics import Metrics
+
+log = logging.getLogger("kerneleval.jobs")
 
 # engine/integrity.py's rules (the front end does not import the engine: torch).
 RUNTIME_RULES = (
@@ -33,7 +37,7 @@ RUNTIME_RULES = (
 
 def close(
     job: job_pb2.Job,
-    state: int,
+    state: job_pb2.JobState,
     result: job_pb2.EvalResult,
     reason: str,
     memory_limits: faults.MemoryLimits,
@@ -48,7 +52,7 @@ def close(
             reason = reason or "the job process answered without a verdict"
         if not result.error.message:
             result.error.message = reason or result.fault.description
-    job.state = state  # type: ignore[assignment]
+    job.state = state
     faults.explain_memory(result, job.device_index, memory_limits)
     if job.HasField("start_time") and not job.result_origin:
         job.result_origin = job_pb2.RESULT_ORIGIN_RUN
@@ -95,13 +99,60 @@ def from_outcome(run: Running, result: job_pb2.EvalResult) -> job_pb2.EvalResult
             result.verdict = job_pb2.VERDICT_DEVICE_FAULT
     if run.outcome.context_poisoned:
         result.fault.worker_restarted = True
-        result.fault.worker_pid = run.worker.pid
+        result.fault.worker_pid = run.proc.pid
         if not result.fault.description:
             result.fault.description = (
-                f"the CUDA context of worker {run.worker.worker_id} is poisoned; "
+                f"the CUDA context of worker {run.proc.worker_id} is poisoned; "
                 "it exited and was replaced"
             )
     return result
+
+
+def from_exit(run: Running, decision: faults.Decision) -> job_pb2.EvalResult:
+    """A job's result when its process exited before its outcome (faults.classify_exit)."""
+    result = job_pb2.EvalResult(fault=decision.fault)
+    result.verdict = decision.verdict
+    result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+    if decision.error is not None:
+        result.error.CopyFrom(decision.error)
+    return result
+
+
+def protocol_violation(run: Running, what: str) -> job_pb2.EvalResult:
+    """A job's result when its process broke the job channel's protocol and was killed: a
+    runtime error that says what it sent (not retried: the job's own code did it)."""
+    result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
+    result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
+    result.error.exception_type = "ProtocolViolation"
+    result.error.message = what
+    result.fault.worker_pid = run.proc.pid
+    result.fault.worker_restarted = True
+    result.fault.description = (
+        f"job process {run.proc.worker_id} broke the job channel's protocol and was killed"
+    )
+    return result
+
+
+def counted(
+    job: job_pb2.Job,
+    state: job_pb2.JobState,
+    result: job_pb2.EvalResult,
+    metrics: Metrics,
+    counters: dict[str, int],
+) -> None:
+    """A job's end in the metrics, the fleet's counters (GetStats: its faults) and the log."""
+    state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
+    verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
+    metrics.jobs.labels(state_name).inc()
+    if result.verdict:
+        metrics.verdicts.labels(verdict).inc()
+    if result.verdict in (
+        job_pb2.VERDICT_DEVICE_FAULT,
+        job_pb2.VERDICT_CRASHED,
+        job_pb2.VERDICT_TIMEOUT,
+    ):
+        counters["faults"] += 1
+    log.info("job finished", extra={"job_id": job.job_id, "verdict": verdict, "event": state_name})
 
 
 class Endings:

@@ -21,8 +21,7 @@ from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
 
 from kerneleval_server.fleet.gpu_memory import GpuMemory, problem_key
-from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
-from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.fleet.timing_windows import TimingWindows, Window, public_conditions
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobs.events import EventHub
@@ -38,7 +37,7 @@ class GpuUseHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def gate(self) -> GpuGate: ...
     @property
@@ -57,7 +56,7 @@ class GpuUseHost(Protocol):
     def launched(self) -> set[str]: ...
     def held_devices(self) -> dict[int, str]: ...
     def spawn(self, coro: Awaitable[Any]) -> None: ...
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None: ...
 
 
 log = logging.getLogger("kerneleval.jobs")
@@ -73,7 +72,7 @@ class GpuUse:
 
     def __init__(self, m: GpuUseHost) -> None:
         self.m = m
-        self.waiting: dict[str, Running] = {}  # checks waiting for memory, by worker, in order
+        self.waiting: dict[str, Running] = {}  # checks waiting for memory, by process, in order
 
     def on_host_cpu(self, device: int) -> None:
         """The device's job processes see no GPU (the CPU pseudo-device, or fake-NVML devices
@@ -101,13 +100,13 @@ class GpuUse:
         for when the kernel is loaded, as before."""
         if self._exclusive(run, job_pb2.PHASE_VALIDATING):
             return
-        run.worker.check_asked = True
+        run.proc.check_asked = True
         run.grant_asked_at = asyncio.get_running_loop().time()
         self.ask(run)
 
     def wait_for_memory(self, run: Running) -> None:
         """Until its memory is admitted, with the others (admit_waiting)."""
-        self.waiting[run.worker.worker_id] = run
+        self.waiting[run.proc.worker_id] = run
         self._say_memory_wait(run)
 
     def admit(self, run: Running, held_devices: dict[int, str] | None = None) -> bool:
@@ -115,7 +114,7 @@ class GpuUse:
         was seen to need fits beside what checking jobs hold. Nothing new is admitted on a GPU
         held for a job re-run alone, but that job. `held_devices`: m.held_devices(), when the
         caller has it."""
-        device, worker_id = run.worker.device_index, run.worker.worker_id
+        device, worker_id = run.proc.device_index, run.proc.worker_id
         if not self.m.memory.admits_on(device) or self.m.memory.holds(device, worker_id):
             return True
         shares = self._shares_held(run)
@@ -137,7 +136,7 @@ class GpuUse:
     def _judges_a_serving_kernel(run: Running) -> bool:
         """The run's process is the judge of a kernel whose process stays for its timed
         calls (JobOutcome.serves_timed_calls)."""
-        return run.judged_now and run.kernel_serves and run.worker is not run.kernel_worker
+        return run.judged_now and run.kernel_serves and run.proc is not run.kernel_proc
 
     def _goes_first(self, run: Running) -> bool:
         """Judges whose kernels hold something of the GPU until they are done: shares, or
@@ -152,7 +151,7 @@ class GpuUse:
             record is None
             or not run.judged_now
             or record.gpu_held_on is None
-            or record.gpu_held_on != run.worker.device_index
+            or record.gpu_held_on != run.proc.device_index
         ):
             return ""
         return record.holder
@@ -163,7 +162,7 @@ class GpuUse:
         a job re-run alone, which waits for exactly these bytes; and when nothing but such
         shares holds the GPU's memory, the judge is admitted even if its problem's footprint
         does not fit beside them: only judges give shares back, so waiting would be for ever."""
-        memory, device, worker_id = self.m.memory, run.worker.device_index, run.worker.worker_id
+        memory, device, worker_id = self.m.memory, run.proc.device_index, run.proc.worker_id
         record = run.record
         assert record is not None
         size = record.shared_bytes
@@ -178,6 +177,16 @@ class GpuUse:
         memory.hold(device, holder, size)  # still theirs: the judge waits with the others
         return False
 
+    def learn(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """What the job's problem needs of a GPU's memory, from a run that went to its end
+        (a poisoned context or a crash says nothing of it)."""
+        if (
+            outcome.peak_memory_bytes
+            and not outcome.context_poisoned
+            and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
+        ):
+            self.m.memory.learn(self.memory_key(run), outcome.peak_memory_bytes)
+
     @staticmethod
     def memory_key(run: Running) -> str:
         if not run.memory_key:
@@ -186,9 +195,9 @@ class GpuUse:
 
     def use(self, run: Running) -> None:
         """Admitted to its GPU's memory: the job asks the GPU gate for its phase."""
-        worker = run.worker
-        worker.used_gpu = True
-        self.m.gate.request(worker.device_index, worker.worker_id, self._exclusive(run, run.phase))
+        proc = run.proc
+        proc.used_gpu = True
+        self.m.gate.request(proc.device_index, proc.worker_id, self._exclusive(run, run.phase))
 
     def admit_waiting(self) -> None:
         """Jobs waiting for GPU memory, in the order they asked, per GPU: one that still does
@@ -200,12 +209,12 @@ class GpuUse:
             return
         blocked: set[int] = set()
         held_devices = self.m.held_devices()
-        self._sweep({run.worker.device_index for run in self.waiting.values()})
+        self._sweep({run.proc.device_index for run in self.waiting.values()})
         # Judges whose kernels hold memory or a process go first: they give it back.
         order = sorted(self.waiting.items(), key=lambda item: not self._goes_first(item[1]))
         for worker_id, run in order:
-            device = run.worker.device_index
-            if self.m.running.get(run.job.job_id) is not run or run.worker.job_id != run.job.job_id:
+            device = run.proc.device_index
+            if self.m.running.get(run.job.job_id) is not run or run.proc.job_id != run.job.job_id:
                 del self.waiting[worker_id]
                 continue
             if self._goes_first(run):
@@ -224,7 +233,7 @@ class GpuUse:
 
     def _sweep(self, devices: set[int]) -> None:
         """What holders that no longer exist hold goes back (fleet/gpu_memory.py sweep)."""
-        live = set(self.m.workers.by_id)  # exited ones leave the table
+        live = set(self.m.job_processes.by_id)  # exited ones leave the table
         live |= {
             run.record.holder for run in self.m.running.values()
             if run.record is not None and run.record.gpu_held_on is not None
@@ -237,7 +246,7 @@ class GpuUse:
         if run.memory_wait_said:
             return
         run.memory_wait_said = True
-        device = run.worker.device_index
+        device = run.proc.device_index
         need = self.m.memory.footprint(self.memory_key(run))
         held, budget, holders = self.m.memory.usage(device)
         if need is not None and run.job.job_id not in self.m.alone:
@@ -273,9 +282,7 @@ class GpuUse:
         reference was timed in it, the kernel's process frozen) has it opened again with
         that partner."""
         if not run.kernel_serves or not run.judged_now:
-            self.m.on_protocol_violation(
-                run.worker, "a kernel's timing asked with no kernel to time"
-            )
+            self.m.on_protocol_violation(run.proc, "a kernel's timing asked with no kernel to time")
             return
         # A kernel's process gone meanwhile is no partner: the judge finds its calls
         # unanswered, the kernel's failure.
@@ -285,52 +292,52 @@ class GpuUse:
         self.use(run)
 
     def _partners(self, run: Running | None) -> list[str]:
-        kernel = run.kernel_worker if run is not None and run.drives_kernel else None
+        kernel = run.kernel_proc if run is not None and run.drives_kernel else None
         return [kernel.worker_id] if kernel is not None else []
 
     def grant(self, worker_id: str, exclusive: bool) -> None:
-        """The GPU gate lets the worker use its GPU for the phase it asked for: checks at
+        """The GPU gate lets the job process use its GPU for the phase it asked for: checks at
         once; a timing window once the device's other job processes are frozen (a job whose
         check opened the window keeps it for its timing)."""
-        worker = self.m.workers.by_id.get(worker_id)
-        if worker is None or not worker.job_id:
+        proc = self.m.job_processes.by_id.get(worker_id)
+        if proc is None or not proc.job_id:
             return
-        run = self.m.running.get(worker.job_id)
+        run = self.m.running.get(proc.job_id)
         phase = run.phase if run is not None else job_pb2.PHASE_PROFILING
         if not exclusive:
-            self._send_grant(worker, job_pb2.PHASE_VALIDATING)
+            self._send_grant(proc, job_pb2.PHASE_VALIDATING)
         elif (
             run is not None
             and run.window is not None
             and run.window.partners == self._partners(run)
         ):
-            self._send_grant(worker, phase)  # its window is open: its check ran in it
+            self._send_grant(proc, phase)  # its window is open: its check ran in it
         else:
-            self.m.spawn(self._open_window(worker, phase))
+            self.m.spawn(self._open_window(proc, phase))
 
-    async def _open_window(self, worker: WorkerState, phase: int) -> None:
-        device = worker.device_index
+    async def _open_window(self, proc: JobProcess, phase: int) -> None:
+        device = proc.device_index
         began = time.perf_counter()
-        run = self.m.running.get(worker.job_id) if worker.job_id else None
+        run = self.m.running.get(proc.job_id) if proc.job_id else None
         partners = self._partners(run)
         report = await self.m.windows.open(
-            self.m.watchdog, device, worker.worker_id, partner_worker_ids=partners
+            self.m.watchdog, device, proc.worker_id, partner_worker_ids=partners
         )
         log.info(
             "timing window opened",
-            extra={"worker_id": worker.worker_id, "device_index": device,
+            extra={"worker_id": proc.worker_id, "device_index": device,
                    "open_ms": round((time.perf_counter() - began) * 1e3, 2)},
         )  # fmt: skip
-        run = self.m.running.get(worker.job_id) if worker.job_id else None
-        if run is None or self.m.gate.holders(device)[0] != worker.worker_id:
+        run = self.m.running.get(proc.job_id) if proc.job_id else None
+        if run is None or self.m.gate.holders(device)[0] != proc.worker_id:
             return  # it ended while the others froze; its release closes the window
         if run.window is not None:  # opened again, its partner thawed: the same window
             run.window.partners = partners
-            self._send_grant(worker, phase)
+            self._send_grant(proc, phase)
             return
         if self.m.windows.frozen(device):
             for other in self.m.running.values():
-                if other.worker.device_index == device and other is not run and other.deadline:
+                if other.proc.device_index == device and other is not run and other.deadline:
                     other.deadline.pause()
         run.window = Window(others_frozen=report.ok, at_start=public_conditions(report.conditions))
         run.window.partners = partners
@@ -342,26 +349,26 @@ class GpuUse:
                 report.message,
                 extra={"job_id": run.job.job_id},
             )
-        self._send_grant(worker, phase)
+        self._send_grant(proc, phase)
 
-    def on_drain_status(self, worker: WorkerState, run: Running, busy: bool) -> None:
+    def on_drain_status(self, proc: JobProcess, run: Running, busy: bool) -> None:
         """The window's holder finds the GPU still busy with the others frozen: work they
         queued outside their phases runs into its window. Until it says the wait is over, the
         watchdog is asked (every STOP_GPU_USERS_S: NVML samples come late) to kill the frozen
         processes that NVML sees using the GPU."""
-        if run.window is None or self.m.gate.holders(worker.device_index)[0] != worker.worker_id:
+        if run.window is None or self.m.gate.holders(proc.device_index)[0] != proc.worker_id:
             return  # only a window's holder waits for the GPU to drain
         run.window.draining = busy
         if not busy:
             return
-        frozen = self.m.windows.frozen(worker.device_index)
+        frozen = self.m.windows.frozen(proc.device_index)
         self.m.hub.log(
             run.job.job_id,
             "kerneleval: the timing window waits for GPU work that other jobs queued before "
             "they were frozen" + ("; those still using the GPU are stopped" if frozen else ""),
         )
         if frozen:
-            self.m.spawn(self._stop_gpu_users(worker.device_index, run))
+            self.m.spawn(self._stop_gpu_users(proc.device_index, run))
 
     async def _stop_gpu_users(self, device: int, run: Running) -> None:
         assert run.window is not None
@@ -390,9 +397,9 @@ class GpuUse:
                 )
             await asyncio.sleep(STOP_GPU_USERS_S)
 
-    def _send_grant(self, worker: WorkerState, phase: int) -> None:
-        run = self.m.running.get(worker.job_id)
-        if run is not None and run.worker is worker and run.deadline and run.grant_asked_at:
+    def _send_grant(self, proc: JobProcess, phase: int) -> None:
+        run = self.m.running.get(proc.job_id)
+        if run is not None and run.proc is proc and run.deadline and run.grant_asked_at:
             # Waiting for other jobs' GPU use is not this job's time: push its deadline.
             waited = asyncio.get_running_loop().time() - run.grant_asked_at
             if run.window is not None:  # a check in the window waited for it, not its timing
@@ -400,15 +407,15 @@ class GpuUse:
             if waited > 0.001:
                 run.deadline.push(waited)
             run.grant_asked_at = 0.0
-        worker.send(
+        proc.send(
             job_channel_pb2.FrontendMessage(
-                grant=job_channel_pb2.GpuGrant(job_id=worker.job_id, phase=phase)  # type: ignore[arg-type]
+                grant=job_channel_pb2.GpuGrant(job_id=proc.job_id, phase=phase)  # type: ignore[arg-type]
             )
         )
 
     def window_ended(self, device: int, holder_id: str, seconds: float) -> None:
         self.m.metrics.timing_window.labels(str(device)).inc(seconds)
-        holder = self.m.workers.by_id.get(holder_id)
+        holder = self.m.job_processes.by_id.get(holder_id)
         run = self.m.running.get(holder.job_id) if holder is not None and holder.job_id else None
         # The window as it is now: a judged job's next one (its judge's) is another.
         self.m.spawn(self._close_window(device, run.window if run is not None else None, seconds))
@@ -422,7 +429,7 @@ class GpuUse:
                    "close_ms": round((time.perf_counter() - began) * 1e3, 2)},
         )  # fmt: skip
         for run in self.m.running.values():
-            if run.worker.device_index == device and run.deadline is not None:
+            if run.proc.device_index == device and run.deadline is not None:
                 if not run.awaiting_judge:  # paused until its judge process starts
                     run.deadline.resume()
         if window is not None:

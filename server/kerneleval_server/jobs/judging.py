@@ -25,14 +25,15 @@ from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.config import Config
 from kerneleval_server.fleet.gpu_memory import GpuMemory
-from kerneleval_server.fleet.job_processes import JobProcess as WorkerState
-from kerneleval_server.fleet.job_processes import JobProcessTable as WorkerTable
+from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.fleet.timing_windows import TimingWindows
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import GATED_PHASES
+from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.events import EventHub
 from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.judge_record import Record
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 from kerneleval_server.jobs.running import Running
 from kerneleval_server.jobs.scheduler import GpuGate
@@ -48,7 +49,7 @@ class JudgesHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> WorkerTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def store(self) -> JobStore: ...
     @property
@@ -64,14 +65,18 @@ class JudgesHost(Protocol):
     @property
     def watchdog(self) -> WatchdogLike | None: ...
     def dispatch(self) -> None: ...
-    def on_protocol_violation(self, worker: WorkerState, what: str) -> None: ...
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
-    def free_worker(self, worker: WorkerState, completed: bool) -> None: ...
-    def worker_lost(self, worker: WorkerState) -> None: ...
-    def watch_exit(self, worker: WorkerState) -> None: ...
-    def busy_on(self, device: int, but: WorkerState | None = None) -> bool: ...
+    def free_process(self, proc: JobProcess, completed: bool) -> None: ...
+    def kill_lost(self, proc: JobProcess) -> None: ...
+    def watch_exit(self, proc: JobProcess) -> None: ...
+    def busy_on(self, device: int, but: JobProcess | None = None) -> bool: ...
     def held_devices(self) -> dict[int, str]: ...
     def spawn(self, coro: Awaitable[Any]) -> None: ...
 
@@ -108,6 +113,34 @@ def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
     session per benchmark case (engine/gpumode.py); one whose data cannot be shared is timed
     in its own process, as its result says."""
     return is_timed(spec.options) and not prebuilt
+
+
+def record_for(
+    job_id: str,
+    spec: kernel_pb2.JobSpec,
+    hello: job_channel_pb2.Hello | None,
+    config: Config,
+    prebuilt: list[job_channel_pb2.KernelArtifact],
+    build_arch: str,
+) -> tuple[Record | None, bool]:
+    """The record a job's kernel's process is given (None: it is judged there, or not at
+    all), and whether its judge times the kernel (AssignJob.timed_by_judge): a job run whole,
+    or launched built ahead with its reference judged outside (prebuild.reference_judged);
+    never a build job (`build_arch`)."""
+    if (
+        build_arch
+        or (prebuilt and not prebuild.reference_judged(spec))
+        or config.record_max_mib <= 0
+        or not wanted(spec, hello)
+    ):
+        return None, False
+    record = Record.make(
+        job_id, config.record_max_mib << 20, spec, config.record_share_max_mib << 20
+    )
+    timed_by_judge = times_kernel(spec, prebuilt)
+    # Its process serves the calls only with the record's socket.
+    record.timed_by_judge = timed_by_judge and record.share_theirs >= 0
+    return record, timed_by_judge
 
 
 def judge_request(
@@ -198,7 +231,7 @@ class Judges:
             return
         judge = next(
             (
-                w for w in self.m.workers.by_id.values()
+                w for w in self.m.job_processes.by_id.values()
                 if w.ready and w.judge_key == record.reference_key and w.device_index == device
             ),
             None,
@@ -226,7 +259,7 @@ class Judges:
             self.m.spawn(self.m.watchdog.set_job(judge.worker_id, run.job.job_id))
         if not sent:
             run.ahead = None
-            self.m.worker_lost(judge)
+            self.m.kill_lost(judge)
             return
         # Its check (it shares the GPU) is asked for with its job, as a launch's is
         # (GpuUse.ask_early): the grant is in by the time it has built the reference, and it
@@ -235,18 +268,14 @@ class Judges:
         self.m.gate.request(device, judge.worker_id, False)
 
     @staticmethod
-    def answers_ahead(worker: WorkerState, job_id: str, run: Running | None) -> bool:
+    def answers_ahead(proc: JobProcess, job_id: str, run: Running | None) -> bool:
         """Whether the process's frame for `job_id` is a judge's started ahead, not the
         job's: before its JudgeGo, or with the job gone from it (ended, or another attempt's
         `run`)."""
-        return (
-            bool(job_id)
-            and worker.ahead_job == job_id
-            and (run is None or run.worker is not worker)
-        )
+        return bool(job_id) and proc.ahead_job == job_id and (run is None or run.proc is not proc)
 
     def on_ahead_message(
-        self, run: Running | None, judge: WorkerState, msg: job_channel_pb2.JobProcessMessage
+        self, run: Running | None, judge: JobProcess, msg: job_channel_pb2.JobProcessMessage
     ) -> None:
         """A frame of a judge started ahead, before its JudgeGo: its check asks the GPU gate
         for a share of the GPU (its memory was admitted at its start), JudgePrepared gives
@@ -266,7 +295,7 @@ class Judges:
         elif kind == "log" and run is not None and run.ahead is judge:
             self.m.hub.log(run.job.job_id, msg.log.text)
 
-    def ahead_answered(self, judge: WorkerState, outcome: job_channel_pb2.JobOutcome) -> None:
+    def ahead_answered(self, judge: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
         """A judge started ahead answered before its JudgeGo: it left an abandoned job, or
         its reference failed ahead (the job's judge then starts afresh once the kernel's
         outputs are in, and says so). Clean, it stands again for its reference."""
@@ -275,7 +304,7 @@ class Judges:
             run.ahead = None
         judge.ahead_job = judge.prepared_job = ""
         judge.check_asked = False
-        self.m.free_worker(judge, completed=False)
+        self.m.free_process(judge, completed=False)
         self.m.memory.release(judge.device_index, judge.worker_id)
         if outcome.reusable and not outcome.context_poisoned and not judge.gone:
             judge.reusable, judge.used_gpu = True, False
@@ -292,7 +321,23 @@ class Judges:
             return
         go = job_channel_pb2.JudgeGo(job_id=run.job.job_id, abandon=True)
         if not judge.send(job_channel_pb2.FrontendMessage(judge_go=go)):
-            self.m.worker_lost(judge)
+            self.m.kill_lost(judge)
+
+    def drop_record(self, run: Running) -> None:
+        """The job is done with its record: closed, what its shares held of the GPU given
+        back, a judge started ahead with it (which holds it too) told to leave it, and a
+        kernel's process that served its timed calls watched to its exit."""
+        self.leave_ahead(run)
+        kernel = run.kernel_proc
+        if run.kernel_serves and kernel is not None:
+            self.m.watch_exit(kernel)
+        record = run.record
+        if record is None:
+            return
+        if record.gpu_held_on is not None:
+            self.m.memory.release(record.gpu_held_on, record.holder)
+            record.gpu_held_on = None
+        record.close()
 
     def await_judge(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """The kernel ran OK in its process: its record, sealed (at once, unless that process
@@ -304,7 +349,7 @@ class Judges:
         assert run.record is not None and run.deadline is not None
         run.record.kernel_outcome = outcome
         run.kernel_window, run.window = run.window, None
-        run.kernel_worker = run.worker
+        run.kernel_proc = run.proc
         run.deadline.pause()
         run.awaiting_judge = True
         if not run.kernel_serves:
@@ -320,14 +365,14 @@ class Judges:
         """The judge's outcome: a reference it timed itself is kept for the next judges."""
         if outcome.job_id not in self.given_time and run.record is not None:
             outcome.result.ClearField("reference_runtime_age")  # no earlier time was given
-            device = run.worker.device_index if run.worker is not None else -1
+            device = run.proc.device_index if run.proc is not None else -1
             self.times.learn(device, run.job.spec, run.record.reference_key, outcome.result)
         self.given_time.discard(outcome.job_id)
 
     def kernel_exited(self, run: Running) -> None:
         """The judged job's kernel's process is gone: its record can be sealed if it could
         not be before, and a judge waiting to time may."""
-        run.kernel_worker = None
+        run.kernel_proc = None
         record = run.record
         if record is not None and record.shared_bytes and record.gpu_held_on is None:
             # Its process gave its memory back; what it handed over stays until judged.
@@ -344,7 +389,7 @@ class Judges:
             return
         if job_id in self.queue:
             return
-        if run.record.shared_bytes and run.kernel_worker is not None and not run.kernel_serves:
+        if run.record.shared_bytes and run.kernel_proc is not None and not run.kernel_serves:
             # What it handed over by descriptor is read once nothing can write it. (One that
             # serves its timed calls stays: rewriting its checked outputs gains it nothing,
             # since its timed calls are checked on inputs it never saw.)
@@ -364,7 +409,7 @@ class Judges:
         )
 
     def start(
-        self, fresh: list[WorkerState], standing: list[WorkerState], held: dict[int, str]
+        self, fresh: list[JobProcess], standing: list[JobProcess], held: dict[int, str]
     ) -> None:
         """Judged jobs in the order their kernels ran, each on the GPU its kernel ran on: to
         a standing judge of its reference there; while those are busy, up to
@@ -396,16 +441,16 @@ class Judges:
                     continue
             key = run.record.reference_key
             here = [w for w in standing + fresh if w.ready and w.device_index == device]
-            worker = next((w for w in here if w.judge_key == key), None)
-            if worker is None and alone is None and not shares_held:
+            proc = next((w for w in here if w.judge_key == key), None)
+            if proc is None and alone is None and not shares_held:
                 queued = waiting.get((device, key), 0)
                 if queued < self._standing_judges(device, key) * JOBS_WAITING_PER_STANDING_JUDGE:
                     waiting[(device, key)] = queued + 1
                     continue  # one of them is free soon, and a fresh process is dear
-            worker = worker or next((w for w in here if not w.assigned_job_id), None)
-            if worker is not None:
+            proc = proc or next((w for w in here if not w.assigned_job_id), None)
+            if proc is not None:
                 self.queue.remove(job_id)
-                self._start(job_id, worker)
+                self._start(job_id, proc)
             else:
                 self._free_a_slot(device, fresh, key)
 
@@ -415,20 +460,20 @@ class Judges:
         may run to its timeout (a hung one held a judge, and the jobs waiting for it, 120 s)."""
         ahead = {r.ahead.worker_id for r in self.m.running.values() if r.ahead is not None}
         return sum(
-            1 for w in self.m.workers.by_id.values()
+            1 for w in self.m.job_processes.by_id.values()
             if w.judge_key == key and w.device_index == device and not w.gone
             and w.worker_id not in ahead
         )  # fmt: skip
 
-    def _free_a_slot(self, device: int, fresh: list[WorkerState], key: str) -> None:
+    def _free_a_slot(self, device: int, fresh: list[JobProcess], key: str) -> None:
         """A judged job finds no judge on its GPU: where its slots hold launch processes
         (they stay, job after job; with --workers-per-device 1 the only slot did, and a
         launched job waited for ever), an idle one leaves, and the spare that takes its slot
         is the judge. Not while a standing judge of its reference is busy there (it is free
         soon); one a GPU per FREE_A_SLOT_EVERY_S (a spare's promotion takes less), the next
         asked for by a dispatch then."""
-        workers = self.m.workers.by_id.values()
-        if any(w.judge_key == key and w.device_index == device and not w.gone for w in workers):
+        procs = self.m.job_processes.by_id.values()
+        if any(w.judge_key == key and w.device_index == device and not w.gone for w in procs):
             return
         loop = asyncio.get_running_loop()
         wait = self.freed_for_judge.get(device, -FREE_A_SLOT_EVERY_S) + FREE_A_SLOT_EVERY_S
@@ -447,24 +492,24 @@ class Judges:
         self.free_later.discard(device)
         self.m.dispatch()
 
-    def retire(self, worker: WorkerState, why: str) -> None:
+    def retire(self, proc: JobProcess, why: str) -> None:
         """An idle reusable job process leaves: its channel closed, it exits 0."""
-        log.info("job process retired: %s", why, extra={"worker_id": worker.worker_id})
-        worker.gone = True
-        worker.reusable = False
-        self.m.watch_exit(worker)
+        log.info("job process retired: %s", why, extra={"worker_id": proc.worker_id})
+        proc.gone = True
+        proc.reusable = False
+        self.m.watch_exit(proc)
         if self.m.watchdog is not None:
-            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
-        if worker.writer is not None:
-            worker.writer.close()
+            self.m.spawn(self.m.watchdog.set_job(proc.worker_id, "", finished=True))
+        if proc.writer is not None:
+            proc.writer.close()
 
-    def stand(self, worker: WorkerState, key: str) -> None:
+    def stand(self, proc: JobProcess, key: str) -> None:
         """The judge judged cleanly: it stays, for jobs with the same reference only, outside
         its GPU's job process slots (a spare takes its slot, as when a process leaves), up to
         STANDING_JUDGES_PER_DEVICE of them and STANDING_JUDGE_IDLE_S idle."""
         others = [
-            w for w in self.m.workers.by_id.values()
-            if w.judge_key and w is not worker and w.device_index == worker.device_index
+            w for w in self.m.job_processes.by_id.values()
+            if w.judge_key and w is not proc and w.device_index == proc.device_index
             and not w.gone
         ]  # fmt: skip
         if len(others) >= STANDING_JUDGES_PER_DEVICE:
@@ -472,39 +517,39 @@ class Judges:
             # all are busy: then this one goes.
             idle = sorted((w for w in others if w.ready), key=lambda w: w.idle_since)
             if not idle:
-                self.retire(worker, f"{len(others)} judges stand on its GPU already, all busy")
+                self.retire(proc, f"{len(others)} judges stand on its GPU already, all busy")
                 return
             self.retire(idle[0], "a judge of a newer reference takes its place")
-        if not worker.judge_key and self.m.watchdog is not None:
-            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, "", finished=True))
-        worker.judge_key = key
-        worker.idle_since = since = asyncio.get_running_loop().time()
+        if not proc.judge_key and self.m.watchdog is not None:
+            self.m.spawn(self.m.watchdog.set_job(proc.worker_id, "", finished=True))
+        proc.judge_key = key
+        proc.idle_since = since = asyncio.get_running_loop().time()
         asyncio.get_running_loop().call_later(
-            STANDING_JUDGE_IDLE_S, self._retire_if_idle, worker, since
+            STANDING_JUDGE_IDLE_S, self._retire_if_idle, proc, since
         )
 
-    def _retire_if_idle(self, worker: WorkerState, since: float) -> None:
-        if worker.ready and worker.judge_key and worker.idle_since == since:
-            self.retire(worker, f"a standing judge idle for {STANDING_JUDGE_IDLE_S:.0f} s")
+    def _retire_if_idle(self, proc: JobProcess, since: float) -> None:
+        if proc.ready and proc.judge_key and proc.idle_since == since:
+            self.retire(proc, f"a standing judge idle for {STANDING_JUDGE_IDLE_S:.0f} s")
             self.m.dispatch()
 
-    def _start(self, job_id: str, worker: WorkerState) -> None:
+    def _start(self, job_id: str, proc: JobProcess) -> None:
         run = self.m.running.get(job_id)
         if run is None or run.record is None or run.record.kernel_outcome is None:
             return
         job = run.job
-        known = self.times.known(worker.device_index, job.spec, run.record.reference_key)
-        request = judge_request(run.record.kernel_outcome.result, run.kernel_worker is None, known)
-        request.kernel_serves = run.kernel_serves and run.kernel_worker is not None
+        known = self.times.known(proc.device_index, job.spec, run.record.reference_key)
+        request = judge_request(run.record.kernel_outcome.result, run.kernel_proc is None, known)
+        request.kernel_serves = run.kernel_serves and run.kernel_proc is not None
         request.kernel_timed_by_judge = run.record.timed_by_judge
-        ahead = run.ahead is worker
+        ahead = run.ahead is proc
         try:
             if ahead:
                 go = job_channel_pb2.JudgeGo(job_id=job_id, request=request)
-                sent = worker.send(job_channel_pb2.FrontendMessage(judge_go=go))
+                sent = proc.send(job_channel_pb2.FrontendMessage(judge_go=go))
                 run.ahead = None
             else:
-                sent = worker.assign(
+                sent = proc.assign(
                     job_id,
                     job.spec,
                     job.attempt_count,
@@ -517,7 +562,7 @@ class Judges:
         except FrameError as exc:
             self.m.finish(job, job_pb2.JOB_STATE_FAILED, job.result, f"no judge: {exc}")
             return
-        run.worker, run.phase, run.outcome, run.awaiting_judge = worker, 0, None, False
+        run.proc, run.phase, run.outcome, run.awaiting_judge = proc, 0, None, False
         if known is not None:
             self.given_time.add(job_id)
         # What the kernel handed over by descriptor stays held (record.gpu_held_on) until
@@ -525,31 +570,31 @@ class Judges:
         # the judge's socket, until it has read it. Given back here, before the judge was
         # admitted, admission over-admitted by those bytes (an H200 RL step: 43 jobs ran out
         # of memory and re-ran alone, two of them out of memory again alone).
-        job.worker_id = worker.worker_id
-        worker.job_id = job_id
+        job.worker_id = proc.worker_id
+        proc.job_id = job_id
         event = self.m.hub.next_event(job_id)
         standing = (
-            f", which judged {worker.completed} earlier job(s) of this reference only"
-            if worker.judge_key
+            f", which judged {proc.completed} earlier job(s) of this reference only"
+            if proc.judge_key
             else ""
         )
         timed = f"its time an earlier job's, {known[1]:.1f} s ago" if known else "is timed there"
         ran = "ran there on the trials' inputs while the kernel ran" if ahead else "runs there"
         event.log.text = (
-            f"kerneleval: the kernel ran; judged by {worker.worker_id}, a process its code "
+            f"kerneleval: the kernel ran; judged by {proc.worker_id}, a process its code "
             f"never ran in{standing} (the reference {ran}, {timed})"
         )
         self.m.store.update(job, event)
         self.m.hub.publish(event, persisted=True)
         assert run.deadline is not None
         run.deadline.resume()
-        if self.m.windows.frozen(worker.device_index):
+        if self.m.windows.frozen(proc.device_index):
             run.deadline.pause()
         if self.m.watchdog is not None and not ahead:
-            self.m.spawn(self.m.watchdog.set_job(worker.worker_id, job_id))
+            self.m.spawn(self.m.watchdog.set_job(proc.worker_id, job_id))
         if not sent:
-            self.m.worker_lost(worker)
-        elif ahead and worker.prepared_job == job_id:
+            self.m.kill_lost(proc)
+        elif ahead and proc.prepared_job == job_id:
             # Waiting for its go (its JudgePrepared gave its share back): its check, next, is
             # asked for with it. One still preparing holds its share: it asks itself after.
             self.m.gpu_use.ask_early(run)

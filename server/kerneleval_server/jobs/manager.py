@@ -10,6 +10,7 @@ story is its `Running` record's `Stage` (running.py). The rest is beside it, eac
 reached through a small Protocol, never through the manager's private names:
 
     admission.py      idempotency, the result cache, jobs in flight, the queue limit
+    intake.py         stored as it is sent, queued or waiting for an identical job, requeued
     builds/paths.py   built ahead then launched; load_inline builds
     messages.py       what a job process says on its channel
     processes.py      the job processes: told to the watchdog, watched to their exit, freed
@@ -17,6 +18,7 @@ reached through a small Protocol, never through the manager's private names:
     judging.py        compared jobs judged outside the kernel's process
     gpu_use.py        a running job's GPU: memory admission, the gate, timing windows
     endings.py        a job's final result, and who waits for it
+    exits.py          its process killed, or gone before its outcome: it ends or runs again
     waits.py          every wait of a job named and bounded
     service.py        the one face the API's servicers call
 
@@ -43,45 +45,32 @@ from kerneleval_server.fleet import faults
 from kerneleval_server.fleet.devices import Devices
 from kerneleval_server.fleet.gpu_memory import GpuMemory
 from kerneleval_server.fleet.job_processes import JobChannels, JobProcess, JobProcessTable
-from kerneleval_server.fleet.timing_windows import (
-    WATCHDOG_REPLY_S,
-    TimingWindows,
-)
+from kerneleval_server.fleet.timing_windows import WATCHDOG_REPLY_S, TimingWindows
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE
-from kerneleval_server.jobs import endings, judge_record, judging, static_checks
-from kerneleval_server.jobs.admission import Admission, Joined
-from kerneleval_server.jobs.builds import prebuild
+from kerneleval_server.jobs import endings, judging, static_checks
+from kerneleval_server.jobs.admission import Admission
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.crowding import Crowding
 from kerneleval_server.jobs.deadline import Deadline, timeout_of
 from kerneleval_server.jobs.endings import Endings
 from kerneleval_server.jobs.events import EventHub, OpsLog
+from kerneleval_server.jobs.exits import KILL_FALLBACK_S, Exits
 from kerneleval_server.jobs.gpu_use import GpuUse
+from kerneleval_server.jobs.intake import Intake
 from kerneleval_server.jobs.messages import JobProcessMessages
 from kerneleval_server.jobs.processes import OUTCOME_EXIT_GRACE_S, ProcessKeeper
-from kerneleval_server.jobs.running import (
-    Kill,
-    Running,
-    Stage,
-    Unstored,
-    copy_job,
-    stamp,
-    xid_suspects,
-)
-from kerneleval_server.jobs.scheduler import FairQueue, GpuGate, QueuedJob
+from kerneleval_server.jobs.running import Kill, Running, Stage, copy_job, stamp, xid_suspects
+from kerneleval_server.jobs.scheduler import FairQueue, GpuGate
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import TERMINAL, JobStore
 from kerneleval_server.jobs.waits import Waits
 from kerneleval_server.metrics import Metrics
-from kerneleval_server.spec import placement
 
 log = logging.getLogger("kerneleval.jobs")
-
-KILL_FALLBACK_S = 10.0  # a kill the watchdog never confirms still ends the job
 
 
 class JobManager:
@@ -105,13 +94,13 @@ class JobManager:
         # and freed (processes.py).
         self.processes = p = ProcessKeeper(self)
         self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
-        self.free_worker, self.worker_lost = p.free_worker, p.worker_lost
+        self.free_process, self.kill_lost = p.free_process, p.kill_lost
         self.queue = FairQueue()
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
         self.windows = TimingWindows(freeze_others=config.freeze_during_timing)
-        self.workers = JobProcessTable()
+        self.job_processes = JobProcessTable()
         # What its job processes say (messages.py), on their channels.
         self.messages = JobProcessMessages(self)
         self.channels = JobChannels(self.messages)
@@ -140,11 +129,16 @@ class JobManager:
         self.started_at = time.time()
         self.queue_latency: deque[float] = deque(maxlen=2000)
         self.run_latency: deque[float] = deque(maxlen=2000)
-        self._unstored: dict[str, Unstored] = {}  # submitted, stored once sent (submit)
+        # Stored as it is sent, queued or waiting for an identical job, requeued (intake.py).
+        self.intake = i = Intake(self)
+        self.store_new, self.unstored, self.requeue = i.store_new, i.unstored, i.requeue
+        # Its process killed, or gone before its outcome: it ends, or runs again (exits.py).
+        self.exits = x = Exits(self)
+        self.on_process_lost = x.lost
         # Who waits for a job's end, answered before the store has it (endings.py).
         self.endings = Endings(store, lambda: self.shared)
         # Idempotency, the result cache, jobs in flight, the queue limit (admission.py).
-        self.admission = Admission(config, store, self._devices)
+        self.admission = Admission(config, store, i.devices)
         # --role gateway or node: the queue is the shared store's (jobs/shared_queue.py).
         self.shared: SharedQueue | None = None
         # Every wait of a job named as it waits, and bounded (jobs/waits.py).
@@ -165,7 +159,7 @@ class JobManager:
 
         Without `flags`, a job that runs here is started before its static checks (a
         millisecond of parsing on the way to every job's start): they run while its process
-        starts, and what they flag joins its result (_flag_late). A job they may reject
+        starts, and what they flag joins its result (intake.flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
         decision = self.admission.decide(spec, idempotency_key, len(self.queue))
         if decision.earlier is not None:
@@ -193,16 +187,16 @@ class JobManager:
         if hit is None and self.shared is None and not rejected:
             # Stored as the dispatch below sends it to a process, or right after it if none
             # takes it (store_new): the process starts on it while the store is written.
-            self._unstored[job.job_id] = Unstored(job, event, key, idempotency_key)
+            self.intake.hold(job, event, key, idempotency_key)
         else:
             self.store.insert(job, event, cache_key=key, idempotency_key=idempotency_key)
             self.hub.publish(event, persisted=True)
         if rejected:
-            self._reject(job)
+            self.intake.reject(job)
             return job
         if hit is not None:
             self.metrics.result_cache.labels("hit").inc()
-            self._answer(job, hit, job_pb2.RESULT_ORIGIN_CACHE)
+            self.intake.answer(job, hit, job_pb2.RESULT_ORIGIN_CACHE)
             return job
         if self.shared is not None:
             # In the shared store now (the insert NOTIFYs the nodes): a node takes it with a
@@ -211,7 +205,7 @@ class JobManager:
             self.metrics.result_cache.labels("bypass" if not key else "miss").inc()
             log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
             return job
-        cached = self._enqueue_or_wait(job, key)
+        cached = self.intake.enqueue_or_wait(job, key)
         try:
             self.dispatch()
         finally:
@@ -219,90 +213,13 @@ class JobManager:
         self.metrics.result_cache.labels(cached).inc()
         log.info("job queued", extra={"job_id": job.job_id, "client_tag": spec.client_tag})
         if late:
-            job.result.flags.extend(self._flag_late(job.job_id, spec))
+            job.result.flags.extend(self.intake.flag_late(job.job_id, spec))
         return job
-
-    def _flag_late(self, job_id: str, spec: kernel_pb2.JobSpec) -> list[job_pb2.IntegrityFlag]:
-        """The static checks of a job started before them (submit): their flags join the job
-        where it is now, running (run.job, which finish ends from) or queued (the store)."""
-        flags = static_checks.check(spec)
-        if not flags:
-            return flags  # the common case: nothing to write
-        run = self.running.get(job_id)
-        job = run.job if run is not None else self.store.get(job_id)
-        if job is not None:
-            job.result.flags.extend(flags)
-            self.store.update(job)
-        return flags
-
-    def store_new(self, job_id: str, as_it_is: bool = False) -> None:
-        """A job submit has not stored yet: stored now, as submitted, with its queued event
-        and the events made since. `as_it_is`: then as it is now (the dispatch is over: built
-        earlier, it waits for a launch process, RUNNING)."""
-        new = self._unstored.pop(job_id, None)
-        if new is None:
-            return
-        self.store.insert(
-            new.job, new.event, cache_key=new.cache_key, idempotency_key=new.idempotency_key
-        )
-        self.hub.publish(new.event, persisted=True)
-        run = self.running.get(job_id) if as_it_is else None
-        if run is not None:
-            self.store.update(run.job)
-        for event in new.later:
-            self.hub.publish(event)
-
-    def unstored(self, job_id: str) -> Unstored | None:
-        """A job submit made and has not stored yet (store_new)."""
-        return self._unstored.get(job_id)
-
-    def _enqueue_or_wait(self, job: job_pb2.Job, key: str) -> Joined:
-        """Queues the job, unless an identical one is queued or running: then it waits for
-        that one's result. Returns what the cache did ("bypass", "shared" or "miss"; the
-        submission counts it, not a restart or a leader's end that moves the job on)."""
-        joined = self.admission.join(job.job_id, key)
-        if joined != "shared":
-            self._enqueue(job)
-        return joined
-
-    def _enqueue(self, job: job_pb2.Job) -> None:
-        spec = job.spec
-        kind = self.builds.kind(job)
-        self.queue.push(
-            QueuedJob(
-                job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
-                placement.wanted_model(spec),
-            )
-        )  # fmt: skip
-        self.metrics.queue_depth.set(len(self.queue))
-
-    def _devices(self) -> list[tuple[int, str, str]]:
-        """(index, name, driver) of the GPUs here; a gateway has none: its nodes'
-        (ListDevices), where a job may run as much as on any GPU here."""
-        if self.shared is not None:
-            return [(d.index, d.name, d.driver_version) for d in self.shared.node_devices()]
-        return [
-            (d.index, d.status.name, d.status.driver_version) for d in self.fleet.devices.values()
-        ]
-
-    def _answer(self, job: job_pb2.Job, source: job_pb2.Job, origin: int) -> None:
-        """Ends `job` with the result `source` computed."""
-        job.result_origin = origin  # type: ignore[assignment]
-        job.result_job_id = source.result_job_id or source.job_id
-        self.finish(job, job_pb2.JOB_STATE_DONE, source.result, source.state_reason)
-
-    def _reject(self, job: job_pb2.Job) -> None:
-        """reject_flagged and the candidate is flagged: it ends now, never run."""
-        rules = static_checks.rule_names(job.result.flags)
-        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_REJECTED, correctness=False)
-        log.info("job rejected", extra={"job_id": job.job_id, "rules": rules})
-        reason = f"rejected: static checks flagged {rules}"
-        self.finish(job, job_pb2.JOB_STATE_DONE, result, reason)
 
     def take(self, job: job_pb2.Job) -> None:
         """A job this node leased from the shared store (shared_queue.py) joins its queue."""
         if job.job_id not in self.queue and job.job_id not in self.running:
-            self._enqueue(job)
+            self.intake.enqueue(job)
 
     def recover(self) -> None:
         """After a restart: queued jobs queue again; running ones re-run once or fail. (A
@@ -313,13 +230,13 @@ class JobManager:
             self.hub.set_labels(job.job_id, job.spec.labels)
             key = self.store.cache_key(job.job_id)
             if job.state == job_pb2.JOB_STATE_QUEUED:
-                self._enqueue_or_wait(job, key)
+                self.intake.enqueue_or_wait(job, key)
                 continue
             self.admission.lead_again(key, job.job_id)
             fault = job_pb2.FaultInfo(
                 description=f"the front end restarted while the job ran on {job.worker_id}"
             )
-            self._retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED, service_fault=True)
+            self.exits.retry_or_fail(job, fault, job_pb2.VERDICT_UNSPECIFIED, service_fault=True)
         self.dispatch()
 
     # ---- it goes to a job process: dispatch, start ---------------------------------------
@@ -329,7 +246,7 @@ class JobManager:
         lets started jobs finish: their judges, launches of what was built for them, the
         load_inline builds they wait on; nothing new leaves the queue."""
         self.gpu_use.admit_waiting()
-        ready = [w for w in self.workers.by_id.values() if w.ready]
+        ready = [w for w in self.job_processes.by_id.values() if w.ready]
         standing = [w for w in ready if w.judge_key]  # they judge their reference's jobs only
         ready = [w for w in ready if not w.judge_key]
         self.builds.dispatch_builds(ready, self.draining)  # build processes' work first
@@ -346,42 +263,42 @@ class JobManager:
         held = self.crowding.held_devices()
         if self.judges.queue:  # a job half done (its kernel ran) first
             self.judges.start(gpu, standing, held)
-        for worker in gpu:
-            if worker.device_index in held and worker.ready:
-                self._start_alone(worker, held[worker.device_index])
+        for proc in gpu:
+            if proc.device_index in held and proc.ready:
+                self._start_alone(proc, held[proc.device_index])
         gpu = [w for w in gpu if w.device_index not in held]
-        for worker in sorted(gpu, key=lambda w: -w.launches):
-            if not worker.ready:  # a judge, or a job alone, took it above
+        for proc in sorted(gpu, key=lambda w: -w.launches):
+            if not proc.ready:  # a judge, or a job alone, took it above
                 continue
-            built = self.builds.next_launch(worker.device_index)
+            built = self.builds.next_launch(proc.device_index)
             if built:
-                self.start(built, worker)
-        for worker in sorted(gpu, key=lambda w: w.launches):
-            if worker.ready and len(self.queue) and not self.draining:
+                self.start(built, proc)
+        for proc in sorted(gpu, key=lambda w: w.launches):
+            if proc.ready and len(self.queue) and not self.draining:
                 queued = self.queue.pop_for(
-                    worker.device_index,
+                    proc.device_index,
                     lambda q: (
                         not self.builds.built_ahead(q) and q.job_id not in self.crowding.alone
                     ),
-                    self.fleet.device_name(worker.device_index),
+                    self.fleet.device_name(proc.device_index),
                 )
                 if queued is not None:
-                    self.start(queued.job_id, worker)
+                    self.start(queued.job_id, proc)
         self.metrics.queue_depth.set(len(self.queue))
 
-    def _start_alone(self, worker: JobProcess, job_id: str) -> None:
-        """Starts the job held for the worker's GPU once the GPU runs nothing else."""
-        if job_id in self.running or self.crowding.busy_on(worker.device_index, worker):
+    def _start_alone(self, proc: JobProcess, job_id: str) -> None:
+        """Starts the job held for the process's GPU once the GPU runs nothing else."""
+        if job_id in self.running or self.crowding.busy_on(proc.device_index, proc):
             return
-        queued = self.queue.pop_for(worker.device_index, lambda q: q.job_id == job_id)
+        queued = self.queue.pop_for(proc.device_index, lambda q: q.job_id == job_id)
         if queued is not None:
-            self.start(queued.job_id, worker)
+            self.start(queued.job_id, proc)
 
-    def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None:
-        """Starts the job on the worker: whole, as a build job (`build_arch`), or, for a job
+    def start(self, job_id: str, proc: JobProcess, build_arch: str = "") -> None:
+        """Starts the job on the job process: whole, as a build job (`build_arch`), or, for a job
         built ahead, its launch. A job just submitted is stored once it is sent (submit)."""
         waiting = self.running.get(job_id)  # built ahead: this is its launch
-        new = self._unstored.get(job_id)
+        new = self.intake.unstored(job_id)
         if new is not None:
             job: job_pb2.Job | None = waiting.job if waiting is not None else copy_job(new.job)
         else:
@@ -394,25 +311,14 @@ class JobManager:
         cached = (
             []
             if build_arch or prebuilt
-            else self.builds.compile_cache.files_for(job.spec, worker.device_index)
+            else self.builds.compile_cache.files_for(job.spec, proc.device_index)
         )
-        record = None
-        whole_or_judged = not prebuilt or prebuild.reference_judged(job.spec)
-        if (
-            not build_arch
-            and whole_or_judged
-            and self.config.record_max_mib > 0
-            and judging.wanted(job.spec, worker.hello)
-        ):
-            record = judge_record.Record.make(
-                job_id, self.config.record_max_mib << 20, job.spec,
-                self.config.record_share_max_mib << 20,
-            )  # fmt: skip
-        timed_by_judge = record is not None and judging.times_kernel(job.spec, prebuilt)
-        if record is not None:  # its process serves the calls only with the record's socket
-            record.timed_by_judge = timed_by_judge and record.share_theirs >= 0
+        # A compared job is judged outside its kernel's process, through its record.
+        record, timed_by_judge = judging.record_for(
+            job_id, job.spec, proc.hello, self.config, prebuilt, build_arch
+        )
         try:
-            sent = worker.assign(
+            sent = proc.assign(
                 job_id,
                 job.spec,
                 job.attempt_count + (1 if waiting is None else 0),
@@ -440,40 +346,34 @@ class JobManager:
         try:
             self.store_new(job_id)
         except Exception:
-            self.worker_lost(worker)  # it has a job the service could not keep
+            self.kill_lost(proc)  # it has a job the service could not keep
             raise
         if not build_arch:
-            job.device_index = worker.device_index
+            job.device_index = proc.device_index
         # A build and its launch are one attempt.
-        self.mark_started(job, worker.worker_id, new_attempt=waiting is None)
+        self.mark_started(job, proc.worker_id, new_attempt=waiting is None)
         if waiting is None:
-            run = self.track(job, worker, list(cached))
+            run = self.track(job, proc, list(cached))
             run.build_arch, run.given_reference = build_arch, given
         else:
             run = waiting
-            run.job, run.worker, run.phase = job, worker, 0
+            run.job, run.proc, run.phase = job, proc, 0
             run.stage, run.built = Stage.RUNNING, []
         run.record = record
         assert run.deadline is not None
         if waiting is not None:
             run.deadline.resume()
-        worker.job_id = job_id
+        proc.job_id = job_id
         if not build_arch:
-            self.crowding.mark(run, worker)
-        if self.windows.frozen(worker.device_index):
+            self.crowding.mark(run, proc)
+        if self.windows.frozen(proc.device_index):
             run.deadline.pause()  # the watchdog freezes it at once: another job times
-        log.info(
-            "job started",
-            extra={
-                "job_id": job_id,
-                "worker_id": worker.worker_id,
-                "device_index": worker.device_index,
-            },
-        )
+        where = {"worker_id": proc.worker_id, "device_index": proc.device_index}
+        log.info("job started", extra={"job_id": job_id, **where})
         if self.watchdog is not None:
-            self.spawn(self.watchdog.set_job(worker.worker_id, job_id))
+            self.spawn(self.watchdog.set_job(proc.worker_id, job_id))
         if not sent:
-            self.worker_lost(worker)
+            self.kill_lost(proc)
             return
         if prebuilt:
             self.gpu_use.ask_early(run)
@@ -483,14 +383,14 @@ class JobManager:
     def track(
         self,
         job: job_pb2.Job,
-        worker: JobProcess,
+        proc: JobProcess,
         compile_cache: list[job_channel_pb2.CacheFile] | None = None,
     ) -> Running:
         """A job that starts now: followed until it ends, its timeout running."""
         self.queue_latency.append(time.time() - job.create_time.ToNanoseconds() / 1e9)
         run = Running(
             job=job,
-            worker=worker,
+            proc=proc,
             timeout_s=timeout_of(job.spec, self.max_timeout_s),
             compile_cache=compile_cache or [],
         )
@@ -518,33 +418,25 @@ class JobManager:
 
     # ---- its process answers: on_outcome (what else it says: messages.py) ----------------
 
-    def on_outcome(self, worker: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
+    def on_outcome(self, proc: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None:
+        """Its process answered: its judge is next (its kernel ran OK and handed over), or it
+        ends, once what its result may still carry is in (an XID, its window's reading)."""
         run = self.running.get(outcome.job_id)
-        if self.judges.answers_ahead(worker, outcome.job_id, run):  # the job left it
-            self.judges.ahead_answered(worker, outcome)
+        if self.judges.answers_ahead(proc, outcome.job_id, run):  # the job left it
+            self.judges.ahead_answered(proc, outcome)
             return
-        if run is None or run.worker is not worker:
+        if run is None or run.proc is not proc:
             return
         run.outcome = outcome
-        if outcome.compile_cache:
-            why = self.builds.compile_cache.store(
-                run.job.spec, worker.device_index, run.compile_cache, list(outcome.compile_cache)
-            )
-            if why:
-                log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
-        if (
-            outcome.peak_memory_bytes
-            and not outcome.context_poisoned
-            and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
-        ):
-            self.memory.learn(GpuUse.memory_key(run), outcome.peak_memory_bytes)
+        self.builds.keep_compiled(run, outcome)
+        self.gpu_use.learn(run, outcome)
         judge = run.judged_now
         if judge:
             self.judges.judged(run, outcome)
         else:  # only a judge given an earlier job's time of the reference says its age
             outcome.result.ClearField("reference_runtime_age")
             judging.timed_by_itself(outcome.result)
-        self.processes.after_outcome(worker, run, outcome, judge)
+        self.processes.after_outcome(proc, run, outcome, judge)
         if (
             run.record is not None
             and run.record.kernel_outcome is None
@@ -569,7 +461,7 @@ class JobManager:
             and wait > 0
         ):
             # NVML reports the XID up to ~2 s after the fault: give the result a chance to
-            # carry it. The worker is already out of the pool, so no other job waits on this.
+            # carry it. Its process is already out of the pool, so no other job waits on this.
             run.outcome_wait = asyncio.get_running_loop().call_later(
                 wait, self._finish_outcome, outcome.job_id
             )
@@ -608,8 +500,8 @@ class JobManager:
             return False
         job = run.job
         self.running.pop(job.job_id, None)
-        self._drop_record(run)
-        self._stop_following(run, completed=True)
+        self.judges.drop_record(run)
+        self.processes.let_go(run, completed=True)
         self.hub.log(
             job.job_id,
             "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
@@ -621,33 +513,21 @@ class JobManager:
         self.dispatch()
         return True
 
-    def on_protocol_violation(self, worker: JobProcess, what: str) -> None:
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None:
         """The job process sent what its channel does not allow: kill it; its job ends with
         a runtime error that says what it sent (not retried: the job's own code did it)."""
-        worker.gone = True
+        proc.gone = True
         self.metrics.protocol_violations.inc()
         if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_PROTOCOL))
-        run = next((r for r in self.running.values() if r.worker is worker), None)
+            self.spawn(self.watchdog.kill_worker(proc.worker_id, metrics_mod.KILL_PROTOCOL))
+        run = next((r for r in self.running.values() if r.proc is proc), None)
         if run is None:
-            log.warning(
-                "job process %s broke the protocol after its job: %s",
-                worker.worker_id,
-                what,
-                extra={"worker_id": worker.worker_id},
-            )
+            why = f"job process {proc.worker_id} broke the protocol after its job: {what}"
+            log.warning(why, extra={"worker_id": proc.worker_id})
             return
         if run.kill is Kill.CANCEL:
             return  # the kill is under way; the cancel ends the job
-        result = job_pb2.EvalResult(verdict=job_pb2.VERDICT_RUNTIME_ERROR)
-        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
-        result.error.exception_type = "ProtocolViolation"
-        result.error.message = what
-        result.fault.worker_pid = worker.pid
-        result.fault.worker_restarted = True
-        result.fault.description = (
-            f"job process {worker.worker_id} broke the job channel's protocol and was killed"
-        )
+        result = endings.protocol_violation(run, what)
         event = self.hub.next_event(run.job.job_id)
         event.fault.CopyFrom(result.fault)
         self.hub.publish(event)
@@ -656,8 +536,14 @@ class JobManager:
     # ---- it ends: finish -----------------------------------------------------------------
 
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None:
+        """Every end of a job comes here: nothing that follows it keeps it, its final result
+        is made (endings.close), and whoever waits for it hears before the store has it."""
         if job.job_id in self.cut_off and state != job_pb2.JOB_STATE_CANCELLED:
             return  # it ended as the job processes stopped, past the grace: it runs again
         run = self.running.pop(job.job_id, None)
@@ -665,8 +551,8 @@ class JobManager:
         self.crowding.alone.discard(job.job_id)
         self.judges.forget(job.job_id)
         if run is not None:
-            self._drop_record(run)
-            self._stop_following(run, completed=False)
+            self.judges.drop_record(run)
+            self.processes.let_go(run, completed=False)
             self.run_latency.append(time.time() - job.start_time.ToNanoseconds() / 1e9)
             self.metrics.job_seconds.observe(self.run_latency[-1])
         endings.close(job, state, result, reason, self.memory_limits)
@@ -684,79 +570,25 @@ class JobManager:
         asyncio.get_running_loop().call_soon(self._stored_then_after, job, event, job.state, result)
 
     def _stored_then_after(
-        self, job: job_pb2.Job, event: job_pb2.JobEvent, state: int, result: job_pb2.EvalResult
+        self,
+        job: job_pb2.Job,
+        event: job_pb2.JobEvent,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
     ) -> None:
-        """The ended job stored and its `finished` event published, then what follows."""
+        """The ended job stored and its `finished` event published, then what follows: jobs
+        identical to it answered or queued, its end counted, the next jobs."""
         try:
             self.store.update(job, event)
             self.hub.publish(event, persisted=True)
         finally:
             self.endings.stored(job.job_id)
-            self._after_finish(job, state, result)
-
-    def _after_finish(self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult) -> None:
-        """What follows a job's end: jobs identical to it answered, counts, the next jobs."""
-        self._leader_ended(job)
-        state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
-        verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
-        self.metrics.jobs.labels(state_name).inc()
-        self.metrics.running.set(len(self.running))
-        if result.verdict:
-            self.metrics.verdicts.labels(verdict).inc()
-        if result.verdict in (
-            job_pb2.VERDICT_DEVICE_FAULT,
-            job_pb2.VERDICT_CRASHED,
-            job_pb2.VERDICT_TIMEOUT,
-        ):
-            self.fleet.counters["faults"] += 1
-        log.info(
-            "job finished",
-            extra={"job_id": job.job_id, "verdict": verdict, "event": state_name},
-        )
-        self.dispatch()
-        if self.shared is not None:
-            self.shared.claim_soon()
-
-    def _leader_ended(self, leader: job_pb2.Job) -> None:
-        """Identical jobs waiting for `leader` take its result, or run (it faulted, timed
-        out, was cancelled...)."""
-        key, followers, shared = self.admission.ended(leader)
-        for job_id in followers:
-            follower = self.store.get(job_id)
-            if follower is None or follower.state in TERMINAL:
-                continue
-            if shared:
-                self._answer(follower, leader, job_pb2.RESULT_ORIGIN_SHARED_RUN)
-            else:
-                self._enqueue_or_wait(follower, key)
-
-    def _drop_record(self, run: Running) -> None:
-        """The job is done with its record: closed, what its shares held of the GPU given
-        back, a judge started ahead with it (which holds it too) told to leave it, and a
-        kernel's process that served its timed calls watched to its exit."""
-        self.judges.leave_ahead(run)
-        kernel = run.kernel_worker
-        if run.kernel_serves and kernel is not None:
-            self.watch_exit(kernel)
-        record = run.record
-        if record is None:
-            return
-        if record.gpu_held_on is not None:
-            self.memory.release(record.gpu_held_on, record.holder)
-            record.gpu_held_on = None
-        record.close()
-
-    def _stop_following(self, run: Running, completed: bool) -> None:
-        """The run is over for the front end: its timers stop, its process takes no more of
-        it."""
-        for timer in run.timers:
-            timer.cancel()
-        if run.deadline is not None:
-            run.deadline.cancel()
-        if run.outcome_wait is not None:
-            run.outcome_wait.cancel()
-        if run.worker.job_id == run.job.job_id:
-            self.free_worker(run.worker, completed=completed)
+            self.intake.leader_ended(job)
+            self.metrics.running.set(len(self.running))
+            endings.counted(job, state, result, self.metrics, self.fleet.counters)
+            self.dispatch()
+            if self.shared is not None:
+                self.shared.claim_soon()
 
     # ---- or it is cancelled, runs out of time, or loses its process or its GPU -----------
 
@@ -783,7 +615,7 @@ class JobManager:
                 )
             elif run is not None and run.outcome is None and run.kill is None:
                 run.kill = Kill.CANCEL
-                self._kill(run, metrics_mod.KILL_CANCEL)
+                self.exits.kill(run, metrics_mod.KILL_CANCEL)
             await self.endings.wait_finished(job_id, KILL_FALLBACK_S + 5)
         return self.store.get(job_id)
 
@@ -797,9 +629,10 @@ class JobManager:
         run = self.running.get(job_id)
         if run is not None and run.outcome is None and run.kill is None:
             run.kill = Kill.CANCEL
-            self._kill(run, metrics_mod.KILL_CANCEL)
+            self.exits.kill(run, metrics_mod.KILL_CANCEL)
 
     def on_deadline(self, job_id: str) -> None:
+        """Its timeout ran out: its process is killed, and its exit ends it as timed out."""
         run = self.running.get(job_id)
         if run is None or run.outcome is not None:
             return
@@ -811,115 +644,22 @@ class JobManager:
             run.grant_asked_at = now
             return
         run.kill = Kill.TIMEOUT
-        self._kill(run, metrics_mod.KILL_TIMEOUT)
+        self.exits.kill(run, metrics_mod.KILL_TIMEOUT)
 
-    def _kill(self, run: Running, reason: str) -> None:
-        run.worker.gone = True
-        if self.watchdog is not None:
-            self.spawn(self.watchdog.kill_worker(run.worker.worker_id, reason))
-        run.timers.append(
-            asyncio.get_running_loop().call_later(
-                KILL_FALLBACK_S, self.on_process_lost, run.job.job_id, run.worker.worker_id
-            )
-        )
-
-    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
+    def process_exited(self, proc: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
         """A job process exited (out of the table already): what it held goes back (its GPU
         grant and memory), an extension build it ran is lost, its job ends or retries."""
-        self.gate.release(worker.device_index, worker.worker_id)
-        self.memory.release(worker.device_index, worker.worker_id)
-        self.gpu_use.waiting.pop(worker.worker_id, None)
-        self.builds.process_exited(worker, exited)
+        self.gate.release(proc.device_index, proc.worker_id)
+        self.memory.release(proc.device_index, proc.worker_id)
+        self.gpu_use.waiting.pop(proc.worker_id, None)
+        self.builds.process_exited(proc, exited)
         for run in list(self.running.values()):
-            if run.kernel_worker is worker:
+            if run.kernel_proc is proc:
                 self.judges.kernel_exited(run)
-            if run.ahead is worker:  # its judge starts afresh once its kernel is done
+            if run.ahead is proc:  # its judge starts afresh once its kernel is done
                 run.ahead = None
-            if run.worker is worker:
-                self._exited_before_outcome(run, exited)
-
-    def _exited_before_outcome(self, run: Running, exited: watchdog_pb2.WorkerExited) -> None:
-        if run.stage is Stage.AWAITING_JUDGE:  # the kernel's process is gone (kernel_exited)
-            return
-        if run.outcome is not None or run.stage is Stage.AWAITING_LAUNCH:
-            return  # the result (or the build) is in; the exit is the process leaving
-        if run.kill is Kill.CANCEL:
-            result = job_pb2.EvalResult()
-            result.fault.worker_restarted = exited.restarting
-            result.fault.description = f"cancelled; worker {run.worker.worker_id} was replaced"
-            self.finish(run.job, job_pb2.JOB_STATE_CANCELLED, result, "cancelled by a client")
-            return
-        decision = faults.classify_exit(
-            exited,
-            pending=run.kill.value if run.kill else "",
-            xid=run.xid,
-            phase=run.phase,
-            timeout_s=run.timeout_s,
-        )
-        if decision.verdict == job_pb2.VERDICT_UNSPECIFIED:
-            for timer in run.timers:
-                timer.cancel()
-            if run.deadline is not None:
-                run.deadline.cancel()
-            if run.worker.job_id == run.job.job_id:
-                self.free_worker(run.worker, completed=False)
-            self._retry_or_fail(run.job, decision.fault, job_pb2.VERDICT_CRASHED)
-            self.metrics.running.set(len(self.running))
-            self.dispatch()
-            return
-        result = job_pb2.EvalResult(fault=decision.fault)
-        result.verdict = decision.verdict  # type: ignore[assignment]
-        result.compiled = run.phase >= job_pb2.PHASE_VALIDATING
-        if decision.error is not None:
-            result.error.CopyFrom(decision.error)
-        event = self.hub.next_event(run.job.job_id)
-        event.fault.CopyFrom(decision.fault)
-        self.hub.publish(event)
-        self.finish(run.job, job_pb2.JOB_STATE_DONE, result)
-
-    def on_process_lost(self, job_id: str, worker_id: str) -> None:
-        run = self.running.get(job_id)
-        if run is None or run.worker.worker_id != worker_id:
-            return
-        exited = watchdog_pb2.WorkerExited(exit_code=-1, reason=metrics_mod.LOST_REASON)
-        exited.worker.worker_id = worker_id
-        exited.worker.pid = run.worker.pid
-        exited.worker.device_index = run.worker.device_index
-        self._exited_before_outcome(run, exited)
-
-    def _retry_or_fail(
-        self, job: job_pb2.Job, fault: job_pb2.FaultInfo, verdict: int, service_fault: bool = False
-    ) -> None:
-        """An ambiguous loss: run the job again while attempts remain. Past them, the job ends
-        FAILED when the service lost it (front-end restarts), else DONE with the verdict."""
-        if job.attempt_count < self.config.max_attempts:
-            lost = self.running.pop(job.job_id, None)
-            if lost is not None:
-                self._drop_record(lost)
-            fault.description += f"; re-queued (attempt {job.attempt_count + 1})"
-            event = self.hub.next_event(job.job_id)
-            event.fault.CopyFrom(fault)
-            self.hub.publish(event)
-            self.requeue(job)
-            return
-        result = job_pb2.EvalResult()
-        result.fault.CopyFrom(fault)
-        result.fault.description += f"; not retried after {job.attempt_count} attempts"
-        if service_fault:
-            self.finish(job, job_pb2.JOB_STATE_FAILED, result, result.fault.description)
-            return
-        result.verdict = verdict or job_pb2.VERDICT_CRASHED  # type: ignore[assignment]
-        self.finish(job, job_pb2.JOB_STATE_DONE, result)
-
-    def requeue(self, job: job_pb2.Job) -> None:
-        """Back to QUEUED (told, stored) and into the queue; its start is stamped again."""
-        job.state = job_pb2.JOB_STATE_QUEUED
-        job.ClearField("start_time")
-        event = self.hub.next_event(job.job_id)
-        event.queued.position = len(self.queue)
-        self.store.update(job, event)
-        self.hub.publish(event, persisted=True)
-        self._enqueue(job)
+            if run.proc is proc:
+                self.exits.before_outcome(run, exited)
 
     def attribute_xid(self, x: watchdog_pb2.XidObserved) -> None:
         """An XID (recorded by fleet/devices.py): the jobs it belongs to carry it; one whose

@@ -56,9 +56,9 @@ class MessagesHost(Protocol):
     def watchdog_events(self) -> WatchdogExits: ...
     def on_health_change(self) -> None: ...
     def dispatch(self) -> None: ...
-    def on_outcome(self, worker: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None: ...
-    def on_protocol_violation(self, worker: JobProcess, what: str) -> None: ...
-    def watch_exit(self, worker: JobProcess) -> None: ...
+    def on_outcome(self, proc: JobProcess, outcome: job_channel_pb2.JobOutcome) -> None: ...
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None: ...
+    def watch_exit(self, proc: JobProcess) -> None: ...
     def on_process_lost(self, job_id: str, worker_id: str) -> None: ...
 
 
@@ -68,47 +68,45 @@ class JobProcessMessages:
     def __init__(self, m: MessagesHost) -> None:
         self.m = m
 
-    def on_protocol_violation(self, worker: JobProcess, what: str) -> None:
-        self.m.on_protocol_violation(worker, what)
+    def on_protocol_violation(self, proc: JobProcess, what: str) -> None:
+        self.m.on_protocol_violation(proc, what)
 
-    def on_process_ready(self, worker: JobProcess) -> None:
-        if worker.device_index == BUILD_DEVICE:
+    def on_process_ready(self, proc: JobProcess) -> None:
+        if proc.device_index == BUILD_DEVICE:
             self.m.fleet.warm_devices.add(BUILD_DEVICE)  # builds are ready (fleet/readiness.py)
             self.m.on_health_change()
             self.m.dispatch()
             return
-        assert worker.hello is not None
-        arch = prebuild.arch_of(worker.hello.device.compute_capability)
+        assert proc.hello is not None
+        arch = prebuild.arch_of(proc.hello.device.compute_capability)
         if arch:
-            self.m.builds.device_arch[worker.device_index] = arch
-        if not worker.hello.device.compute_capability:  # no GPU: it times on the host's CPU
-            self.m.gpu_use.on_host_cpu(worker.device_index)
-        self.m.builds.engine_judges = worker.hello.judges
-        self.m.fleet.warm_devices.add(worker.device_index)
+            self.m.builds.device_arch[proc.device_index] = arch
+        if not proc.hello.device.compute_capability:  # no GPU: it times on the host's CPU
+            self.m.gpu_use.on_host_cpu(proc.device_index)
+        self.m.builds.engine_judges = proc.hello.judges
+        self.m.fleet.warm_devices.add(proc.device_index)
         self.m.on_health_change()
         self.m.dispatch()
         if self.m.shared is not None:
             self.m.shared.claim_soon()
 
-    def on_process_message(
-        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage
-    ) -> None:
+    def on_process_message(self, proc: JobProcess, msg: job_channel_pb2.JobProcessMessage) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "outcome":
-            self.m.on_outcome(worker, msg.outcome)
+            self.m.on_outcome(proc, msg.outcome)
             return
-        if self.m.builds.on_build_message(worker, msg, kind):
+        if self.m.builds.on_build_message(proc, msg, kind):
             return
         if kind == "judge_prepared":  # before its JudgeGo or just after (the frames cross)
-            worker.prepared_job = msg.judge_prepared.job_id
-            self.m.gate.release(worker.device_index, worker.worker_id)
+            proc.prepared_job = msg.judge_prepared.job_id
+            self.m.gate.release(proc.device_index, proc.worker_id)
             return
         sub = getattr(msg, kind) if kind else None
         run = self.m.running.get(sub.job_id) if sub is not None else None
-        if sub is not None and self.m.judges.answers_ahead(worker, sub.job_id, run):
-            self.m.judges.on_ahead_message(run, worker, msg)
+        if sub is not None and self.m.judges.answers_ahead(proc, sub.job_id, run):
+            self.m.judges.on_ahead_message(run, proc, msg)
             return
-        if run is None or run.worker is not worker or run.outcome is not None:
+        if run is None or run.proc is not proc or run.outcome is not None:
             return
         if kind == "phase" and msg.phase.ahead:
             self._ask_ahead(run, msg.phase.phase)
@@ -120,8 +118,8 @@ class JobProcessMessages:
             if msg.phase.phase not in GATED_PHASES:
                 self.m.hub.publish(event)
                 return
-            if worker.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
-                worker.check_asked = False  # asked for already: granted or waiting
+            if proc.check_asked and msg.phase.phase == job_pb2.PHASE_VALIDATING:
+                proc.check_asked = False  # asked for already: granted or waiting
                 self.m.hub.publish(event)
                 return
             run.grant_asked_at = asyncio.get_running_loop().time()
@@ -131,8 +129,8 @@ class JobProcessMessages:
                 return
             if (
                 msg.phase.phase == job_pb2.PHASE_PROFILING
-                and run.kernel_worker is not None
-                and run.kernel_worker is not worker
+                and run.kernel_proc is not None
+                and run.kernel_proc is not proc
                 and not run.kernel_serves
             ):
                 # A judge, before its kernel's process has exited: nothing of the kernel may
@@ -160,9 +158,9 @@ class JobProcessMessages:
             event.log.text = msg.log.text
             self.m.hub.publish(event)
         elif kind == "drain":
-            self.m.gpu_use.on_drain_status(worker, run, msg.drain.busy)
+            self.m.gpu_use.on_drain_status(proc, run, msg.drain.busy)
         elif kind == "extension":
-            self.m.builds.on_extension_request(worker, run, msg.extension)
+            self.m.builds.on_extension_request(proc, run, msg.extension)
 
     def _ask_ahead(self, run: Running, phase: int) -> None:
         """PhaseUpdate.ahead: a check's grant asked for before its phase (its process says
@@ -170,24 +168,24 @@ class JobProcessMessages:
         if (
             phase == job_pb2.PHASE_VALIDATING
             and run.phase < job_pb2.PHASE_VALIDATING
-            and not run.worker.check_asked
+            and not run.proc.check_asked
         ):
             self.m.gpu_use.ask_early(run)
 
-    def on_process_disconnected(self, worker: JobProcess) -> None:
-        worker.gone = True
-        if worker.pending_exit is not None:
-            self.m.watchdog_events.on_process_exited(worker.pending_exit)
+    def on_process_disconnected(self, proc: JobProcess) -> None:
+        proc.gone = True
+        if proc.pending_exit is not None:
+            self.m.watchdog_events.on_process_exited(proc.pending_exit)
             return
         # Without its channel a job process is of no use: it exits at once (the runtime's
         # reader does), or it is killed (a candidate that closed the channel and stayed).
-        self.m.watch_exit(worker)
+        self.m.watch_exit(proc)
         self.m.on_health_change()
-        run = self.m.running.get(worker.job_id) if worker.job_id else None
+        run = self.m.running.get(proc.job_id) if proc.job_id else None
         if run is not None and run.outcome is None:
             # The watchdog's WorkerExited says why; this only guards against never hearing.
             run.timers.append(
                 asyncio.get_running_loop().call_later(
-                    LOST_FALLBACK_S, self.m.on_process_lost, run.job.job_id, worker.worker_id
+                    LOST_FALLBACK_S, self.m.on_process_lost, run.job.job_id, proc.worker_id
                 )
             )

@@ -35,7 +35,7 @@ class ProcessesHost(Protocol):
     @property
     def watchdog(self) -> WatchdogLike | None: ...
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def gate(self) -> GpuGate: ...
     @property
@@ -70,40 +70,47 @@ class ProcessKeeper:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def watch_exit(self, worker: JobProcess) -> None:
-        if worker.exit_watch is None:
-            worker.exit_watch = asyncio.get_running_loop().call_later(
-                OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, worker
+    def watch_exit(self, proc: JobProcess) -> None:
+        if proc.exit_watch is None:
+            proc.exit_watch = asyncio.get_running_loop().call_later(
+                OUTCOME_EXIT_GRACE_S, self._kill_if_still_there, proc
             )
 
-    def _kill_if_still_there(self, worker: JobProcess) -> None:
-        if self.m.workers.by_id.get(worker.worker_id) is not worker or self.m.watchdog is None:
+    def _kill_if_still_there(self, proc: JobProcess) -> None:
+        if self.m.job_processes.by_id.get(proc.worker_id) is not proc or self.m.watchdog is None:
             return  # it exited
         log.warning(
             "job process %s still runs %.0f s after its outcome or its channel's end: killed",
-            worker.worker_id,
+            proc.worker_id,
             OUTCOME_EXIT_GRACE_S,
-            extra={"worker_id": worker.worker_id},
+            extra={"worker_id": proc.worker_id},
         )
-        self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
+        self.spawn(self.m.watchdog.kill_worker(proc.worker_id, metrics_mod.KILL_AFTER_OUTCOME))
 
-    def worker_lost(self, worker: JobProcess) -> None:
-        worker.gone = True
+    def kill_lost(self, proc: JobProcess) -> None:
+        proc.gone = True
         if self.m.watchdog is not None:
-            self.spawn(self.m.watchdog.kill_worker(worker.worker_id, metrics_mod.KILL_LOST))
+            self.spawn(self.m.watchdog.kill_worker(proc.worker_id, metrics_mod.KILL_LOST))
 
-    def free_worker(self, worker: JobProcess, completed: bool) -> None:
-        self.m.gate.release(worker.device_index, worker.worker_id)
-        if worker.job_id:
+    def free_process(self, proc: JobProcess, completed: bool) -> None:
+        self.m.gate.release(proc.device_index, proc.worker_id)
+        if proc.job_id:
             if completed:
-                worker.completed += 1
-            if self.m.watchdog is not None and not worker.gone:
-                self.spawn(self.m.watchdog.set_job(worker.worker_id, ""))
-        worker.job_id = ""
+                proc.completed += 1
+            if self.m.watchdog is not None and not proc.gone:
+                self.spawn(self.m.watchdog.set_job(proc.worker_id, ""))
+        proc.job_id = ""
+
+    def let_go(self, run: Running, completed: bool) -> None:
+        """The run is over for the front end: its timers stop, its process takes no more of
+        it."""
+        run.stop_timers()
+        if run.proc.job_id == run.job.job_id:
+            self.free_process(run.proc, completed=completed)
 
     def after_outcome(
         self,
-        worker: JobProcess,
+        proc: JobProcess,
         run: Running,
         outcome: job_channel_pb2.JobOutcome,
         judge: bool,
@@ -112,41 +119,41 @@ class ProcessKeeper:
         # A launch process whose job came wholly prebuilt ran none of the job's code: when it
         # says it cleaned up, it takes the next built job. Any other job process ran one job:
         # it exits now, and its slot goes to a spare at once (SetJob finished). Until it has
-        # exited the watchdog keeps it as the job's worker, so that an XID to come names it.
+        # exited the watchdog keeps it as the job's process, so that an XID to come names it.
         # (A process given a job whole can never be given another: JobProcess.assign.)
         if (
             outcome.reusable
             and not outcome.context_poisoned
             and (run.job.job_id in self.m.builds.launched or judge)
         ):
-            worker.reusable = True
-            worker.used_gpu = False  # it cleans up before it reads the next job
-            self.m.memory.release(worker.device_index, worker.worker_id)
+            proc.reusable = True
+            proc.used_gpu = False  # it cleans up before it reads the next job
+            self.m.memory.release(proc.device_index, proc.worker_id)
             if judge:
                 assert run.record is not None
-                self.m.judges.stand(worker, run.record.reference_key)
+                self.m.judges.stand(proc, run.record.reference_key)
             else:
-                worker.launches += 1
+                proc.launches += 1
         else:
-            worker.gone = True
+            proc.gone = True
             if outcome.serves_timed_calls and run.record is not None and not judge:
                 # It stays, for its judge's timed calls; it is watched to its exit once the
-                # job is done with it (_drop_record). Its slot goes to a spare all the same,
+                # job is done with it (judging.drop_record). Its slot goes to a spare all the same,
                 # and its memory to its judge's admission: it let go of its checks' tensors,
                 # and what its calls use is the judge's (timed_calls.py); held apart, the
                 # judges its processes wait for would wait for them (seen on an H200).
                 run.kernel_serves = True
-                self.m.memory.release(worker.device_index, worker.worker_id)
+                self.m.memory.release(proc.device_index, proc.worker_id)
             else:
-                self.watch_exit(worker)
-            self.set_job(worker.worker_id, outcome.job_id, finished=True)
+                self.watch_exit(proc)
+            self.set_job(proc.worker_id, outcome.job_id, finished=True)
         if outcome.context_poisoned:
             event = self.m.hub.next_event(outcome.job_id)
-            event.fault.worker_pid = worker.pid
+            event.fault.worker_pid = proc.pid
             event.fault.worker_restarted = True
             event.fault.description = (
                 f"{outcome.result.error.cuda_error_name or 'a sticky CUDA error'} poisoned the "
-                f"CUDA context of worker {worker.worker_id}; it exits and is replaced"
+                f"CUDA context of worker {proc.worker_id}; it exits and is replaced"
             )
             self.m.hub.publish(event)
-        self.free_worker(worker, completed=True)
+        self.free_process(proc, completed=True)

@@ -2,7 +2,7 @@
 `Running` record, and where it is (`Stage`) as one value.
 
 A job goes QUEUED -> RUNNING in the store when a process takes it (manager.py `start`); from
-then on the manager follows it here until `_finish`. On the way it may be:
+then on the manager follows it here until `finish`. On the way it may be:
 
     RUNNING            its process (whole, a build, a launch or its judge) runs it
     AWAITING_LAUNCH    built ahead, waiting for a launch process (its deadline paused)
@@ -53,7 +53,7 @@ class Kill(enum.Enum):
 @dataclass
 class Running:
     job: job_pb2.Job
-    worker: JobProcess
+    proc: JobProcess
     timeout_s: float
     phase: int = 0
     stage: Stage = Stage.RUNNING
@@ -82,7 +82,7 @@ class Running:
     kernel_window: Window | None = None
     # The kernel's process from its outcome until it has exited: its judge may start and
     # check meanwhile, but times the reference only once nothing of the kernel is left.
-    kernel_worker: JobProcess | None = None
+    kernel_proc: JobProcess | None = None
     # Its judge, started ahead with its kernel (judging.start_ahead), until its JudgeGo.
     ahead: JobProcess | None = None
     # Its kernel's process stays after its outcome, serving its timed calls to the judge
@@ -94,6 +94,15 @@ class Running:
     def judged_now(self) -> bool:
         """Its kernel ran OK and handed over: what its process says now is its judge's."""
         return self.record is not None and self.record.kernel_outcome is not None
+
+    def stop_timers(self) -> None:
+        """Its kill's fallback, its deadline and its outcome's wait for an XID stop."""
+        for timer in self.timers:
+            timer.cancel()
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.outcome_wait is not None:
+            self.outcome_wait.cancel()
 
     # The stage in judging.py's and gpu_use.py's words.
     @property
@@ -150,18 +159,18 @@ def xid_suspects(
 ) -> list[tuple[Running, bool]]:
     """The jobs an XID belongs to, and whether that is sure.
 
-    Sure: the kernel log named the job's worker process, or a worker on that device just
-    reported a poisoned context (NVML is ~2 s late, so by now that worker may be gone and
+    Sure: the kernel log named the job's process, or a job process on that device just
+    reported a poisoned context (NVML is ~2 s late, so by now that process may be gone and
     the watchdog may name whoever runs on the GPU next). Otherwise the watchdog's guess
-    (the workers running jobs there): the XID is noted, but never turns an OK into a fault.
+    (the job processes running jobs there): the XID is noted, but never turns an OK into a fault.
     """
-    on_device = [r for r in running if r.worker.device_index == x.device_index]
-    by_pid = [r for r in on_device if x.pid and r.worker.pid == x.pid]
+    on_device = [r for r in running if r.proc.device_index == x.device_index]
+    by_pid = [r for r in on_device if x.pid and r.proc.pid == x.pid]
     if by_pid:
         return [(r, True) for r in by_pid]
     waiting = [r for r in on_device if r.outcome is not None and r.outcome.context_poisoned]
     if waiting:
         return [(r, True) for r in waiting]
     job_ids, worker_ids = set(x.job_ids), set(x.worker_ids)
-    named = [r for r in on_device if r.job.job_id in job_ids or r.worker.worker_id in worker_ids]
+    named = [r for r in on_device if r.job.job_id in job_ids or r.proc.worker_id in worker_ids]
     return [(r, False) for r in named or on_device]

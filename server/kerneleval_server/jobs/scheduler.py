@@ -1,11 +1,12 @@
-"""Which queued job runs next, and which worker may time right now.
+"""Which queued job runs next, and which job process may time right now.
 
 The queue is fair between clients: one FIFO per client_tag, served round-robin. A job that
 names a device waits for that device; others take any. Timing is exclusive per device: one
-PROFILING phase at a time, so measurements do not disturb each other, while other workers on
-the same device keep compiling and validating. Devices whose "GPU" is the host's CPU (no GPU:
-the CPU pseudo-device, or fake-NVML devices on a host without one) share one gate: their
-timed trials all run on the same cores, so one of them times at a time on the host.
+PROFILING phase at a time, so measurements do not disturb each other, while other job
+processes on the same device keep compiling and validating. Devices whose "GPU" is the
+host's CPU (no GPU: the CPU pseudo-device, or fake-NVML devices on a host without one) share
+one gate: their timed trials all run on the same cores, so one of them times at a time on
+the host.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class FairQueue:
 class _DeviceGate:
     readers: set[str] = field(default_factory=set)
     writer: str | None = None
-    queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (worker id, exclusive)
+    queue: deque[tuple[str, bool]] = field(default_factory=deque)  # (worker_id, exclusive)
     window_since: float = 0.0  # clock time the current window was granted
     window_seconds: float = 0.0  # windows held before the current one, summed
     window_count: int = 0
@@ -119,12 +120,12 @@ class GpuGate:
         on_window: Callable[[int, str, float], None] = lambda device, holder, seconds: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._grant = grant  # called with (worker id, exclusive) when it may use the GPU
+        self._grant = grant  # called with (worker_id, exclusive) when it may use the GPU
         self._on_window = on_window  # called with (device, holder, seconds) when a window ends
         self._clock = clock
         self._devices: dict[int, _DeviceGate] = {}
         self._host: _DeviceGate | None = None  # the gate of the devices on the host's CPU
-        self._device_of: dict[str, int] = {}  # worker id -> the device it asked for
+        self._device_of: dict[str, int] = {}  # worker_id -> the device it asked for
 
     def share_host(self, device_index: int) -> None:
         """The device runs its jobs on the host's CPU (its job processes see no GPU): it takes
@@ -159,7 +160,7 @@ class GpuGate:
         self._track_wanted(gate)
 
     def release(self, device_index: int, worker_id: str) -> None:
-        """The worker no longer uses the GPU (job ended, worker gone); the next ones go."""
+        """The job process no longer uses the GPU (its job ended, or it is gone); the next go."""
         gate = self._devices.get(device_index)
         if gate is None:
             return

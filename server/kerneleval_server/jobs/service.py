@@ -109,7 +109,7 @@ class JobService:
 
     def job_processes(self) -> Iterable[JobProcess]:
         """The job processes the watchdog announced and that have not exited."""
-        return self._m.workers.by_id.values()
+        return self._m.job_processes.by_id.values()
 
     def watch_operations(self, replay_count: int) -> AsyncIterator[ops_pb2.OpsEvent]:
         return self._m.ops.watch(replay_count)
@@ -135,7 +135,7 @@ class JobService:
     def build_versions(self) -> list[str]:
         """The versions this node's build processes build for (its job processes' Hellos)."""
         ext = self._m.builds.extensions
-        return sorted(ext.versions_of_job_processes(self._m.workers.by_id.values()))
+        return sorted(ext.versions_of_job_processes(self._m.job_processes.by_id.values()))
 
     def versions_of(self, torch_version: str, cuda_version: str) -> str:
         """Versions in the builders' form (ExtensionBuilds.versions_of)."""

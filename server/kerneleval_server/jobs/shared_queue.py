@@ -64,7 +64,7 @@ class SharedQueueHost(Protocol):
     @property
     def running(self) -> dict[str, Running]: ...
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def fleet(self) -> Devices: ...
     @property
@@ -280,7 +280,7 @@ class SharedQueue:
         fleet = self.m.fleet
         idle = sum(
             1
-            for w in self.m.workers.by_id.values()
+            for w in self.m.job_processes.by_id.values()
             if w.ready and w.device_index != BUILD_DEVICE
             and fleet.device_takes_jobs(w.device_index)
         )  # fmt: skip

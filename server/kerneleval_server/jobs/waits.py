@@ -61,7 +61,7 @@ class WaitsHost(Protocol):
     @property
     def hub(self) -> EventHub: ...
     @property
-    def workers(self) -> JobProcessTable: ...
+    def job_processes(self) -> JobProcessTable: ...
     @property
     def memory(self) -> GpuMemory: ...
     @property
@@ -78,7 +78,11 @@ class WaitsHost(Protocol):
     def watchdog(self) -> WatchdogLike | None: ...
     def spawn(self, coro: Awaitable[Any]) -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
 
 
@@ -91,18 +95,18 @@ class _Seen:
 
 def waiting_for(m: WaitsHost, run: Running) -> str:
     """What a started job waits for ("" when it runs: its own time, under its deadline)."""
-    device = run.worker.device_index
+    device = run.proc.device_index
     if run.stage is Stage.AWAITING_LAUNCH:
         return f"a launch process on GPU {device}"
     if run.stage is Stage.AWAITING_JUDGE:
         if run.job.job_id in m.judges.queue:
             return f"a judge process on GPU {run.job.device_index}"
-        if run.kernel_worker is not None:
+        if run.kernel_proc is not None:
             return "its kernel's process to exit (its outputs are read once nothing can write them)"
         return "its kernel's record to be sealed for its judge"
     if run.kill is not None:
         return f"its job process to exit after its {run.kill.value}"
-    if run.worker.worker_id in m.gpu_use.waiting:
+    if run.proc.worker_id in m.gpu_use.waiting:
         need = m.memory.footprint(m.gpu_use.memory_key(run))
         held, budget, holders = m.memory.usage(device)
         if run.job.job_id in m.crowding.alone or need is None:
@@ -218,19 +222,18 @@ class Waits:
         """Each GPU's memory holders, gate and job processes, for a log line."""
         m = self.m
         parts = []
-        devices = sorted(
-            {w.device_index for w in m.workers.by_id.values() if w.device_index != BUILD_DEVICE}
-        )
+        every = m.job_processes.by_id.values()
+        devices = sorted({p.device_index for p in every if p.device_index != BUILD_DEVICE})
         for device in devices:
             held, budget, holders = m.memory.usage(device)
             writer, readers = m.gate.holders(device)
-            workers = [w for w in m.workers.by_id.values() if w.device_index == device]
-            ready = sum(1 for w in workers if w.ready)
-            judges = sum(1 for w in workers if w.judge_key and not w.gone)
-            busy = sum(1 for w in workers if w.job_id)
+            procs = [p for p in every if p.device_index == device]
+            ready = sum(1 for p in procs if p.ready)
+            judges = sum(1 for p in procs if p.judge_key and not p.gone)
+            busy = sum(1 for p in procs if p.job_id)
             parts.append(
                 f"GPU {device}: memory {_size(held)} of {_size(budget)} by {holders}, window "
-                f"{writer or '-'}, {len(readers)} check(s), {len(workers)} processes "
+                f"{writer or '-'}, {len(readers)} check(s), {len(procs)} processes "
                 f"({ready} ready, {busy} busy, {judges} judges)"
             )
         parts.append(
@@ -254,10 +257,10 @@ class Waits:
         log.error("job %s: %s; %s", job_id, reason, self.gpus(), extra={"job_id": job_id})
         if run is None:
             m.queue.remove(job_id)
-        elif run.worker.job_id == job_id and not run.worker.gone:
-            run.worker.gone = True
+        elif run.proc.job_id == job_id and not run.proc.gone:
+            run.proc.gone = True
             if m.watchdog is not None:
-                m.spawn(m.watchdog.kill_worker(run.worker.worker_id, metrics_mod.KILL_STALLED))
+                m.spawn(m.watchdog.kill_worker(run.proc.worker_id, metrics_mod.KILL_STALLED))
         result = job_pb2.EvalResult()
         result.CopyFrom(job.result)
         result.verdict = job_pb2.VERDICT_SERVICE_ERROR

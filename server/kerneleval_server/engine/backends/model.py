@@ -61,9 +61,9 @@ def _extension_env(ctx: BuildContext, kind: int) -> Iterator[None]:
     real = cpp_ext.load_inline
     cuda_build = torch.version.cuda is not None and torch.cuda.is_available()
     if ctx.extension_builder is not None:
-        cpp_ext.load_inline = _service_load_inline(ctx, real, ext_dir, cuda_build)  # type: ignore[assignment]
+        cpp_ext.load_inline = _service_load_inline(ctx, real, ext_dir, cuda_build)
     elif not cuda_build:
-        cpp_ext.load_inline = _no_cuda_load_inline(ctx)  # type: ignore[assignment]
+        cpp_ext.load_inline = _no_cuda_load_inline(ctx)
     try:
         yield
     finally:

@@ -274,7 +274,7 @@ class SharedArtifacts:
     def _job_versions(self, host: ahead_builds.Host) -> str:
         """This node's versions (versions_of), as its GPUs' job processes said them in their
         Hello: those of the Python its build processes run too. "" until one has."""
-        found = self.builds.versions_of_job_processes(list(host.workers.by_id.values()))
+        found = self.builds.versions_of_job_processes(list(host.job_processes.by_id.values()))
         if len(found) == 1:
             self._ahead_versions = found.pop()
         return self._ahead_versions

@@ -36,9 +36,10 @@ from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 from kerneleval.internal.v1 import job_channel_pb2
-from kerneleval.v1 import kernel_pb2
+from kerneleval.v1 import job_pb2, kernel_pb2
 
 from kerneleval_server.fast_build import extension
+from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.jobproc import BUILD_DEVICE
 
 from . import ahead_builds, prebuild
@@ -52,7 +53,7 @@ BUILD_TIMEOUT_S = 600.0
 @dataclass
 class Waiter:
     job_id: str
-    worker: Any  # the job process's JobProcess
+    proc: JobProcess  # the job process whose load_inline call it is
     request_id: int
 
 
@@ -64,7 +65,7 @@ class Build:
     arguments_json: str
     arch: str
     waiters: list[Waiter] = field(default_factory=list)
-    worker: Any = None  # the build process's JobProcess, once started
+    proc: JobProcess | None = None  # the build process, once started
     started: float = 0.0
     versions: str = ""  # the target without the architecture (versions_of)
     # A builder's: asked through the shared store, built with nobody waiting here.
@@ -138,7 +139,7 @@ class ExtensionBuilds:
         self.cache = cache
         self.queue: deque[Build] = deque()
         self.by_key: dict[str, Build] = {}  # queued or building
-        self.by_worker: dict[str, Build] = {}  # build process id -> its build
+        self.by_process: dict[str, Build] = {}  # build process id -> its build
         self.calls: dict[str, int] = {}  # job id -> calls so far
         self.built = 0
         self.remote: Remote | None = None  # the shared artifact store (roles node, builder)
@@ -172,22 +173,26 @@ class ExtensionBuilds:
             f"|recipe {extension.RECIPE_VERSION}|ahead {ahead_builds.RECIPE_VERSION}"
         )
 
-    def versions_of_job_processes(self, workers: Iterable[Any]) -> set[str]:
+    def versions_of_job_processes(self, procs: Iterable[JobProcess]) -> set[str]:
         """The versions (versions_of) of the GPUs' job processes, as their Hello said them:
         those of the Python this front end's build processes run too."""
         return {
             self.versions_of(w.hello.device.torch_version, w.hello.device.cuda_version)
-            for w in workers
+            for w in procs
             if w.hello is not None and w.device_index != BUILD_DEVICE
         }
 
-    def _target(self, device: Any, arch: str) -> str:
+    def _target(self, device: job_pb2.DeviceInfo, arch: str) -> str:
         return self.target(device.torch_version, device.cuda_version, arch)
 
     def request(
-        self, waiter: Waiter, req: job_channel_pb2.ExtensionRequest, device: Any, arch: str,
+        self,
+        waiter: Waiter,
+        req: job_channel_pb2.ExtensionRequest,
+        device: job_pb2.DeviceInfo,
+        arch: str,
         builders: bool,
-    ) -> job_channel_pb2.ExtensionBuilt | None:  # fmt: skip
+    ) -> job_channel_pb2.ExtensionBuilt | None:
         """The answer now (from the cache, or build_here), or None: the job waits for a build
         (`next_build` hands it out)."""
         done = job_channel_pb2.ExtensionBuilt(job_id=waiter.job_id, request_id=waiter.request_id)
@@ -318,24 +323,24 @@ class ExtensionBuilds:
             self.cache.forget(key)
             return None
 
-    def started(self, build: Build, worker: Any) -> None:
-        build.worker = worker
+    def started(self, build: Build, proc: JobProcess) -> None:
+        build.proc = proc
         build.started = time.monotonic()
-        self.by_worker[worker.worker_id] = build
+        self.by_process[proc.worker_id] = build
 
-    def building(self, worker: Any) -> Build | None:
-        return self.by_worker.get(worker.worker_id)
+    def building(self, proc: JobProcess) -> Build | None:
+        return self.by_process.get(proc.worker_id)
 
     def finished_build(
-        self, worker: Any, outcome: job_channel_pb2.BuildOutcome
+        self, proc: JobProcess, outcome: job_channel_pb2.BuildOutcome
     ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
         """A build process answered (BuildOutcome): a load_inline call's (`finished`), or, on a
         builder, a job's build: kept in the cache and the shared store (artifacts, run_whole),
         or its result sent back to the node that asked. Nobody waits here for the latter."""
-        build = self.by_worker.get(worker.worker_id)
+        build = self.by_process.get(proc.worker_id)
         if build is None or build.spec is None:
-            return self.finished(worker, outcome.extension)
-        del self.by_worker[worker.worker_id]
+            return self.finished(proc, outcome.extension)
+        del self.by_process[proc.worker_id]
         self.by_key.pop(build.key, None)
         data = ahead_builds.kept(build.spec, build.arch, outcome)
         if data is not None:
@@ -353,11 +358,11 @@ class ExtensionBuilds:
         return []
 
     def finished(
-        self, worker: Any, built: job_channel_pb2.ExtensionBuilt
+        self, proc: JobProcess, built: job_channel_pb2.ExtensionBuilt
     ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
         """A build process answered: kept in the cache (a library or a compile error; not
         a build the builder refused), and the answer for each waiting job."""
-        build = self.by_worker.pop(worker.worker_id, None)
+        build = self.by_process.pop(proc.worker_id, None)
         if build is None:
             return []
         self.by_key.pop(build.key, None)
@@ -379,10 +384,12 @@ class ExtensionBuilds:
             self.cache.put(build.main_key, entry.SerializeToString())
         return [(w, _answer(w, kept)) for w in build.waiters]
 
-    def lost(self, worker: Any, why: str) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
+    def lost(
+        self, proc: JobProcess, why: str
+    ) -> list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]:
         """The build process ended without an answer: each waiting job gets the failure (not
         kept: the next call builds again)."""
-        build = self.by_worker.pop(worker.worker_id, None)
+        build = self.by_process.pop(proc.worker_id, None)
         if build is None:
             return []
         self.by_key.pop(build.key, None)

@@ -57,18 +57,22 @@ class Lifecycle(Protocol):
     queue: FairQueue
     fleet: Devices
     running: dict[str, Running]
-    workers: JobProcessTable
+    job_processes: JobProcessTable
     max_timeout_s: float
 
     def dispatch(self) -> None: ...
-    def start(self, job_id: str, worker: JobProcess, build_arch: str = "") -> None: ...
+    def start(self, job_id: str, proc: JobProcess, build_arch: str = "") -> None: ...
     def finish(
-        self, job: job_pb2.Job, state: int, result: job_pb2.EvalResult, reason: str = ""
+        self,
+        job: job_pb2.Job,
+        state: job_pb2.JobState,
+        result: job_pb2.EvalResult,
+        reason: str = "",
     ) -> None: ...
     def track(
         self,
         job: job_pb2.Job,
-        worker: JobProcess,
+        proc: JobProcess,
         compile_cache: list[job_channel_pb2.CacheFile] | None = None,
     ) -> Running: ...
     def mark_started(self, job: job_pb2.Job, worker_id: str, new_attempt: bool) -> None: ...
@@ -76,9 +80,9 @@ class Lifecycle(Protocol):
     def unstored(self, job_id: str) -> Unstored | None: ...
     def store_new(self, job_id: str, as_it_is: bool = False) -> None: ...
     def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None: ...
-    def watch_exit(self, worker: JobProcess) -> None: ...
-    def free_worker(self, worker: JobProcess, completed: bool) -> None: ...
-    def worker_lost(self, worker: JobProcess) -> None: ...
+    def watch_exit(self, proc: JobProcess) -> None: ...
+    def free_process(self, proc: JobProcess, completed: bool) -> None: ...
+    def kill_lost(self, proc: JobProcess) -> None: ...
 
 
 class BuildPaths:
@@ -105,9 +109,9 @@ class BuildPaths:
         """Build processes' work: `load_inline` builds first (their jobs hold a GPU's
         process), then jobs built ahead (the shared artifact store and the builders first).
         While draining, only the builds that started jobs wait on."""
-        for worker in ready:
-            if worker.device_index == BUILD_DEVICE and self.extensions.queue:
-                self.start_extension_build(worker)
+        for proc in ready:
+            if proc.device_index == BUILD_DEVICE and self.extensions.queue:
+                self.start_extension_build(proc)
         ready = [w for w in ready if w.ready]
         remote = self.extensions.remote
         queue = self.m.queue
@@ -116,38 +120,48 @@ class BuildPaths:
             for waiting in ahead:  # it looks for them in the store
                 self.m.store_new(waiting.job_id)
             remote.offer_ahead([(q.job_id, self.build_arch(q)) for q in ahead])
-        for worker in ready if not draining else []:
-            while worker.device_index == BUILD_DEVICE and len(queue):
+        for proc in ready if not draining else []:
+            while proc.device_index == BUILD_DEVICE and len(queue):
                 queued = queue.pop_for(None, self.builds_here)
                 if queued is None:
                     break
                 arch = self.build_arch(queued)
                 if not self.built_earlier(queued.job_id, arch):
-                    self.m.start(queued.job_id, worker, build_arch=arch)
+                    self.m.start(queued.job_id, proc, build_arch=arch)
                     break
 
     def on_build_message(
-        self, worker: JobProcess, msg: job_channel_pb2.JobProcessMessage, kind: str | None
+        self, proc: JobProcess, msg: job_channel_pb2.JobProcessMessage, kind: str | None
     ) -> bool:
         """A build process's message (True: it was one): its `load_inline` build's answer or
         log, or its build of a job."""
-        build = self.extensions.building(worker)
+        build = self.extensions.building(proc)
         if build is not None:  # a build process building a load_inline call
             if kind == "build":
-                self._on_extension_built(worker, msg.build)
+                self._on_extension_built(proc, msg.build)
             elif kind == "log":
                 self.publish_log(build.waiters, msg.log.text)
             return True
         if kind == "build":
-            self.on_built(worker, msg.build)
+            self.on_built(proc, msg.build)
             return True
         return False
 
-    def process_exited(self, worker: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
+    def process_exited(self, proc: JobProcess, exited: watchdog_pb2.WorkerExited) -> None:
         """A job process exited: a `load_inline` build it ran is lost."""
-        if self.extensions.building(worker) is not None:
+        if self.extensions.building(proc) is not None:
             why = f"exited ({exited.reason or 'code ' + str(exited.exit_code)})"
-            self.extension_build_lost(worker, why)
+            self.extension_build_lost(proc, why)
+
+    def keep_compiled(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
+        """What the job's process compiled, kept for later jobs with the same code."""
+        if not outcome.compile_cache:
+            return
+        why = self.compile_cache.store(
+            run.job.spec, run.proc.device_index, run.compile_cache, list(outcome.compile_cache)
+        )
+        if why:
+            log.warning("compile cache of job %s not kept: %s", outcome.job_id, why)
 
     def forget(self, job_id: str) -> None:
         """The job ended: nothing of it waits here any more."""
@@ -172,8 +186,8 @@ class BuildPaths:
         return self.m.hub
 
     @property
-    def workers(self) -> JobProcessTable:
-        return self.m.workers
+    def job_processes(self) -> JobProcessTable:
+        return self.m.job_processes
 
     @property
     def max_timeout_s(self) -> float:
@@ -184,44 +198,42 @@ class BuildPaths:
 
     # ---- load_inline builds ---------------------------------------------------------------
 
-    def start_extension_build(self, worker: JobProcess) -> None:
+    def start_extension_build(self, proc: JobProcess) -> None:
         build = self.extensions.next_build()
         if build is None:
             return
         spec, call = self.extensions.assignment(build)  # a call, or (a builder's) a job's kernels
         try:
-            sent = worker.assign(build.build_id, spec, 1, build_arch=build.arch, extension=call)
+            sent = proc.assign(build.build_id, spec, 1, build_arch=build.arch, extension=call)
         except FrameError as exc:
             sent = False
             log.error("extension build %s cannot be sent: %s", build.build_id, exc)
-        self.extensions.started(build, worker)
-        self.publish_log(
-            build.waiters, f"kerneleval: building {build.name!r} in {worker.worker_id}"
-        )
+        self.extensions.started(build, proc)
+        self.publish_log(build.waiters, f"kerneleval: building {build.name!r} in {proc.worker_id}")
         if not sent:
-            self.extension_build_lost(worker, "could not be reached")
+            self.extension_build_lost(proc, "could not be reached")
             return
-        self.m.set_job(worker.worker_id, build.build_id)
-        worker.exit_watch = asyncio.get_running_loop().call_later(
-            BUILD_TIMEOUT_S, self._extension_build_timeout, worker
+        self.m.set_job(proc.worker_id, build.build_id)
+        proc.exit_watch = asyncio.get_running_loop().call_later(
+            BUILD_TIMEOUT_S, self._extension_build_timeout, proc
         )
 
-    def _extension_build_timeout(self, worker: JobProcess) -> None:
-        if self.extensions.building(worker) is None:
+    def _extension_build_timeout(self, proc: JobProcess) -> None:
+        if self.extensions.building(proc) is None:
             return
-        self.extension_build_lost(worker, f"ran past {BUILD_TIMEOUT_S:.0f} s and was killed")
-        self.m.worker_lost(worker)
+        self.extension_build_lost(proc, f"ran past {BUILD_TIMEOUT_S:.0f} s and was killed")
+        self.m.kill_lost(proc)
 
     def on_extension_request(
-        self, worker: JobProcess, run: Running, req: job_channel_pb2.ExtensionRequest
+        self, proc: JobProcess, run: Running, req: job_channel_pb2.ExtensionRequest
     ) -> None:
-        assert worker.hello is not None
-        device = worker.hello.device
+        assert proc.hello is not None
+        device = proc.hello.device
         arch = prebuild.arch_of(device.compute_capability)
         builders = BUILD_DEVICE in self.m.fleet.devices and self.m.fleet.device_takes_jobs(
             BUILD_DEVICE
         )
-        waiter = Waiter(run.job.job_id, worker, req.request_id)
+        waiter = Waiter(run.job.job_id, proc, req.request_id)
         answer = self.extensions.request(waiter, req, device, arch, builders)
         if answer is None:
             text = "kerneleval: load_inline queued for a build process"
@@ -232,33 +244,33 @@ class BuildPaths:
             return
         if answer.cache_hit:
             self.publish_log([waiter], "kerneleval: load_inline from the build cache")
-        worker.send(job_channel_pb2.FrontendMessage(extension=answer))
+        proc.send(job_channel_pb2.FrontendMessage(extension=answer))
 
-    def _on_extension_built(self, worker: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
-        worker.gone = True  # a build process builds once, then exits
-        if worker.exit_watch is not None:  # the build's timeout
-            worker.exit_watch.cancel()
-            worker.exit_watch = None
-        self.m.watch_exit(worker)
-        self.m.free_worker(worker, completed=True)
-        self.answer_extensions(self.extensions.finished_build(worker, built))
+    def _on_extension_built(self, proc: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
+        proc.gone = True  # a build process builds once, then exits
+        if proc.exit_watch is not None:  # the build's timeout
+            proc.exit_watch.cancel()
+            proc.exit_watch = None
+        self.m.watch_exit(proc)
+        self.m.free_process(proc, completed=True)
+        self.answer_extensions(self.extensions.finished_build(proc, built))
         self.m.dispatch()
 
-    def extension_build_lost(self, worker: JobProcess, why: str) -> None:
-        self.answer_extensions(self.extensions.lost(worker, why))
+    def extension_build_lost(self, proc: JobProcess, why: str) -> None:
+        self.answer_extensions(self.extensions.lost(proc, why))
 
     def answer_extensions(
         self, answers: list[tuple[Waiter, job_channel_pb2.ExtensionBuilt]]
     ) -> None:
         for waiter, answer in answers:
             run = self.m.running.get(waiter.job_id)
-            if run is None or run.worker is not waiter.worker or run.outcome is not None:
+            if run is None or run.proc is not waiter.proc or run.outcome is not None:
                 continue  # it ended meanwhile
             took = answer.build_time.ToNanoseconds() / 1e9
             what = answer.error.splitlines()[0] if answer.error else f"built in {took:.1f} s"
             self.publish_log([waiter], f"kerneleval: load_inline: {what}")
             try:
-                waiter.worker.send(job_channel_pb2.FrontendMessage(extension=answer))
+                waiter.proc.send(job_channel_pb2.FrontendMessage(extension=answer))
             except FrameError as exc:
                 log.error("extension for job %s not sent: %s", waiter.job_id, exc)
 
@@ -367,11 +379,11 @@ class BuildPaths:
         if job is None or job.state in TERMINAL:
             return
         self.m.mark_started(job, built_by, new_attempt=True)
-        worker = JobProcess(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
-        run = self.m.track(job, worker)
+        proc = JobProcess(built_by, 0, BUILD_DEVICE, False, 0, job_id=job_id, gone=True)
+        run = self.m.track(job, proc)
         run.build_arch = arch
         built.job_id = job_id
-        self.on_built(worker, built)
+        self.on_built(proc, built)
 
     def await_launch(self, run: Running, artifacts: list[job_channel_pb2.KernelArtifact]) -> None:
         """Built: the job waits, its deadline paused, for a launch process."""
@@ -394,17 +406,17 @@ class BuildPaths:
                 return job_id
         return ""
 
-    def on_built(self, worker: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
+    def on_built(self, proc: JobProcess, built: job_channel_pb2.BuildOutcome) -> None:
         """A build process's answer: the job ends (a compile error), waits for a launch
         process with what was built, or goes back to the queue to run whole."""
         run = self.m.running.get(built.job_id)
-        if run is None or run.worker is not worker:
+        if run is None or run.proc is not proc:
             return
         if run.kill is not None:  # its cancel or timeout crossed this answer: its exit ends it
             return
-        worker.gone = True  # a build process builds once, then exits
-        self.m.watch_exit(worker)
-        self.m.free_worker(worker, completed=True)
+        proc.gone = True  # a build process builds once, then exits
+        self.m.watch_exit(proc)
+        self.m.free_process(proc, completed=True)
         job = run.job
         if not built.run_whole and not built.HasField("result"):
             self._with_given_reference(run, built)
@@ -418,7 +430,7 @@ class BuildPaths:
             if problem:  # the build process broke its contract: as a protocol violation
                 result.verdict = job_pb2.VERDICT_RUNTIME_ERROR
                 result.error.exception_type = "ProtocolViolation"
-                result.error.message = f"build process {worker.worker_id}: {problem}"
+                result.error.message = f"build process {proc.worker_id}: {problem}"
             else:
                 result.CopyFrom(built.result)
                 result.ClearField("timing_window")
@@ -438,7 +450,7 @@ class BuildPaths:
             self.m.requeue(job)
         else:
             self.m.hub.log(
-                job.job_id, f"built ahead by {worker.worker_id}: waits for a launch process"
+                job.job_id, f"built ahead by {proc.worker_id}: waits for a launch process"
             )
             why = self.compile_cache.store(
                 job.spec, built_key(run.build_arch), [], as_files(list(built.artifacts))
