@@ -354,7 +354,7 @@ def _function_name(head: str) -> str:
     names = _IDENT.findall(before)
     if not names:
         raise SplitError("a kernel without a name")
-    return names[-1]
+    return str(names[-1])
 
 
 def _template_params(template: str) -> list[str]:
@@ -375,7 +375,7 @@ def _param_name(param: str) -> str:
     names = _IDENT.findall(param)
     if len(names) < 2:
         raise SplitError(f"an unnamed template parameter: {param}")
-    return names[-1]
+    return str(names[-1])
 
 
 def _check_kernel_uses(host: str, kernels: dict[str, _Item]) -> list[str]:
