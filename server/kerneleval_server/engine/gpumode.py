@@ -1008,5 +1008,6 @@ class _GpuModeJudge(_GpuModeRun):
                 f"{case.label}: timed call {k + 1}, on data the judge made from a secret "
                 f"variant of its seed, returned an output check_implementation fails "
                 f"({message or 'no message'}): not computed from that data (a cache, a lazy "
-                "or an unfinished result)"
+                "or an unfinished result, or memory read before it was written, such as "
+                "torch.empty's)"
             )

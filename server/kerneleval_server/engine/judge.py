@@ -336,7 +336,8 @@ class _Judge(_Job):
             self._replayed_incorrect(
                 f"timed call {i + 1}, on new inputs the judge wrote, returned outputs that do "
                 f"not match the reference on them ({check.message}): not computed from them "
-                "(a cache, a lazy or an unfinished result)"
+                "(a cache, a lazy or an unfinished result, or memory read before it was "
+                "written, such as torch.empty's)"
             )
 
     def _refuse_self_timed(self, candidate: job_pb2.EvalResult) -> None:
