@@ -22,7 +22,7 @@ kernel's process times nothing: it serves its judge's timed calls (timed_calls.s
 session per benchmark case, each call `custom_kernel(data)` on data the judge made from a
 secret variant of the case's seed and wrote into memory the two share; the judge checks a
 random quarter of them with check_implementation and bounds each call with its own clock
-(docs/INTERNALS.md "Times from outside"). A task whose data or output holds what cannot be
+(docs/TRUST.md "Times from outside"). A task whose data or output holds what cannot be
 shared (share_layout) is timed in the kernel's process as before, and the result says so.
 """
 

@@ -9,7 +9,7 @@ The kernel's process can report its verdict, notes and time as it likes; from he
 own flags are kept. Its time is this process's to take: with `kernel_serves`, the kernel's
 process waits on the record's socket, and the judge drives each timed call there and bounds it
 with its own clock (timed_calls.py); the reference is timed here through the same steps
-(docs/INTERNALS.md "The judge", "Times from outside"). With EvalOptions.compile_baseline the
+(docs/TRUST.md "The judge", "Times from outside"). With EvalOptions.compile_baseline the
 reference's Model is also compiled with torch.compile (before the timing window: its compile
 time is outside it) and timed through the same steps, on the same inputs, as the eager one.
 """

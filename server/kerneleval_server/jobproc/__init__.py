@@ -4,7 +4,8 @@
     kerneleval_server.jobproc.runtime:main(fd)      # a job process's main (KERNELEVAL_JOB_MAIN)
     kerneleval_server.jobproc.sandbox               # the per-job sandbox steps (ctypes)
 
-See docs/INTERNALS.md ("Job processes") for the sequence and the trust boundary.
+See docs/INTERNALS.md ("Processes", "Zygote channel") for the sequence, docs/TRUST.md for
+the trust boundary.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job process's runtime: jobs through the engine, over the channel on descriptor 3.
 
 `main(channel_fd)` is the default KERNELEVAL_JOB_MAIN. It runs after the zygote's child has
-sandboxed the process (docs/INTERNALS.md, "Job processes"):
+sandboxed the process (docs/INTERNALS.md, "Processes"; docs/TRUST.md, "The sandbox"):
 
     Hello (device info, pid) -> AssignJob -> phases / progress / logs -> JobOutcome -> exit
     a build process:            AssignJob(build_only) -> BuildOutcome -> exit

@@ -1,4 +1,4 @@
-"""Compared jobs judged outside the kernel's process (issue 13; docs/INTERNALS.md "The judge").
+"""Compared jobs judged outside the kernel's process (issue 13; docs/TRUST.md "The judge").
 
 A compared job whose kernel's host code runs in its job process gets a record: a memfd the
 front end makes and hands to that process with its AssignJob. The process writes the kernel's
