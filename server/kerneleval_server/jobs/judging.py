@@ -176,9 +176,12 @@ def timed_by_itself(result: job_pb2.EvalResult) -> None:
     """A time from the process that ran the kernel's code is the kernel's word: never said to
     be timed from outside (RuntimeStats.timed_from_outside), whatever that process claims.
     Only a judge's answer says so."""
-    result.runtime.timed_from_outside = False
+    # Cleared, not set to False: setting it would make an absent runtime present.
+    if result.HasField("runtime"):
+        result.runtime.ClearField("timed_from_outside")
     for case in result.benchmark_cases:
-        case.runtime.timed_from_outside = False
+        if case.HasField("runtime"):
+            case.runtime.ClearField("timed_from_outside")
 
 
 def tampered(why: str) -> job_pb2.EvalResult:
