@@ -394,6 +394,10 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=int, default=120, help="each job's")
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--steps", type=int, default=2, help="steps, each of fresh candidates")
+    ap.add_argument(
+        "--standing-judges", type=int, default=None,
+        help="the service's --standing-judges-per-device (its default: 2; the step's problems: 12)",
+    )  # fmt: skip
     args = ap.parse_args()
     smoke = args.cpu_smoke
     devices = [d for d in args.devices.split(",") if d]
@@ -403,6 +407,8 @@ def main() -> int:
     flags = ["--workers-per-device", str(wpd)]
     if args.build_processes is not None:
         flags += ["--build-processes", str(args.build_processes)]
+    if args.standing_judges is not None:
+        flags += ["--standing-judges-per-device", str(args.standing_judges)]
     if not smoke:
         flags += ["--devices", ",".join(devices)]
     planned = plan(args.count, args.mix, backends, args.seed)
@@ -410,6 +416,7 @@ def main() -> int:
     data: dict[str, Any] = {
         "count": args.count, "mix": args.mix, "devices": len(devices) if not smoke else 0,
         "workers_per_device": wpd, "backends": backends, "steps": [],
+        "standing_judges_per_device": args.standing_judges or 2,
     }  # fmt: skip
     svc = C.Service(flags, nvml="none" if smoke else "real").start()
     try:
@@ -469,7 +476,8 @@ def main() -> int:
            for s in data["steps"] for j in s["jobs"] if not j["as_planted"]]  # fmt: skip
     notes = [
         f"step wall time: median {data['median_wall_s']:.1f} s over {len(walls)} steps "
-        f"({', '.join(f'{w:.1f}' for w in walls)}); {wpd} job processes per GPU",
+        f"({', '.join(f'{w:.1f}' for w in walls)}); {wpd} job processes per GPU, "
+        f"{data['standing_judges_per_device']} standing judges per GPU",
         f"mix: {args.mix}; options: KernelBench's (seed 42, 1 correctness trial, 10 timed)",
         f"precompiled headers made at start in {data['pch_s']:.1f} s (before the steps)",
         "not as planted: " + ("; ".join(off[:8]) if off else "none"),

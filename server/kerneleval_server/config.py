@@ -285,6 +285,15 @@ class Config:
             "starts once the kernel's outputs are in"
         },
     )
+    standing_judges_per_device: int = field(
+        default=2,
+        metadata={
+            "help": "judges that stay on a GPU after a job, each for later jobs of its reference "
+            "only (a CUDA context's memory each, ~0.5-0.7 GiB, outside the job slots); a judged "
+            "job of another reference takes the place of the one idle longest. An RL loop over "
+            "N problems wants N: each job of a problem without one starts a judge"
+        },
+    )
     reference_time_reuse_s: float = field(
         default=60.0,
         metadata={

@@ -629,15 +629,14 @@ def test_a_judge_times_the_reference_only_once_the_kernels_process_is_gone(
     asyncio.run(main())
 
 
-def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path) -> None:
+@pytest.mark.parametrize("standing", [2, 5])
+def test_standing_judges_are_few_and_leave_when_idle(tmp_path: Path, standing: int) -> None:
     """Standing judges live outside their GPU's process slots, so they are capped: a judge
-    beyond STANDING_JUDGES_PER_DEVICE on its GPU takes the place of the one idle longest
+    beyond --standing-judges-per-device on its GPU takes the place of the one idle longest
     there (its channel closed), or leaves at once when all of them are busy; one idle for
     STANDING_JUDGE_IDLE_S leaves then, unless it judged again meanwhile."""
-    from kerneleval_server.jobs.judging import STANDING_JUDGES_PER_DEVICE
-
     m = _judging_manager(tmp_path)
-    n = STANDING_JUDGES_PER_DEVICE
+    m.config.standing_judges_per_device = n = standing
 
     async def main() -> None:
         judges = [_process(f"d0-j{i}") for i in range(n + 2)]

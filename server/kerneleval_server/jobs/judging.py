@@ -84,7 +84,6 @@ class JudgesHost(Protocol):
 log = logging.getLogger("kerneleval.jobs")
 SEAL_RETRY_S = 0.05  # a judged job's record, still mapped by its kernel's process: try again
 STANDING_JUDGE_IDLE_S = 30.0  # a standing judge with nothing to judge for this long leaves
-STANDING_JUDGES_PER_DEVICE = 2  # each holds a CUDA context's memory (~0.5-0.7 GiB)
 # A judged job waits for a busy standing judge of its reference rather than take a fresh job
 # process while this many or fewer wait for each: fresh processes come at about 5 a second a
 # host (issue 12), and a fresh judge per job held a ModelNew batch at 1.4 processes a job.
@@ -509,13 +508,13 @@ class Judges:
     def stand(self, proc: JobProcess, key: str) -> None:
         """The judge judged cleanly: it stays, for jobs with the same reference only, outside
         its GPU's job process slots (a spare takes its slot, as when a process leaves), up to
-        STANDING_JUDGES_PER_DEVICE of them and STANDING_JUDGE_IDLE_S idle."""
+        --standing-judges-per-device of them and STANDING_JUDGE_IDLE_S idle."""
         others = [
             w for w in self.m.job_processes.by_id.values()
             if w.judge_key and w is not proc and w.device_index == proc.device_index
             and not w.gone
         ]  # fmt: skip
-        if len(others) >= STANDING_JUDGES_PER_DEVICE:
+        if len(others) >= max(1, self.m.config.standing_judges_per_device):
             # The one idle longest makes room (a loop moves on to its next problem), unless
             # all are busy: then this one goes.
             idle = sorted((w for w in others if w.ready), key=lambda w: w.idle_since)
