@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from kerneleval.cli import app
 from kerneleval.v1 import kernel_pb2
-
 from kerneleval_server.api import tenants as t
 from kerneleval_server.jobs import admission, result_cache
 from kerneleval_server.jobs.scheduler import FairQueue, QueuedJob
