@@ -732,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     cfg = config_mod.from_args(ns)
     problems = cfg.problems()
+    if cfg.tenants_file:  # read again at start; a bad file stops here, before anything starts
+        try:
+            Tenants(cfg.tenants_file)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--tenants-file: {exc}")
     if problems:
         parser.error("; ".join(problems))
     logs.setup(cfg.log_level, cfg.log_file)

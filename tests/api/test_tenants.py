@@ -110,3 +110,18 @@ def test_without_tenants_the_fair_queues_unit_stays_the_client_tag() -> None:
     assert q.remove("j1") and not q.remove("j1")
     q.push(QueuedJob("j3", "t1", None))
     assert [job.job_id for job in iter(lambda: q.pop_for(None), None)] == ["j0", "j2", "j3"]
+
+
+def test_serve_with_a_bad_or_missing_tenants_file_stops_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kerneleval_server.main import main
+
+    bad = tmp_path / "tenants"
+    bad.write_text("alice\n")
+    for path, says in ((bad, "tenants:1: not 'tenant-name:"), (tmp_path / "none", "No such")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--state-dir", str(tmp_path / "state"), "--tenants-file", str(path)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "--tenants-file: " in err and says in err, err
