@@ -6,10 +6,13 @@ UNAUTHENTICATED; the admin sees every job; a service without the file behaves as
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import fe_kernels as k
 import grpc
 import pytest
-from ke_service import ServiceProcess
+from ke_service import ServiceProcess, free_port
 from kerneleval import Client, errors
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
@@ -229,5 +232,49 @@ def test_without_a_tenants_file_everything_is_as_before(
             same = two.evaluate(k.spec(client_tag="y"))
             assert same.result_origin == job_pb2.RESULT_ORIGIN_CACHE
             assert same.result_job_id == job.job_id
+    finally:
+        svc.stop()
+
+
+def test_http_json_forwards_the_token_and_scopes_the_same(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    pytest.importorskip("connectrpc", reason="connectrpc (Python >= 3.11) serves --http-port")
+    root = tmp_path_factory.mktemp("tenants-http")
+    tokens, lines = {}, []
+    for name in ("alice", "bob"):
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    (root / "tenants").write_text("\n".join(lines) + "\n")
+    http_port = free_port()
+    svc = fake_watchdog_service(
+        root, "--tenants-file", str(root / "tenants"), "--http-port", str(http_port)
+    )
+
+    def post(method: str, body: dict[str, object], token: str | None) -> tuple[int, object]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/kerneleval.v1.KernelEvalService/{method}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {token}"} if token else {}),
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        svc.start()
+        with Client(svc.address, tenant_token=tokens["alice"], retry_timeout=0) as alice:
+            job = alice.evaluate(k.spec(client_tag="http"))
+        status, got = post("GetJob", {"jobId": job.job_id}, tokens["alice"])
+        assert status == 200 and got["job"]["tenant"] == "alice", got  # type: ignore[index]
+        status, got = post("GetJob", {"jobId": job.job_id}, tokens["bob"])
+        assert (status, got["code"]) == (404, "not_found"), got  # type: ignore[index]
+        status, got = post("ListJobs", {}, tokens["bob"])
+        assert status == 200 and got == {}, got
+        status, got = post("GetJob", {"jobId": job.job_id}, None)
+        assert (status, got["code"]) == (401, "unauthenticated"), got  # type: ignore[index]
     finally:
         svc.stop()
