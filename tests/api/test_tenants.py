@@ -125,3 +125,22 @@ def test_serve_with_a_bad_or_missing_tenants_file_stops_at_start(
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert "--tenants-file: " in err and says in err, err
+
+
+def test_the_client_sends_the_tenant_token_else_the_admin_token_on_job_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kerneleval import Client
+
+    monkeypatch.delenv("KERNELEVAL_TENANT_TOKEN", raising=False)
+    monkeypatch.delenv("KERNELEVAL_ADMIN_TOKEN", raising=False)
+    with Client("127.0.0.1:1") as c:
+        assert c._job_metadata() is None  # nothing, as before
+    with Client("127.0.0.1:1", admin_token="adm") as c:
+        assert c._job_metadata() == (("authorization", "Bearer adm"),)
+    with Client("127.0.0.1:1", admin_token="adm", tenant_token="ten") as c:
+        assert c._job_metadata() == (("authorization", "Bearer ten"),)
+        assert c._admin_metadata() == (("authorization", "Bearer adm"),)
+    monkeypatch.setenv("KERNELEVAL_TENANT_TOKEN", "from-env")
+    with Client("127.0.0.1:1") as c:
+        assert c._job_metadata() == (("authorization", "Bearer from-env"),)

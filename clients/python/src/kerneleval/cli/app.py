@@ -57,6 +57,7 @@ def cmd_mcp(a: argparse.Namespace) -> int:
         credentials=credentials(a),
         http_port=a.http_port,
         http_host=a.http_host,
+        tenant_token=tenant_token(a),
     )
 
 
