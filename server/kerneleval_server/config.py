@@ -137,6 +137,14 @@ class Config:
             "default_text": "generated into <state>/admin_token (0600)",
         },
     )
+    tenants_file: str = field(
+        default="",
+        metadata={
+            "help": "tenants' tokens, lines 'name:sha256-hex-of-token' (re-read on SIGHUP); "
+            "each tenant sees only its own jobs; empty = off",
+            "default_text": "off",
+        },
+    )
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
     max_attempts: int = field(
         default=2, metadata={"help": "attempts of one job at most (a re-run after a loss is one)"}

@@ -46,6 +46,7 @@ from kerneleval_server.api.auth import AdminAuth
 from kerneleval_server.api.errors import DecodeErrors
 from kerneleval_server.api.kernel_eval_service import KernelEvalService
 from kerneleval_server.api.operations_service import OperationsService
+from kerneleval_server.api.tenants import TenantAuth, Tenants
 from kerneleval_server.config import ALL, BUILDER, GATEWAY, NODE, Config
 from kerneleval_server.fleet import readiness as readiness_mod
 from kerneleval_server.jobproc import BUILD_DEVICE, BUILD_NICE_ENV, PCH_DIR_ENV, POISONED_EXIT
@@ -433,7 +434,7 @@ class Server:
             except asyncio.TimeoutError:
                 pass
 
-    def _grpc_server(self, token: str) -> grpc.aio.Server:
+    def _grpc_server(self, token: str, tenants: Tenants) -> grpc.aio.Server:
         cfg = self.cfg
         size = cfg.max_message_mb * 1024 * 1024
         options = [
@@ -449,18 +450,25 @@ class Server:
         ]
         # Auth before decoding: a caller without the token learns nothing of its request.
         where = auth.CONFIGURED if cfg.admin_token else auth.IN_STATE_DIR
-        interceptors = [MetricsInterceptor(self.metrics), AdminAuth(token, where), DecodeErrors()]
+        interceptors = [
+            MetricsInterceptor(self.metrics),
+            AdminAuth(token, where),
+            TenantAuth(tenants),
+            DecodeErrors(),
+        ]
         return grpc.aio.server(interceptors=interceptors, options=options)
 
     async def run(self) -> int:
         cfg = self.cfg
-        server = self._grpc_server(admin_token(cfg, self.state))
+        token = admin_token(cfg, self.state)
+        tenants = Tenants(cfg.tenants_file or None, token)  # off without --tenants-file
+        server = self._grpc_server(token, tenants)
         jobs = JobService(self.manager)  # the servicers' one face of the job service
         ops = OperationsService(jobs, self.shared, self.readiness.kinds)
         names: tuple[str, ...] = (health.SERVICE_NAME,)
         if cfg.role != BUILDER:  # a builder serves its health only: it takes no jobs
             kernel_eval_service_pb2_grpc.add_KernelEvalServiceServicer_to_server(
-                KernelEvalService(jobs, self.limits), server
+                KernelEvalService(jobs, self.limits, tenants), server
             )
             operations_service_pb2_grpc.add_OperationsServiceServicer_to_server(ops, server)
             names = (
@@ -516,6 +524,8 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        if tenants.on:  # SIGHUP reads the tenants file again (a revoked token is refused)
+            loop.add_signal_handler(signal.SIGHUP, tenants.reload)
         if self.shared is not None:
             self.shared.address = cfg.advertise_address or f"{cfg.host}:{port}"
             self.shared.devices_blob = lambda: operations_service_pb2.ListDevicesResponse(
@@ -722,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     cfg = config_mod.from_args(ns)
     problems = cfg.problems()
+    if cfg.tenants_file:  # read again at start; a bad file stops here, before anything starts
+        try:
+            Tenants(cfg.tenants_file)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--tenants-file: {exc}")
     if problems:
         parser.error("; ".join(problems))
     logs.setup(cfg.log_level, cfg.log_file)

@@ -347,3 +347,38 @@ def test_role_all_and_shared_roles_exclude_each_other(postgres: PostgresServer) 
             open_store(url, shared=True)
     finally:
         alone.close()
+
+
+def test_jobs_belong_to_their_tenant_and_list_filters_by_it(store: JobStore) -> None:
+    for job_id, tenant in (("a1", "alice"), ("b1", "bob"), ("a2", "alice"), ("n1", "")):
+        job = make_job(job_id)
+        job.tenant = tenant
+        store.insert(job, event(job_id, 1))
+    def ids(tenant: str | None) -> list[str]:
+        return [j.job_id for _, j in store.list(limit=10, tenant=tenant)]
+
+    assert ids("alice") == ["a2", "a1"] and ids("bob") == ["b1"] and ids("") == ["n1"]
+    assert ids(None) == ["n1", "a2", "b1", "a1"] and ids("carol") == []
+    got = store.get("b1", include_spec=False)
+    assert got is not None and got.tenant == "bob"
+
+
+def test_jobs_from_before_tenants_are_the_default_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.db"
+    with sqlite3.connect(path) as db:  # a store at schema 6, the last without tenants
+        db.executescript(migrations.SCHEMA_TABLE)
+        for step in migrations.MIGRATIONS[:6]:
+            db.executescript(step.sqlite)
+            db.execute("INSERT INTO kerneleval_schema VALUES (?, ?, 0)", (step.version, "x"))
+        db.execute(
+            "INSERT INTO jobs (job_id, state, create_time, job, spec) VALUES (?, ?, ?, ?, ?)",
+            ("old", 1, 1.0, make_job("old").SerializeToString(), b""),
+        )
+    store = SqliteStore(path)
+    try:
+        assert store.schema_version() == migrations.LATEST == 7
+        assert [j.job_id for _, j in store.list(limit=5, tenant="")] == ["old"]
+        got = store.get("old")
+        assert got is not None and got.tenant == ""
+    finally:
+        store.close()

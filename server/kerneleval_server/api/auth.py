@@ -92,12 +92,16 @@ class AdminAuth(Interceptor):
         why = refusal(getattr(details, "invocation_metadata", None), self._token, self._where)
         if why is None:
             return handler
-        # The same shape of handler, answering UNAUTHENTICATED before anything runs.
-        des, ser = handler.request_deserializer, handler.response_serializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_refuse(why), des, ser)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_refuse_stream(why), des, ser)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_refuse(why), des, ser)
-        return grpc.stream_stream_rpc_method_handler(_refuse_stream(why), des, ser)
+        return refused_handler(handler, why)
+
+
+def refused_handler(handler: Handler, why: str) -> Handler:
+    """The same shape of handler, answering UNAUTHENTICATED before anything runs."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_refuse(why), des, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(_refuse_stream(why), des, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(_refuse(why), des, ser)
+    return grpc.stream_stream_rpc_method_handler(_refuse_stream(why), des, ser)

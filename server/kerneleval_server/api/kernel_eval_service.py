@@ -1,4 +1,9 @@
-"""KernelEvalService: the evaluation API over the job service (jobs/service.py)."""
+"""KernelEvalService: the evaluation API over the job service (jobs/service.py).
+
+With tenants (api/tenants.py) each call has a scope: a tenant sees, follows and cancels its
+own jobs only (another tenant's job id is NOT_FOUND, as an unknown one is), and its jobs are
+submitted as its own; the admin token's scope, and every call's without tenants, is all jobs.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from grpc_status import rpc_status
 from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc, kernel_pb2
 from kerneleval.v1 import kernel_eval_service_pb2 as pb
 
+from kerneleval_server.api.tenants import Tenants
 from kerneleval_server.jobs import static_checks
 from kerneleval_server.jobs.admission import KeyReused, QueueFull
 from kerneleval_server.jobs.service import JobService
@@ -112,14 +118,31 @@ async def abort(context: Context, err: Refused) -> NoReturn:
 
 
 class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
-    def __init__(self, jobs: JobService, limits: validation.Limits) -> None:
+    def __init__(
+        self, jobs: JobService, limits: validation.Limits, tenants: Tenants | None = None
+    ) -> None:
         self.jobs = jobs
         self.limits = limits
+        self.tenants = tenants
+
+    async def _scope(self, context: Context) -> str | None:
+        """The caller's tenant; None: every job (tenants off, or the admin token). TenantAuth
+        refused a call without a valid token before it came here; refused again if not."""
+        if self.tenants is None or not self.tenants.on:
+            return None
+        scope, why = self.tenants.resolve(context.invocation_metadata())
+        if why:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        return scope
 
     # ---- submission -------------------------------------------------------------------
 
     async def _submit(
-        self, spec: kernel_pb2.JobSpec, require_reference: bool = False, idempotency_key: str = ""
+        self,
+        spec: kernel_pb2.JobSpec,
+        require_reference: bool = False,
+        idempotency_key: str = "",
+        tenant: str = "",
     ) -> job_pb2.Job:
         """Validates and queues; raises Refused. A large source's static checks run in a
         thread first; a small one's in the manager, after its job started (JobManager.submit)."""
@@ -155,7 +178,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         if self.jobs.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the service is shutting down", [])
         try:
-            return self.jobs.submit(spec, flags, idempotency_key)
+            return self.jobs.submit(spec, flags, idempotency_key, tenant)
         except QueueFull as exc:
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), [], exc.retry_after_s
@@ -170,8 +193,9 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         require_reference: bool = False,
         idempotency_key: str = "",
     ) -> job_pb2.Job:
+        tenant = await self._scope(context) or ""
         try:
-            return await self._submit(spec, require_reference, idempotency_key)
+            return await self._submit(spec, require_reference, idempotency_key, tenant)
         except Refused as err:
             await abort(context, err)
 
@@ -227,7 +251,10 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         too_long = validation.check_string("job_id", job_id, self.limits.max_job_id_bytes)
         if too_long is not None:
             await abort(context, invalid(too_long.field, too_long.description))
+        scope = await self._scope(context)
         job = self.jobs.get(job_id, include_spec=include_spec)
+        if job is not None and scope is not None and job.tenant != scope:
+            job = None  # another tenant's: as if there were none
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
         assert job is not None
@@ -274,6 +301,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
         validation.check_labels("labels", request.labels, self.limits, bad_labels)
         if bad_labels:
             await abort(context, invalid(bad_labels[0].field, bad_labels[0].description))
+        scope = await self._scope(context)
         rows = self.jobs.list_jobs(
             limit=size + 1,
             before_rowid=before,
@@ -281,6 +309,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
             client_tag=request.client_tag,
             labels=request.labels,
             include_spec=request.include_spec,
+            tenant=scope,
         )
         resp = pb.ListJobsResponse(jobs=[job for _, job in rows[:size]])
         if len(rows) > size:
@@ -298,6 +327,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
     async def RunBatch(
         self, request_iterator: AsyncIterator[pb.RunBatchRequest], context: Context
     ) -> AsyncIterator[pb.RunBatchResponse]:
+        tenant = await self._scope(context) or ""
         out: asyncio.Queue[pb.RunBatchResponse | None] = asyncio.Queue()
         followers: set[asyncio.Task[None]] = set()
         unfinished: set[str] = set()
@@ -316,7 +346,7 @@ class KernelEvalService(kernel_eval_service_pb2_grpc.KernelEvalServiceServicer):
                     )
                     if too_long is not None:
                         raise invalid(too_long.field, too_long.description)
-                    job = await self._submit(req.spec)
+                    job = await self._submit(req.spec, tenant=tenant)
                 except Refused as err:
                     await out.put(
                         pb.RunBatchResponse(

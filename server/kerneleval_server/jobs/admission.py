@@ -28,6 +28,9 @@ from kerneleval_server.jobs import result_cache
 from kerneleval_server.jobs.store import JobStore
 from kerneleval_server.spec import placement
 
+# A tenant's idempotency keys are stored as `tenant<TENANT_SEP>key` (stored_key): another
+# tenant's key of the same text names another job (a tenant name holds no TENANT_SEP).
+TENANT_SEP = "\x1f"
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
 
 # (index, name, driver version) of each GPU a job may run on: this node's, or a gateway's
@@ -58,6 +61,13 @@ class Decision:
     hit: job_pb2.Job | None = None
 
 
+def stored_key(idempotency_key: str, tenant: str) -> str:
+    """The idempotency key as stored: a tenant's is its own."""
+    if not idempotency_key or not tenant:
+        return idempotency_key
+    return f"{tenant}{TENANT_SEP}{idempotency_key}"
+
+
 class Admission:
     def __init__(self, config: Config, store: JobStore, devices: Devices) -> None:
         self.config = config
@@ -67,14 +77,17 @@ class Admission:
         self._software = result_cache.software()
         self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
 
-    def decide(self, spec: kernel_pb2.JobSpec, idempotency_key: str, queued: int) -> Decision:
-        """Admits a Submit (`queued`: the jobs in the queue now). Raises KeyReused, and
-        QueueFull past the queue limit (a job the cache answers is never refused)."""
+    def decide(
+        self, spec: kernel_pb2.JobSpec, idempotency_key: str, queued: int, tenant: str = ""
+    ) -> Decision:
+        """Admits a Submit (`queued`: the jobs in the queue now; `idempotency_key` as stored,
+        a tenant's with its prefix, stored_key). Raises KeyReused, and QueueFull past the
+        queue limit (a job the cache answers is never refused)."""
         if idempotency_key:
             earlier = self._submitted_with(spec, idempotency_key)
             if earlier is not None:
                 return Decision(earlier=earlier)
-        key = self.cache_key(spec)
+        key = self.cache_key(spec, tenant)
         hit = self._cached(key)
         waiting = queued + len(self.inflight)
         if hit is None and waiting >= self.config.max_queue:
@@ -112,10 +125,10 @@ class Admission:
         )
         return key, followers, shared
 
-    def cache_key(self, spec: kernel_pb2.JobSpec) -> str:
+    def cache_key(self, spec: kernel_pb2.JobSpec, tenant: str = "") -> str:
         if self.config.result_cache_hours <= 0:
             return ""
-        return result_cache.cache_key(spec, self.target(spec))
+        return result_cache.cache_key(spec, self.target(spec), tenant)
 
     def target(self, spec: kernel_pb2.JobSpec) -> str:
         """What a result depends on besides the spec: the engine, the software, and the model
@@ -150,7 +163,7 @@ class Admission:
             return None
         if earlier.spec != spec:
             raise KeyReused(
-                f"idempotency_key {key!r} made job {earlier.job_id} with another spec; a "
-                "key names one submission"
+                f"idempotency_key {key.rpartition(TENANT_SEP)[2]!r} made job {earlier.job_id} "
+                "with another spec; a key names one submission"
             )
         return earlier

@@ -123,7 +123,7 @@ class Intake:
         queue.push(
             QueuedJob(
                 job.job_id, spec.client_tag, placement.wanted_device(spec), kind,
-                placement.wanted_model(spec),
+                placement.wanted_model(spec), job.tenant,
             )
         )  # fmt: skip
         self.m.metrics.queue_depth.set(len(queue))

@@ -51,7 +51,7 @@ from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs import endings, judging, static_checks
-from kerneleval_server.jobs.admission import Admission
+from kerneleval_server.jobs.admission import Admission, stored_key
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.crowding import Crowding
@@ -151,21 +151,24 @@ class JobManager:
         spec: kernel_pb2.JobSpec,
         flags: list[job_pb2.IntegrityFlag] | None = None,
         idempotency_key: str = "",
+        tenant: str = "",
     ) -> job_pb2.Job:
-        """Persists a new QUEUED job and queues it (flags: the static checks' result, when
-        the caller ran them off the event loop), or answers it from the result cache or an
-        identical job in flight (admission.py). A Submit retried with its idempotency key
-        gets the job the first one made. Raises QueueFull past the queue limit, KeyReused.
+        """Persists a new QUEUED job of `tenant` ("": none) and queues it (flags: the static
+        checks' result, when the caller ran them off the event loop), or answers it from the
+        result cache or an identical job in flight (admission.py). A Submit retried with its
+        idempotency key gets the job the first one made. Raises QueueFull past the queue
+        limit, KeyReused.
 
         Without `flags`, a job that runs here is started before its static checks (a
         millisecond of parsing on the way to every job's start): they run while its process
         starts, and what they flag joins its result (intake.flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
-        decision = self.admission.decide(spec, idempotency_key, len(self.queue))
+        idempotency_key = stored_key(idempotency_key, tenant)
+        decision = self.admission.decide(spec, idempotency_key, len(self.queue), tenant)
         if decision.earlier is not None:
             return decision.earlier
         key, hit = decision.cache_key, decision.hit
-        job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED)
+        job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED, tenant=tenant)
         job.spec.CopyFrom(spec)
         job.device_index = (
             spec.options.device_index if spec.options.HasField("device_index") else -1

@@ -1,8 +1,9 @@
 """The result cache and in-flight dedupe: an identical job is answered, not run again.
 
 Two jobs are identical when their kernel, reference and options (everything in the spec but
-who asked and why: client_tag, labels) and the target they run on (the GPU model and driver,
-torch, triton and kerneleval, the engine) are. A job identical to one that ended VERDICT_OK or
+who asked and why: client_tag, labels), the target they run on (the GPU model and driver,
+torch, triton and kerneleval, the engine) and their tenant (--tenants-file: one tenant's result
+is never handed to another) are. A job identical to one that ended VERDICT_OK or
 VERDICT_INCORRECT within the cache's age takes that result (RESULT_ORIGIN_CACHE); one identical
 to a job queued or running waits for it and takes its result (RESULT_ORIGIN_SHARED_RUN), or, if
 that job ends any other way (a fault, a timeout, a cancel), runs itself. Faults, timeouts and
@@ -33,8 +34,9 @@ def software() -> str:
     return ";".join(parts)
 
 
-def cache_key(spec: kernel_pb2.JobSpec, target: str) -> str:
-    """The key identical jobs share (hex sha256); "" for a job that bypasses the cache."""
+def cache_key(spec: kernel_pb2.JobSpec, target: str, tenant: str = "") -> str:
+    """The key identical jobs share (hex sha256); "" for a job that bypasses the cache. A
+    tenant's keys are its own (tenant "": the keys are those from before tenants)."""
     if spec.options.bypass_cache:
         return ""
     what = kernel_pb2.JobSpec()
@@ -43,6 +45,8 @@ def cache_key(spec: kernel_pb2.JobSpec, target: str) -> str:
     what.ClearField("labels")
     digest = hashlib.sha256(what.SerializeToString(deterministic=True))
     digest.update(b"\0" + target.encode())
+    if tenant:
+        digest.update(b"\0tenant\0" + tenant.encode())
     return digest.hexdigest()
 
 

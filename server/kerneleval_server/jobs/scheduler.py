@@ -1,6 +1,7 @@
 """Which queued job runs next, and which job process may time right now.
 
-The queue is fair between clients: one FIFO per client_tag, served round-robin. A job that
+The queue is fair between clients: one FIFO per client_tag, served round-robin; with tenants
+(--tenants-file) one FIFO per tenant instead, its client_tags sharing it. A job that
 names a device waits for that device; others take any. Timing is exclusive per device: one
 PROFILING phase at a time, so measurements do not disturb each other, while other job
 processes on the same device keep compiling and validating. Devices whose "GPU" is the
@@ -26,6 +27,12 @@ class QueuedJob:
     device_index: int | None  # None: any device
     prebuild: str = ""  # prebuild.kind(spec): "" runs whole, "cuda"/"triton" may be built ahead
     model: str = ""  # the GPU model it names (placement.py); "": any
+    tenant: str = ""  # the tenant that submitted it ("": none, or the admin)
+
+    @property
+    def lane(self) -> tuple[str, str]:
+        """The unit of fairness: its tenant's, else (tenants off, the admin) its client_tag's."""
+        return ("tenant", self.tenant) if self.tenant else ("client_tag", self.client_tag)
 
     def fits(self, device_index: int, device_name: str) -> bool:
         return placement.fits(self.device_index, self.model, device_index, device_name)
@@ -33,8 +40,8 @@ class QueuedJob:
 
 class FairQueue:
     def __init__(self) -> None:
-        # client_tag -> its jobs; the order of the dict is the round-robin order.
-        self._lanes: OrderedDict[str, deque[QueuedJob]] = OrderedDict()
+        # QueuedJob.lane -> its jobs; the order of the dict is the round-robin order.
+        self._lanes: OrderedDict[tuple[str, str], deque[QueuedJob]] = OrderedDict()
         self._index: dict[str, QueuedJob] = {}
 
     def __len__(self) -> int:
@@ -53,7 +60,7 @@ class FairQueue:
     def push(self, job: QueuedJob) -> int:
         """Queues a job; returns how many jobs were ahead of it."""
         ahead = len(self._index)
-        self._lanes.setdefault(job.client_tag, deque()).append(job)
+        self._lanes.setdefault(job.lane, deque()).append(job)
         self._index[job.job_id] = job
         return ahead
 
@@ -61,10 +68,10 @@ class FairQueue:
         job = self._index.pop(job_id, None)
         if job is None:
             return False
-        lane = self._lanes[job.client_tag]
+        lane = self._lanes[job.lane]
         lane.remove(job)
         if not lane:
-            del self._lanes[job.client_tag]
+            del self._lanes[job.lane]
         return True
 
     def pop_for(

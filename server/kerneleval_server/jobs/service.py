@@ -61,9 +61,11 @@ class JobService:
         spec: kernel_pb2.JobSpec,
         flags: list[job_pb2.IntegrityFlag] | None = None,
         idempotency_key: str = "",
+        tenant: str = "",
     ) -> job_pb2.Job:
-        """A new job (JobManager.submit): raises admission.QueueFull, admission.KeyReused."""
-        return self._m.submit(spec, flags, idempotency_key)
+        """A new job of `tenant` (JobManager.submit): raises admission.QueueFull,
+        admission.KeyReused."""
+        return self._m.submit(spec, flags, idempotency_key, tenant)
 
     async def finished(self, job_id: str) -> job_pb2.Job | None:
         return await self._m.endings.finished(job_id)
@@ -84,8 +86,9 @@ class JobService:
         client_tag: str,
         labels: Mapping[str, str],
         include_spec: bool,
+        tenant: str | None = None,
     ) -> list[tuple[int, job_pb2.Job]]:
-        """(row id, job), newest first."""
+        """(row id, job), newest first (tenant: that tenant's only; None: all)."""
         return self._m.store.list(
             limit=limit,
             before_rowid=before_rowid,
@@ -93,6 +96,7 @@ class JobService:
             client_tag=client_tag,
             labels=labels,
             include_spec=include_spec,
+            tenant=tenant,
         )
 
     async def cancel(self, job_id: str) -> job_pb2.Job | None:

@@ -56,6 +56,8 @@ _TARGET_SCHEMES = frozenset({"unix", "unix-abstract", "ipv4", "ipv6", "vsock", "
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
 ADDRESS_ENV = "KERNELEVAL_ADDRESS"
 ADMIN_TOKEN_ENV = "KERNELEVAL_ADMIN_TOKEN"
+# A tenant's token (a service with --tenants-file): sent on every KernelEvalService call.
+TENANT_TOKEN_ENV = "KERNELEVAL_TENANT_TOKEN"
 
 # Codes after which a stream that follows a job is re-attached: the connection dropped or the
 # server went away, not a refusal of the request.
@@ -158,6 +160,10 @@ def with_default_port(address: str) -> str:
 
 def resolve_admin_token(token: str | None = None) -> str | None:
     return token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def resolve_tenant_token(token: str | None = None) -> str | None:
+    return token or os.environ.get(TENANT_TOKEN_ENV) or None
 
 
 def is_terminal(event: job_pb2.JobEvent) -> bool:
@@ -458,10 +464,12 @@ class _Base:
         admin_token: str | None,
         reconnect_timeout: float,
         retry_timeout: float,
+        tenant_token: str | None = None,
     ) -> None:
         self.address = resolve_address(address)
         self.timeout = timeout
         self.admin_token = resolve_admin_token(admin_token)
+        self.tenant_token = resolve_tenant_token(tenant_token)
         self.reconnect_timeout = reconnect_timeout
         self.retry_timeout = max(0.0, retry_timeout)
 
@@ -481,6 +489,12 @@ class _Base:
                 f"operations calls need an admin token (argument or ${ADMIN_TOKEN_ENV})"
             )
         return (("authorization", f"Bearer {self.admin_token}"),)
+
+    def _job_metadata(self) -> Metadata | None:
+        """What KernelEvalService calls carry: the tenant token, else the admin token (which
+        a service with tenants takes too, seeing every job), else nothing."""
+        token = self.tenant_token or self.admin_token
+        return (("authorization", f"Bearer {token}"),) if token else None
 
     def _submit_request(
         self,
@@ -528,9 +542,12 @@ class Client(_Base):
         reconnect_timeout: float = 60.0,
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
+        tenant_token: str | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        super().__init__(address, timeout, admin_token, reconnect_timeout, retry_timeout)
+        super().__init__(
+            address, timeout, admin_token, reconnect_timeout, retry_timeout, tenant_token
+        )
         options = self._channel_options()
         if channel is not None:
             self.channel = channel
@@ -557,7 +574,7 @@ class Client(_Base):
         metadata: Metadata | None = None,
     ) -> _Resp:
         try:
-            return method(request, timeout=self.timeout, metadata=metadata)
+            return method(request, timeout=self.timeout, metadata=metadata or self._job_metadata())
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
 
@@ -636,7 +653,8 @@ class Client(_Base):
         Watch when the stream drops (unless `reconnect` is False); `on_note` hears about it."""
         req = self._run_request(spec, options, labels, keep_on_disconnect)
         follow = _Follow("", 0, self.reconnect_timeout, on_note)
-        opener = lambda: self._stub.Run(req, timeout=self.timeout)  # noqa: E731
+        md = self._job_metadata()
+        opener = lambda: self._stub.Run(req, timeout=self.timeout, metadata=md)  # noqa: E731
         yield from self._follow(follow, opener, reconnect)
 
     def watch(
@@ -678,7 +696,9 @@ class Client(_Base):
                 call = opener()
             else:
                 self._reach_server(follow)
-                call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
+                call = self._stub.Watch(
+                    follow.watch_request(), timeout=self.timeout, metadata=self._job_metadata()
+                )
             opener = None
             try:
                 for response in call:
@@ -790,7 +810,8 @@ class Client(_Base):
                     return
                 yield _batch_request(i, item, keep_on_disconnect)
 
-        call = self._stub.RunBatch(requests(), timeout=self.timeout)
+        md = self._job_metadata()
+        call = self._stub.RunBatch(requests(), timeout=self.timeout, metadata=md)
         try:
             for response in call:
                 if response.HasField("error"):
@@ -896,9 +917,12 @@ class AsyncClient(_Base):
         reconnect_timeout: float = 60.0,
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT,
         credentials: grpc.ChannelCredentials | None = None,
+        tenant_token: str | None = None,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        super().__init__(address, timeout, admin_token, reconnect_timeout, retry_timeout)
+        super().__init__(
+            address, timeout, admin_token, reconnect_timeout, retry_timeout, tenant_token
+        )
         options = self._channel_options()
         if channel is not None:
             self.channel = channel
@@ -925,7 +949,9 @@ class AsyncClient(_Base):
         metadata: Metadata | None = None,
     ) -> _Resp:
         try:
-            return await method(request, timeout=self.timeout, metadata=metadata)
+            return await method(
+                request, timeout=self.timeout, metadata=metadata or self._job_metadata()
+            )
         except grpc.RpcError as e:
             raise errors.from_rpc_error(e) from e
 
@@ -993,7 +1019,10 @@ class AsyncClient(_Base):
         """As `Client.run`."""
         req = self._run_request(spec, options, labels, keep_on_disconnect)
         follow = _Follow("", 0, self.reconnect_timeout, on_note)
-        return self._follow(follow, lambda: self._stub.Run(req, timeout=self.timeout), reconnect)
+        md = self._job_metadata()
+        return self._follow(
+            follow, lambda: self._stub.Run(req, timeout=self.timeout, metadata=md), reconnect
+        )
 
     def watch(
         self,
@@ -1032,7 +1061,9 @@ class AsyncClient(_Base):
                 call = opener()
             else:
                 await self._reach_server(follow)
-                call = self._stub.Watch(follow.watch_request(), timeout=self.timeout)
+                call = self._stub.Watch(
+                    follow.watch_request(), timeout=self.timeout, metadata=self._job_metadata()
+                )
             opener = None
             try:
                 async for response in call:
@@ -1139,7 +1170,8 @@ class AsyncClient(_Base):
                 yield _batch_request(i, item, keep_on_disconnect)
                 i += 1
 
-        call = self._stub.RunBatch(requests(), timeout=self.timeout)
+        md = self._job_metadata()
+        call = self._stub.RunBatch(requests(), timeout=self.timeout, metadata=md)
         try:
             async for response in call:
                 if response.HasField("error"):

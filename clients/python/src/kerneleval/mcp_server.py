@@ -605,12 +605,19 @@ CANCELS = ToolAnnotations(
 
 
 def make_server(
-    address: str, *, admin_token: str | None = None, credentials: Any = None
+    address: str,
+    *,
+    admin_token: str | None = None,
+    credentials: Any = None,
+    tenant_token: str | None = None,
 ) -> MCPServer:
+    """`tenant_token`: a service with tenants (else $KERNELEVAL_TENANT_TOKEN, as any client)."""
     server = MCPServer("kerneleval", instructions=INSTRUCTIONS)
 
     def client() -> AsyncClient:
-        return AsyncClient(address, admin_token=admin_token, credentials=credentials)
+        return AsyncClient(
+            address, admin_token=admin_token, credentials=credentials, tenant_token=tenant_token
+        )
 
     async def call(method: Callable[[AsyncClient], Awaitable[T]]) -> T:
         """One call to the server; its errors as tool errors."""
@@ -744,9 +751,12 @@ def serve(
     credentials: Any = None,
     http_port: int = 0,
     http_host: str = "127.0.0.1",
+    tenant_token: str | None = None,
 ) -> int:
     """Runs the MCP server: over stdio, or streamable HTTP on `http_port` (path /mcp)."""
-    server = make_server(address, admin_token=admin_token, credentials=credentials)
+    server = make_server(
+        address, admin_token=admin_token, credentials=credentials, tenant_token=tenant_token
+    )
     if http_port:
         server.run("streamable-http", host=http_host, port=http_port)
     else:

@@ -67,6 +67,7 @@ class JobStore(Protocol):
         client_tag: str = "",
         labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
+        tenant: str | None = None,
     ) -> list[tuple[int, job_pb2.Job]]: ...
     def unfinished(self) -> Iterator[job_pb2.Job]: ...
     def cache_key(self, job_id: str) -> str: ...
@@ -193,8 +194,8 @@ class SqlStore:
             cur.execute(
                 self._sql(
                     "INSERT INTO jobs (job_id, state, client_tag, create_time, job, spec,"
-                    " cache_key, idempotency_key, want_device, want_model)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " cache_key, idempotency_key, want_device, want_model, tenant)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 ),
                 (
                     job.job_id,
@@ -207,6 +208,7 @@ class SqlStore:
                     idempotency_key or None,
                     wanted_device(job.spec),
                     wanted_model(job.spec) or None,
+                    job.tenant,
                 ),
             )
             for label, value in sorted(job.spec.labels.items()):
@@ -294,9 +296,10 @@ class SqlStore:
         client_tag: str = "",
         labels: Mapping[str, str] | None = None,
         include_spec: bool = False,
+        tenant: str | None = None,
     ) -> list[tuple[int, job_pb2.Job]]:
         """Jobs newest first, with the rowid that pages after them (labels: every one must
-        match)."""
+        match; tenant: that tenant's jobs only, None: every tenant's)."""
         where: list[str] = ["1 = 1"]
         args: list[object] = []
         if before_rowid is not None:
@@ -308,6 +311,9 @@ class SqlStore:
         if client_tag:
             where.append("client_tag = ?")
             args.append(client_tag)
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
         for label, value in sorted((labels or {}).items()):
             where.append("job_id IN (SELECT job_id FROM job_labels WHERE label = ? AND value = ?)")
             args.extend((label, value))

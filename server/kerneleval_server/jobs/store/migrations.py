@@ -217,6 +217,18 @@ CREATE TABLE builders (
         sqlite="ALTER TABLE builders ADD COLUMN heartbeat REAL NOT NULL DEFAULT 0;",
         postgres="ALTER TABLE builders ADD COLUMN heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0;",
     ),
+    Migration(
+        7,
+        "the tenant that submitted each job (--tenants-file); earlier jobs are the default's, ''",
+        sqlite="""
+ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT '';
+CREATE INDEX jobs_tenant ON jobs(tenant, rowid);
+""",
+        postgres="""
+ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT '';
+CREATE INDEX jobs_tenant ON jobs(tenant, rowid);
+""",
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

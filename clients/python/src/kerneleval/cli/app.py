@@ -1,11 +1,14 @@
 """`kerneleval`'s main: parse, dispatch the command with a client, turn errors into messages
-and exit codes; `serve` and `mcp`, which need no client."""
+and exit codes; `serve`, `mcp` and `tenant-token`, which need no client."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
+import re
+import secrets
 import sys
 from collections.abc import Sequence
 
@@ -13,7 +16,7 @@ import grpc
 from google.protobuf import json_format
 
 from kerneleval import errors, gpumode, render
-from kerneleval.cli.flags import admin_token, credentials
+from kerneleval.cli.flags import admin_token, credentials, tenant_token
 from kerneleval.cli.output import EXIT_INTERRUPTED, EXIT_SERVICE, EXIT_USAGE, Output, flag_hint
 from kerneleval.cli.parser import build_parser, hide_secrets
 from kerneleval.client import ADMIN_TOKEN_ENV, Client, resolve_address
@@ -54,7 +57,24 @@ def cmd_mcp(a: argparse.Namespace) -> int:
         credentials=credentials(a),
         http_port=a.http_port,
         http_host=a.http_host,
+        tenant_token=tenant_token(a),
     )
+
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def cmd_tenant_token(a: argparse.Namespace) -> int:
+    """A new token for tenant NAME (stdout, line 1) and its line for --tenants-file (line 2,
+    the token's sha256: the file never holds the token)."""
+    if not TENANT_NAME.fullmatch(a.name):
+        print(f"error: tenant name {a.name!r}: letters, digits, '_', '.', '-' (1-64)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    token = "ket_" + secrets.token_urlsafe(32)
+    print(token)
+    print(f"{a.name}:{hashlib.sha256(token.encode()).hexdigest()}")
+    return 0
 
 
 def _error_text(e: errors.KernelEvalError, address: str, token_given: bool = False) -> str:
@@ -64,7 +84,8 @@ def _error_text(e: errors.KernelEvalError, address: str, token_given: bool = Fal
     hint = flag_hint(v.field for v in e.field_violations)
     if hint:
         text += f"\n({hint}; see `kerneleval evaluate --help`)"
-    if e.code == grpc.StatusCode.UNAUTHENTICATED and not token_given:
+    # (A service with tenants says itself what a KernelEvalService call lacks.)
+    if e.code == grpc.StatusCode.UNAUTHENTICATED and not token_given and "tenant" not in text:
         text += (
             "\n(no admin token was given: the service's is in the file admin_token of its "
             f"state folder: --admin-token-file STATE_DIR/admin_token, --admin-token TOKEN or "
@@ -86,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(args_list)
     if a.command == "mcp":
         return cmd_mcp(a)
+    if a.command == "tenant-token":
+        return cmd_tenant_token(a)
     address = resolve_address(a.address)
     out: Output | None = None
     try:
@@ -96,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin_token=admin_token(a),
             credentials=credentials(a),
             reconnect_timeout=a.reconnect_timeout,
+            tenant_token=tenant_token(a),
         ) as c:
             return int(a.func(a, c, out))
     except errors.KernelEvalError as e:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV
+from kerneleval.client import ADDRESS_ENV, ADMIN_TOKEN_ENV, TENANT_TOKEN_ENV
 from kerneleval.kernelbench import TYPE_NAMES
 
 # What options are added to: a parser or one of its argument groups.
@@ -66,6 +66,13 @@ def add_global_options(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         default=d(None),
         metavar="FILE",
         help="read the admin token from FILE (e.g. state/admin_token)",
+    )
+    g.add_argument(
+        "--tenant-token",
+        default=d(None),
+        metavar="TOKEN",
+        help=f"your tenant's token, for a service with tenants (env {TENANT_TOKEN_ENV}); "
+        "never printed",
     )
     g.add_argument(
         "--timeout",
@@ -239,3 +246,7 @@ def admin_token(a: argparse.Namespace) -> str | None:
     if a.admin_token_file:
         return Path(a.admin_token_file).read_text(encoding="utf-8").strip() or None
     return os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+def tenant_token(a: argparse.Namespace) -> str | None:
+    return str(a.tenant_token) if a.tenant_token else os.environ.get(TENANT_TOKEN_ENV) or None

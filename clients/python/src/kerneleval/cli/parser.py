@@ -27,7 +27,7 @@ from kerneleval.cli.operations import (
 )
 from kerneleval.cli.output import EXIT_USAGE
 
-_SECRET_OPTIONS = ("--admin-token",)
+_SECRET_OPTIONS = ("--admin-token", "--tenant-token")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -316,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("builders", "the load_inline builders of a shared store (admin token)")
     s.set_defaults(func=cmd_builders)
+
+    s = command(
+        "tenant-token",
+        "print a new tenant token and its line for the service's --tenants-file (offline)",
+    )
+    s.add_argument("name", help="the tenant: letters, digits, '_', '.', '-' (1-64)")
 
     s = command("mcp", "serve the tools for LLM agents over MCP (needs kerneleval-client[mcp])")
     s.add_argument("--http-port", type=int, default=0, help="streamable HTTP here; else stdio")

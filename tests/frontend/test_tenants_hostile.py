@@ -1,0 +1,280 @@
+"""Tenants end to end, hostile (issue 45): a real service with --tenants-file (the stand-in
+watchdog of test_frontend_fake_watchdog.py: CPU only, no C++ build), real gRPC clients. Tenant
+B tries every KernelEvalService call on tenant A's jobs, by id and by guessing; calls without a
+token, with a wrong one and with one revoked (taken out of the file, then SIGHUP) are
+UNAUTHENTICATED; the admin sees every job; a service without the file behaves as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fe_kernels as k
+import grpc
+import pytest
+from ke_service import ServiceProcess, free_port
+from kerneleval import Client, errors
+from kerneleval.v1 import job_pb2, kernel_eval_service_pb2_grpc
+from kerneleval.v1 import kernel_eval_service_pb2 as pb
+from kerneleval_server.api import tenants as t
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.timeout(120)
+
+
+def fake_watchdog_service(root: Path, *args: str) -> ServiceProcess:
+    binary = root / "fake-watchdog"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "fe_fake_watchdog.py"} "$@"\n')
+    binary.chmod(0o755)
+    return ServiceProcess(
+        root / "state",
+        [
+            "--nvml", "none", "--watchdog", str(binary), "--workers-per-device", "2",
+            "--result-cache-hours", "24",  # on, as by default (tests/conftest.py turns it off)
+            *args,
+        ],  # fmt: skip
+        env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])},
+    )
+
+
+class Tenancy:
+    def __init__(self, svc: ServiceProcess, path: Path, tokens: dict[str, str]) -> None:
+        self.svc, self.path, self.tokens = svc, path, tokens
+
+    def client(self, name: str) -> Client:
+        return Client(self.svc.address, tenant_token=self.tokens[name], retry_timeout=0)
+
+    def stub(self) -> kernel_eval_service_pb2_grpc.KernelEvalServiceStub:
+        return kernel_eval_service_pb2_grpc.KernelEvalServiceStub(self.svc.channel())
+
+
+@pytest.fixture(scope="module")
+def ten(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenancy]:
+    root = tmp_path_factory.mktemp("tenants")
+    tokens, lines = {}, []
+    for name in ("alice", "bob", "carol"):
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    path = root / "tenants"
+    path.write_text("\n".join(lines) + "\n")
+    svc = fake_watchdog_service(root, "--tenants-file", str(path))
+    try:
+        svc.start()
+        yield Tenancy(svc, path, tokens)
+    finally:
+        svc.stop()
+
+
+def test_every_call_without_a_valid_token_is_unauthenticated(ten: Tenancy) -> None:
+    stub = ten.stub()
+    no_token = (
+        lambda md: stub.ListJobs(pb.ListJobsRequest(), metadata=md, timeout=10),
+        lambda md: stub.GetJob(pb.GetJobRequest(job_id="x"), metadata=md, timeout=10),
+        lambda md: stub.CancelJob(pb.CancelJobRequest(job_id="x"), metadata=md, timeout=10),
+        lambda md: stub.Submit(pb.SubmitRequest(spec=k.spec()), metadata=md, timeout=10),
+        lambda md: stub.Evaluate(pb.EvaluateRequest(spec=k.spec()), metadata=md, timeout=10),
+        lambda md: list(stub.Watch(pb.WatchRequest(job_id="x"), metadata=md, timeout=10)),
+        lambda md: list(stub.Run(pb.RunRequest(spec=k.spec()), metadata=md, timeout=10)),
+        lambda md: list(
+            stub.RunBatch(iter([pb.RunBatchRequest(spec=k.spec())]), metadata=md, timeout=10)
+        ),
+    )
+    for md in ((), (("authorization", "Bearer ket_guessed"),),
+               (("authorization", f"Bearer {t.hash_token(ten.tokens['alice'])}"),)):  # fmt: skip
+        for call in no_token:
+            try:
+                call(md)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED, (md, e)
+                assert (t.MISSING if not md else t.WRONG) == e.details()
+            else:
+                raise AssertionError(f"{md}: the call succeeded")
+    # Nothing was queued by the refused calls: the admin sees no job.
+    with Client(ten.svc.address, admin_token=ten.svc.admin_token) as admin:
+        assert [j.job_id for j in admin.list_jobs()] == []
+    # The Python client says what to send.
+    with Client(ten.svc.address, retry_timeout=0) as anon:
+        with pytest.raises(errors.Unauthenticated, match="tenant token"):
+            anon.get_job("x")
+
+
+def test_tenant_b_cannot_see_watch_or_cancel_tenant_as_jobs(ten: Tenancy) -> None:
+    with ten.client("alice") as alice, ten.client("bob") as bob:
+        done = alice.evaluate(k.spec(client_tag="shared-tag"), labels={"team": "a"})
+        assert done.result.verdict == job_pb2.VERDICT_OK and done.tenant == "alice"
+        hang = alice.submit(k.spec("FE_HANG", timeout_s=60, client_tag="shared-tag"))
+        wait_running(alice, hang.job_id)
+        b_job = bob.evaluate(k.spec(client_tag="shared-tag"))
+        assert b_job.tenant == "bob"
+
+        # By id: every call on A's jobs is NOT_FOUND, as for an id no job has (same message).
+        guessed = uuid.uuid4().hex
+        for job_id in (done.job_id, hang.job_id, guessed):
+            for call in (
+                bob.get_job,
+                bob.cancel_job,
+                lambda i: list(bob.watch(i, reconnect=False)),
+            ):
+                with pytest.raises(errors.NotFound) as err:
+                    call(job_id)
+                assert str(err.value).endswith(f"no job {job_id!r}"), err.value
+        # Listing: by tag, label, state or none, B sees its own job only.
+        assert [j.job_id for j in bob.list_jobs()] == [b_job.job_id]
+        assert [j.job_id for j in bob.list_jobs(client_tag="shared-tag")] == [b_job.job_id]
+        assert list(bob.list_jobs(labels={"team": "a"})) == []
+        assert list(bob.list_jobs(state=job_pb2.JOB_STATE_RUNNING)) == []
+        assert {j.job_id for j in alice.list_jobs()} == {done.job_id, hang.job_id}
+        # A's running job is untouched by B's cancel; A may cancel it.
+        assert alice.get_job(hang.job_id).state == job_pb2.JOB_STATE_RUNNING
+        assert alice.cancel_job(hang.job_id).state == job_pb2.JOB_STATE_CANCELLED
+
+
+def test_no_tenant_gets_anothers_cached_or_shared_result_or_idempotent_job(
+    ten: Tenancy,
+) -> None:
+    spec = k.spec(client_tag="cache", perf_trials=2)
+    with ten.client("alice") as alice, ten.client("bob") as bob:
+        first = alice.evaluate(spec)
+        again = alice.evaluate(spec)
+        assert again.result_origin == job_pb2.RESULT_ORIGIN_CACHE
+        assert again.result_job_id == first.job_id  # the same tenant's cache works
+        theirs = bob.evaluate(spec)
+        assert theirs.result_origin == job_pb2.RESULT_ORIGIN_RUN and not theirs.result_job_id
+        # The same idempotency key and client_tag: two tenants, two jobs.
+        a = alice.submit(spec, idempotency_key="same-key")
+        b = bob.submit(spec, idempotency_key="same-key")
+        assert a.job_id != b.job_id and (a.tenant, b.tenant) == ("alice", "bob")
+        assert alice.submit(spec, idempotency_key="same-key").job_id == a.job_id
+        # An identical job in flight is joined within a tenant only: bob's runs beside alice's.
+        hang = k.spec("FE_HANG", timeout_s=60, client_tag="inflight")
+        a_hang = alice.submit(hang)
+        wait_running(alice, a_hang.job_id)
+        b_hang = bob.submit(hang)
+        wait_running(bob, b_hang.job_id)  # not waiting for alice's result
+        for who, job in ((alice, a_hang), (bob, b_hang)):
+            assert who.cancel_job(job.job_id).state == job_pb2.JOB_STATE_CANCELLED
+
+
+def wait_running(c: Client, job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while c.get_job(job_id).state != job_pb2.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline, c.get_job(job_id)
+        time.sleep(0.05)
+
+
+def test_run_batch_streams_only_the_callers_jobs(ten: Tenancy) -> None:
+    with ten.client("bob") as bob, ten.client("carol") as carol:
+        carols = carol.submit(k.spec(client_tag="batch"))
+        events = list(bob.run_batch([("x", k.spec(client_tag="batch")), ("y", k.spec())]))
+        ids = {e.job_id for e in events if e.event is not None}
+        assert len(ids) == 2 and carols.job_id not in ids
+        assert all(bob.get_job(i).tenant == "bob" for i in ids)
+
+
+def test_the_admin_sees_every_tenants_jobs(ten: Tenancy) -> None:
+    with ten.client("alice") as alice:
+        mine = alice.submit(k.spec(client_tag="admin-view"))
+    with Client(ten.svc.address, admin_token=ten.svc.admin_token, retry_timeout=0) as admin:
+        tenants = {j.tenant for j in admin.list_jobs()}
+        assert {"alice", "bob", "carol"} <= tenants
+        assert admin.get_job(mine.job_id).tenant == "alice"
+        own = admin.evaluate(k.spec(client_tag="admin-view"))
+        assert own.tenant == ""  # the admin's own jobs: the default tenant's
+    with ten.client("alice") as alice:
+        with pytest.raises(errors.NotFound):
+            alice.get_job(own.job_id)
+
+
+def test_a_revoked_token_is_refused_after_sighup(ten: Tenancy) -> None:
+    with ten.client("carol") as carol:
+        job = carol.evaluate(k.spec(client_tag="revoked"))
+        lines = [ln for ln in ten.path.read_text().splitlines() if not ln.startswith("carol:")]
+        ten.path.write_text("\n".join(lines) + "\n")
+        assert ten.svc.proc is not None
+        ten.svc.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                carol.get_job(job.job_id)
+            except errors.Unauthenticated as e:
+                assert "revoked" in str(e)
+                break
+            assert time.monotonic() < deadline, "carol's token still works after SIGHUP"
+            time.sleep(0.05)
+    with ten.client("alice") as alice:  # the others' tokens still work
+        assert list(alice.list_jobs(client_tag="revoked")) == []
+    assert ten.svc.proc.poll() is None  # SIGHUP reloads, never stops the service
+
+
+def test_without_a_tenants_file_everything_is_as_before(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    svc = fake_watchdog_service(tmp_path_factory.mktemp("no-tenants"))
+    try:
+        svc.start()
+        with Client(svc.address, retry_timeout=0) as one, Client(
+            svc.address, tenant_token="ket_ignored", retry_timeout=0
+        ) as two:
+            job = one.evaluate(k.spec(client_tag="x"))
+            assert job.tenant == "" and job.result.verdict == job_pb2.VERDICT_OK
+            # Anyone reaching the port reads and lists every job, as before.
+            assert two.get_job(job.job_id).job_id == job.job_id
+            assert [j.job_id for j in two.list_jobs()] == [job.job_id]
+            # One cache for all: another caller's identical job takes the result.
+            same = two.evaluate(k.spec(client_tag="y"))
+            assert same.result_origin == job_pb2.RESULT_ORIGIN_CACHE
+            assert same.result_job_id == job.job_id
+    finally:
+        svc.stop()
+
+
+def test_http_json_forwards_the_token_and_scopes_the_same(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    pytest.importorskip("connectrpc", reason="connectrpc (Python >= 3.11) serves --http-port")
+    root = tmp_path_factory.mktemp("tenants-http")
+    tokens, lines = {}, []
+    for name in ("alice", "bob"):
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    (root / "tenants").write_text("\n".join(lines) + "\n")
+    http_port = free_port()
+    svc = fake_watchdog_service(
+        root, "--tenants-file", str(root / "tenants"), "--http-port", str(http_port)
+    )
+
+    def post(method: str, body: dict[str, object], token: str | None) -> tuple[int, object]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/kerneleval.v1.KernelEvalService/{method}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {token}"} if token else {}),
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        svc.start()
+        with Client(svc.address, tenant_token=tokens["alice"], retry_timeout=0) as alice:
+            job = alice.evaluate(k.spec(client_tag="http"))
+        status, got = post("GetJob", {"jobId": job.job_id}, tokens["alice"])
+        assert status == 200 and got["job"]["tenant"] == "alice", got  # type: ignore[index]
+        status, got = post("GetJob", {"jobId": job.job_id}, tokens["bob"])
+        assert (status, got["code"]) == (404, "not_found"), got  # type: ignore[index]
+        status, got = post("ListJobs", {}, tokens["bob"])
+        assert status == 200 and got == {}, got
+        status, got = post("GetJob", {"jobId": job.job_id}, None)
+        assert (status, got["code"]) == (401, "unauthenticated"), got  # type: ignore[index]
+    finally:
+        svc.stop()
