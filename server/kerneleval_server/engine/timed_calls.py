@@ -484,9 +484,9 @@ def decide(
     PATH_SLACK_NS and PATH_SLACK_SHARE of it (CPU_PATH_SLACK_NS on the CPU).
     The tolerance: the path's own spread (p90 - p10 of the calibration) plus TOLERANCE_SHARE
     of the bound's median plus PATH_SHARE of the path's cost, at least TOLERANCE_FLOOR_US; on
-    the CPU (`cpu`: host wall-clock, two
-    processes' wake-ups on shared cores) 10% and at least CPU_TOLERANCE_FLOOR_US. A claim
-    over the bound is taken as it is: a candidate may only make itself slower."""
+    the CPU (`cpu`: host wall-clock, two processes' wake-ups on shared cores) 10% and at least
+    CPU_TOLERANCE_FLOOR_US. A claim over the bound is taken as it is: a candidate may only
+    make itself slower."""
     calib = measured = float(np.median(calibration_ns)) if len(calibration_ns) else 0.0
     capped = False
     if own_path_ns is not None:
