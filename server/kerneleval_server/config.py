@@ -146,6 +146,14 @@ class Config:
         },
     )
     max_queue: int = field(default=10000, metadata={"help": "queued jobs before Submit is refused"})
+    tenant_max_queued: int = field(
+        default=0,
+        metadata={
+            "help": "with --tenants-file: jobs one tenant may have queued at once, past which "
+            "its Submit is RESOURCE_EXHAUSTED with a RetryInfo while other tenants' jobs are "
+            "still taken; 0: no limit of its own (--max-queue holds for all)"
+        },
+    )
     max_attempts: int = field(
         default=2, metadata={"help": "attempts of one job at most (a re-run after a loss is one)"}
     )

@@ -278,3 +278,58 @@ def test_http_json_forwards_the_token_and_scopes_the_same(
         assert (status, got["code"]) == (401, "unauthenticated"), got  # type: ignore[index]
     finally:
         svc.stop()
+
+
+def test_a_tenant_over_its_queue_quota_is_refused_while_another_is_taken(
+    tmp_path: Path,
+) -> None:
+    """--tenant-max-queued: a tenant with that many jobs queued is refused the next one
+    (RESOURCE_EXHAUSTED with a RetryInfo, as a full queue), while another tenant's job is
+    still taken; its own job is taken again once one of its queued jobs has left."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    tokens, lines = {}, []
+    for name in ("alice", "bob"):
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    path = tmp_path / "tenants"
+    path.write_text("\n".join(lines) + "\n")
+    svc = fake_watchdog_service(
+        tmp_path, "--tenants-file", str(path), "--tenant-max-queued", "1",
+    )  # fmt: skip
+    svc.start()
+    try:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+
+        def submit(name: str, n: int) -> pb.SubmitResponse:
+            # distinct sources: an identical job in flight would be joined, not queued
+            s = k.spec(f"FE_HANG {name} {n}", client_tag=name, timeout_s=60)
+            md = [("authorization", f"Bearer {tokens[name]}")]
+            return stub.Submit(pb.SubmitRequest(spec=s), metadata=md, timeout=30)
+
+        alice = Client(svc.address, tenant_token=tokens["alice"], retry_timeout=0)
+        # Alice's jobs take the job process slots there are (each runs, hanging), until one
+        # stays in the queue.
+        wait_running(alice, submit("alice", 0).job.job_id)
+        n = 1
+        while True:
+            queued = submit("alice", n)
+            n += 1
+            time.sleep(1.0)
+            if alice.get_job(queued.job.job_id).state == job_pb2.JOB_STATE_QUEUED:
+                break
+            assert n < 5, "every job of alice's ran: no queue"
+        with pytest.raises(grpc.RpcError) as err:
+            submit("alice", n)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert "tenant 'alice' has 1 jobs queued" in (err.value.details() or "")
+        status = rpc_status.from_call(err.value)
+        assert status is not None
+        assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+        submit("bob", 0)  # another tenant's job is still taken
+        alice.cancel_job(queued.job.job_id)
+        submit("alice", n + 1)  # room again in alice's share
+        alice.close()
+    finally:
+        svc.stop()

@@ -78,11 +78,17 @@ class Admission:
         self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
 
     def decide(
-        self, spec: kernel_pb2.JobSpec, idempotency_key: str, queued: int, tenant: str = ""
+        self,
+        spec: kernel_pb2.JobSpec,
+        idempotency_key: str,
+        queued: int,
+        tenant: str = "",
+        tenant_queued: int = 0,
     ) -> Decision:
-        """Admits a Submit (`queued`: the jobs in the queue now; `idempotency_key` as stored,
-        a tenant's with its prefix, stored_key). Raises KeyReused, and QueueFull past the
-        queue limit (a job the cache answers is never refused)."""
+        """Admits a Submit (`queued`: the jobs in the queue now, `tenant_queued` the tenant's
+        of them; `idempotency_key` as stored, a tenant's with its prefix, stored_key). Raises
+        KeyReused, and QueueFull past the queue limit or the tenant's (--tenant-max-queued;
+        a job the cache answers is never refused)."""
         if idempotency_key:
             earlier = self._submitted_with(spec, idempotency_key)
             if earlier is not None:
@@ -93,6 +99,13 @@ class Admission:
         if hit is None and waiting >= self.config.max_queue:
             raise QueueFull(
                 f"the queue holds {waiting} jobs (limit {self.config.max_queue})",
+                self.retry_after_s(),
+            )
+        limit = self.config.tenant_max_queued
+        if hit is None and tenant and 0 < limit <= tenant_queued:
+            raise QueueFull(
+                f"tenant {tenant!r} has {tenant_queued} jobs queued (its limit: {limit}, "
+                "--tenant-max-queued); other tenants' jobs are still taken",
                 self.retry_after_s(),
             )
         return Decision(cache_key=key, hit=hit)

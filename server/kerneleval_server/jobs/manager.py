@@ -164,7 +164,8 @@ class JobManager:
         starts, and what they flag joins its result (intake.flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
         idempotency_key = stored_key(idempotency_key, tenant)
-        decision = self.admission.decide(spec, idempotency_key, len(self.queue), tenant)
+        mine = self.queue.queued_in(("tenant", tenant)) if tenant else 0  # --tenant-max-queued
+        decision = self.admission.decide(spec, idempotency_key, len(self.queue), tenant, mine)
         if decision.earlier is not None:
             return decision.earlier
         key, hit = decision.cache_key, decision.hit

@@ -53,6 +53,10 @@ class FairQueue:
     def job_ids(self) -> list[str]:
         return list(self._index)
 
+    def queued_in(self, lane: tuple[str, str]) -> int:
+        """The jobs queued in one lane (QueuedJob.lane): a tenant's, or a client_tag's."""
+        return len(self._lanes.get(lane, ()))
+
     def waiting(self, accept: Callable[[QueuedJob], bool]) -> list[QueuedJob]:
         """The queued jobs `accept` takes, oldest first (none is taken out)."""
         return [job for job in self._index.values() if accept(job)]
