@@ -974,10 +974,7 @@ class _GpuModeJudge(_GpuModeRun):
             kwargs["seed"] = mix_seed(kwargs["seed"], draw) & VARIANT_SEED_MASK
         job = self.job
         with job._guard(GENERATE), self._side(GENERATE), torch.device(job.dev):
-            other = mix_seed(draw, 1) & VARIANT_SEED_MASK
-            torch.manual_seed(other)
-            random.seed(other)
-            np.random.seed(other)
+            _seed_globals(mix_seed(draw, 1) & VARIANT_SEED_MASK)
             return ref.generate_input(**kwargs)
         raise AssertionError("unreachable")
 
