@@ -3,7 +3,9 @@ bench_throughput report (medians over their jobs)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+import statistics
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import _common as C
@@ -58,3 +60,31 @@ def medians_ms(per_job: Iterable[dict[str, float]]) -> dict[str, dict[str, Any]]
         for name, seconds in job.items():
             parts.setdefault(name, []).append(seconds * 1e3)
     return {name: C.summary(values) for name, values in parts.items()}
+
+
+_PARTS = re.compile(r"the judge's timed phase: (\d+) ms \(([^)]*)\)")
+
+
+def window_parts(notes: Sequence[str]) -> dict[str, float]:
+    """Milliseconds of a judge's timed phase by part, from its result's note (judge.py's
+    _Stopwatch): {"total": ..., "waiting for the window": ..., "reference": ..., ...}."""
+    for note in notes:
+        m = _PARTS.search(note)
+        if m:
+            parts = {"total": float(m.group(1))}
+            for item in m.group(2).split(", "):
+                name, _, ms = item.rpartition(" ")
+                parts[name] = float(ms)
+            # the windows themselves: the phase less its waits for them (other jobs' windows)
+            parts["in windows"] = parts["total"] - parts.get("waiting for the window", 0.0)
+            return parts
+    return {}
+
+
+def window_rows(per_job: Iterable[dict[str, float]]) -> list[list[Any]]:
+    """Per part of the judges' timed phases: jobs, the median and the largest, ms."""
+    timed = [t for t in per_job if t]
+    names = sorted({k for t in timed for k in t}, key=lambda k: (k != "total", k))
+    return [[k, len([t for t in timed if k in t]),
+             statistics.median(t.get(k, 0.0) for t in timed),
+             max(t.get(k, 0.0) for t in timed)] for k in names]  # fmt: skip

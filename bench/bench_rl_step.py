@@ -34,13 +34,13 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
+import _segments as S  # noqa: E402
 from bench_build_service import wait_for_pch  # noqa: E402
 from bench_throughput import timing_windows, window_fraction  # noqa: E402
 from kerneleval.kernelbench import job_from_sources, kernelbench_options  # noqa: E402
@@ -328,41 +328,13 @@ def step(
             "why": why, "device": job.device_index if job else -1,
             "speedup": job.result.speedup if job else 0.0,
             "phases": phases(events[i]) if i in events and job else {},
-            "window_parts": window_parts(job.result.notes) if job else {},
+            "window_parts": S.window_parts(job.result.notes) if job else {},
         })  # fmt: skip
     return {
         "wall_s": wall, "finished": len(finished), "refused": refused, "jobs": jobs,
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
     }  # fmt: skip
-
-
-_PARTS = re.compile(r"the judge's timed phase: (\d+) ms \(([^)]*)\)")
-
-
-def window_parts(notes: Sequence[str]) -> dict[str, float]:
-    """Milliseconds of a judge's timed phase by part, from its result's note (judge.py's
-    _Stopwatch): {"total": ..., "waiting for the window": ..., "reference": ..., ...}."""
-    for note in notes:
-        m = _PARTS.search(note)
-        if m:
-            parts = {"total": float(m.group(1))}
-            for item in m.group(2).split(", "):
-                name, _, ms = item.rpartition(" ")
-                parts[name] = float(ms)
-            # the windows themselves: the phase less its waits for them (other jobs' windows)
-            parts["in windows"] = parts["total"] - parts.get("waiting for the window", 0.0)
-            return parts
-    return {}
-
-
-def window_rows(jobs: list[dict[str, Any]]) -> list[list[Any]]:
-    """Per part of the judges' windows: the median and the largest, ms, over timed jobs."""
-    timed = [j["window_parts"] for j in jobs if j.get("window_parts")]
-    names = sorted({k for t in timed for k in t}, key=lambda k: (k != "total", k))
-    return [[k, len([t for t in timed if k in t]),
-             statistics.median(t.get(k, 0.0) for t in timed),
-             max(t.get(k, 0.0) for t in timed)] for k in names]  # fmt: skip
 
 
 PROGRESS_S = 15.0
@@ -461,7 +433,8 @@ def main() -> int:
                        phase_rows(st["jobs"])))  # fmt: skip
         tables.append((f"step {i}: the judges' timed phases, ms per timed job "
                        "(in windows: less the waits)",
-                       ["part", "jobs", "median ms", "max ms"], window_rows(st["jobs"])))
+                       ["part", "jobs", "median ms", "max ms"],
+                       S.window_rows(j["window_parts"] for j in st["jobs"])))
     kinds: dict[tuple[str, str], list[int]] = {}
     for j in best["jobs"]:
         k = kinds.setdefault((j["backend"], j["kind"]), [0, 0])

@@ -154,6 +154,8 @@ def run_batch(svc: C.Service, specs: list[kernel_pb2.JobSpec], in_flight: int) -
         "segments_ms": S.medians_ms(
             S.breakdown(events[tag], C.ts(job.create_time)) for tag, job in results.items()
         ),
+        # The judges' timed phases by part (their results' notes).
+        "window_parts": [S.window_parts(job.result.notes) for job in results.values()],
     }  # fmt: skip
 
 
@@ -403,7 +405,9 @@ def main() -> int:
         [("Throughput", ["mode", "finished", "OK", "wall s", "evals/s", "timing window held",
                          "held while wanted", "x sequential"], rows),
          ("Where a batch job's time went, one GPU (ms)", ["segment", "jobs", "median", "p99"],
-          part_rows)],
+          part_rows),
+         ("The judges' timed phases, one GPU (ms per timed job; in windows: less the waits)",
+          ["part", "jobs", "median", "max"], S.window_rows(b1.get("window_parts", [])))],
         notes,
     )  # fmt: skip
     return 0 if b1["ok"] == count and seq["ok"] == base_count else 1
