@@ -471,3 +471,57 @@ def test_a_tenant_past_its_submissions_a_minute_is_refused_and_counted_per_tenan
         assert tenants == {"alice", "bob"}, got
     finally:
         svc.stop()
+
+
+def test_mcp_reaches_a_tenants_service_with_its_token_and_says_what_is_wrong_without(
+    ten: Tenancy,
+) -> None:
+    """`kerneleval --tenant-token ... mcp` through the official MCP SDK's client, over stdio:
+    its tools run as the tenant (an evaluation is alice's job; her job is hers to read, not
+    bob's: NOT_FOUND); without a token, or with a wrong one, every tool call is a tool error
+    that says what to send, and nothing was submitted."""
+    pytest.importorskip("mcp")  # the client's [mcp] extra (make installs it)
+    import asyncio
+
+    from mcp import Client as McpClient
+    from mcp import StdioServerParameters
+
+    kerneleval = Path(sys.executable).parent / "kerneleval"
+    if not kerneleval.exists():
+        pytest.skip("no kerneleval command in this environment")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELEVAL_")}
+
+    def tools(token: str | None, calls: list[tuple[str, dict[str, object]]]) -> list[object]:
+        args = ["--address", ten.svc.address, *(["--tenant-token", token] if token else [])]
+        params = StdioServerParameters(command=str(kerneleval), args=[*args, "mcp"], env=env)
+        out: list[object] = []
+
+        async def main() -> None:
+            async with McpClient(params, read_timeout_seconds=120) as client:
+                for name, arguments in calls:
+                    out.append(await client.call_tool(name, arguments))
+
+        asyncio.run(main())
+        return out
+
+    source = k.GOOD.replace("x * 2.0 + 1.0", "x * 2.0 + 1.5  # mcp")
+    (ran,) = tools(ten.tokens["alice"], [("evaluate_kernel", {"source": source, "perf_trials": 0})])
+    assert not ran.is_error, ran  # type: ignore[attr-defined]
+    job_id = ran.structured_content["job_id"]  # type: ignore[attr-defined]
+    with ten.client("alice") as alice:
+        assert alice.get_job(job_id).tenant == "alice"
+    (mine,) = tools(ten.tokens["alice"], [("get_job", {"job_id": job_id})])
+    assert not mine.is_error and mine.structured_content["job_id"] == job_id  # type: ignore[attr-defined]
+    (theirs,) = tools(ten.tokens["bob"], [("get_job", {"job_id": job_id})])
+    assert theirs.is_error and f"no job {job_id!r}" in theirs.content[0].text  # type: ignore[attr-defined]
+    calls: list[tuple[str, dict[str, object]]] = [
+        ("evaluate_kernel", {"source": source + "# anon\n", "perf_trials": 0}),
+        ("get_job", {"job_id": job_id}),
+    ]
+    for token, says in ((None, "tenant token"), ("ket_guessed", "revoked")):
+        for result in tools(token, calls):
+            assert result.is_error, (token, result)  # type: ignore[attr-defined]
+            assert says in result.content[0].text, (token, result)  # type: ignore[attr-defined]
+    with Client(ten.svc.address, admin_token=ten.svc.admin_token, retry_timeout=0) as admin:
+        sources = [j.spec.kernel.source_code for j in admin.list_jobs(include_spec=True)]
+        assert source in sources and source + "# anon\n" not in sources
