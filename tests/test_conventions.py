@@ -25,6 +25,7 @@ from kerneleval.v1 import job_pb2
 from kerneleval_server import logs
 from kerneleval_server import metrics as metrics_mod
 from kerneleval_server.config import Config, add_arguments, default_text
+from kerneleval_server.jobs.admission import QUOTAS
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from setuptools.config.pyprojecttoml import read_configuration
@@ -240,6 +241,7 @@ LABEL_VALUES: dict[str, set[str]] = {
     "state": enum_names(job_pb2.JobState, "JOB_STATE_"),
     "verdict": enum_names(job_pb2.Verdict, "VERDICT_"),
     "success": {"true", "false"},
+    "quota": set(QUOTAS),
 }
 NUMERIC_LABELS = {"xid", "device"}
 SELECTOR = re.compile(r"\b((?:kerneleval|grpc_server)_[a-z_]+)(\{[^}]*\})?")

@@ -154,6 +154,22 @@ class Config:
             "still taken; 0: no limit of its own (--max-queue holds for all)"
         },
     )
+    tenant_max_running: int = field(
+        default=0,
+        metadata={
+            "help": "with --tenants-file: jobs of one tenant running at once (its share of the "
+            "job slots), past which its queued jobs wait in the queue while other tenants' "
+            "jobs take the free slots; 0: no limit of its own"
+        },
+    )
+    tenant_max_per_minute: int = field(
+        default=0,
+        metadata={
+            "help": "with --tenants-file: jobs one tenant may submit in any 60 s, past which "
+            "its Submit is RESOURCE_EXHAUSTED with a RetryInfo saying when one is taken "
+            "again; 0: no limit"
+        },
+    )
     max_attempts: int = field(
         default=2, metadata={"help": "attempts of one job at most (a re-run after a loss is one)"}
     )
@@ -423,6 +439,9 @@ class Config:
                 "--isolate-network false: job processes always run in a network namespace of "
                 "their own, with only lo (the sandbox has no way back to the host's network)"
             )
+        for name in ("tenant_max_queued", "tenant_max_running", "tenant_max_per_minute"):
+            if getattr(self, name) < 0:
+                out.append(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)")
         if self.reference_time_reuse_s < 0:
             out.append("--reference-time-reuse-s must be >= 0 (0: every job times its reference)")
         if not 0 <= self.build_nice <= 19:

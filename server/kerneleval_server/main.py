@@ -265,8 +265,9 @@ class Server:
         self.shared: SharedQueue | None = None
         if cfg.role in (GATEWAY, NODE):
             self.shared = SharedQueue(
-                self.manager, cfg.store, cfg.role, cfg.lease_seconds, cfg.max_attempts
-            )
+                self.manager, cfg.store, cfg.role, cfg.lease_seconds, cfg.max_attempts,
+                tenant_max_running=cfg.tenant_max_running,
+            )  # fmt: skip
             self.manager.shared = self.shared
             self.manager.hub.poll_s = SHARED_POLL_S
         # A node's load_inline builds: the shared artifact store and the builders first.

@@ -143,6 +143,31 @@ class Metrics:
             registry=r,
         )
 
+        # Per tenant (--tenants-file), counts only. The `tenant` label is a name from the
+        # operator's tenants file, as the token resolved to it (api/tenants.py), or as a
+        # gateway that resolved it stored it with the job: never a value a request carries.
+        # Jobs of no tenant (the admin's, or tenants off) are in the totals above only.
+        self.tenant_submitted = Counter(
+            "kerneleval_tenant_jobs_submitted",
+            "Jobs a tenant submitted that were taken (a cached answer too; an idempotent "
+            "retry of one is not counted again).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_finished = Counter(
+            "kerneleval_tenant_jobs_finished",
+            "A tenant's jobs by final state.",
+            ["tenant", "state"],
+            registry=r,
+        )
+        self.tenant_rejected = Counter(
+            "kerneleval_tenant_jobs_rejected",
+            "A tenant's submissions refused RESOURCE_EXHAUSTED, by the limit: queue "
+            "(--max-queue), queued (--tenant-max-queued), per_minute (--tenant-max-per-minute).",
+            ["tenant", "quota"],
+            registry=r,
+        )
+
     def worker_restarted(self, device_index: int, reason: str) -> None:
         self.worker_restarts.labels(str(device_index), restart_reason(reason)).inc()
 

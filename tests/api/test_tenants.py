@@ -112,6 +112,77 @@ def test_without_tenants_the_fair_queues_unit_stays_the_client_tag() -> None:
     assert [job.job_id for job in iter(lambda: q.pop_for(None), None)] == ["j0", "j2", "j3"]
 
 
+def test_a_tenant_at_its_running_share_is_passed_over_and_keeps_its_turn() -> None:
+    """--tenant-max-running: FairQueue.lane_open closes alice's lane; bob's and a client
+    tag's (no tenant's) jobs are taken meanwhile; alice's come next once it opens again, and
+    a job re-run alone (quota=False) is taken even from a closed lane."""
+    q = FairQueue()
+    running = {"alice": 1}
+    q.lane_open = lambda lane: lane[0] != "tenant" or running.get(lane[1], 0) < 1
+    for i in range(2):
+        q.push(QueuedJob(f"a{i}", "t", None, tenant="alice"))
+    q.push(QueuedJob("b0", "t", None, tenant="bob"))
+    q.push(QueuedJob("n0", "t", None))
+    assert [job.job_id for job in iter(lambda: q.pop_for(None), None)] == ["b0", "n0"]
+    assert len(q) == 2 and q.pop_for(None) is None  # alice's wait, queued
+    alone = q.pop_for(None, lambda j: j.job_id == "a1", quota=False)
+    assert alone is not None and alone.job_id == "a1"
+    running["alice"] = 0
+    popped = q.pop_for(None)
+    assert popped is not None and popped.job_id == "a0"
+
+
+def _admission(**quotas: int) -> admission.Admission:
+    from kerneleval_server.config import Config
+
+    cfg = Config(result_cache_hours=0, **quotas)  # type: ignore[arg-type]
+    return admission.Admission(cfg, None, lambda: [])  # type: ignore[arg-type]
+
+
+def test_a_tenant_past_its_submissions_a_minute_is_refused_with_when_to_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = kernel_pb2.JobSpec(client_tag="x")
+    adm = _admission(tenant_max_per_minute=2)
+    now = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: now[0])
+    adm.decide(spec, "", 0, "alice")
+    now[0] += 20
+    adm.decide(spec, "", 0, "alice")
+    with pytest.raises(admission.QueueFull) as err:
+        adm.decide(spec, "", 0, "alice")
+    assert err.value.quota == admission.QUOTA_PER_MINUTE
+    assert err.value.retry_after_s == pytest.approx(40.0)  # the first leaves the window
+    assert "--tenant-max-per-minute" in str(err.value) and "in 40 s" in str(err.value)
+    for _ in range(2):
+        adm.decide(spec, "", 0, "bob")  # another tenant's, within its own limit
+    for _ in range(5):
+        adm.decide(spec, "", 0, "")  # the admin (no tenant) has none
+    now[0] += 40.5
+    adm.decide(spec, "", 0, "alice")  # the first is a minute old: room for one
+    with pytest.raises(admission.QueueFull):
+        adm.decide(spec, "", 0, "alice")
+    # A gateway's count, from the store: ages given, its own window not used.
+    adm = _admission(tenant_max_per_minute=3)
+    adm.decide(spec, "", 0, "alice", tenant_ages=[50.0, 10.0])
+    with pytest.raises(admission.QueueFull) as err:
+        adm.decide(spec, "", 0, "alice", tenant_ages=[55.0, 30.0, 1.0])
+    assert err.value.retry_after_s == pytest.approx(5.0)
+
+
+def test_a_tenants_queue_quota_names_its_limit() -> None:
+    spec = kernel_pb2.JobSpec(client_tag="x")
+    adm = _admission(tenant_max_queued=2, max_queue=5)
+    adm.decide(spec, "", 1, "alice", tenant_queued=1)
+    with pytest.raises(admission.QueueFull) as err:
+        adm.decide(spec, "", 2, "alice", tenant_queued=2)
+    assert err.value.quota == admission.QUOTA_QUEUED
+    adm.decide(spec, "", 2, "bob", tenant_queued=0)
+    with pytest.raises(admission.QueueFull) as err:
+        adm.decide(spec, "", 5, "bob", tenant_queued=0)
+    assert err.value.quota == admission.QUOTA_QUEUE
+
+
 def test_serve_with_a_bad_or_missing_tenants_file_stops_at_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

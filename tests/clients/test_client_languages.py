@@ -75,6 +75,62 @@ def test_node_client_against_the_real_service(kerneleval_service):
     assert "# fail 0" in p.stdout and "# skipped 0" in p.stdout, p.stdout[-3000:]
 
 
+def test_node_client_sends_a_tenant_token(tmp_path: Path) -> None:
+    """clients/node's `tenantToken` (env KERNELEVAL_TENANT_TOKEN) against a service with
+    --tenants-file (the CPU stand-in watchdog of tests/frontend, as its hostile tenant tests):
+    the job is the tenant's, another tenant's token gets NOT_FOUND, none or a wrong one
+    UNAUTHENTICATED."""
+    import sys
+
+    from ke_service import ServiceProcess
+    from kerneleval_server.api import tenants
+
+    _need("node")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.skip("clients/node has no node_modules (make runs npm ci)")
+    frontend = REPO / "tests" / "frontend"
+    watchdog = tmp_path / "fake-watchdog"
+    watchdog.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {frontend / "fe_fake_watchdog.py"} "$@"\n'
+    )
+    watchdog.chmod(0o755)
+    (alice, alice_line), (bob, bob_line) = tenants.new_token("alice"), tenants.new_token("bob")
+    (tmp_path / "tenants").write_text(f"{alice_line}\n{bob_line}\n")
+    svc = ServiceProcess(
+        tmp_path / "state",
+        [
+            "--nvml",
+            "none",
+            "--watchdog",
+            str(watchdog),
+            "--tenants-file",
+            str(tmp_path / "tenants"),
+        ],
+        env={"PYTHONPATH": os.pathsep.join([str(frontend), os.environ.get("PYTHONPATH", "")])},
+    )
+    svc.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELEVAL_")}
+        env |= {
+            "KERNELEVAL_ADDRESS": svc.address,
+            "KERNELEVAL_TENANT_TOKEN": alice,
+            "KERNELEVAL_OTHER_TENANT_TOKEN": bob,
+            "KERNELEVAL_TENANT_NAME": "alice",
+        }
+        p = subprocess.run(
+            ["node", "--test", "test/tenant.test.js"],
+            cwd=NODE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        svc.stop()
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert "# fail 0" in p.stdout and "# skipped 0" in p.stdout, p.stdout[-3000:]
+
+
 @pytest.fixture(scope="module")
 def cpp_example() -> Path:
     _need("cmake", "protoc", "grpc_cpp_plugin", "g++")

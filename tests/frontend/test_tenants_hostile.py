@@ -333,3 +333,195 @@ def test_a_tenant_over_its_queue_quota_is_refused_while_another_is_taken(
         alice.close()
     finally:
         svc.stop()
+
+
+def _tenants_file(root: Path, names: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
+    tokens, lines = {}, []
+    for name in names:
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    path = root / "tenants"
+    path.write_text("\n".join(lines) + "\n")
+    return path, tokens
+
+
+def test_a_tenant_at_its_running_share_waits_queued_while_another_takes_the_free_slot(
+    tmp_path: Path,
+) -> None:
+    """--tenant-max-running 1 on two job slots: alice's second job is not refused, but stays
+    QUEUED while a slot is free; bob's job takes that slot and runs beside alice's first;
+    alice's second starts once her first ends."""
+    path, tokens = _tenants_file(tmp_path, ("alice", "bob"))
+    svc = fake_watchdog_service(tmp_path, "--tenants-file", str(path), "--tenant-max-running", "1")
+    svc.start()
+    try:
+        with Client(svc.address, tenant_token=tokens["alice"], retry_timeout=0) as alice, Client(
+            svc.address, tenant_token=tokens["bob"], retry_timeout=0
+        ) as bob:
+            first = alice.submit(k.spec("FE_HANG alice 0", timeout_s=60, client_tag="a"))
+            wait_running(alice, first.job_id)
+            # Another client tag of hers: the share is the tenant's, whatever the tag.
+            second = alice.submit(k.spec("FE_HANG alice 1", timeout_s=60, client_tag="b"))
+            assert second.state == job_pb2.JOB_STATE_QUEUED  # taken, not refused
+            time.sleep(2.0)  # a job process would have taken it by now
+            assert alice.get_job(second.job_id).state == job_pb2.JOB_STATE_QUEUED
+            theirs = bob.submit(k.spec("FE_HANG bob 0", timeout_s=60))
+            wait_running(bob, theirs.job_id)  # the free slot goes to the other tenant
+            assert alice.get_job(second.job_id).state == job_pb2.JOB_STATE_QUEUED
+            assert alice.get_job(first.job_id).state == job_pb2.JOB_STATE_RUNNING
+            # Her first ends: her second starts (bob's still holds the other slot).
+            assert alice.cancel_job(first.job_id).state == job_pb2.JOB_STATE_CANCELLED
+            wait_running(alice, second.job_id)
+            for who, job in ((alice, second), (bob, theirs)):
+                assert who.cancel_job(job.job_id).state == job_pb2.JOB_STATE_CANCELLED
+    finally:
+        svc.stop()
+
+
+def _metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kerneleval_tenant_") and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            if not series.split("{")[0].endswith("_created"):
+                out[series] = float(value)
+    return out
+
+
+def test_a_tenant_past_its_submissions_a_minute_is_refused_and_counted_per_tenant(
+    tmp_path: Path,
+) -> None:
+    """--tenant-max-per-minute 2: alice's third job in a minute is RESOURCE_EXHAUSTED with a
+    RetryInfo of at most a minute (Submit, and an entry of her RunBatch), while bob's jobs are
+    still taken. The metrics count each tenant's jobs submitted, finished and refused, with
+    the names of the tenants file as labels, never a value from the requests."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    path, tokens = _tenants_file(tmp_path, ("alice", "bob"))
+    metrics_port = free_port()
+    svc = fake_watchdog_service(
+        tmp_path, "--tenants-file", str(path), "--tenant-max-per-minute", "2",
+        "--metrics-port", str(metrics_port),
+    )  # fmt: skip
+    svc.start()
+    try:
+        stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
+
+        def submit(name: str, n: int) -> pb.SubmitResponse:
+            # distinct sources (no cache answers); a tag and a label a hostile client chose
+            s = k.spec(k.GOOD + f"\n# {name} {n}\n", client_tag="evil-tag-as-label")
+            s.labels["tenant"] = "mallory"
+            md = [("authorization", f"Bearer {tokens[name]}")]
+            return stub.Submit(pb.SubmitRequest(spec=s), metadata=md, timeout=30)
+
+        with Client(svc.address, tenant_token=tokens["alice"], retry_timeout=0) as alice:
+            taken = [submit("alice", 0).job.job_id, submit("alice", 1).job.job_id]
+            with pytest.raises(grpc.RpcError) as err:
+                submit("alice", 2)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            assert "--tenant-max-per-minute" in (err.value.details() or "")
+            status = rpc_status.from_call(err.value)
+            assert status is not None
+            delays = [
+                info.retry_delay.ToNanoseconds() / 1e9
+                for d in status.details
+                if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+                for info in [error_details_pb2.RetryInfo()]
+                if d.Unpack(info)
+            ]
+            assert len(delays) == 1 and 0 < delays[0] <= 60, delays
+            # RunBatch's entry is refused the same way; the stream goes on.
+            events = list(alice.run_batch([("x", k.spec(k.GOOD + "\n# batch\n"))]))
+            assert [e.error.code for e in events if e.error is not None] == [
+                grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            ]
+            for i in range(2):  # bob's own minute is untouched by alice's
+                submit("bob", i)
+            for job_id in taken:
+                deadline = time.monotonic() + 30
+                while alice.get_job(job_id).state != job_pb2.JOB_STATE_DONE:
+                    assert time.monotonic() < deadline, alice.get_job(job_id)
+                    time.sleep(0.05)
+        # Unauthenticated calls name no tenant: nothing of them becomes a label.
+        with pytest.raises(grpc.RpcError):
+            stub.Submit(
+                pb.SubmitRequest(spec=k.spec()),
+                metadata=[("authorization", "Bearer ket_mallory")],
+                timeout=10,
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            got = _metrics(metrics_port)
+            done = got.get(
+                'kerneleval_tenant_jobs_finished_total{state="DONE",tenant="alice"}', 0
+            )
+            if done == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got['kerneleval_tenant_jobs_submitted_total{tenant="alice"}'] == 2, got
+        assert got['kerneleval_tenant_jobs_submitted_total{tenant="bob"}'] == 2, got
+        assert got[
+            'kerneleval_tenant_jobs_rejected_total{quota="per_minute",tenant="alice"}'
+        ] == 2, got  # fmt: skip
+        assert done == 2, got
+        tenants = {s.split('tenant="')[1].split('"')[0] for s in got}
+        assert tenants == {"alice", "bob"}, got
+    finally:
+        svc.stop()
+
+
+def test_mcp_reaches_a_tenants_service_with_its_token_and_says_what_is_wrong_without(
+    ten: Tenancy,
+) -> None:
+    """`kerneleval --tenant-token ... mcp` through the official MCP SDK's client, over stdio:
+    its tools run as the tenant (an evaluation is alice's job; her job is hers to read, not
+    bob's: NOT_FOUND); without a token, or with a wrong one, every tool call is a tool error
+    that says what to send, and nothing was submitted."""
+    pytest.importorskip("mcp")  # the client's [mcp] extra (make installs it)
+    import asyncio
+
+    from mcp import Client as McpClient
+    from mcp import StdioServerParameters
+
+    kerneleval = Path(sys.executable).parent / "kerneleval"
+    if not kerneleval.exists():
+        pytest.skip("no kerneleval command in this environment")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELEVAL_")}
+
+    def tools(token: str | None, calls: list[tuple[str, dict[str, object]]]) -> list[object]:
+        args = ["--address", ten.svc.address, *(["--tenant-token", token] if token else [])]
+        params = StdioServerParameters(command=str(kerneleval), args=[*args, "mcp"], env=env)
+        out: list[object] = []
+
+        async def main() -> None:
+            async with McpClient(params, read_timeout_seconds=120) as client:
+                for name, arguments in calls:
+                    out.append(await client.call_tool(name, arguments))
+
+        asyncio.run(main())
+        return out
+
+    source = k.GOOD.replace("x * 2.0 + 1.0", "x * 2.0 + 1.5  # mcp")
+    (ran,) = tools(ten.tokens["alice"], [("evaluate_kernel", {"source": source, "perf_trials": 0})])
+    assert not ran.is_error, ran  # type: ignore[attr-defined]
+    job_id = ran.structured_content["job_id"]  # type: ignore[attr-defined]
+    with ten.client("alice") as alice:
+        assert alice.get_job(job_id).tenant == "alice"
+    (mine,) = tools(ten.tokens["alice"], [("get_job", {"job_id": job_id})])
+    assert not mine.is_error and mine.structured_content["job_id"] == job_id  # type: ignore[attr-defined]
+    (theirs,) = tools(ten.tokens["bob"], [("get_job", {"job_id": job_id})])
+    assert theirs.is_error and f"no job {job_id!r}" in theirs.content[0].text  # type: ignore[attr-defined]
+    calls: list[tuple[str, dict[str, object]]] = [
+        ("evaluate_kernel", {"source": source + "# anon\n", "perf_trials": 0}),
+        ("get_job", {"job_id": job_id}),
+    ]
+    for token, says in ((None, "tenant token"), ("ket_guessed", "revoked")):
+        for result in tools(token, calls):
+            assert result.is_error, (token, result)  # type: ignore[attr-defined]
+            assert says in result.content[0].text, (token, result)  # type: ignore[attr-defined]
+    with Client(ten.svc.address, admin_token=ten.svc.admin_token, retry_timeout=0) as admin:
+        sources = [j.spec.kernel.source_code for j in admin.list_jobs(include_spec=True)]
+        assert source in sources and source + "# anon\n" not in sources

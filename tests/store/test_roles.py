@@ -321,3 +321,103 @@ def test_a_client_reattaches_with_watch_after_its_gateway_restarts(cluster: Clus
             assert [e.sequence for e in whole] == list(range(1, len(whole) + 1))
             assert whole[-1].HasField("finished")
             assert whole[-1].finished.result.verdict == job_pb2.VERDICT_OK
+
+
+def test_tenants_quotas_hold_on_a_gateway_and_a_node(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    """Issue 45's quotas where the queue is the store's: a gateway refuses a tenant's Submit
+    past --tenant-max-queued and --tenant-max-per-minute counting the store's jobs (one alice
+    submitted through the node itself counts on the gateway), and a node with two free job
+    slots takes only one of a tenant's jobs at --tenant-max-running 1, while another tenant's
+    job takes the other; the tenant's next job starts once its running one ends."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+    from kerneleval_server.api import tenants as t
+
+    url = postgres.new_database()
+    tokens, lines = {}, []
+    for name in ("alice", "bob"):
+        tokens[name], line = t.new_token(name)
+        lines.append(line)
+    path = tmp_path / "tenants"
+    path.write_text("\n".join(lines) + "\n")
+    common = ["--store", url, "--admin-token", TOKEN, "--nvml", "none", "--tenants-file", str(path)]
+    gateway = ServiceProcess(
+        tmp_path / "gateway",
+        ["--role", "gateway", *common, "--tenant-max-queued", "2", "--tenant-max-per-minute", "4"],
+    )
+    node = ServiceProcess(
+        tmp_path / "node",
+        [
+            "--role", "node", *common, "--engine", "fe_fake_engine",
+            "--lease-seconds", str(LEASE_S), "--workers-per-device", "2", "--spare-count", "2",
+            "--tenant-max-running", "1",
+        ],
+        env={"PYTHONPATH": os.pathsep.join([str(FRONTEND), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    try:
+        gateway.start()
+        node.start()
+        with gateway.channel() as gch, node.channel() as nch:
+            via_gateway = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(gch)
+            via_node = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(nch)
+
+            def md(name: str) -> list[tuple[str, str]]:
+                return [("authorization", f"Bearer {tokens[name]}")]
+
+            def submit(name: str, n: str, stub: object = via_gateway) -> str:
+                spec = k_spec({"do": "time", "seconds": 60, "n": n})
+                reply = stub.Submit(pb.SubmitRequest(spec=spec), metadata=md(name), timeout=30)  # type: ignore[attr-defined]
+                return str(reply.job.job_id)
+
+            def state(name: str, job_id: str) -> int:
+                req = pb.GetJobRequest(job_id=job_id)
+                return int(via_gateway.GetJob(req, metadata=md(name), timeout=10).job.state)
+
+            def wait_state(name: str, job_id: str, want: int) -> None:
+                deadline = time.monotonic() + 60
+                while state(name, job_id) != want:
+                    assert time.monotonic() < deadline, (job_id, state(name, job_id))
+                    time.sleep(0.05)
+
+            def refused(name: str, n: str) -> grpc.RpcError:
+                with pytest.raises(grpc.RpcError) as err:
+                    submit(name, n)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+                status = rpc_status.from_call(err.value)
+                assert status is not None
+                assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+                return err.value
+
+            a0 = submit("alice", "a0", via_node)  # through the node: the store has it
+            wait_state("alice", a0, job_pb2.JOB_STATE_RUNNING)
+            a1 = submit("alice", "a1")
+            time.sleep(2 * LEASE_S)  # the node has a free slot, and claims every second
+            assert state("alice", a1) == job_pb2.JOB_STATE_QUEUED
+            with psycopg.connect(url) as conn:
+                row = conn.execute("SELECT lease_node FROM jobs WHERE job_id = %s", (a1,))
+                assert row.fetchone() == (None,)  # left in the store, for any node
+            b0 = submit("bob", "b0")
+            wait_state("bob", b0, job_pb2.JOB_STATE_RUNNING)  # the free slot is bob's
+            assert state("alice", a1) == job_pb2.JOB_STATE_QUEUED
+            a2 = submit("alice", "a2")  # her second queued job: within --tenant-max-queued 2
+            err = refused("alice", "a3")
+            assert "tenant 'alice' has 2 jobs queued" in (err.details() or ""), err
+            # Her running job ends: the node takes her next.
+            via_gateway.CancelJob(pb.CancelJobRequest(job_id=a0), metadata=md("alice"), timeout=30)
+            wait_state("alice", a1, job_pb2.JOB_STATE_RUNNING)
+            assert state("alice", a2) == job_pb2.JOB_STATE_QUEUED
+            a4 = submit("alice", "a4")  # room in her queue again; her fourth this minute
+            # a0 (through the node), a1, a2, a4 in the last minute (a3, refused, is not one):
+            # her fifth is refused; bob's minute is his own.
+            err = refused("alice", "a5")
+            assert "submitted 4 jobs in the last 60 s" in (err.details() or ""), err
+            b1 = submit("bob", "b1")
+            jobs = (("alice", a1), ("alice", a2), ("alice", a4), ("bob", b0), ("bob", b1))
+            for name, job_id in jobs:
+                req = pb.CancelJobRequest(job_id=job_id)
+                via_gateway.CancelJob(req, metadata=md(name), timeout=30)
+    finally:
+        for service in (gateway, node):
+            service.stop(timeout=20)

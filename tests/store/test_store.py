@@ -382,3 +382,35 @@ def test_jobs_from_before_tenants_are_the_default_tenants(tmp_path: Path) -> Non
         assert got is not None and got.tenant == ""
     finally:
         store.close()
+
+
+def test_a_tenants_quotas_are_counted_in_the_store(store: JobStore) -> None:
+    """What gateways and nodes check a tenant's quotas against: its QUEUED jobs and its last
+    jobs' create times (--tenant-max-queued, --tenant-max-per-minute), and a claim that takes
+    a tenant's jobs only while fewer than its share are leased on all nodes
+    (--tenant-max-running), other tenants' and no tenant's jobs meanwhile."""
+    jobs = [("a1", "alice"), ("a2", "alice"), ("a3", "alice"), ("b1", "bob"), ("n1", ""),
+            ("b2", "bob")]  # fmt: skip
+    for i, (job_id, tenant) in enumerate(jobs):
+        job = make_job(job_id)
+        job.tenant = tenant
+        job.create_time.FromSeconds(1_000 + i)
+        store.insert(job, event(job_id, 1))
+    assert store.tenant_queued("alice") == 3 and store.tenant_queued("carol") == 0
+    assert store.tenant_created("alice", 2) == [1_002.0, 1_001.0]
+    assert store.tenant_created("bob", 9) == [1_005.0, 1_003.0]
+    gpu = {0: "GPU"}
+    first = [j.job_id for j in store.claim("n1", gpu, limit=3, lease_s=30, tenant_max_running=1)]
+    assert first == ["a1", "b1", "n1"]  # one of alice's, one of bob's, and no tenant's
+    # Another node: alice and bob are at their share (a1 and b1 leased, queued or running).
+    assert store.claim("n2", gpu, limit=9, lease_s=30, tenant_max_running=1) == []
+    a1 = store.get("a1")
+    assert a1 is not None
+    a1.state = job_pb2.JOB_STATE_DONE
+    a1.end_time.FromSeconds(2_000)
+    store.update(a1)
+    got = [j.job_id for j in store.claim("n2", gpu, limit=9, lease_s=30, tenant_max_running=1)]
+    assert got == ["a2"]  # alice's next, once one of hers ended; bob's b2 still waits
+    assert store.tenant_queued("alice") == 2  # a2 (taken, not started) and a3
+    got = [j.job_id for j in store.claim("n3", gpu, limit=9, lease_s=30, tenant_max_running=2)]
+    assert got == ["a3", "b2"]

@@ -76,6 +76,10 @@ class KernelEvalClient {
     };
     this.address = address;
     this.adminToken = options.adminToken || process.env.KERNELEVAL_ADMIN_TOKEN || '';
+    // A tenant's token (a service with --tenants-file), as the Python client's tenant_token:
+    // sent on every KernelEvalService call as `authorization: Bearer <token>` ('' given: none,
+    // whatever the environment says).
+    this.tenantToken = options.tenantToken ?? (process.env.KERNELEVAL_TENANT_TOKEN || '');
     this.deadlineSeconds = options.deadlineSeconds || 0;
     this.reconnectSeconds = options.reconnectSeconds || 60;
     this.eval = new api.KernelEvalService(address, credentials, channelOptions);
@@ -87,11 +91,15 @@ class KernelEvalClient {
     this.ops.close();
   }
 
+  // Operations calls carry the admin token; KernelEvalService calls the tenant token, else the
+  // admin token (which a service with tenants takes too, seeing every job), else nothing.
   _options(admin = false) {
     const metadata = new grpc.Metadata();
     if (admin) {
       if (!this.adminToken) throw new Error('operations calls need an admin token (KERNELEVAL_ADMIN_TOKEN)');
       metadata.set('authorization', `Bearer ${this.adminToken}`);
+    } else if (this.tenantToken || this.adminToken) {
+      metadata.set('authorization', `Bearer ${this.tenantToken || this.adminToken}`);
     }
     const callOptions = this.deadlineSeconds ? { deadline: Date.now() + this.deadlineSeconds * 1000 } : {};
     return { metadata, callOptions };

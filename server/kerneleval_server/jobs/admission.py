@@ -7,6 +7,11 @@
   within `--result-cache-hours` takes its result (`Decision.hit`).
 - **The queue limit**: past `--max-queue` (queued jobs and those waiting for an identical one)
   a job is refused with a guess of when room will be made (QueueFull).
+- **A tenant's quotas** (--tenants-file): past `--tenant-max-queued` of its jobs queued, or
+  `--tenant-max-per-minute` of its submissions in the last RATE_WINDOW_S, its job is refused
+  (QueueFull, `quota` naming which) while other tenants' jobs are taken; the per-minute refusal
+  says when the oldest of those submissions leaves the window. (Its jobs running at once,
+  `--tenant-max-running`, are no refusal: the fair queue holds them, scheduler.py.)
 - **Joining a job in flight** (`join`): a job identical to one queued or running waits for
   it instead of queuing; when that one ends (`ended`), they take its result or queue.
 
@@ -15,6 +20,7 @@ The job manager acts on the decisions (manager.py `submit`): it stores, answers 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,6 +38,11 @@ from kerneleval_server.spec import placement
 # tenant's key of the same text names another job (a tenant name holds no TENANT_SEP).
 TENANT_SEP = "\x1f"
 IDEMPOTENCY_S = 24 * 3600.0  # how long a Submit's idempotency key names its job
+RATE_WINDOW_S = 60.0  # --tenant-max-per-minute counts a tenant's submissions this recent
+# QueueFull.quota: which limit refused a Submit (the `quota` label of
+# kerneleval_tenant_jobs_rejected_total).
+QUOTA_QUEUE, QUOTA_QUEUED, QUOTA_PER_MINUTE = "queue", "queued", "per_minute"
+QUOTAS = (QUOTA_QUEUE, QUOTA_QUEUED, QUOTA_PER_MINUTE)
 
 # (index, name, driver version) of each GPU a job may run on: this node's, or a gateway's
 # nodes'.
@@ -41,9 +52,10 @@ Joined = Literal["bypass", "shared", "miss"]
 
 
 class QueueFull(Exception):
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, quota: str = QUOTA_QUEUE) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s  # a guess of when room will be made
+        self.quota = quota  # which limit: one of QUOTAS
 
 
 class KeyReused(Exception):
@@ -76,6 +88,9 @@ class Admission:
         self.inflight = result_cache.InFlight()
         self._software = result_cache.software()
         self.finish_times: deque[float] = deque(maxlen=512)  # monotonic, for retry hints
+        # tenant -> when its recent submissions were taken (monotonic), for
+        # --tenant-max-per-minute where this front end takes them all (not a gateway's).
+        self._submitted: dict[str, deque[float]] = {}
 
     def decide(
         self,
@@ -84,15 +99,35 @@ class Admission:
         queued: int,
         tenant: str = "",
         tenant_queued: int = 0,
+        tenant_ages: Sequence[float] | None = None,
     ) -> Decision:
         """Admits a Submit (`queued`: the jobs in the queue now, `tenant_queued` the tenant's
-        of them; `idempotency_key` as stored, a tenant's with its prefix, stored_key). Raises
-        KeyReused, and QueueFull past the queue limit or the tenant's (--tenant-max-queued;
-        a job the cache answers is never refused)."""
+        of them; `idempotency_key` as stored, a tenant's with its prefix, stored_key;
+        `tenant_ages`: how long ago each of the tenant's submissions of the last RATE_WINDOW_S
+        was, as the shared store has them, None: as this front end counted them). Raises
+        KeyReused, and QueueFull past the tenant's submissions a minute
+        (--tenant-max-per-minute; every new job counts, one the cache answers too), the queue
+        limit or the tenant's (--tenant-max-queued; a job the cache answers is never refused
+        for these)."""
         if idempotency_key:
             earlier = self._submitted_with(spec, idempotency_key)
             if earlier is not None:
-                return Decision(earlier=earlier)
+                return Decision(earlier=earlier)  # the same submission: not counted again
+        per_minute = self.config.tenant_max_per_minute if tenant else 0
+        if per_minute > 0:
+            ages = list(tenant_ages) if tenant_ages is not None else self._ages(tenant)
+            if len(ages) >= per_minute:
+                # Taken again once all but per_minute - 1 of them have left the window.
+                leaves = sorted(ages, reverse=True)[len(ages) - per_minute]
+                wait = max(0.1, RATE_WINDOW_S - leaves)
+                raise QueueFull(
+                    f"tenant {tenant!r} submitted {len(ages)} jobs in the last "
+                    f"{RATE_WINDOW_S:.0f} s (its limit: {per_minute}, --tenant-max-per-minute); "
+                    f"the next is taken in {math.ceil(wait)} s; other tenants' jobs are still "
+                    "taken",
+                    wait,
+                    QUOTA_PER_MINUTE,
+                )
         key = self.cache_key(spec, tenant)
         hit = self._cached(key)
         waiting = queued + len(self.inflight)
@@ -107,8 +142,22 @@ class Admission:
                 f"tenant {tenant!r} has {tenant_queued} jobs queued (its limit: {limit}, "
                 "--tenant-max-queued); other tenants' jobs are still taken",
                 self.retry_after_s(),
+                QUOTA_QUEUED,
             )
+        if per_minute > 0 and tenant_ages is None:
+            self._submitted.setdefault(tenant, deque()).append(time.monotonic())
         return Decision(cache_key=key, hit=hit)
+
+    def _ages(self, tenant: str) -> list[float]:
+        """How long ago each of the tenant's submissions this front end took within
+        RATE_WINDOW_S was (older ones forgotten)."""
+        taken = self._submitted.get(tenant)
+        if not taken:
+            return []
+        now = time.monotonic()
+        while taken and now - taken[0] >= RATE_WINDOW_S:
+            taken.popleft()
+        return [now - t for t in taken]
 
     def join(self, job_id: str, key: str) -> Joined:
         """A job to run: it leads its key, or waits for the identical job that does ("shared":

@@ -144,6 +144,8 @@ def counted(
     state_name = job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")
     verdict = job_pb2.Verdict.Name(result.verdict).removeprefix("VERDICT_")
     metrics.jobs.labels(state_name).inc()
+    if job.tenant:  # a name from the tenants file, stored with the job (metrics.py)
+        metrics.tenant_finished.labels(job.tenant, state_name).inc()
     if result.verdict:
         metrics.verdicts.labels(verdict).inc()
     if result.verdict in (

@@ -51,7 +51,7 @@ from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs import endings, judging, static_checks
-from kerneleval_server.jobs.admission import Admission, stored_key
+from kerneleval_server.jobs.admission import RATE_WINDOW_S, Admission, QueueFull, stored_key
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.crowding import Crowding
@@ -96,6 +96,8 @@ class JobManager:
         self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
         self.free_process, self.kill_lost = p.free_process, p.kill_lost
         self.queue = FairQueue()
+        if config.tenant_max_running > 0:  # a tenant at its share waits in the queue
+            self.queue.lane_open = self.tenant_has_room
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
@@ -164,10 +166,19 @@ class JobManager:
         starts, and what they flag joins its result (intake.flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
         idempotency_key = stored_key(idempotency_key, tenant)
-        mine = self.queue.queued_in(("tenant", tenant)) if tenant else 0  # --tenant-max-queued
-        decision = self.admission.decide(spec, idempotency_key, len(self.queue), tenant, mine)
+        mine, ages = self._tenant_load(tenant)
+        try:
+            decision = self.admission.decide(
+                spec, idempotency_key, len(self.queue), tenant, mine, ages
+            )
+        except QueueFull as exc:
+            if tenant:
+                self.metrics.tenant_rejected.labels(tenant, exc.quota).inc()
+            raise
         if decision.earlier is not None:
             return decision.earlier
+        if tenant:
+            self.metrics.tenant_submitted.labels(tenant).inc()
         key, hit = decision.cache_key, decision.hit
         job = job_pb2.Job(job_id=uuid.uuid4().hex, state=job_pb2.JOB_STATE_QUEUED, tenant=tenant)
         job.spec.CopyFrom(spec)
@@ -219,6 +230,34 @@ class JobManager:
         if late:
             job.result.flags.extend(self.intake.flag_late(job.job_id, spec))
         return job
+
+    def _tenant_load(self, tenant: str) -> tuple[int, list[float] | None]:
+        """What the tenant's quotas are checked against (admission.decide): its jobs queued
+        (--tenant-max-queued) and how long ago each of its submissions of the last minute was
+        (--tenant-max-per-minute; None: the admission's own count). A gateway's or a node's
+        queue is the shared store's: counted there, whichever front end took them."""
+        if not tenant:
+            return 0, None
+        if self.shared is None:
+            return self.queue.queued_in(("tenant", tenant)), None
+        cfg = self.config
+        queued = self.store.tenant_queued(tenant) if cfg.tenant_max_queued > 0 else 0
+        if cfg.tenant_max_per_minute <= 0:
+            return queued, None
+        now = time.time()
+        created = self.store.tenant_created(tenant, cfg.tenant_max_per_minute)
+        return queued, [now - t for t in created if now - t < RATE_WINDOW_S]
+
+    def running_of(self, tenant: str) -> int:
+        """The tenant's jobs running here now (started, not ended: built ahead and waiting for
+        a launch, or for their judge, too)."""
+        return sum(1 for run in self.running.values() if run.job.tenant == tenant)
+
+    def tenant_has_room(self, lane: tuple[str, str]) -> bool:
+        """FairQueue.lane_open under --tenant-max-running: a tenant's lane starts a job only
+        while it runs fewer than its share (a client_tag's lane, no tenant's, always)."""
+        kind, tenant = lane
+        return kind != "tenant" or self.running_of(tenant) < self.config.tenant_max_running
 
     def take(self, job: job_pb2.Job) -> None:
         """A job this node leased from the shared store (shared_queue.py) joins its queue."""
@@ -294,7 +333,9 @@ class JobManager:
         """Starts the job held for the process's GPU once the GPU runs nothing else."""
         if job_id in self.running or self.crowding.busy_on(proc.device_index, proc):
             return
-        queued = self.queue.pop_for(proc.device_index, lambda q: q.job_id == job_id)
+        # It started before (and ran out of memory beside others): the same attempt, outside
+        # --tenant-max-running's count again.
+        queued = self.queue.pop_for(proc.device_index, lambda q: q.job_id == job_id, quota=False)
         if queued is not None:
             self.start(queued.job_id, proc)
 

@@ -1,7 +1,9 @@
 """Which queued job runs next, and which job process may time right now.
 
 The queue is fair between clients: one FIFO per client_tag, served round-robin; with tenants
-(--tenants-file) one FIFO per tenant instead, its client_tags sharing it. A job that
+(--tenants-file) one FIFO per tenant instead, its client_tags sharing it; a tenant at its
+share of the job slots (--tenant-max-running: `FairQueue.lane_open`) is passed over until one
+of its jobs ends, while the other lanes are served. A job that
 names a device waits for that device; others take any. Timing is exclusive per device: one
 PROFILING phase at a time, so measurements do not disturb each other, while other job
 processes on the same device keep compiling and validating. Devices whose "GPU" is the
@@ -43,6 +45,9 @@ class FairQueue:
         # QueuedJob.lane -> its jobs; the order of the dict is the round-robin order.
         self._lanes: OrderedDict[tuple[str, str], deque[QueuedJob]] = OrderedDict()
         self._index: dict[str, QueuedJob] = {}
+        # Whether a lane may start a job now (--tenant-max-running: the manager's count of
+        # the tenant's running jobs); a lane it closes keeps its jobs and its turn.
+        self.lane_open: Callable[[tuple[str, str]], bool] = lambda lane: True
 
     def __len__(self) -> int:
         return len(self._index)
@@ -83,10 +88,15 @@ class FairQueue:
         device_index: int | None,
         accept: Callable[[QueuedJob], bool] | None = None,
         device_name: str = "",
+        quota: bool = True,
     ) -> QueuedJob | None:
         """The next job that may run on the device (None: any; `device_name`, its GPU's name,
-        for jobs that name a model) and that `accept` takes, taking clients in turn."""
+        for jobs that name a model) and that `accept` takes, taking clients in turn; a lane
+        `lane_open` closes is passed over (`quota` False: not, for a job already started once
+        and re-run in the same attempt)."""
         for tag in list(self._lanes):
+            if quota and not self.lane_open(tag):
+                continue
             lane = self._lanes[tag]
             for job in lane:
                 if accept is not None and not accept(job):

@@ -6,7 +6,11 @@ One place for what front ends sharing a store do beyond `--role all`:
   every third of `--lease-seconds`. It takes only what it can start soon (its idle job
   processes plus one job per device), so a job waits in the store, where any node can take
   it, rather than behind a busy node. A job that names a device index goes only to a node with
-  that device. The node's store writes only jobs it holds (`SqlStore.node_id`: fenced).
+  that device. The node's store writes only jobs it holds (`SqlStore.node_id`: fenced). With
+  `--tenant-max-running`, a tenant's jobs are taken only while fewer than that many of them are
+  leased on all nodes together (claims one at a time under an advisory lock): the rest wait in
+  the store while other tenants' jobs are taken. A gateway checks a tenant's other quotas
+  (queued, per minute) against the store's counts (`store.tenant_queued`, `tenant_created`).
 - **Expired leases (every front end).** A node that dies (SIGKILL, a lost machine) stops
   renewing; once its leases expire any front end's heartbeat requeues its jobs (`store.reap`):
   a job that was RUNNING was an attempt and runs again while `--max-attempts` allows, else ends
@@ -145,8 +149,12 @@ class SharedQueue:
         role: str,
         lease_s: float,
         max_attempts: int,
+        tenant_max_running: int = 0,
     ) -> None:
         self.m = manager
+        # A node takes a tenant's jobs only while fewer than this many of them are leased on
+        # all nodes together (store.claim); 0: no limit.
+        self.tenant_max_running = tenant_max_running
         self.store: JobStore = manager.store
         self.url = url
         self.role = role
@@ -298,7 +306,7 @@ class SharedQueue:
             return 0
         fleet = self.m.fleet
         devices = {i: n for i, n in fleet.device_names() if fleet.device_takes_jobs(i)}
-        jobs = self.store.claim(self.node_id, devices, room, self.lease_s)
+        jobs = self.store.claim(self.node_id, devices, room, self.lease_s, self.tenant_max_running)
         for job in jobs:
             self.m.hub.forget(job.job_id)  # its events may have grown elsewhere
             self.m.hub.set_labels(job.job_id, job.spec.labels)

@@ -185,8 +185,16 @@ class Waits:
             what = waiting_for(self.m, run)
             if what:
                 current[run.job.job_id] = what
-        for job_id in self.m.queue.job_ids():
-            current[job_id] = "a job process" + self._queue_note(job_id)
+        # A queued job its tenant's share holds back (--tenant-max-running) waits for the
+        # tenant's own jobs, not for the service: said, never ended for it.
+        own: set[str] = set()
+        for waiting in self.m.queue.waiting(lambda q: True):
+            job_id = waiting.job_id
+            if not self.m.queue.lane_open(waiting.lane):
+                own.add(job_id)
+                current[job_id] = "one of its tenant's running jobs to end (--tenant-max-running)"
+            else:
+                current[job_id] = "a job process" + self._queue_note(job_id)
         seen: dict[str, _Seen] = {}
         for job_id, what in current.items():
             old = self._seen.get(job_id)
@@ -196,7 +204,9 @@ class Waits:
         for job_id, s in list(seen.items()):
             waited = now - s.since
             queued = job_id not in self.m.running
-            if self.max_wait_s > 0 and waited > self.max_wait_s and (not queued or stalled_queue):
+            if job_id in own:
+                pass  # its tenant's own jobs hold it back
+            elif self.max_wait_s > 0 and waited > self.max_wait_s and (not queued or stalled_queue):
                 self._end(job_id, s.what, waited)
                 continue
             if waited > SAY_AFTER_S and not s.said:

@@ -116,7 +116,9 @@ class BuildPaths:
         remote = self.extensions.remote
         queue = self.m.queue
         if remote is not None and not draining:
-            ahead = queue.waiting(self.built_ahead)
+            # Offered while its tenant is under its share (--tenant-max-running): a job the
+            # builders answer starts (built_elsewhere).
+            ahead = queue.waiting(lambda q: self.built_ahead(q) and queue.lane_open(q.lane))
             for waiting in ahead:  # it looks for them in the store
                 self.m.store_new(waiting.job_id)
             remote.offer_ahead([(q.job_id, self.build_arch(q)) for q in ahead])

@@ -77,8 +77,15 @@ class JobStore(Protocol):
     def delete_finished_before(self, cutoff_unix: float) -> int: ...
     def counts(self) -> tuple[dict[int, int], dict[int, int]]: ...
     def schema_version(self) -> int: ...
+    def tenant_queued(self, tenant: str) -> int: ...
+    def tenant_created(self, tenant: str, limit: int) -> builtins.list[float]: ...
     def claim(
-        self, node_id: str, devices: Mapping[int, str], limit: int, lease_s: float
+        self,
+        node_id: str,
+        devices: Mapping[int, str],
+        limit: int,
+        lease_s: float,
+        tenant_max_running: int = 0,
     ) -> builtins.list[job_pb2.Job]: ...
     def renew(self, node_id: str, lease_s: float) -> set[str]: ...
     def release(self, node_id: str, job_ids: Sequence[str]) -> None: ...
@@ -159,6 +166,10 @@ class SqlStore:
     placeholder = "?"
     skip_locked = ""  # PostgreSQL: " FOR UPDATE SKIP LOCKED" (SQLite's writes are serial)
     lock_row = ""  # PostgreSQL: " FOR UPDATE"
+    # Taken first by a claim under --tenant-max-running, so that two nodes' claims do not both
+    # count a tenant's share free (PostgreSQL: a transaction's advisory lock; SQLite's
+    # transactions are serial already).
+    claim_lock = ""
     # A node's id when this store serves a node of a shared queue: its writes of jobs are
     # fenced by its leases (update, add_event).
     node_id = ""
@@ -401,15 +412,44 @@ class SqlStore:
             {int(k): int(v) for k, v in by_verdict},
         )
 
+    # ---- a tenant's quotas where the queue is the store's (gateways and nodes) ------------
+
+    def tenant_queued(self, tenant: str) -> int:
+        """The tenant's jobs QUEUED now, on every front end (--tenant-max-queued)."""
+        rows = self._query(
+            self._sql("SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state = ?"),
+            (tenant, job_pb2.JOB_STATE_QUEUED),
+        )
+        return int(rows[0][0]) if rows else 0
+
+    def tenant_created(self, tenant: str, limit: int) -> builtins.list[float]:
+        """When the tenant's last `limit` jobs were submitted (unix seconds, newest first), on
+        every front end (--tenant-max-per-minute; read along the jobs_tenant index)."""
+        if limit <= 0:
+            return []
+        rows = self._query(
+            self._sql("SELECT create_time FROM jobs WHERE tenant = ? ORDER BY rowid DESC LIMIT ?"),
+            (tenant, _clamp(limit)),
+        )
+        return [float(r[0]) for r in rows]
+
     # ---- the shared queue: leases, cancel requests, nodes (jobs/shared_queue.py) ----------
 
     def claim(
-        self, node_id: str, devices: Mapping[int, str], limit: int, lease_s: float
+        self,
+        node_id: str,
+        devices: Mapping[int, str],
+        limit: int,
+        lease_s: float,
+        tenant_max_running: int = 0,
     ) -> builtins.list[job_pb2.Job]:
         """Leases up to `limit` QUEUED jobs nobody holds, oldest first, that may run on one of
         `devices` (index -> GPU name): a job that names a device index or a GPU model waits
         for a node that has it (placement.py; the model as a lower-cased substring, which
-        validation keeps free of LIKE's wildcards)."""
+        validation keeps free of LIKE's wildcards). With `tenant_max_running` (> 0), a
+        tenant's jobs are taken only while fewer than that many of its jobs are leased on
+        every node together (running, or taken and about to start): its other jobs stay in
+        the store, and other tenants' are taken."""
         if limit <= 0 or not devices:
             return []
         fits = " OR ".join(  # '%' as arguments: psycopg reads a '%' in the SQL as its own
@@ -419,15 +459,18 @@ class SqlStore:
         )
         places = [a for i, name in sorted(devices.items()) for a in (i, name.lower(), "%", "%")]
         with self._tx() as cur:
-            cur.execute(
-                self._sql(
-                    "SELECT job_id FROM jobs WHERE state = ? AND lease_node IS NULL"
-                    f" AND cancel_requested = 0 AND ({fits})"
-                    f" ORDER BY rowid LIMIT ?{self.skip_locked}"
-                ),
-                (job_pb2.JOB_STATE_QUEUED, *places, _clamp(limit)),
-            )
-            ids = [str(r[0]) for r in cur.fetchall()]
+            if tenant_max_running > 0:
+                ids = self._claimable_by_tenant(cur, fits, places, limit, tenant_max_running)
+            else:
+                cur.execute(
+                    self._sql(
+                        "SELECT job_id FROM jobs WHERE state = ? AND lease_node IS NULL"
+                        f" AND cancel_requested = 0 AND ({fits})"
+                        f" ORDER BY rowid LIMIT ?{self.skip_locked}"
+                    ),
+                    (job_pb2.JOB_STATE_QUEUED, *places, _clamp(limit)),
+                )
+                ids = [str(r[0]) for r in cur.fetchall()]
             jobs = []
             for job_id in ids:
                 cur.execute(
@@ -438,6 +481,48 @@ class SqlStore:
                 row = cur.fetchone()
                 jobs.append(_job_from_row(row[0], row[1]))
         return jobs
+
+    def _claimable_by_tenant(
+        self, cur: Any, fits: str, places: builtins.list[Any], limit: int, share: int
+    ) -> builtins.list[str]:
+        """claim's choice under --tenant-max-running: the oldest fitting jobs, a tenant's
+        only while its leased jobs and those chosen stay under `share` (no tenant's, "": no
+        limit), in the claim's transaction (after `claim_lock`)."""
+        if self.claim_lock:
+            cur.execute(self.claim_lock)
+        cur.execute(
+            self._sql(
+                "SELECT tenant, COUNT(*) FROM jobs WHERE tenant != '' AND lease_node IS NOT NULL"
+                " AND state IN (?, ?) GROUP BY tenant"
+            ),
+            _UNFINISHED,
+        )
+        held = {str(t): int(n) for t, n in cur.fetchall()}
+        chosen: builtins.list[str] = []
+        after = 0  # rowid: each look goes on past the last
+        while len(chosen) < limit:
+            full = sorted(t for t, n in held.items() if n >= share)
+            skip = f" AND tenant NOT IN ({', '.join('?' for _ in full)})" if full else ""
+            cur.execute(
+                self._sql(
+                    "SELECT rowid, job_id, tenant FROM jobs WHERE state = ? AND lease_node IS NULL"
+                    f" AND cancel_requested = 0 AND rowid > ? AND ({fits}){skip}"
+                    f" ORDER BY rowid LIMIT ?{self.skip_locked}"
+                ),
+                (job_pb2.JOB_STATE_QUEUED, after, *places, *full, _clamp(limit - len(chosen))),
+            )
+            rows = cur.fetchall()
+            if not rows:
+                break
+            for rowid, job_id, tenant in rows:
+                after = int(rowid)
+                tenant = str(tenant)
+                if tenant and held.get(tenant, 0) >= share:
+                    continue  # filled up by a job chosen just before
+                chosen.append(str(job_id))
+                if tenant:
+                    held[tenant] = held.get(tenant, 0) + 1
+        return chosen
 
     def renew(self, node_id: str, lease_s: float) -> set[str]:
         """Extends the node's leases of its unfinished jobs; returns the jobs it still holds."""

@@ -19,6 +19,8 @@ _MIGRATION_LOCK = 0x6B65_7276  # "kerv": pg_advisory_xact_lock's key for schema 
 # One `--role all` front end per database (a session lock, held while the service runs): two
 # would both re-run each other's RUNNING jobs at start. Gateways and nodes hold it shared.
 _FRONT_END_LOCK = 0x6B65_7266  # "kerf"
+# Nodes' claims under --tenant-max-running, one at a time (SqlStore.claim_lock).
+_CLAIM_LOCK = 0x6B65_7271  # "kerq"
 IN_USE = (
     "another kerneleval front end uses this database (one --role all per database; "
     "gateways and nodes share one)"
@@ -31,6 +33,7 @@ class PostgresStore(SqlStore):
     placeholder = "%s"
     skip_locked = " FOR UPDATE SKIP LOCKED"
     lock_row = " FOR UPDATE"
+    claim_lock = f"SELECT pg_advisory_xact_lock({_CLAIM_LOCK})"
 
     def __init__(
         self,
