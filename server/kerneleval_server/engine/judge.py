@@ -150,6 +150,12 @@ def forget_kept() -> None:
     _kept = None
 
 
+def _timed_trial() -> int:
+    """A trial number for a timed call's inputs, past the correctness trials' and drawn from
+    the OS's randomness: the kernel cannot have its outputs ready."""
+    return secrets.randbelow(1 << 40) + (1 << 20)
+
+
 class _Judge(_Job):
     # Set by judge_job (instance attributes only: tamper.check_timers refuses any that hides
     # one of the class's).
@@ -221,7 +227,7 @@ class _Judge(_Job):
         if not any(t.over_limit and not t.replay for t in trials):
             self._refuse_self_timed(candidate)
         if self.kernel_serves and self.opts.perf_trials > 0:
-            base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee
+            base = _timed_trial()  # trials the kernel cannot foresee
             # torch.compile's baseline compiles here, before the timing window is asked for.
             compiled = self._compile_reference(ref, make_args(base))
             # The reference first, in a window with the kernel's process frozen (nothing it
@@ -274,7 +280,10 @@ class _Judge(_Job):
             timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
             for i in range(n):
-                args = make_args(base + 1 + i)
+                # Each call's trial drawn on its own: a call's inputs (and the seed it runs
+                # under, which says its trial) tell nothing of the next call's, whose outputs
+                # could otherwise be made ahead between calls, untimed.
+                args = make_args(_timed_trial())
                 pristine = args.clone() if i in picked else None
                 spent.lap("inputs")
                 call = driver.call(args)

@@ -1,0 +1,162 @@
+"""Issue 40, more attacks on times from outside (engine/timed_calls.py): each a `ModelNew`
+compared with its reference through a real service, as test_hostile_timing.py's are, trying to
+be VERDICT_OK, unflagged, with a speedup over 1 while doing the reference's work (or more), or
+less work with outputs that pass. Each ends as the test says, and the next tenants are judged
+right.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kerneleval.v1 import job_pb2
+from test_hostile_jobs import (  # noqa: F401 - the module's service and stub are fixtures here
+    next_tenants_are_judged_right,
+    run_job,
+    spec,
+    stub,
+    svc,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+# A reference of real work (a matmul of a few milliseconds on the host), whose output is small
+# enough for the record.
+MATMUL_REFERENCE = """
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x @ x.T
+
+
+def get_inputs():
+    return [torch.randn(256, 2048)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+HEAD = """
+import torch
+"""
+
+# splitmix64's steps as engine/inputs.py mix_seed takes them, and their inverse: a seed that
+# torch's generator was given (torch.initial_seed()) says which trial a call's inputs are.
+MIX = """
+M64 = (1 << 64) - 1
+G = 0x9E3779B97F4A7C15
+C1 = 0xBF58476D1CE4E5B9
+C2 = 0x94D049BB133111EB
+FORWARD = 0x46574452
+
+
+def _f(x):
+    x = ((x ^ (x >> 30)) * C1) & M64
+    x = ((x ^ (x >> 27)) * C2) & M64
+    return x ^ (x >> 31)
+
+
+def _unshift(y, s):
+    x = y
+    for _ in range(64 // s + 1):
+        x = y ^ (x >> s)
+    return x & M64
+
+
+def _f_inv(y):
+    x = _unshift(y, 31)
+    x = (x * pow(C2, -1, 1 << 64)) & M64
+    x = _unshift(x, 27)
+    x = (x * pow(C1, -1, 1 << 64)) & M64
+    return _unshift(x, 30)
+
+
+def _state_before_forward(seed):
+    # mix_seed(s, trial, FORWARD) = f(((f((x1 ^ trial) + G) ^ FORWARD) + G)) & (2^63 - 1),
+    # x1 = the state after s: what x1 ^ trial can be (the top bit was masked off)
+    out = []
+    for top in (0, 1):
+        x2 = ((_f_inv(seed | (top << 63)) - G) & M64) ^ FORWARD
+        out.append((_f_inv(x2) - G) & M64)
+    return out
+
+
+def _input_seed(x1, trial):  # mix_seed(s, trial): what get_inputs ran under
+    return _f(((x1 ^ trial) + G) & M64) & ((1 << 63) - 1)
+"""
+
+
+def _spec(source: str, tag: str, reference: str = MATMUL_REFERENCE, perf_trials: int = 8):
+    s = spec(source, reference=reference, client_tag=f"mallory-{tag}", perf_trials=perf_trials)
+    s.options.warmup_count = 1
+    s.options.timeout.seconds = 60
+    return s
+
+
+def _runtime_flags(r: job_pb2.EvalResult) -> list[str]:
+    return [f.rule_id for f in r.flags if f.source == job_pb2.FLAG_SOURCE_RUNTIME]
+
+
+def _not_forged(ran) -> None:  # type: ignore[no-untyped-def]
+    """Whatever it did, no verdict OK unflagged with a speedup over 1."""
+    r = ran.job.result
+    assert r.verdict != job_pb2.VERDICT_UNSPECIFIED, ran.describe()
+    assert "internal engine error" not in r.error.message, ran.describe()
+    if r.verdict == job_pb2.VERDICT_OK and not _runtime_flags(r):
+        assert r.speedup < 1.0, ran.describe()
+
+
+# ---- knowing the next call's inputs ----------------------------------------------------------
+
+PRECOMPUTE = (
+    HEAD
+    + MIX
+    + """
+class ModelNew(torch.nn.Module):
+    # The trial of every call is read from the seed its forward runs under; the timed calls'
+    # trials follow one another, so the next ones' inputs are made here and their outputs
+    # computed ahead, in an untimed warm-up call; a timed call then only hands one back.
+    x1 = None
+    ready = {}
+
+    @staticmethod
+    def _work(x):
+        return x @ x.T
+
+    def forward(self, x):
+        seeds = _state_before_forward(torch.initial_seed())
+        if ModelNew.x1 is None:  # its first call: correctness trial 0, where x1 ^ 0 = x1
+            ModelNew.x1 = seeds
+            return self._work(x)
+        for x1 in ModelNew.x1:
+            for v in seeds:
+                trial = x1 ^ v
+                if trial in ModelNew.ready:
+                    return ModelNew.ready.pop(trial)
+        for x1 in ModelNew.x1:
+            for v in seeds:
+                trial = x1 ^ v
+                if (1 << 20) <= trial < (1 << 41):  # a timed call's trial: the next ones
+                    g = torch.Generator()
+                    for t in range(trial + 1, trial + 40):
+                        g.manual_seed(_input_seed(x1, t))
+                        nxt = torch.randn(x.shape, generator=g, dtype=x.dtype)
+                        ModelNew.ready[t] = self._work(nxt)
+        self._work(x)  # more than the reference's work where nothing is ready
+        return self._work(x)
+"""
+)
+
+
+def test_the_next_calls_inputs_cannot_be_foreseen(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """The seed a call runs under says its trial; the timed calls' trials must not say the
+    next ones' (each is drawn on its own), or its outputs are computed ahead, untimed."""
+    ran = run_job(stub, _spec(PRECOMPUTE, "precompute"), svc)
+    r = ran.job.result
+    print(ran.describe())
+    _not_forged(ran)
+    assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert 0 < r.speedup < 1, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
