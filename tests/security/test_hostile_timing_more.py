@@ -18,6 +18,7 @@ from test_hostile_jobs import (  # noqa: F401 - the module's service and stub ar
 )
 
 pytestmark = pytest.mark.timeout(240)
+SLOW_MS = 20.0  # what the attacks' calls take at least, where they say
 
 # A reference of real work (a matmul of a few milliseconds on the host), whose output is small
 # enough for the record.
@@ -159,4 +160,170 @@ def test_the_next_calls_inputs_cannot_be_foreseen(stub, svc) -> None:  # type: i
     _not_forged(ran)
     assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
     assert 0 < r.speedup < 1, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+# ---- the judge's own measure of the path, disturbed --------------------------------------------
+
+BIG_REFERENCE = """
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+def get_inputs():
+    return [torch.randn(8 << 20)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+HOG = (
+    HEAD
+    + """
+import mmap
+import os
+import time
+
+from kerneleval_server.engine import timed_calls
+
+# Processes of its own that take the host's cores whenever told to: from its check on until
+# its first real timed call, i.e. while its calls of no work run and the judge measures its
+# own share of their path (the cap on what they may cost); never in its real calls.
+FLAG = mmap.mmap(-1, 8)
+HOGS = []
+
+
+def _hog():
+    while True:
+        if FLAG[0]:
+            t = time.monotonic() + 0.002
+            while time.monotonic() < t:
+                pass
+        else:
+            time.sleep(0.0005)
+
+
+_copy = timed_calls._copy_outputs
+
+
+def _slow_copy(got, outputs):  # its calls of no work, slowed far past any cap
+    if not ModelNew.in_call:
+        time.sleep(0.3)
+    ModelNew.in_call = False
+    return _copy(got, outputs)
+
+
+timed_calls._copy_outputs = _slow_copy
+
+
+class ModelNew(torch.nn.Module):
+    calls = 0
+    in_call = False
+
+    def forward(self, x):
+        entered = time.perf_counter_ns()
+        ModelNew.calls += 1
+        ModelNew.in_call = True
+        FLAG[0] = 0
+        out = x * 2.0
+        t = time.monotonic() + 0.02  # more than the reference's work
+        while time.monotonic() < t:
+            pass
+        if ModelNew.calls == 1:  # its check: the hogs start, and run until its next call
+            for _ in range(8):
+                pid = os.fork()
+                if pid == 0:
+                    _hog()
+                HOGS.append(pid)
+            FLAG[0] = 1
+        elif ModelNew.calls > 2:  # its timed calls claim 10 us
+            real = time.perf_counter_ns
+
+            def once():
+                time.perf_counter_ns = real
+                return entered + 10_000
+
+            time.perf_counter_ns = once
+        return out
+"""
+)
+
+
+def test_the_judges_measure_of_the_path_is_not_slowed_by_the_kernels_process(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Its calls of no work are capped at the judge's own measure of their work: a kernel's
+    process that takes the host's (or the GPU's) time while the judge measures it would raise
+    that cap, and lower every bound by as much."""
+    s = _spec(HOG, "hog", reference=BIG_REFERENCE)
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    _not_forged(ran)
+    assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert "time_outside_bound" in _runtime_flags(r), ran.describe()
+    assert r.runtime.median_ms > SLOW_MS * 0.8 and 0 < r.speedup < 1, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+SPREAD = (
+    HEAD
+    + """
+import time
+
+from kerneleval_server.engine import timed_calls
+
+_copy = timed_calls._copy_outputs
+_noops = [0]
+
+
+def _uneven_copy(got, outputs):  # every other call of no work slowed by a second
+    if not ModelNew.in_call:
+        _noops[0] += 1
+        if _noops[0] % 2:
+            time.sleep(1.0)
+    ModelNew.in_call = False
+    return _copy(got, outputs)
+
+
+timed_calls._copy_outputs = _uneven_copy
+
+
+class ModelNew(torch.nn.Module):
+    calls = 0
+    in_call = False
+
+    def forward(self, x):
+        entered = time.perf_counter_ns()
+        ModelNew.calls += 1
+        ModelNew.in_call = True
+        out = x @ x.T
+        t = time.monotonic() + 0.02  # more than the reference's work
+        while time.monotonic() < t:
+            pass
+        if ModelNew.calls > 2:  # its timed calls claim 10 us
+            real = time.perf_counter_ns
+
+            def once():
+                time.perf_counter_ns = real
+                return entered + 10_000
+
+            time.perf_counter_ns = once
+        return out
+"""
+)
+
+
+def test_uneven_calls_of_no_work_do_not_widen_the_tolerance(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """The tolerance counts the calls of no work's spread (p90 - p10), which their server
+    makes: every other one slowed by a second would let any claim through. The spread is
+    taken at most the slack of the cap on their cost (timed_calls.decide)."""
+    ran = run_job(stub, _spec(SPREAD, "spread"), svc)
+    r = ran.job.result
+    _not_forged(ran)
+    assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert "time_outside_bound" in _runtime_flags(r), ran.describe()
+    assert r.runtime.median_ms > SLOW_MS * 0.8 and 0 < r.speedup < 1, ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)

@@ -235,7 +235,17 @@ class _Judge(_Job):
             self.spent = _Stopwatch()
             reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
             self.spent.lap("reference")
-            self._time_kernel_outside(cand, ref, make_args, base, self.spent)
+            first = make_args(base)
+            ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
+            # The cap on the path's cost, measured in this window: the kernel's process is
+            # frozen (running, it could take the cores or the GPU while it is measured).
+            flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
+            outs = [o for o in ref_out if isinstance(o, torch.Tensor)]
+            own_path = timed_calls.own_path_ns(self.dev, outs, flush.lead)
+            self.spent.lap("reference")  # its outputs for the first call's check
+            self._time_kernel_outside(
+                cand, ref, first, ref_out, flush, own_path, make_args, self.spent
+            )
             self._time_reference(self.result, ref, make_args, reference, compiled_times)
         elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
@@ -245,8 +255,8 @@ class _Judge(_Job):
         self.result.verdict = job_pb2.VERDICT_OK
 
     def _time_kernel_outside(
-        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, base: int,
-        spent: _Stopwatch,
+        self, cand: RecordedProgram, ref: Program, first: TrialArgs, ref_out: list[Any],
+        flush: timed_calls.L2Flush, own_path: int, make_args: MakeArgs, spent: _Stopwatch,
     ) -> None:  # fmt: skip
         """The kernel's timed calls, driven in its process from here (timed_calls.py): each
         on inputs made here from trial numbers it cannot foresee, written into the shared
@@ -256,15 +266,11 @@ class _Judge(_Job):
         self.reporter.drive_kernel()
         spent.lap("waiting for the window")
         n = self.opts.perf_trials
-        first = make_args(base)
-        ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
         names = self._output_names(cand, ref, first)
         checked = min(n, max(timed_calls.CHECKED_MIN, n // 4))
         picked = set(random.SystemRandom().sample(range(n), checked))
         inside: list[int] = []
         outside: list[int] = []
-        spent.lap("reference")  # its outputs for the first call's check
-        flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
         try:
             driver = timed_calls.Driver(
                 self.share_fd, first, [_like(o) for o in ref_out], self.dev,
@@ -275,7 +281,6 @@ class _Judge(_Job):
         spent.lap("buffers")
         try:
             calibration = timed_calls.calibrate(driver, first, timed_calls.CALIBRATION_CALLS)
-            own_path = driver.own_path_ns(flush.lead)
             spent.lap("calibration")
             timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
@@ -539,9 +544,11 @@ class _Judge(_Job):
         torch.compile's baseline (`compiled`, compiled already) through exactly the same
         steps on the same inputs. (eager, compiled): eager None when an earlier job's time of
         it is given, compiled None when not asked for or it failed (a note)."""
+        # The window even for an earlier job's time of it: the judge's own measure of the
+        # path is taken in it, with the kernel's process frozen.
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
         if self.reference_time is not None and compiled is None:
             return None, None
-        self.reporter.phase(job_pb2.PHASE_PROFILING)
         self.spent.lap("waiting for the window")
         eager = None
         if self.reference_time is None:
