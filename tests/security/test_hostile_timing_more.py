@@ -327,3 +327,96 @@ def test_uneven_calls_of_no_work_do_not_widen_the_tolerance(stub, svc) -> None: 
     assert "time_outside_bound" in _runtime_flags(r), ran.describe()
     assert r.runtime.median_ms > SLOW_MS * 0.8 and 0 < r.speedup < 1, ran.describe()
     next_tenants_are_judged_right(stub, svc, ran)
+
+
+# ---- what a timed call raises ----------------------------------------------------------------
+
+RAISES = {
+    "system-exit": "raise SystemExit(0)",
+    "keyboard-interrupt": "raise KeyboardInterrupt",
+    "generator-exit": "raise GeneratorExit",
+    "engine-stop": "from kerneleval_server.engine.stops import Stop\n        raise Stop()",
+    "timed-call-error": (
+        "from kerneleval_server.engine.timed_calls import TimedCallError\n"
+        "        raise TimedCallError('no')"
+    ),
+    "str-raises": "raise Unprintable()",
+    "exit-now": "import os\n        os._exit(0)",
+    "base-exception-output": "return Hostile(x @ x.T)",
+}
+
+RAISER = (
+    HEAD
+    + """
+class Unprintable(Exception):
+    def __str__(self):
+        raise KeyboardInterrupt
+
+
+class Hostile(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if ModelNew.calls > 1:
+            raise SystemExit(3)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ModelNew(torch.nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        ModelNew.calls += 1
+        if ModelNew.calls == 1:  # its check passes
+            return x @ x.T
+        %s
+        return x @ x.T
+"""
+)
+
+
+@pytest.mark.parametrize("what", sorted(RAISES))
+def test_what_a_timed_call_raises_is_the_kernels_runtime_error(stub, svc, what: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """Raised (or made to be raised inside the engine) in its timed calls, after its check
+    passed: its process's serving ends, the judge says so, the job is the kernel's
+    VERDICT_RUNTIME_ERROR (never VERDICT_UNSPECIFIED, never an internal error)."""
+    ran = run_job(stub, _spec(RAISER % RAISES[what], f"raises-{what}"), svc)
+    r = ran.job.result
+    _not_forged(ran)
+    assert r.verdict == job_pb2.VERDICT_RUNTIME_ERROR, ran.describe()
+    assert r.failed_side in (job_pb2.SIDE_KERNEL, job_pb2.SIDE_UNSPECIFIED), ran.describe()
+    assert r.speedup == 0, ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)
+
+
+# ---- lower precision once its check is over ------------------------------------------------------
+
+RAND_MATMUL_REFERENCE = MATMUL_REFERENCE.replace("torch.randn(256, 2048)", "torch.rand(256, 2048)")
+
+LOWER = (
+    HEAD
+    + """
+class ModelNew(torch.nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        ModelNew.calls += 1
+        if ModelNew.calls == 1:  # its check, where the lower-precision check runs
+            return x @ x.T
+        b = x.bfloat16()  # then bfloat16 operands (AMX, tensor cores): within 1e-2 on rand
+        return (b @ b.T).float()
+"""
+)
+
+
+def test_lower_precision_once_its_check_is_over_is_flagged(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """The lower-precision check ran on its first correctness trial only: a kernel that
+    computes in bfloat16 from its timed calls on passed their checks' tolerances, unflagged,
+    and was timed at bfloat16's speed. One checked timed call is measured against the
+    reference's float64 run as well."""
+    s = _spec(LOWER, "lower", reference=RAND_MATMUL_REFERENCE)
+    s.options.atol = s.options.rtol = 1e-2  # KernelBench's
+    ran = run_job(stub, s, svc)
+    r = ran.job.result
+    assert r.verdict == job_pb2.VERDICT_OK, ran.describe()
+    assert "lower_precision" in _runtime_flags(r), ran.describe()
+    next_tenants_are_judged_right(stub, svc, ran)

@@ -924,8 +924,11 @@ class _GpuModeJudge(_GpuModeRun):
                 data = self._matching_variant(ref, case, signature)
                 if data is None:
                     data, reused = first, reused + 1
-                pristine = clone(data) if k in picked else None
                 call = driver.call(_leaf_args(share_layout(data)[0]))
+                # Copied after the call (its data is this process's own; the call had copies):
+                # a copy before the go would make a checked call's go come later, and tell
+                # the kernel which calls are checked.
+                pristine = clone(data) if k in picked else None
                 inside.append(call.inside_ns)
                 outside.append(call.outside_ns)
                 if pristine is not None:

@@ -34,6 +34,7 @@ from . import (
     gpumode,
     integrity,
     loader,
+    precision,
     record,
     tamper,
     timed_calls,
@@ -289,14 +290,18 @@ class _Judge(_Job):
                 # under, which says its trial) tell nothing of the next call's, whose outputs
                 # could otherwise be made ahead between calls, untimed.
                 args = make_args(_timed_trial())
-                pristine = args.clone() if i in picked else None
                 spent.lap("inputs")
                 call = driver.call(args)
+                # Its inputs are this process's own (the call had copies of them), so the
+                # check needs no copy made before the go: one would make a checked call's
+                # go come later, and tell the kernel which calls are checked.
+                pristine = args if i in picked else None
                 inside.append(call.inside_ns)
                 outside.append(call.outside_ns)
                 spent.lap("calls")
                 if pristine is not None:
-                    self._check_timed_call(i, call.outputs, ref, pristine, names)
+                    first_checked = i == min(picked)
+                    self._check_timed_call(i, call.outputs, ref, pristine, names, first_checked)
                     spent.lap("checks")
                 self._progress(i + 1, n)
         except timed_calls.TimedCallError as e:
@@ -341,11 +346,23 @@ class _Judge(_Job):
         self.notes.append(said)
 
     def _check_timed_call(
-        self, i: int, outputs: list[Any], ref: Program, args: TrialArgs, names: list[str]
-    ) -> None:
+        self, i: int, outputs: list[Any], ref: Program, args: TrialArgs, names: list[str],
+        precision_too: bool = False,
+    ) -> None:  # fmt: skip
+        """A timed call's outputs against the reference on its inputs; `precision_too` (the
+        first call checked): the lower-precision check as well, as on the first correctness
+        trial (a kernel may compute in lower precision only once its check is over)."""
+        precision_too = precision_too and ref.kind == "model" and self.opts.check_precision
+        pristine = args.clone() if precision_too else None  # the reference may write them
+        ref_start = time.perf_counter()
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
+        ref_seconds = time.perf_counter() - ref_start
         got = [where_compared(v, self.dev) for v in outputs]
         check = compare.compare_outputs(got, ref_out, names, self.opts.atol, self.opts.rtol)
+        if check.ok and pristine is not None:
+            flagged = {f.rule_id for f in self.result.flags}
+            if integrity.LOWER_PRECISION not in flagged:
+                self._check_timed_precision(ref, pristine, got, ref_out, names, ref_seconds)
         if not check.ok:
             self._replayed_incorrect(
                 f"timed call {i + 1}, on new inputs the judge wrote, returned outputs that do "
@@ -353,6 +370,25 @@ class _Judge(_Job):
                 "(a cache, a lazy or an unfinished result, or memory read before it was "
                 "written, such as torch.empty's)"
             )
+
+    def _check_timed_precision(
+        self, ref: Program, pristine: TrialArgs, got: list[Any], ref_out: list[Any],
+        names: list[str], ref_seconds: float,
+    ) -> None:  # fmt: skip
+        """lower_precision on a timed call's outputs (runner._check_precision on a float64 run
+        of these inputs, not the first trial's); never fails the job. A skip already said in
+        the check is not said again."""
+        try:
+            gold = self._float64_run(ref, pristine, ref_out, ref_seconds)
+            with torch.no_grad():
+                c = precision.judged(gold, got, ref_out, names)
+        except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
+            c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
+        if c.flag is not None:
+            c.flag.message = f"in a timed call: {c.flag.message}"
+            self._flag([c.flag])
+        if c.note and not any(n.startswith("lower-precision check") for n in self.notes):
+            self.notes.append(c.note + " (a timed call's)")
 
     def _refuse_self_timed(self, candidate: job_pb2.EvalResult) -> None:
         """A kernel's process given its timed calls to serve, whose outputs all fit the
