@@ -856,12 +856,21 @@ class _GpuModeJudge(_GpuModeRun):
         job.reporter.phase(job_pb2.PHASE_PROFILING)
         for i, case in enumerate(self.benchmarks):
             self._time_case_reference(ref, case, r.benchmark_cases[i], n * i)
+        # The cap on each case's path cost, measured in this window: the kernel's process is
+        # frozen (running, it could take the cores or the GPU while it is measured).
+        lead = timed_calls.L2Flush(job.dev, job.opts.flush_l2).lead
+        own_paths = [
+            timed_calls.own_path_ns(job.dev, [o for o in outs if isinstance(o, torch.Tensor)], lead)
+            for outs, _ in layouts
+        ]
         job.reporter.drive_kernel()
         said = []
         for i, case in enumerate(self.benchmarks):
             outs, structure = layouts[i]
             last = i == len(self.benchmarks) - 1
-            said.append(self._drive_case(ref, case, r.benchmark_cases[i], outs, structure, last))
+            said.append(self._drive_case(
+                ref, case, r.benchmark_cases[i], outs, structure, last, own_paths[i]
+            ))  # fmt: skip
         stats = [c.runtime for c in r.benchmark_cases]
         r.runtime.CopyFrom(geometric_means(stats))
         if any(s.source == job_pb2.TIMING_SOURCE_OUTSIDE_BOUND for s in stats):
@@ -879,7 +888,7 @@ class _GpuModeJudge(_GpuModeRun):
 
     def _drive_case(
         self, ref: backend.GpuModeReference, case: Case, result: job_pb2.CaseResult,
-        outs: list[torch.Tensor], structure: str, last: bool,
+        outs: list[torch.Tensor], structure: str, last: bool, own_path: int,
     ) -> str:  # fmt: skip
         """One benchmark case's session (timed_calls.Driver): its shared data laid out as a
         first variant's, the shared outputs as the kernel's recorded output on the case;
@@ -910,14 +919,16 @@ class _GpuModeJudge(_GpuModeRun):
         try:
             base = _leaf_args(leaves)
             calibration = timed_calls.calibrate(driver, base, timed_calls.CALIBRATION_CALLS)
-            own_path = driver.own_path_ns(flush.lead)
             timed_calls.warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
             for k in range(n):
                 data = self._matching_variant(ref, case, signature)
                 if data is None:
                     data, reused = first, reused + 1
-                pristine = clone(data) if k in picked else None
                 call = driver.call(_leaf_args(share_layout(data)[0]))
+                # Copied after the call (its data is this process's own; the call had copies):
+                # a copy before the go would make a checked call's go come later, and tell
+                # the kernel which calls are checked.
+                pristine = clone(data) if k in picked else None
                 inside.append(call.inside_ns)
                 outside.append(call.outside_ns)
                 if pristine is not None:

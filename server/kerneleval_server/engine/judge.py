@@ -34,6 +34,7 @@ from . import (
     gpumode,
     integrity,
     loader,
+    precision,
     record,
     tamper,
     timed_calls,
@@ -150,6 +151,12 @@ def forget_kept() -> None:
     _kept = None
 
 
+def _timed_trial() -> int:
+    """A trial number for a timed call's inputs, past the correctness trials' and drawn from
+    the OS's randomness: the kernel cannot have its outputs ready."""
+    return secrets.randbelow(1 << 40) + (1 << 20)
+
+
 class _Judge(_Job):
     # Set by judge_job (instance attributes only: tamper.check_timers refuses any that hides
     # one of the class's).
@@ -221,7 +228,7 @@ class _Judge(_Job):
         if not any(t.over_limit and not t.replay for t in trials):
             self._refuse_self_timed(candidate)
         if self.kernel_serves and self.opts.perf_trials > 0:
-            base = secrets.randbelow(1 << 40) + (1 << 20)  # trials the kernel cannot foresee
+            base = _timed_trial()  # trials the kernel cannot foresee
             # torch.compile's baseline compiles here, before the timing window is asked for.
             compiled = self._compile_reference(ref, make_args(base))
             # The reference first, in a window with the kernel's process frozen (nothing it
@@ -229,7 +236,17 @@ class _Judge(_Job):
             self.spent = _Stopwatch()
             reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
             self.spent.lap("reference")
-            self._time_kernel_outside(cand, ref, make_args, base, self.spent)
+            first = make_args(base)
+            ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
+            # The cap on the path's cost, measured in this window: the kernel's process is
+            # frozen (running, it could take the cores or the GPU while it is measured).
+            flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
+            outs = [o for o in ref_out if isinstance(o, torch.Tensor)]
+            own_path = timed_calls.own_path_ns(self.dev, outs, flush.lead)
+            self.spent.lap("reference")  # its outputs for the first call's check
+            self._time_kernel_outside(
+                cand, ref, first, ref_out, flush, own_path, make_args, self.spent
+            )
             self._time_reference(self.result, ref, make_args, reference, compiled_times)
         elif candidate.HasField("runtime") and candidate.runtime.median_ms > 0:
             if over is None:  # with a full record it was checked in the kernel's process
@@ -239,8 +256,8 @@ class _Judge(_Job):
         self.result.verdict = job_pb2.VERDICT_OK
 
     def _time_kernel_outside(
-        self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, base: int,
-        spent: _Stopwatch,
+        self, cand: RecordedProgram, ref: Program, first: TrialArgs, ref_out: list[Any],
+        flush: timed_calls.L2Flush, own_path: int, make_args: MakeArgs, spent: _Stopwatch,
     ) -> None:  # fmt: skip
         """The kernel's timed calls, driven in its process from here (timed_calls.py): each
         on inputs made here from trial numbers it cannot foresee, written into the shared
@@ -250,15 +267,11 @@ class _Judge(_Job):
         self.reporter.drive_kernel()
         spent.lap("waiting for the window")
         n = self.opts.perf_trials
-        first = make_args(base)
-        ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
         names = self._output_names(cand, ref, first)
         checked = min(n, max(timed_calls.CHECKED_MIN, n // 4))
         picked = set(random.SystemRandom().sample(range(n), checked))
         inside: list[int] = []
         outside: list[int] = []
-        spent.lap("reference")  # its outputs for the first call's check
-        flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
         try:
             driver = timed_calls.Driver(
                 self.share_fd, first, [_like(o) for o in ref_out], self.dev,
@@ -269,20 +282,26 @@ class _Judge(_Job):
         spent.lap("buffers")
         try:
             calibration = timed_calls.calibrate(driver, first, timed_calls.CALIBRATION_CALLS)
-            own_path = driver.own_path_ns(flush.lead)
             spent.lap("calibration")
             timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
             for i in range(n):
-                args = make_args(base + 1 + i)
-                pristine = args.clone() if i in picked else None
+                # Each call's trial drawn on its own: a call's inputs (and the seed it runs
+                # under, which says its trial) tell nothing of the next call's, whose outputs
+                # could otherwise be made ahead between calls, untimed.
+                args = make_args(_timed_trial())
                 spent.lap("inputs")
                 call = driver.call(args)
+                # Its inputs are this process's own (the call had copies of them), so the
+                # check needs no copy made before the go: one would make a checked call's
+                # go come later, and tell the kernel which calls are checked.
+                pristine = args if i in picked else None
                 inside.append(call.inside_ns)
                 outside.append(call.outside_ns)
                 spent.lap("calls")
                 if pristine is not None:
-                    self._check_timed_call(i, call.outputs, ref, pristine, names)
+                    first_checked = i == min(picked)
+                    self._check_timed_call(i, call.outputs, ref, pristine, names, first_checked)
                     spent.lap("checks")
                 self._progress(i + 1, n)
         except timed_calls.TimedCallError as e:
@@ -327,11 +346,23 @@ class _Judge(_Job):
         self.notes.append(said)
 
     def _check_timed_call(
-        self, i: int, outputs: list[Any], ref: Program, args: TrialArgs, names: list[str]
-    ) -> None:
+        self, i: int, outputs: list[Any], ref: Program, args: TrialArgs, names: list[str],
+        precision_too: bool = False,
+    ) -> None:  # fmt: skip
+        """A timed call's outputs against the reference on its inputs; `precision_too` (the
+        first call checked): the lower-precision check as well, as on the first correctness
+        trial (a kernel may compute in lower precision only once its check is over)."""
+        precision_too = precision_too and ref.kind == "model" and self.opts.check_precision
+        pristine = args.clone() if precision_too else None  # the reference may write them
+        ref_start = time.perf_counter()
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
+        ref_seconds = time.perf_counter() - ref_start
         got = [where_compared(v, self.dev) for v in outputs]
         check = compare.compare_outputs(got, ref_out, names, self.opts.atol, self.opts.rtol)
+        if check.ok and pristine is not None:
+            flagged = {f.rule_id for f in self.result.flags}
+            if integrity.LOWER_PRECISION not in flagged:
+                self._check_timed_precision(ref, pristine, got, ref_out, names, ref_seconds)
         if not check.ok:
             self._replayed_incorrect(
                 f"timed call {i + 1}, on new inputs the judge wrote, returned outputs that do "
@@ -339,6 +370,25 @@ class _Judge(_Job):
                 "(a cache, a lazy or an unfinished result, or memory read before it was "
                 "written, such as torch.empty's)"
             )
+
+    def _check_timed_precision(
+        self, ref: Program, pristine: TrialArgs, got: list[Any], ref_out: list[Any],
+        names: list[str], ref_seconds: float,
+    ) -> None:  # fmt: skip
+        """lower_precision on a timed call's outputs (runner._check_precision on a float64 run
+        of these inputs, not the first trial's); never fails the job. A skip already said in
+        the check is not said again."""
+        try:
+            gold = self._float64_run(ref, pristine, ref_out, ref_seconds)
+            with torch.no_grad():
+                c = precision.judged(gold, got, ref_out, names)
+        except Exception as e:  # noqa: BLE001 - a bug here must not cost the job its verdict
+            c = precision.Check(note=f"lower-precision check failed: {type(e).__name__}: {e}")
+        if c.flag is not None:
+            c.flag.message = f"in a timed call: {c.flag.message}"
+            self._flag([c.flag])
+        if c.note and not any(n.startswith("lower-precision check") for n in self.notes):
+            self.notes.append(c.note + " (a timed call's)")
 
     def _refuse_self_timed(self, candidate: job_pb2.EvalResult) -> None:
         """A kernel's process given its timed calls to serve, whose outputs all fit the
@@ -530,9 +580,11 @@ class _Judge(_Job):
         torch.compile's baseline (`compiled`, compiled already) through exactly the same
         steps on the same inputs. (eager, compiled): eager None when an earlier job's time of
         it is given, compiled None when not asked for or it failed (a note)."""
+        # The window even for an earlier job's time of it: the judge's own measure of the
+        # path is taken in it, with the kernel's process frozen.
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
         if self.reference_time is not None and compiled is None:
             return None, None
-        self.reporter.phase(job_pb2.PHASE_PROFILING)
         self.spent.lap("waiting for the window")
         eager = None
         if self.reference_time is None:
