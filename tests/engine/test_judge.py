@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import builtins
 import os
+import socket
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from kerneleval_server.engine import (
     Recorder,
     compare,
     gpumode,
+    judge,
     judge_job,
     run_job,
 )
@@ -123,6 +126,59 @@ def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_di
     assert V.PHASE_PROFILING not in reporter.phases()
     assert any("12.5 s ago" in n for n in r.notes), r.notes
     assert r.reference_runtime_age.ToMilliseconds() == 12500
+
+
+def _served_judge(
+    engine_dir: Path, spec: kernel_pb2.JobSpec, reporter: RecordingReporter,
+    reference_time: tuple[V.RuntimeStats, float] | None,
+) -> Outcome:  # fmt: skip
+    """judge_job driving the kernel's timed calls, served by a thread on a socket pair."""
+    fd = os.memfd_create("record")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        cfg = EngineConfig(
+            work_dir=engine_dir, recorder=Recorder(fd, LIMIT, theirs.fileno(), LIMIT),
+            timed_by_judge=True,
+        )  # fmt: skip
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert own.result.verdict == V.VERDICT_OK and own.serve is not None, own.result
+        server = threading.Thread(target=own.serve, args=(theirs.fileno(),), daemon=True)
+        server.start()
+        final = judge_job(
+            spec, reporter, EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
+            share_fd=mine.fileno(), share_max_bytes=LIMIT, kernel_serves=True,
+            reference_time=reference_time,
+        )  # fmt: skip
+        server.join(timeout=60)
+        return final
+    finally:
+        os.close(fd)
+        mine.close()
+        theirs.close()
+
+
+def test_a_standing_judge_measures_its_own_path_once_with_the_kernel_frozen(
+    engine_dir: Path,
+) -> None:
+    """The cap on a timed call's path (timed_calls.own_path_ns) is the judge's own measure,
+    taken in a window with the kernel's process frozen: for a job whose reference time is
+    reused too (a window of its own), once per judge (a standing judge's later jobs of that
+    reference take no window but the kernel's)."""
+    judge.forget_kept()
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL), perf_trial_count=4)
+    given = (V.RuntimeStats(median_ms=1.0, trial_count=100), 3.0)
+    frozen_then_driven = [V.PHASE_VALIDATING, V.PHASE_PROFILING, V.PHASE_PROFILING]
+    for window_first in (True, False):
+        reporter = RecordingReporter()
+        r = _served_judge(engine_dir, spec, reporter, given).result
+        assert r.verdict == V.VERDICT_OK and r.reference_runtime == given[0], r
+        assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
+        want = frozen_then_driven if window_first else frozen_then_driven[::2]
+        assert [p for p in reporter.phases() if p != V.PHASE_COMPILING] == want
+    judge.forget_kept()  # a new judge measures again
+    reporter = RecordingReporter()
+    _served_judge(engine_dir, spec, reporter, given)
+    assert reporter.phases().count(V.PHASE_PROFILING) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU times: a host without a GPU")

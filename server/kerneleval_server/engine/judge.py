@@ -71,6 +71,10 @@ AHEAD_MAX_BYTES = 256 << 20
 # 3.7: the verdict waited for the judge; bench/probe/timeline_probe.py.)
 KEPT_MAX_BYTES = 64 << 20
 _kept: tuple[bytes, dict[int, Any], Any] | None = None  # (inputs key, ahead, float64 run)
+# The judge's own measures of a timed call's path (timed_calls.own_path_ns), each taken in a
+# window with every other job process of the GPU frozen, by (device, lead, output sizes): what
+# they measure is this process's and the GPU's, not a kernel's, so they stand for its life.
+_own_paths: dict[tuple[str, str, tuple[int, ...]], int] = {}
 
 # What the kernel's process says of itself and the judge says again.
 JUDGED_FIELDS = (
@@ -146,9 +150,15 @@ def _inputs_key(spec: kernel_pb2.JobSpec) -> bytes:
 
 
 def forget_kept() -> None:
-    """Drops what the last job prepared ahead (the tests: each starts as a fresh judge)."""
+    """Drops what the last job prepared ahead and the measures of its own path (the tests:
+    each starts as a fresh judge)."""
     global _kept
     _kept = None
+    _own_paths.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _timed_trial() -> int:
@@ -234,16 +244,26 @@ class _Judge(_Job):
             # The reference first, in a window with the kernel's process frozen (nothing it
             # leaves running can slow it); then the kernel's calls, that process running.
             self.spent = _Stopwatch()
-            reference, compiled_times = self._reference_calls(ref, make_args, base, compiled)
-            self.spent.lap("reference")
             first = make_args(base)
-            ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)
-            # The cap on the path's cost, measured in this window: the kernel's process is
-            # frozen (running, it could take the cores or the GPU while it is measured).
+            ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)  # the first call's check
             flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
             outs = [o for o in ref_out if isinstance(o, torch.Tensor)]
-            own_path = timed_calls.own_path_ns(self.dev, outs, flush.lead)
-            self.spent.lap("reference")  # its outputs for the first call's check
+            path_key = (str(self.dev), flush.lead_kind, tuple(_nbytes(o) for o in outs))
+            own_path = _own_paths.get(path_key)
+            self.spent.lap("reference")
+            reference, compiled_times = self._reference_calls(
+                ref, make_args, base, compiled, measure_path=own_path is None
+            )
+            self.spent.lap("reference")
+            if own_path is None:
+                # The cap on the path's cost, measured in the reference's window: the kernel's
+                # process is frozen (running, it could take the cores or the GPU while it is
+                # measured). A standing judge keeps it for its later jobs, whose reference
+                # times may be reused: no window of their own for it.
+                own_path = _own_paths[path_key] = timed_calls.own_path_ns(
+                    self.dev, outs, flush.lead
+                )
+                self.spent.lap("calibration")
             self._time_kernel_outside(
                 cand, ref, first, ref_out, flush, own_path, make_args, self.spent
             )
@@ -572,20 +592,24 @@ class _Judge(_Job):
             self._replayed_incorrect(why)
 
     def _reference_calls(
-        self, ref: Program, make_args: MakeArgs, base: int, compiled: Program | None = None
-    ) -> tuple[job_pb2.RuntimeStats | None, job_pb2.RuntimeStats | None]:
+        self, ref: Program, make_args: MakeArgs, base: int, compiled: Program | None = None,
+        measure_path: bool = False,
+    ) -> tuple[job_pb2.RuntimeStats | None, job_pb2.RuntimeStats | None]:  # fmt: skip
         """The reference through the same steps as the kernel's calls, here: its arguments
         written in place, the L2 flushed, the call on an idle GPU, its outputs copied; its
         time the device time around the call (the kernel's claim, where it is taken). Then
         torch.compile's baseline (`compiled`, compiled already) through exactly the same
         steps on the same inputs. (eager, compiled): eager None when an earlier job's time of
-        it is given, compiled None when not asked for or it failed (a note)."""
-        # The window even for an earlier job's time of it: the judge's own measure of the
-        # path is taken in it, with the kernel's process frozen.
-        self.reporter.phase(job_pb2.PHASE_PROFILING)
-        if self.reference_time is not None and compiled is None:
+        it is given, compiled None when not asked for or it failed (a note). The window is
+        asked for even with an earlier job's time of it where `measure_path`: the judge's own
+        measure of the path is taken in it next, the kernel's process frozen."""
+        reused = self.reference_time is not None and compiled is None
+        if reused and not measure_path:
             return None, None
+        self.reporter.phase(job_pb2.PHASE_PROFILING)
         self.spent.lap("waiting for the window")
+        if reused:
+            return None, None
         eager = None
         if self.reference_time is None:
             with self._guard(REFERENCE_PREFIX):
