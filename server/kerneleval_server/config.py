@@ -257,6 +257,15 @@ class Config:
             "help": "freeze a GPU's other job processes while one times (false: benchmarks only)"
         },
     )
+    freeze_warming: bool = field(
+        default=True,
+        metadata={
+            "help": "freeze job processes still warming up (no job given yet) in other jobs' "
+            "timing windows too; false: they make their CUDA context and warm up meanwhile "
+            "(the service's code only: each is given a job once the watchdog froze it, where "
+            "a window is open), so the pool refills while windows are held"
+        },
+    )
     gpu_memory_share: float = field(
         default=0.85,
         metadata={

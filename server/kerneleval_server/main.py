@@ -201,6 +201,7 @@ def build_configure(
         warm_spare=cfg.warm_spare,
         spare_count=cfg.spare_count,
         build_processes=cfg.effective_build_processes(),
+        warming_runs_in_windows=not cfg.freeze_warming,
         device_indices=devices,
         state_dir=str(state_dir),
         reset_command=cfg.reset_command,

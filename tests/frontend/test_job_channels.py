@@ -125,6 +125,8 @@ class FakeWatchdog:
     def __init__(self) -> None:
         self.kills: list[tuple[str, str]] = []
         self.jobs: list[tuple[str, str]] = []
+        self.warm: list[str] = []  # JobProcessWarm asked for
+        self.frozen = asyncio.Event()  # ... and acknowledged
 
     async def kill_worker(self, worker_id: str, reason: str) -> None:
         self.kills.append((worker_id, reason))
@@ -143,6 +145,10 @@ class FakeWatchdog:
 
     async def shutdown(self, grace_ms: int = 2000) -> None:
         pass
+
+    async def job_process_warm(self, worker_id: str) -> None:
+        self.warm.append(worker_id)
+        await self.frozen.wait()  # the watchdog's freeze, where a window is open
 
 
 class FakeJobProcess:
@@ -278,6 +284,43 @@ def test_a_job_is_sent_to_its_process_before_it_is_stored(tmp_path: Path) -> Non
         waits = m.submit(job_spec())  # no process is ready for it
         assert order == ["sent", "stored", "stored"]
         assert m.store.get(waits.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
+        proc.writer.close()
+
+    run_async(scenario)
+
+
+def test_a_warming_process_gets_no_job_before_the_watchdog_can_freeze_it(tmp_path: Path) -> None:
+    """--freeze-warming false: a job process still warming up runs through other jobs' timing
+    windows, so its Hello counts (it takes jobs) only once the watchdog acknowledged it warm
+    (JobProcessWarm: frozen from then on, at once in an open window); a job waits for that."""
+
+    async def scenario() -> None:
+        m, wd = new_manager(tmp_path, freeze_warming=False)
+        proc = await start_process(m, "c-w1", hello=False)
+        await proc.send(hello=job_channel_pb2.Hello(worker_id="c-w1", pid=1, device_index=-1))
+        await until(lambda: wd.warm == ["c-w1"])
+        job = m.submit(job_spec())
+        await asyncio.sleep(0.1)
+        worker = m.job_processes.by_id["c-w1"]
+        assert not worker.ready and worker.hello is None and worker.assigned_job_id == ""
+        with pytest.raises(RuntimeError, match="not said it is warm"):
+            worker.assign("j", job_spec(), 1)  # and nothing could send it one
+        assert m.store.get(job.job_id).state == job_pb2.JOB_STATE_QUEUED  # type: ignore[union-attr]
+        wd.frozen.set()
+        assert (await proc.receive()).assign.job_id == job.job_id
+        proc.writer.close()
+
+    run_async(scenario)
+
+
+def test_frozen_when_warming_no_watchdog_round_trip(tmp_path: Path) -> None:
+    """By default (--freeze-warming) a window freezes warming processes too: a Hello counts
+    at once, with no JobProcessWarm."""
+
+    async def scenario() -> None:
+        m, wd = new_manager(tmp_path)
+        proc = await start_process(m, "c-w1")  # ready on its Hello alone
+        assert wd.warm == []
         proc.writer.close()
 
     run_async(scenario)

@@ -144,6 +144,42 @@ def test_job_process_started_in_a_window_is_frozen_until_it_closes(harness: Harn
     run(body())
 
 
+def test_warming_job_processes_run_in_a_window_until_said_warm(harness: Harness) -> None:
+    """Configure.warming_runs_in_windows (--freeze-warming false): a window leaves the job
+    processes that have not been said warm running (the pool refills meanwhile); a
+    JobProcessWarm freezes one at once in the open window, and the next window freezes it too.
+    An unknown process is refused."""
+
+    async def body() -> None:
+        cfg = harness.configure(
+            gpus=1, workers_per_device=2, warm_spare=True, warming_runs_in_windows=True
+        )
+        wd = await harness.start(cfg)
+        require_freezer(harness)
+        workers = await harness.started(3)
+        await burning(harness, workers)
+        holder, warm, warming = workers
+        await wd.job_process_warm(holder.worker_id)
+        await wd.job_process_warm(warm.worker_id)
+        report = await wd.open_window(0, holder.worker_id, True)
+        assert report.ok and list(report.frozen_worker_ids) == [warm.worker_id]
+        assert freezer_state(warming.pid) == "THAWED"
+        assert (await running([warming.pid]))[warming.pid]
+        await wd.job_process_warm(warming.worker_id)  # acknowledged once frozen
+        assert freezer_state(warming.pid) == "FROZEN"
+        assert not (await running([warming.pid]))[warming.pid]
+        assert (await wd.close_window(0)).ok
+        assert freezer_state(warming.pid) == "THAWED"
+        report = await wd.open_window(0, holder.worker_id, True)
+        assert sorted(report.frozen_worker_ids) == sorted([warm.worker_id, warming.worker_id])
+        assert (await wd.close_window(0)).ok
+        with pytest.raises(WatchdogError, match="no worker"):
+            await wd.job_process_warm("d0-nobody")
+        await wd.shutdown(0)
+
+    run(body())
+
+
 def test_frozen_job_process_killed_dies_and_leaves_the_window(harness: Harness) -> None:
     async def body() -> None:
         wd = await harness.start(harness.configure(gpus=1, workers_per_device=2, warm_spare=True))

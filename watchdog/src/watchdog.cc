@@ -332,6 +332,15 @@ void Watchdog::handle_command(const pb::WatchdogCommand& cmd) {
       }
       return ack(id, true);
     }
+    case pb::WatchdogCommand::kJobProcessWarm: {
+      // Acknowledged once frozen where its device's window is open: the front end gives it
+      // its first job only after this, so no job's code runs in a window unfrozen.
+      Worker* w = find_worker(cmd.job_process_warm().worker_id());
+      if (!w) return ack(id, false, "no worker " + cmd.job_process_warm().worker_id());
+      w->warm = true;
+      if (w->exit_reason.empty()) freeze_for_window(*w);
+      return ack(id, true);
+    }
     case pb::WatchdogCommand::kGetStatus: {
       ack(id, true);
       pb::WatchdogEvent ev;

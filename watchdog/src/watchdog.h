@@ -55,6 +55,9 @@ struct Worker {
   std::string exit_reason;  // set when the watchdog ends it on purpose
   bool replace = false;     // start a replacement when it exits (KillWorker, XID)
   bool finished = false;    // sent its outcome: its slot went to a spare (SetJob.finished)
+  // Said warm (JobProcessWarm): from then on a window freezes it. Before, where windows let
+  // warming processes run (Configure.warming_runs_in_windows), it runs the service's code only.
+  bool warm = false;
   int64_t kill_at_ms = 0;   // cgroup kill deadline after a SIGTERM
   bool spawned() const { return pid > 0; }
 };
@@ -77,11 +80,15 @@ struct Window {
   std::string holder;
   std::set<std::string> partners;  // dropped when they exit
   bool freeze_others = false;
+  // Job processes not yet said warm run on (Configure.warming_runs_in_windows).
+  bool warming_runs = false;
   // Worker ids whose cgroups it froze (dropped when they exit) -> when their freeze completed
   // (nvml_clock_us(): NVML's sample clock), the start of what StopGpuUsers counts as theirs.
   std::map<std::string, uint64_t> frozen;
   // The holder or a partner: never frozen, never killed by StopGpuUsers.
   bool runs(const std::string& id) const { return id == holder || partners.count(id) > 0; }
+  // Whether it leaves `w` running: its holder, a partner, or one still warming up.
+  bool leaves(const Worker& w) const { return runs(w.id) || (warming_runs && !w.warm); }
 };
 
 // Why OpenWindow o cannot open on device `index` ("" when it can): its holder or a partner is
@@ -90,7 +97,8 @@ struct Window {
 std::string window_refusal(const pb::OpenWindow& o, int index,
                            const std::map<std::string, Worker>& workers);
 // The job processes of device `index` that win freezes: every spawned one it does not run,
-// but one already SIGKILLed (dying, it must run: v1 delivers no signal to a frozen process).
+// but one already SIGKILLed (dying, it must run: v1 delivers no signal to a frozen process)
+// and, where warming_runs, one not yet said warm.
 // None when it does not freeze the others.
 std::set<std::string> window_wants_frozen(const Window& win, int index,
                                           const std::map<std::string, Worker>& workers);

@@ -66,6 +66,7 @@ void Watchdog::open_window(Device& d, uint64_t command_id, const pb::OpenWindow&
     d.window->holder = o.holder_worker_id();
     d.window->partners = {o.partner_worker_ids().begin(), o.partner_worker_ids().end()};
     d.window->freeze_others = o.freeze_others();
+    d.window->warming_runs = config_.warming_runs_in_windows();
     ok = match_window(d, &why);
     for (const auto& [id, at] : d.window->frozen) report->add_frozen_worker_ids(id);
   }
@@ -113,7 +114,7 @@ std::set<std::string> window_wants_frozen(const Window& win, int index,
   if (!win.freeze_others) return wanted;
   for (const auto& [id, w] : workers) {
     const bool killed = !w.exit_reason.empty() && !w.kill_at_ms;
-    if (w.device == index && w.spawned() && !killed && !win.runs(id)) wanted.insert(id);
+    if (w.device == index && w.spawned() && !killed && !win.leaves(w)) wanted.insert(id);
   }
   return wanted;
 }
@@ -162,7 +163,7 @@ bool Watchdog::match_window(Device& d, std::string* why) {
 void Watchdog::freeze_for_window(Worker& w) {
   Device* d = device(w.device);
   if (!d || !d->window || !d->window->freeze_others || !cgroups_.can_freeze()) return;
-  if (d->window->runs(w.id)) return;
+  if (d->window->leaves(w) || d->window->frozen.count(w.id)) return;
   std::string error;
   if (!cgroups_.freeze(w.cgroup, true, kFreezeWaitMs, &error))
     log_line("job process " + w.id + ", started in a timing window: " + error);

@@ -69,6 +69,19 @@ TEST(Windows, FreezeEveryOtherJobProcessOfTheDeviceButTheHolderAndPartners) {
   EXPECT_EQ(window_wants_frozen(window("d1-w8", {}), 1, workers), Ids{});
 }
 
+TEST(Windows, WarmingJobProcessesRunWhereTheWindowLetsThem) {
+  auto workers = fleet();
+  for (auto& [id, w] : workers) w.warm = id != "d0-w3";  // d0-w3 has not said warm yet
+  Window win = window("d0-w1", {"d0-w2"});
+  EXPECT_EQ(window_wants_frozen(win, 0, workers), (Ids{"d0-w3", "d0-w4", "d0-w7"}));
+  win.warming_runs = true;  // Configure.warming_runs_in_windows
+  EXPECT_EQ(window_wants_frozen(win, 0, workers), (Ids{"d0-w4", "d0-w7"}));
+  EXPECT_TRUE(win.leaves(workers.at("d0-w3")));
+  workers["d0-w3"].warm = true;  // JobProcessWarm: frozen from then on
+  EXPECT_EQ(window_wants_frozen(win, 0, workers), (Ids{"d0-w3", "d0-w4", "d0-w7"}));
+  EXPECT_FALSE(win.leaves(workers.at("d0-w3")));
+}
+
 TEST(Windows, NextWindowFreezesTheLastOnesPartnersAndRunsItsOwn) {
   const auto workers = fleet();
   // The last window's holder and partner are frozen by the next; its frozen ones it names run.

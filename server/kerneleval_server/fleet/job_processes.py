@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +128,8 @@ class JobProcess:
         and the record's socket (`share_fd`, with `share_max_bytes`) ride on the frame."""
         if self.assigned_job_id and not self.reusable:
             raise RuntimeError(f"job process {self.worker_id} already ran {self.assigned_job_id}")
+        if self.hello is None:  # not warm yet: a window may still let it run (--freeze-warming)
+            raise RuntimeError(f"job process {self.worker_id} has not said it is warm")
         assign = job_channel_pb2.AssignJob(
             job_id=job_id,
             spec=spec,
@@ -285,8 +287,15 @@ def check_frame(proc: JobProcess, msg: job_channel_pb2.JobProcessMessage) -> str
 class JobChannels:
     """The channels of the live job processes, one reading task each."""
 
-    def __init__(self, handler: JobProcessHandler) -> None:
+    def __init__(
+        self,
+        handler: JobProcessHandler,
+        mark_warm: Callable[[JobProcess], Awaitable[bool]] | None = None,
+    ) -> None:
+        """`mark_warm`: awaited on a process's Hello before it counts as warm (takes jobs);
+        False: it never does (the watchdog lost it)."""
         self._handler = handler
+        self._mark_warm = mark_warm
         self._tasks: set[asyncio.Task[None]] = set()
 
     def attach(self, proc: JobProcess, fd: int) -> None:
@@ -361,6 +370,8 @@ class JobChannels:
                 return what
             kind = msg.WhichOneof("kind")
             if kind == "hello":
+                if self._mark_warm is not None and not await self._mark_warm(proc):
+                    continue  # never warm: its exit, on its way, ends it
                 proc.hello = msg.hello
                 self._handler.on_process_ready(proc)
                 continue

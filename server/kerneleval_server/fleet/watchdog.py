@@ -98,6 +98,7 @@ class WatchdogLike(Protocol):
 
     async def kill_worker(self, worker_id: str, reason: str) -> None: ...
     async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None: ...
+    async def job_process_warm(self, worker_id: str) -> None: ...
     async def restart_workers(self, device_index: int = -2) -> None: ...
     async def reset_gpu(
         self, device_index: int, grace_ms: int
@@ -208,6 +209,14 @@ class Watchdog:
     async def set_job(self, worker_id: str, job_id: str, finished: bool = False) -> None:
         cmd = watchdog_pb2.WatchdogCommand(
             set_job=watchdog_pb2.SetJob(worker_id=worker_id, job_id=job_id, finished=finished)
+        )
+        await self._call(cmd, "ack")
+
+    async def job_process_warm(self, worker_id: str) -> None:
+        """It said warm: frozen by windows from now on (at once in an open one); returns once
+        the watchdog says so. WatchdogError when it knows no such process."""
+        cmd = watchdog_pb2.WatchdogCommand(
+            job_process_warm=watchdog_pb2.JobProcessWarm(worker_id=worker_id)
         )
         await self._call(cmd, "ack")
 

@@ -105,7 +105,9 @@ class JobManager:
         self.job_processes = JobProcessTable()
         # What its job processes say (messages.py), on their channels.
         self.messages = JobProcessMessages(self)
-        self.channels = JobChannels(self.messages)
+        # Where windows let warming processes run, one's first job waits for its freeze.
+        warm = None if config.freeze_warming else p.mark_warm
+        self.channels = JobChannels(self.messages, mark_warm=warm)
         # The devices (their health, XIDs, counters), and the watchdog's events that feed them
         # and the job process table; each calls back here for what an event means for jobs.
         self.fleet = Devices(self)

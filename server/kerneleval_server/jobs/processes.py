@@ -59,6 +59,20 @@ class ProcessKeeper:
         if self.m.watchdog is not None:
             self.spawn(self.m.watchdog.set_job(worker_id, job_id, finished=finished))
 
+    async def mark_warm(self, proc: JobProcess) -> bool:
+        """A job process said hello where windows let warming processes run (--freeze-warming
+        false): the watchdog freezes it from now on, at once in an open window; its first
+        job waits for that (True), else it is taken as gone (False: the watchdog knows it no
+        more, it exited meanwhile)."""
+        if self.m.watchdog is None:
+            return True
+        try:
+            await self.m.watchdog.job_process_warm(proc.worker_id)
+        except Exception as exc:  # noqa: BLE001 - a process the watchdog cannot freeze takes no job
+            log.warning("job process %s not marked warm: %s", proc.worker_id, exc)
+            return False
+        return True
+
     def spawn(self, coro: Awaitable[Any]) -> None:
         async def run() -> None:
             try:
