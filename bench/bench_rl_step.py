@@ -30,8 +30,10 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -355,6 +357,55 @@ def phase_rows(jobs: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
+def one_config(
+    run: dict[str, Any], flags: list[str], root: Path, args: argparse.Namespace,
+    planned: list[dict[str, Any]], expected: dict[str, int], smoke: bool,
+) -> None:  # fmt: skip
+    """A service with `flags` (on `root`'s state folder): ready, warm, then the steps, into
+    `run` as they finish."""
+    devices = [d for d in args.devices.split(",") if d]
+    wpd = args.workers_per_device or (1 if smoke else 16)
+    backends = ["triton"] if smoke else ["cuda", "triton"]
+    log = root / "service.log"
+    if log.exists():  # an earlier configuration's: its readiness line is not this service's
+        log.rename(root / f"service-{time.time_ns()}.log")
+    svc = C.Service(flags, root=root, nvml="none" if smoke else "real").start()
+    try:
+        run["pch_s"] = 0.0 if smoke else wait_for_pch(svc, 400)
+        svc.wait_workers(wpd * max(1, len(devices)))
+        # A first candidate of each backend, untimed: the GPU's and the build processes' first
+        # work (a step of a running RL loop never meets a cold service).
+        warm = plan(len(backends), f"ok={len(backends)}", backends, args.seed)
+        warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
+        warm_step = step(svc, warm_specs, warm, expected)
+        run["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
+        for n in range(args.steps):
+            tag = f"step{n}-{time.time_ns()}"
+            specs = specs_for(planned, tag, smoke, args.timeout_s)
+            result = step(svc, specs, planned, expected)
+            print(json.dumps({"flags": run["flags"]} | {k: v for k, v in result.items()
+                                                        if k != "jobs"}), flush=True)  # fmt: skip
+            run["steps"].append(result)
+        run["service_log_tail"] = svc.tail()[-3000:]
+    finally:
+        svc.stop()
+
+
+def config_row(run: dict[str, Any]) -> list[Any]:
+    """One configuration's steps: walls, their median, as planted, the share of job-seconds
+    spent waiting for a job process and of the wall a window was held (medians over steps)."""
+    steps = run["steps"]
+    walls = [s["wall_s"] for s in steps]
+    waits = [dict((r[0], r[2]) for r in phase_rows(s["jobs"])).get("wait_for_process", 0.0)
+             for s in steps]  # fmt: skip
+    held = [statistics.median(s["timing_window_fraction"].values() or [0.0]) for s in steps]
+    return [run["flags"] or "(defaults)", len(steps), ", ".join(f"{w:.1f}" for w in walls),
+            statistics.median(walls) if walls else 0.0,
+            ", ".join(str(s["as_planted"]) for s in steps),
+            statistics.median(waits) if waits else 0.0,
+            statistics.median(held) if held else 0.0]  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     C.add_common_args(ap)
@@ -366,6 +417,12 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=int, default=120, help="each job's")
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--steps", type=int, default=2, help="steps, each of fresh candidates")
+    ap.add_argument(
+        "--configs", default="",
+        help="'|'-separated sets of the service's flags, each run in turn with --steps steps "
+        "(its own service, one state folder), e.g. '|--standing-judges-per-device 12'; the "
+        "first is the baseline",
+    )  # fmt: skip
     ap.add_argument(
         "--standing-judges", type=int, default=None,
         help="the service's --standing-judges-per-device (its default: 2; the step's problems: 12)",
@@ -390,30 +447,27 @@ def main() -> int:
         "workers_per_device": wpd, "backends": backends, "steps": [],
         "standing_judges_per_device": args.standing_judges or 2,
     }  # fmt: skip
-    svc = C.Service(flags, nvml="none" if smoke else "real").start()
+    # Each configuration's service on one state folder: the precompiled headers are made once.
+    root = Path(tempfile.mkdtemp(prefix="kerneleval-rl-step-"))
+    configs = args.configs.split("|") if args.configs else [""]
+    runs: list[dict[str, Any]] = []
     try:
-        data["pch_s"] = 0.0 if smoke else wait_for_pch(svc, 400)
-        svc.wait_workers(wpd * max(1, len(devices)))
-        # A first candidate of each backend, untimed: the GPU's and the build processes' first
-        # work (a step of a running RL loop never meets a cold service).
-        warm = plan(len(backends), f"ok={len(backends)}", backends, args.seed)
-        warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
-        warm_step = step(svc, warm_specs, warm, expected)
-        data["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
-        try:
-            for n in range(args.steps):
-                tag = f"step{n}-{time.time_ns()}"
-                specs = specs_for(planned, tag, smoke, args.timeout_s)
-                result = step(svc, specs, planned, expected)
-                print(json.dumps({k: v for k, v in result.items() if k != "jobs"}), flush=True)
-                data["steps"].append(result)
-        except KeyboardInterrupt:  # cut at its time limit: the steps done are still written
-            data["cut_after_steps"] = len(data["steps"])
-            if not data["steps"]:
-                raise
-        data["service_log_tail"] = svc.tail()[-3000:]
+        for extra in configs:
+            run: dict[str, Any] = {"flags": extra, "steps": []}
+            try:
+                one_config(run, flags + extra.split(), root, args, planned, expected, smoke)
+            except KeyboardInterrupt:  # cut at its time limit: the steps done are written
+                run["cut_after_steps"] = len(run["steps"])
+                if run["steps"]:
+                    runs.append(run)
+                if not runs:
+                    raise
+                break
+            runs.append(run)
     finally:
-        svc.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the headers: ~5 GB
+    data.update({k: v for k, v in runs[0].items() if k != "flags"})
+    data["configs"] = runs
     walls = [s["wall_s"] for s in data["steps"]]
     data["median_wall_s"] = statistics.median(walls)
     best = min(data["steps"], key=lambda s: abs(s["wall_s"] - data["median_wall_s"]))
@@ -457,6 +511,14 @@ def main() -> int:
     ]
     if "cut_after_steps" in data:
         notes.append(f"cut at its time limit after {data['cut_after_steps']} of {args.steps} steps")
+    if len(configs) > 1:
+        tables.insert(1, (
+            "configurations of the service, one after the other on one state folder",
+            ["service flags", "steps", "wall s", "median s", "as planted",
+             "waiting for a process (share)", "window held (share of wall)"],
+            [config_row(r) for r in runs],
+        ))  # fmt: skip
+        notes.append(f"configurations run: {len(runs)} of {len(configs)}")
     name = f"bench_rl_step_{gpus}gpu" if gpus else "bench_rl_step_smoke"
     C.write_results(args.out, name, "The RL step benchmark (issue 19)", info, data, tables, notes)
     done = all(s["finished"] == args.count for s in data["steps"]) and "cut_after_steps" not in data

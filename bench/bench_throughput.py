@@ -16,7 +16,10 @@ Baseline in the same run: the first --baseline-count candidates as sequential Ev
 (one job in flight) through the same service. On two GPUs (where present) the batch runs
 again with --devices 0,1. --compare-unfrozen runs the one-GPU batch again on a service with
 --freeze-during-timing false (other job processes not frozen during a timing window; a switch
-for this comparison only) and reports the ratio frozen / not frozen.
+for this comparison only) and reports the ratio frozen / not frozen; --compare-warming runs it
+again with --freeze-warming false (job processes still warming up run through windows) and
+reports that ratio, the pool's start rate and the windows' OpenWindow. Every batch's table
+includes the judges' timed phases by part (their results' notes).
 
     PYTHONPATH=server:clients/python/src python3 bench/bench_throughput.py --out DIR
     ... --cpu-smoke       # here: 20 Triton candidates under the interpreter
@@ -244,6 +247,10 @@ def main() -> int:
     ap.add_argument(
         "--compare-unfrozen", action="store_true", help="also run with --freeze-during-timing false"
     )
+    ap.add_argument(
+        "--compare-warming", action="store_true",
+        help="also run with --freeze-warming false (warming job processes run through windows)",
+    )  # fmt: skip
     ap.add_argument("--spare-count", type=int, default=None, help="warm job processes (wpd)")
     ap.add_argument("--baseline-count", type=int, default=None, help="sequential (60; 6 smoke)")
     ap.add_argument("--in-flight", type=int, default=64)
@@ -287,17 +294,26 @@ def main() -> int:
         print(f"batch on one GPU: {data['batch_1gpu']['evals_per_s']:.2f}/s", flush=True)
     finally:
         svc.stop()
-    if args.compare_unfrozen:
+    variants = [  # the one-GPU batch again, on a service with these flags
+        ("batch_1gpu_unfrozen", ["--freeze-during-timing", "false"], 300_000, "not frozen")
+    ] * args.compare_unfrozen + [
+        ("batch_1gpu_warming", ["--freeze-warming", "false"], 400_000, "warming not frozen")
+    ] * args.compare_warming  # fmt: skip
+    for key, extra, offset, label in variants:
         svc = C.Service(
-            wflags + ["--freeze-during-timing", "false"] + ([] if smoke else ["--devices", "0"]),
-            nvml="none" if smoke else "real",
+            wflags + extra + ([] if smoke else ["--devices", "0"]), nvml="none" if smoke else "real"
         ).start()
         try:
             svc.wait_workers(wpd)
-            data["batch_1gpu_unfrozen"] = run_batch(
-                svc, candidates(count, n, cuda, args.kind, offset=300_000), args.in_flight
+            counter = StartCounter(svc)
+            t_pool = time.perf_counter()
+            data[key] = run_batch(
+                svc, candidates(count, n, cuda, args.kind, offset=offset), args.in_flight
             )
-            print(f"not frozen: {data['batch_1gpu_unfrozen']['evals_per_s']:.2f}/s", flush=True)
+            data[key]["started_per_s"] = counter.count / (time.perf_counter() - t_pool)
+            counter.close()
+            data[key]["windows"] = window_costs(svc)
+            print(f"{label}: {data[key]['evals_per_s']:.2f}/s", flush=True)
         finally:
             svc.stop()
     two = info["gpu_count"] >= 2 and not smoke
@@ -322,10 +338,11 @@ def main() -> int:
     for key, label in (
         ("batch_1gpu", "RunBatch, one GPU"),
         ("batch_1gpu_unfrozen", "RunBatch, one GPU, others not frozen in a window"),
+        ("batch_1gpu_warming", "RunBatch, one GPU, warming job processes not frozen"),
         ("batch_2gpu", "RunBatch, two GPUs"),
     ):
         b = data.get(key)
-        if b is None and key == "batch_1gpu_unfrozen":
+        if b is None and key in ("batch_1gpu_unfrozen", "batch_1gpu_warming"):
             continue
         if b is None:
             rows.append([label, "not run: one GPU", "", "", "", "", "", ""])
@@ -386,6 +403,16 @@ def main() -> int:
             "Freezing the GPU's other job processes during each timing window (the default) "
             f"vs not: {data['frozen_over_unfrozen']:.2f}x the evaluations per second (issue 14's "
             "target: >= 0.9)."
+        )
+    warming = data.get("batch_1gpu_warming")
+    if warming:
+        w = warming["windows"]
+        data["warming_over_frozen"] = C.ratio(warming["evals_per_s"], b1["evals_per_s"])
+        notes.append(
+            f"Warming job processes left running in windows (--freeze-warming false) vs frozen: "
+            f"{data['warming_over_frozen']:.2f}x the evaluations per second; job processes "
+            f"started {warming['started_per_s']:.2f}/s against {data['pool']['started_per_s']:.2f}"
+            f"; OpenWindow {w.get('open_ms', 0):.1f} ms, held {w.get('held_ms', 0):.1f} ms."
         )
     if smoke:
         notes.append("CPU smoke run: no GPU, Triton under its interpreter; not a benchmark.")

@@ -19,7 +19,9 @@
 #   OUT=/some/dir bench/run_gpu.sh build_service # load_inline jobs: build processes and the
 #                                               # build cache vs in-job builds (~7 min)
 #   OUT=/some/dir bench/run_gpu.sh rl_step      # one RL step: 64 KernelBench candidates, on
-#                                               # every GPU of the machine (~5 min)
+#                                               # every GPU of the machine (~5 min); with
+#                                               # RL_CONFIGS='|--freeze-warming false' each
+#                                               # set of flags in turn (STEPS each, default 2)
 #   OUT=/some/dir bench/run_gpu.sh outside      # issue 40: level-1 problems against
 #                                               # themselves and lying candidates, timed
 #                                               # from outside their process (~4 min)
@@ -124,9 +126,9 @@ case "$STAGE" in
   build_service) run 580 bench_build_service ;;
   kernelbench_run) run 580 bench_kernelbench_run ;;
   judge) run 400 bench_judge ;;
-  rl_step)
+  rl_step)  # RL_CONFIGS: '|'-separated service flags, each run in turn (bench_rl_step.py)
     run 580 bench_rl_step --devices "$(nvidia-smi --query-gpu=index --format=csv,noheader \
-      | paste -sd, -)"
+      | paste -sd, -)" --steps "${STEPS:-2}" ${RL_CONFIGS:+--configs "$RL_CONFIGS"}
     ;;
   scale_out)  # needs two GPUs or more: a node on each
     run 560 gpu_scale_out --kernelbench "$KERNELBENCH" --devices "$(nvidia-smi \
