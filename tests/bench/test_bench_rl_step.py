@@ -65,3 +65,22 @@ def test_triton_candidates_get_their_verdicts_in_the_engine(
     spec.options.perf_trial_count = 0
     outcome = run_job(spec, NullReporter(), EngineConfig(work_dir=tmp_path))
     assert outcome.result.verdict == R.SMOKE_EXPECTED[kind], outcome.result
+
+
+def test_a_configurations_row_summarizes_its_steps() -> None:
+    """--configs: each set of the service's flags gets a row of its steps (walls, as
+    planted, the share of job-seconds waiting for a process, the window's share of wall)."""
+
+    def job(wait: float, total: float) -> dict[str, object]:
+        phases = dict.fromkeys(R.PHASES, 0.0)
+        return {"phases": phases | {"wait_for_process": wait, "total": total}}
+
+    steps = [
+        {"wall_s": 30.0, "as_planted": 64, "timing_window_fraction": {"0": 0.5},
+         "jobs": [job(1.0, 4.0), job(1.0, 4.0)]},
+        {"wall_s": 20.0, "as_planted": 63, "timing_window_fraction": {"0": 0.7},
+         "jobs": [job(3.0, 4.0), job(3.0, 4.0)]},
+    ]  # fmt: skip
+    row = R.config_row({"flags": "--freeze-warming false", "steps": steps})
+    assert row == ["--freeze-warming false", 2, "30.0, 20.0", 25.0, "64, 63", 0.5, 0.6]
+    assert R.config_row({"flags": "", "steps": steps[:1]})[0] == "(defaults)"
