@@ -51,7 +51,7 @@ from kerneleval_server.fleet.watchdog_events import WatchdogEvents
 from kerneleval_server.framing import FrameError
 from kerneleval_server.jobproc import BUILD_DEVICE
 from kerneleval_server.jobs import endings, judging, static_checks
-from kerneleval_server.jobs.admission import RATE_WINDOW_S, Admission, QueueFull, stored_key
+from kerneleval_server.jobs.admission import Admission, QueueFull, stored_key
 from kerneleval_server.jobs.builds.build_cache import BuildCache
 from kerneleval_server.jobs.builds.paths import BuildPaths
 from kerneleval_server.jobs.crowding import Crowding
@@ -67,6 +67,7 @@ from kerneleval_server.jobs.running import Kill, Running, Stage, copy_job, stamp
 from kerneleval_server.jobs.scheduler import FairQueue, GpuGate
 from kerneleval_server.jobs.shared_queue import SharedQueue
 from kerneleval_server.jobs.store import TERMINAL, JobStore
+from kerneleval_server.jobs.tenant_load import TenantLoad
 from kerneleval_server.jobs.waits import Waits
 from kerneleval_server.metrics import Metrics
 
@@ -96,8 +97,9 @@ class JobManager:
         self.spawn, self.set_job, self.watch_exit = p.spawn, p.set_job, p.watch_exit
         self.free_process, self.kill_lost = p.free_process, p.kill_lost
         self.queue = FairQueue()
+        self.tenants = TenantLoad(self)  # what a tenant's quotas are checked against
         if config.tenant_max_running > 0:  # a tenant at its share waits in the queue
-            self.queue.lane_open = self.tenant_has_room
+            self.queue.lane_open = self.tenants.has_room
         # A running job's use of its GPU: memory admission, the gate's grants, timing windows.
         self.gpu_use = GpuUse(self)
         self.gate = GpuGate(self.gpu_use.grant, on_window=self.gpu_use.window_ended)
@@ -168,7 +170,7 @@ class JobManager:
         starts, and what they flag joins its result (intake.flag_late). A job they may reject
         (reject_flagged), one from the cache and one for the shared queue are checked first."""
         idempotency_key = stored_key(idempotency_key, tenant)
-        mine, ages = self._tenant_load(tenant)
+        mine, ages = self.tenants.of(tenant)
         try:
             decision = self.admission.decide(
                 spec, idempotency_key, len(self.queue), tenant, mine, ages
@@ -232,34 +234,6 @@ class JobManager:
         if late:
             job.result.flags.extend(self.intake.flag_late(job.job_id, spec))
         return job
-
-    def _tenant_load(self, tenant: str) -> tuple[int, list[float] | None]:
-        """What the tenant's quotas are checked against (admission.decide): its jobs queued
-        (--tenant-max-queued) and how long ago each of its submissions of the last minute was
-        (--tenant-max-per-minute; None: the admission's own count). A gateway's or a node's
-        queue is the shared store's: counted there, whichever front end took them."""
-        if not tenant:
-            return 0, None
-        if self.shared is None:
-            return self.queue.queued_in(("tenant", tenant)), None
-        cfg = self.config
-        queued = self.store.tenant_queued(tenant) if cfg.tenant_max_queued > 0 else 0
-        if cfg.tenant_max_per_minute <= 0:
-            return queued, None
-        now = time.time()
-        created = self.store.tenant_created(tenant, cfg.tenant_max_per_minute)
-        return queued, [now - t for t in created if now - t < RATE_WINDOW_S]
-
-    def running_of(self, tenant: str) -> int:
-        """The tenant's jobs running here now (started, not ended: built ahead and waiting for
-        a launch, or for their judge, too)."""
-        return sum(1 for run in self.running.values() if run.job.tenant == tenant)
-
-    def tenant_has_room(self, lane: tuple[str, str]) -> bool:
-        """FairQueue.lane_open under --tenant-max-running: a tenant's lane starts a job only
-        while it runs fewer than its share (a client_tag's lane, no tenant's, always)."""
-        kind, tenant = lane
-        return kind != "tenant" or self.running_of(tenant) < self.config.tenant_max_running
 
     def take(self, job: job_pb2.Job) -> None:
         """A job this node leased from the shared store (shared_queue.py) joins its queue."""
