@@ -20,6 +20,7 @@ import hashlib
 import math
 import random
 import secrets
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -74,7 +75,8 @@ _kept: tuple[bytes, dict[int, Any], Any] | None = None  # (inputs key, ahead, fl
 # The judge's own measures of a timed call's path (timed_calls.own_path_ns), each taken in a
 # window with every other job process of the GPU frozen, by (device, lead, output sizes): what
 # they measure is this process's and the GPU's, not a kernel's, so they stand for its life.
-_own_paths: dict[tuple[str, str, tuple[int, ...]], int] = {}
+_own_paths: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
+OWN_PATH_MEASURES = 9  # the last ones kept, by key
 
 # What the kernel's process says of itself and the judge says again.
 JUDGED_FIELDS = (
@@ -249,21 +251,23 @@ class _Judge(_Job):
             flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
             outs = [o for o in ref_out if isinstance(o, torch.Tensor)]
             path_key = (str(self.dev), flush.lead_kind, tuple(_nbytes(o) for o in outs))
-            own_path = _own_paths.get(path_key)
+            measures = _own_paths.setdefault(path_key, [])
             self.spent.lap("reference")
             reference, compiled_times = self._reference_calls(
-                ref, make_args, base, compiled, measure_path=own_path is None
+                ref, make_args, base, compiled, measure_path=not measures
             )
             self.spent.lap("reference")
-            if own_path is None:
+            if not measures or self.reference_time is None or compiled is not None:
                 # The cap on the path's cost, measured in the reference's window: the kernel's
                 # process is frozen (running, it could take the cores or the GPU while it is
-                # measured). A standing judge keeps it for its later jobs, whose reference
-                # times may be reused: no window of their own for it.
-                own_path = _own_paths[path_key] = timed_calls.own_path_ns(
-                    self.dev, outs, flush.lead
-                )
+                # measured). A standing judge keeps its measures for its later jobs, whose
+                # reference times may be reused (no window of their own for it), and takes
+                # their median: one taken while the host was busy (builds, another service)
+                # does not stand for the rest of its life.
+                measures.append(timed_calls.own_path_ns(self.dev, outs, flush.lead))
+                del measures[:-OWN_PATH_MEASURES]
                 self.spent.lap("calibration")
+            own_path = int(statistics.median(measures))
             self._time_kernel_outside(
                 cand, ref, first, ref_out, flush, own_path, make_args, self.spent
             )
