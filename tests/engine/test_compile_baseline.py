@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import ADD_MODEL, TORCH, TRITON, TRITON_ADD, RecordingReporter, V, job, source
-from kerneleval_server.engine import EngineConfig, Recorder, judge_job, run_job
-from test_judge import ADD_NEW, LIMIT, judged
+from test_judge import ADD_NEW, judged, served_judge
 from test_triton_launch import add_args
 
 needs_compiler = pytest.mark.skipif(
@@ -67,29 +64,8 @@ def test_driven_from_outside_the_compiled_reference_takes_the_same_calls(
         source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL), compile_baseline=True,
         perf_trial_count=4,
     )  # fmt: skip
-    fd = os.memfd_create("record")
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        cfg = EngineConfig(
-            work_dir=engine_dir, recorder=Recorder(fd, LIMIT, theirs.fileno(), LIMIT),
-            timed_by_judge=True,
-        )  # fmt: skip
-        own = run_job(spec, RecordingReporter(), cfg)
-        assert own.result.verdict == V.VERDICT_OK and own.serve is not None, own.result
-        assert not own.result.HasField("runtime")  # its judge times it
-        server = threading.Thread(target=own.serve, args=(theirs.fileno(),), daemon=True)
-        server.start()
-        reporter = RecordingReporter()
-        final = judge_job(
-            spec, reporter, EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
-            share_fd=mine.fileno(), share_max_bytes=LIMIT, kernel_serves=True,
-        )  # fmt: skip
-        server.join(timeout=60)
-    finally:
-        os.close(fd)
-        mine.close()
-        theirs.close()
-    r = final.result
+    reporter = RecordingReporter()
+    r = served_judge(engine_dir, spec, reporter).result
     _assert_compiled_baseline(r, trials=4)
     assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
     # One timing window for both references (the second: the kernel's calls, driven).

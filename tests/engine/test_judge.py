@@ -128,9 +128,9 @@ def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_di
     assert r.reference_runtime_age.ToMilliseconds() == 12500
 
 
-def _served_judge(
+def served_judge(
     engine_dir: Path, spec: kernel_pb2.JobSpec, reporter: RecordingReporter,
-    reference_time: tuple[V.RuntimeStats, float] | None,
+    reference_time: tuple[V.RuntimeStats, float] | None = None,
 ) -> Outcome:  # fmt: skip
     """judge_job driving the kernel's timed calls, served by a thread on a socket pair."""
     fd = os.memfd_create("record")
@@ -142,6 +142,7 @@ def _served_judge(
         )  # fmt: skip
         own = run_job(spec, RecordingReporter(), cfg)
         assert own.result.verdict == V.VERDICT_OK and own.serve is not None, own.result
+        assert not own.result.HasField("runtime")  # its judge times it
         server = threading.Thread(target=own.serve, args=(theirs.fileno(),), daemon=True)
         server.start()
         final = judge_job(
@@ -170,7 +171,7 @@ def test_a_standing_judge_measures_its_own_path_once_with_the_kernel_frozen(
     frozen_then_driven = [V.PHASE_VALIDATING, V.PHASE_PROFILING, V.PHASE_PROFILING]
     for window_first in (True, False):
         reporter = RecordingReporter()
-        r = _served_judge(engine_dir, spec, reporter, given).result
+        r = served_judge(engine_dir, spec, reporter, given).result
         assert r.verdict == V.VERDICT_OK and r.reference_runtime == given[0], r
         assert any(n.startswith("timed from outside its process") for n in r.notes), r.notes
         want = frozen_then_driven if window_first else frozen_then_driven[::2]
@@ -179,12 +180,12 @@ def test_a_standing_judge_measures_its_own_path_once_with_the_kernel_frozen(
     # median stands (one taken on a busy host does not stand for the judge's life).
     assert len(next(iter(judge._own_paths.values()))) == 1
     reporter = RecordingReporter()
-    _served_judge(engine_dir, spec, reporter, None)
+    served_judge(engine_dir, spec, reporter, None)
     assert reporter.phases().count(V.PHASE_PROFILING) == 2
     assert len(next(iter(judge._own_paths.values()))) == 2
     judge.forget_kept()  # a new judge measures again
     reporter = RecordingReporter()
-    _served_judge(engine_dir, spec, reporter, given)
+    served_judge(engine_dir, spec, reporter, given)
     assert reporter.phases().count(V.PHASE_PROFILING) == 2
 
 
