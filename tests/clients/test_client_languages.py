@@ -7,12 +7,17 @@ normally does them first, so that the time is not spent inside the test run).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kerneleval import Client
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_DIR = REPO / "clients" / "node"
@@ -75,19 +80,13 @@ def test_node_client_against_the_real_service(kerneleval_service):
     assert "# fail 0" in p.stdout and "# skipped 0" in p.stdout, p.stdout[-3000:]
 
 
-def test_node_client_sends_a_tenant_token(tmp_path: Path) -> None:
-    """clients/node's `tenantToken` (env KERNELEVAL_TENANT_TOKEN) against a service with
-    --tenants-file (the CPU stand-in watchdog of tests/frontend, as its hostile tenant tests):
-    the job is the tenant's, another tenant's token gets NOT_FOUND, none or a wrong one
-    UNAUTHENTICATED."""
-    import sys
-
+@contextlib.contextmanager
+def tenants_service(tmp_path: Path) -> Iterator[tuple[Any, str, str]]:
+    """(a service with --tenants-file, alice's token, bob's): the CPU stand-in watchdog of
+    tests/frontend, as its hostile tenant tests use."""
     from ke_service import ServiceProcess
     from kerneleval_server.api import tenants
 
-    _need("node")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.skip("clients/node has no node_modules (make runs npm ci)")
     frontend = REPO / "tests" / "frontend"
     watchdog = tmp_path / "fake-watchdog"
     watchdog.write_text(
@@ -110,13 +109,30 @@ def test_node_client_sends_a_tenant_token(tmp_path: Path) -> None:
     )
     svc.start()
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELEVAL_")}
-        env |= {
-            "KERNELEVAL_ADDRESS": svc.address,
-            "KERNELEVAL_TENANT_TOKEN": alice,
-            "KERNELEVAL_OTHER_TENANT_TOKEN": bob,
-            "KERNELEVAL_TENANT_NAME": "alice",
-        }
+        yield svc, alice, bob
+    finally:
+        svc.stop()
+
+
+def _env_of(svc: Any, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELEVAL_")}
+    return env | {"KERNELEVAL_ADDRESS": svc.address} | more
+
+
+def test_node_client_sends_a_tenant_token(tmp_path: Path) -> None:
+    """clients/node's `tenantToken` (env KERNELEVAL_TENANT_TOKEN) against a service with
+    --tenants-file: the job is the tenant's, another tenant's token gets NOT_FOUND, none or a
+    wrong one UNAUTHENTICATED."""
+    _need("node")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.skip("clients/node has no node_modules (make runs npm ci)")
+    with tenants_service(tmp_path) as (svc, alice, bob):
+        env = _env_of(
+            svc,
+            KERNELEVAL_TENANT_TOKEN=alice,
+            KERNELEVAL_OTHER_TENANT_TOKEN=bob,
+            KERNELEVAL_TENANT_NAME="alice",
+        )
         p = subprocess.run(
             ["node", "--test", "test/tenant.test.js"],
             cwd=NODE_DIR,
@@ -125,8 +141,6 @@ def test_node_client_sends_a_tenant_token(tmp_path: Path) -> None:
             text=True,
             timeout=120,
         )
-    finally:
-        svc.stop()
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     assert "# fail 0" in p.stdout and "# skipped 0" in p.stdout, p.stdout[-3000:]
 
@@ -191,3 +205,32 @@ def test_cpp_example_exit_codes(kerneleval_service, cpp_example, tmp_path):
     assert p.returncode == 3 and "Evaluate failed: 14" in p.stderr
     p = subprocess.run([str(cpp_example)], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "usage" in p.stderr
+
+
+def test_cpp_example_sends_a_tenant_token(cpp_example: Path, tmp_path: Path) -> None:
+    """The C++ example sends $KERNELEVAL_TENANT_TOKEN with its calls: against a service with
+    --tenants-file it runs with one (the job is that tenant's) and fails UNAUTHENTICATED (16)
+    without one or with a wrong one."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    with tenants_service(tmp_path) as (svc, alice, _bob):
+        runs = {
+            name: subprocess.run(
+                [str(cpp_example), str(model), str(model)],
+                env=_env_of(svc, **({"KERNELEVAL_TENANT_TOKEN": token} if token else {})),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            for name, token in (("alice", alice), ("none", ""), ("wrong", alice[::-1]))
+        }
+        with Client(svc.address, tenant_token=alice) as c:
+            mine = [j.job_id for j in c.list_jobs()]
+    ok = runs["alice"]
+    assert ok.returncode in (0, 1), ok.stdout + ok.stderr  # a verdict, whichever it is
+    job_id = ok.stdout.splitlines()[0].split()[2]
+    assert job_id in mine
+    for name in ("none", "wrong"):
+        p = runs[name]
+        assert p.returncode == 3, (name, p.stdout, p.stderr)
+        assert "\nEvaluate failed: 16 " in "\n" + p.stderr, (name, p.stderr)

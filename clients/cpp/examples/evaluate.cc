@@ -1,7 +1,8 @@
 // Evaluates a kernel file (compares it when a reference file is given) with the unary
 // Evaluate call, then runs it again with Run and follows the stream to the result.
 //   kerneleval_evaluate KERNEL_FILE [REFERENCE_FILE]
-// Server address: $KERNELEVAL_ADDRESS (default 127.0.0.1:50051; unix:PATH works too).
+// Server address: $KERNELEVAL_ADDRESS (default 127.0.0.1:50051; unix:PATH works too); a
+// service with tenants: $KERNELEVAL_TENANT_TOKEN, sent with every call.
 // Exit code 0 when the verdict is OK, 1 otherwise, 2 for usage, 3 when a call failed.
 
 #include <grpcpp/grpcpp.h>
@@ -68,6 +69,12 @@ std::string Describe(const v1::JobEvent& e) {
   return s.str();
 }
 
+// The tenant's token on a call (a service with --tenants-file), as the other clients send it.
+void Authorize(grpc::ClientContext& ctx) {
+  const char* token = std::getenv("KERNELEVAL_TENANT_TOKEN");
+  if (token && *token) ctx.AddMetadata("authorization", std::string("Bearer ") + token);
+}
+
 int Fail(const grpc::Status& status, const char* what) {
   std::cerr << what << " failed: " << status.error_code() << " " << status.error_message() << "\n";
   return 3;
@@ -103,6 +110,7 @@ int main(int argc, char** argv) {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+    Authorize(ctx);
     v1::EvaluateRequest req;
     *req.mutable_spec() = spec;
     v1::EvaluateResponse resp;
@@ -116,6 +124,7 @@ int main(int argc, char** argv) {
   // Streaming: every event of a second run, then its result.
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  Authorize(ctx);
   v1::RunRequest req;
   *req.mutable_spec() = spec;
   std::unique_ptr<grpc::ClientReader<v1::RunResponse>> reader(stub->Run(&ctx, req));
