@@ -74,7 +74,8 @@ KEPT_MAX_BYTES = 64 << 20
 _kept: tuple[bytes, dict[int, Any], Any] | None = None  # (inputs key, ahead, float64 run)
 # The judge's own measures of a timed call's path (timed_calls.own_path_ns), each taken in a
 # window with every other job process of the GPU frozen, by (device, lead, output sizes): what
-# they measure is this process's and the GPU's, not a kernel's, so they stand for its life.
+# they measure is this process's and the GPU's, not a kernel's, so they serve all its jobs (the
+# median of the last few).
 _own_paths: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
 OWN_PATH_MEASURES = 9  # the last ones kept, by key
 
