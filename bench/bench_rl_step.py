@@ -357,15 +357,21 @@ def phase_rows(jobs: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
+def layout(args: argparse.Namespace) -> tuple[list[str], int, list[str]]:
+    """(the GPUs, job processes per GPU, the candidates' backends) the arguments ask for."""
+    smoke = args.cpu_smoke
+    devices = [d for d in args.devices.split(",") if d]
+    wpd = args.workers_per_device or (1 if smoke else 16)
+    return devices, wpd, ["triton"] if smoke else ["cuda", "triton"]
+
+
 def one_config(
     run: dict[str, Any], flags: list[str], root: Path, args: argparse.Namespace,
     planned: list[dict[str, Any]], expected: dict[str, int], smoke: bool,
 ) -> None:  # fmt: skip
     """A service with `flags` (on `root`'s state folder): ready, warm, then the steps, into
     `run` as they finish."""
-    devices = [d for d in args.devices.split(",") if d]
-    wpd = args.workers_per_device or (1 if smoke else 16)
-    backends = ["triton"] if smoke else ["cuda", "triton"]
+    devices, wpd, backends = layout(args)
     log = root / "service.log"
     if log.exists():  # an earlier configuration's: its readiness line is not this service's
         log.rename(root / f"service-{time.time_ns()}.log")
@@ -429,9 +435,7 @@ def main() -> int:
     )  # fmt: skip
     args = ap.parse_args()
     smoke = args.cpu_smoke
-    devices = [d for d in args.devices.split(",") if d]
-    wpd = args.workers_per_device or (1 if smoke else 16)
-    backends = ["triton"] if smoke else ["cuda", "triton"]
+    devices, wpd, backends = layout(args)
     info = C.machine_info()
     flags = ["--workers-per-device", str(wpd)]
     if args.build_processes is not None:

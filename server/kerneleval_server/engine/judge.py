@@ -160,10 +160,6 @@ def forget_kept() -> None:
     _own_paths.clear()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _timed_trial() -> int:
     """A trial number for a timed call's inputs, past the correctness trials' and drawn from
     the OS's randomness: the kernel cannot have its outputs ready."""
@@ -251,7 +247,8 @@ class _Judge(_Job):
             ref_out = self._run(ref, first.clone(), REFERENCE_PREFIX)  # the first call's check
             flush = timed_calls.L2Flush(self.dev, self.opts.flush_l2)
             outs = [o for o in ref_out if isinstance(o, torch.Tensor)]
-            path_key = (str(self.dev), flush.lead_kind, tuple(_nbytes(o) for o in outs))
+            sizes = tuple(o.numel() * o.element_size() for o in outs)
+            path_key = (str(self.dev), flush.lead_kind, sizes)
             measures = _own_paths.setdefault(path_key, [])
             self.spent.lap("reference")
             reference, compiled_times = self._reference_calls(
