@@ -19,7 +19,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +69,18 @@ def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
 
 
 def hostile_service(
-    tmp_path_factory: pytest.TempPathFactory, record_max_mib: int = 2
+    tmp_path_factory: pytest.TempPathFactory,
+    record_max_mib: int = 2,
+    args: Sequence[str] = (),
+    name: str = "",
 ) -> Iterator[ServiceProcess]:
     """The suite's service. `record_max_mib`: 2 here, so that outputs over 1 MiB of a trial
     go to the judge by descriptor (BIG_REFERENCE's); each recorded trial takes over 1 MiB of
-    the record (its header's room), so a GPU MODE task's cases need more."""
+    the record (its header's room), so a GPU MODE task's cases need more. `args`: more flags
+    (the later ones win), `name`: what tells its state folder from the others'."""
     # The state folder is outside /tmp on purpose: a job's private /tmp would hide one under
     # /tmp anyway, and the point is that the sandbox hides it wherever it is.
-    root = Path(f"/var/tmp/kerneleval-hostile-{NONCE}-{record_max_mib}")
+    root = Path(f"/var/tmp/kerneleval-hostile-{NONCE}-{record_max_mib}{name}")
     root.mkdir(parents=True)
     nvml = root / "fake_nvml"
     nvml.write_text(
@@ -109,6 +113,7 @@ def hostile_service(
             "INFO",
             "--record-max-mib",
             str(record_max_mib),
+            *args,
         ],
     )
     service.unix_socket = str(state / "grpc.sock")
@@ -316,6 +321,25 @@ def run_job(
     t0 = time.monotonic()
     try:
         job = stub.Submit(pb.SubmitRequest(spec=s), timeout=30).job
+    except grpc.RpcError as exc:
+        raise AssertionError(
+            f"{exc.code()} {exc.details()}; service log:\n{svc.log_tail(40)}"
+        ) from None
+    return wait_job(stub, job, s, svc, watch, t0)
+
+
+def wait_job(
+    stub,  # type: ignore[no-untyped-def]
+    job: job_pb2.Job,
+    s: kernel_pb2.JobSpec,
+    svc: ServiceProcess,
+    watch: Callable[[Proc], bool] | None = None,
+    t0: float | None = None,
+) -> Ran:
+    """run_job's wait for the end of `job`, submitted (at monotonic `t0`) with `s`, and its
+    log read back."""
+    t0 = time.monotonic() if t0 is None else t0
+    try:
         deadline = t0 + s.options.timeout.seconds + 90
         seen = 0
         while job.state not in TERMINAL:
