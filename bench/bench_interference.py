@@ -195,6 +195,7 @@ def main() -> int:
         "--compare-unfrozen", action=argparse.BooleanOptionalAction, default=None,
         help="also alone and hostile with --freeze-during-timing false (default: on a GPU)",
     )  # fmt: skip
+    C.add_service_flags(ap)
     args = ap.parse_args()
     smoke = args.cpu_smoke
     repeats = args.repeats or (2 if smoke else 5)
@@ -203,6 +204,7 @@ def main() -> int:
     info = C.machine_info()
     flags = ["--workers-per-device", "8", "--spare-count", "2"]
     flags += [] if smoke else ["--devices", args.device]
+    flags += C.service_flags(args)
     svc = C.Service(flags, nvml="none" if smoke else "real").start()
     timed = timed_spec(n)
     heavy = HEAVY.format(n=heavy_n, loops=loops)

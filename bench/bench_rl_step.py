@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import _segments as S  # noqa: E402
 from bench_build_service import wait_for_pch  # noqa: E402
-from bench_throughput import timing_windows, window_fraction  # noqa: E402
+from bench_throughput import StartCounter, timing_windows, window_costs, window_fraction  # noqa: E402
 from kerneleval.kernelbench import job_from_sources, kernelbench_options  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 
@@ -388,18 +388,25 @@ def one_config(
         for n in range(args.steps):
             tag = f"step{n}-{time.time_ns()}"
             specs = specs_for(planned, tag, smoke, args.timeout_s)
-            result = step(svc, specs, planned, expected)
+            counter = StartCounter(svc)
+            try:
+                result = step(svc, specs, planned, expected)
+            finally:
+                counter.close()
+            result["processes_started"] = counter.count
             print(json.dumps({"flags": run["flags"]} | {k: v for k, v in result.items()
                                                         if k != "jobs"}), flush=True)  # fmt: skip
             run["steps"].append(result)
         run["service_log_tail"] = svc.tail()[-3000:]
+        run["windows"] = window_costs(svc)  # with the warm-up's few windows
     finally:
         svc.stop()
 
 
 def config_row(run: dict[str, Any]) -> list[Any]:
     """One configuration's steps: walls, their median, as planted, the share of job-seconds
-    spent waiting for a job process and of the wall a window was held (medians over steps)."""
+    spent waiting for a job process and of the wall a window was held (medians over steps),
+    job processes started a step, and its windows' OpenWindow and time held (medians)."""
     steps = run["steps"]
     walls = [s["wall_s"] for s in steps]
     waits = [dict((r[0], r[2]) for r in phase_rows(s["jobs"])).get("wait_for_process", 0.0)
@@ -409,7 +416,10 @@ def config_row(run: dict[str, Any]) -> list[Any]:
             statistics.median(walls) if walls else 0.0,
             ", ".join(str(s["as_planted"]) for s in steps),
             statistics.median(waits) if waits else 0.0,
-            statistics.median(held) if held else 0.0]  # fmt: skip
+            statistics.median(held) if held else 0.0,
+            ", ".join(str(s.get("processes_started", "-")) for s in steps),
+            run.get("windows", {}).get("open_ms", 0.0),
+            run.get("windows", {}).get("held_ms", 0.0)]  # fmt: skip
 
 
 def main() -> int:
@@ -489,10 +499,14 @@ def main() -> int:
         tables.append((f"step {i} ({what}): where the jobs' time went, job-seconds",
                        ["phase", "sum s", "share", "median s", "max s"],
                        phase_rows(st["jobs"])))  # fmt: skip
-        tables.append((f"step {i}: the judges' timed phases, ms per timed job "
-                       "(in windows: less the waits)",
-                       ["part", "jobs", "median ms", "max ms"],
-                       S.window_rows(j["window_parts"] for j in st["jobs"])))
+        tables.append(
+            (
+                f"step {i}: the judges' timed phases, ms per timed job "
+                "(in windows: less the waits)",
+                ["part", "jobs", "median ms", "max ms"],
+                S.window_rows(j["window_parts"] for j in st["jobs"]),
+            )
+        )
     kinds: dict[tuple[str, str], list[int]] = {}
     for j in best["jobs"]:
         k = kinds.setdefault((j["backend"], j["kind"]), [0, 0])
@@ -519,7 +533,8 @@ def main() -> int:
         tables.insert(1, (
             "configurations of the service, one after the other on one state folder",
             ["service flags", "steps", "wall s", "median s", "as planted",
-             "waiting for a process (share)", "window held (share of wall)"],
+             "waiting for a process (share)", "window held (share of wall)",
+             "processes started", "OpenWindow ms", "window held ms"],
             [config_row(r) for r in runs],
         ))  # fmt: skip
         notes.append(f"configurations run: {len(runs)} of {len(configs)}")

@@ -43,8 +43,26 @@ def make_args(values, layout):
     return TrialArgs(values, layout["names"], layout["roles"], layout["is_meta"],
                      layout["from_get_inputs"])
 
+def _sort(x):
+    return torch.sort(x)[0]
+
+# GPU MODE's honest sort (pmpp/sort_py) is torch.compile'd with CUDA graphs: flagged on an H200
+graphed_sort = (
+    torch.compile(_sort, mode="reduce-overhead") if kind.startswith("sort_graph") else None
+)
+if kind == "sort_graph_dyn":  # as GPU MODE's tests run it first: other sizes, dynamic shapes
+    for size in (1023, 1024, 1025, 2048, 4096):
+        graphed_sort(torch.randn(size, device=dev))
+compiled_add = torch.compile(lambda a, b: a + b) if kind == "compile_add" else None
+
 def run(args):
     a, b = args.values
+    if kind == "sort":
+        return [_sort(a)]
+    if kind.startswith("sort_graph"):
+        return [graphed_sort(a)]
+    if kind == "compile_add":
+        return [compiled_add(a, b)]
     if kind == "sleep30" and dev.type == "cuda":
         torch.cuda._sleep(60_000)
     if kind == "launches10":
@@ -69,6 +87,10 @@ KINDS = {  # name: elements of each input
     "sleep30": 4096,
     "launches10": 4096,
     "host200": 4096,
+    "sort": 1 << 20,
+    "sort_graph": 1 << 20,
+    "sort_graph_dyn": 100_000,  # pmpp/sort_py's first benchmark
+    "compile_add": 4096,
 }
 
 
@@ -83,7 +105,19 @@ def args(n: int, seed: int) -> TrialArgs:
     return TrialArgs([a, b], ["a", "b"], [role, role], [False, False], True)
 
 
-def one(kind: str, n: int, calls: int, script: Path) -> dict[str, float]:
+def busy_generate(rows: int) -> None:
+    """What GPU MODE's sort generate_input does in the judge before each call: a generator
+    seeded and drawn from per row (hundreds of small kernels, ~10 ms)."""
+    gen = torch.Generator(device=DEV)
+    out = torch.empty((rows, rows), device=DEV)
+    for i in range(rows):
+        gen.manual_seed(i)
+        out[i, :] = torch.randn(rows, device=DEV, generator=gen) + i
+
+
+def one(
+    kind: str, n: int, calls: int, script: Path, busy: int = 0, noop_before: bool = False
+) -> dict[str, float]:
     ours, theirs = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     server_kind = kind if not kind.startswith("add") else "add"
@@ -101,15 +135,19 @@ def one(kind: str, n: int, calls: int, script: Path) -> dict[str, float]:
     )  # fmt: skip
     ours.close()
     try:
-        calib = tc.calibrate(driver, first, tc.CALIBRATION_CALLS)
+        calib = tc.calibrate(driver, first)
         own = driver.own_path_ns(flush.lead)
         tc.warm_up(lambda: driver.call(first).outside_ns / 1e6, 3)
         inside, outside = [], []
         for i in range(calls):
+            if busy:
+                busy_generate(busy)
+            if noop_before:  # on the last call's inputs: the next are not revealed by it
+                driver.call(driver._written, noop=True)
             r = driver.call(args(n, 1 + i))
             inside.append(r.inside_ns)
             outside.append(r.outside_ns)
-        late = tc.calibrate(driver, first, tc.CALIBRATION_CALLS)  # after: does it drift?
+        late = tc.calibrate(driver, first)  # after: does it drift?
     finally:
         driver.close()
         proc.wait(30)
@@ -133,6 +171,17 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated, of " + ",".join(KINDS)
+    )
+    ap.add_argument(
+        "--busy-judge", type=int, default=0,
+        help="rows of a sort-like generate_input the judge runs before each call (316)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--noop-before", action="store_true", help="a call of no work right before each call"
+    )
+    ap.add_argument("--tag", default="", help="the result file's suffix")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,12 +189,16 @@ def main() -> None:
     script.write_text(textwrap.dedent(SERVER))
     rows = []
     for rep in range(a.repeats):
-        for kind, n in KINDS.items():
-            row = {"kind": kind, "repeat": rep, **one(kind, n, a.calls, script)}
+        for kind in a.kinds.split(","):
+            n = KINDS[kind]
+            row = {
+                "kind": kind, "repeat": rep, "busy": a.busy_judge, "noop_before": a.noop_before,
+                **one(kind, n, a.calls, script, a.busy_judge, a.noop_before),
+            }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     script.unlink()
-    (out / "path_gap_probe.json").write_text(json.dumps(rows, indent=1))
+    (out / f"path_gap_probe{a.tag}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

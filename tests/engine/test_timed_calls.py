@@ -239,3 +239,48 @@ def test_sessions_follow_one_another_each_with_its_own_shapes(tmp_path: Path, en
         tc.end_sessions(sock_fd)
     assert proc.wait(30) == 0
     os.close(sock_fd)
+
+
+def test_a_call_of_no_work_to_settle_reveals_none_of_the_next_calls_inputs(
+    tmp_path: Path,
+) -> None:
+    # GPU MODE's judge settles the path after its generate_input's GPU work (Driver.settle):
+    # on the last call's inputs, so that the kernel's process, told to do nothing, holds
+    # nothing of the next call's yet.
+    driver, proc = _session("honest", tmp_path)
+    first, second = _args(1), _args(2)
+    driver.call(first)
+    driver.settle()
+    held = [buf.tensor.clone() for buf in driver.args if buf is not None]
+    assert all(torch.equal(h, v) for h, v in zip(held, first.values, strict=True))
+    got = driver.call(second)
+    assert torch.equal(got.outputs[0], second.values[0] + second.values[1])
+    _end(driver, proc)
+
+
+class _SpanDriver:
+    """A driver whose every call of no work takes `span_ms`."""
+
+    def __init__(self, span_ms: float) -> None:
+        self.span_ns = int(span_ms * 1e6)
+        self.calls = 0
+
+    def call(self, inputs: object, noop: bool = False) -> tc.CallResult:
+        assert noop
+        self.calls += 1
+        return tc.CallResult(self.span_ns, 0, [])
+
+
+@pytest.mark.parametrize(
+    ("span_ms", "calls"),
+    [(0.4, tc.CALIBRATION_CALLS), (4.0, 5), (17.0, tc.CALIBRATION_LEAST)],
+)
+def test_a_costly_path_is_calibrated_with_fewer_calls_of_no_work(
+    span_ms: float, calls: int
+) -> None:
+    # A path of gigabytes' copies (~17 ms a call) takes CALIBRATION_LEAST calls, a tiny one
+    # CALIBRATION_CALLS: the calibration's share of a window stays small either way.
+    driver = _SpanDriver(span_ms)
+    spans = tc.calibrate(driver, None)  # type: ignore[arg-type]
+    assert driver.calls == calls == len(spans)
+    assert set(spans) == {driver.span_ns}

@@ -918,12 +918,13 @@ class _GpuModeJudge(_GpuModeRun):
         finished = False
         try:
             base = _leaf_args(leaves)
-            calibration = timed_calls.calibrate(driver, base, timed_calls.CALIBRATION_CALLS)
+            calibration = timed_calls.calibrate(driver, base)
             timed_calls.warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
             for k in range(n):
                 data = self._matching_variant(ref, case, signature)
                 if data is None:
                     data, reused = first, reused + 1
+                driver.settle()  # generate_input's GPU work is behind it
                 call = driver.call(_leaf_args(share_layout(data)[0]))
                 # Copied after the call (its data is this process's own; the call had copies):
                 # a copy before the go would make a checked call's go come later, and tell

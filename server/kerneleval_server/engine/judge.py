@@ -303,7 +303,7 @@ class _Judge(_Job):
             self._kernel_failed_timed(str(e))
         spent.lap("buffers")
         try:
-            calibration = timed_calls.calibrate(driver, first, timed_calls.CALIBRATION_CALLS)
+            calibration = timed_calls.calibrate(driver, first)
             spent.lap("calibration")
             timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
