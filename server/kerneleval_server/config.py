@@ -263,7 +263,8 @@ class Config:
             "help": "freeze job processes still warming up (no job given yet) in other jobs' "
             "timing windows too; false: they make their CUDA context and warm up meanwhile "
             "(the service's code only: each is given a job once the watchdog froze it, where "
-            "a window is open), so the pool refills while windows are held"
+            "a window is open), so the pool refills while windows are held; measured slower "
+            "on an H200 (contexts made in windows lengthen them: RunBatch 0.70x)"
         },
     )
     gpu_memory_share: float = field(
