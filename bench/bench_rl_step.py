@@ -298,6 +298,7 @@ def step(
     finished: dict[int, job_pb2.Job] = {}
     refused = []
     windows = timing_windows(svc)
+    log_from = svc.log.stat().st_size if svc.log.exists() else 0
     t0 = time.perf_counter()
     watch = Progress(svc, t0, lambda: len(finished) + len(refused), len(specs))
     with watch, svc.client() as c:
@@ -336,7 +337,29 @@ def step(
         "wall_s": wall, "finished": len(finished), "refused": refused, "jobs": jobs,
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
+        "alone_reruns": alone_reruns(svc, log_from),
     }  # fmt: skip
+
+
+def alone_reruns(svc: C.Service, offset: int) -> list[dict[str, str]]:
+    """The step's jobs re-run alone after running out of memory beside others (the service's
+    log from `offset`): each holds its GPU from new jobs until it ends, which shows as starts
+    in bursts. What failed, and what the GPU held then."""
+    if not svc.log.exists():
+        return []
+    with svc.log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        if "re-run alone" not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        out.append({k: str(rec.get(k, "")) for k in ("time", "job_id", "why", "gpus")})
+    return out
 
 
 PROGRESS_S = 15.0
@@ -406,7 +429,8 @@ def one_config(
 def config_row(run: dict[str, Any]) -> list[Any]:
     """One configuration's steps: walls, their median, as planted, the share of job-seconds
     spent waiting for a job process and of the wall a window was held (medians over steps),
-    job processes started a step, and its windows' OpenWindow and time held (medians)."""
+    job processes started and jobs re-run alone a step, and its windows' OpenWindow and time
+    held (medians)."""
     steps = run["steps"]
     walls = [s["wall_s"] for s in steps]
     waits = [dict((r[0], r[2]) for r in phase_rows(s["jobs"])).get("wait_for_process", 0.0)
@@ -418,6 +442,7 @@ def config_row(run: dict[str, Any]) -> list[Any]:
             statistics.median(waits) if waits else 0.0,
             statistics.median(held) if held else 0.0,
             ", ".join(str(s.get("processes_started", "-")) for s in steps),
+            ", ".join(str(len(s.get("alone_reruns", []))) for s in steps),
             run.get("windows", {}).get("open_ms", 0.0),
             run.get("windows", {}).get("held_ms", 0.0)]  # fmt: skip
 
@@ -527,6 +552,11 @@ def main() -> int:
         f"precompiled headers made at start in {data['pch_s']:.1f} s (before the steps)",
         "not as planted: " + ("; ".join(off[:8]) if off else "none"),
     ]
+    for i, st in enumerate(data["steps"]):
+        alone = st.get("alone_reruns", [])
+        if alone:  # each held its GPU from new jobs until it ended
+            notes.append(f"step {i}: {len(alone)} job(s) re-run alone after running out of "
+                         f"memory beside others; the first: {alone[0]['why'][:200]}")  # fmt: skip
     if "cut_after_steps" in data:
         notes.append(f"cut at its time limit after {data['cut_after_steps']} of {args.steps} steps")
     if len(configs) > 1:
@@ -534,7 +564,7 @@ def main() -> int:
             "configurations of the service, one after the other on one state folder",
             ["service flags", "steps", "wall s", "median s", "as planted",
              "waiting for a process (share)", "window held (share of wall)",
-             "processes started", "OpenWindow ms", "window held ms"],
+             "processes started", "re-runs alone", "OpenWindow ms", "window held ms"],
             [config_row(r) for r in runs],
         ))  # fmt: skip
         notes.append(f"configurations run: {len(runs)} of {len(configs)}")

@@ -26,6 +26,8 @@ _FIELDS = (
     "open_ms",  # a timing window's OpenWindow round trip (jobs.py)
     "close_ms",
     "held_ms",
+    "why",  # what a job's run said where the service acted on it (a re-run alone: its OOM)
+    "gpus",  # the GPUs' memory holders, gate and processes then (waits.py Waits.gpus)
 )
 
 

@@ -70,7 +70,7 @@ def test_triton_candidates_get_their_verdicts_in_the_engine(
 def test_a_configurations_row_summarizes_its_steps() -> None:
     """--configs: each set of the service's flags gets a row of its steps (walls, as
     planted, the share of job-seconds waiting for a process, the window's share of wall,
-    processes started, the windows' OpenWindow and time held)."""
+    processes started, jobs re-run alone, the windows' OpenWindow and time held)."""
 
     def job(wait: float, total: float) -> dict[str, object]:
         phases = dict.fromkeys(R.PHASES, 0.0)
@@ -78,12 +78,13 @@ def test_a_configurations_row_summarizes_its_steps() -> None:
 
     steps = [
         {"wall_s": 30.0, "as_planted": 64, "timing_window_fraction": {"0": 0.5},
-         "jobs": [job(1.0, 4.0), job(1.0, 4.0)], "processes_started": 150},
+         "jobs": [job(1.0, 4.0), job(1.0, 4.0)], "processes_started": 150,
+         "alone_reruns": [{"job_id": "a"}]},
         {"wall_s": 20.0, "as_planted": 63, "timing_window_fraction": {"0": 0.7},
          "jobs": [job(3.0, 4.0), job(3.0, 4.0)], "processes_started": 140},
     ]  # fmt: skip
     windows = {"open_ms": 1.5, "held_ms": 480.0}
     row = R.config_row({"flags": "--freeze-warming false", "steps": steps, "windows": windows})
     assert row == ["--freeze-warming false", 2, "30.0, 20.0", 25.0, "64, 63", 0.5, 0.6,
-                   "150, 140", 1.5, 480.0]  # fmt: skip
+                   "150, 140", "1, 0", 1.5, 480.0]  # fmt: skip
     assert R.config_row({"flags": "", "steps": steps[:1]})[0] == "(defaults)"

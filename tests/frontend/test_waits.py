@@ -228,3 +228,30 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
             p.writer.close()
 
     run_async(scenario)
+
+
+def test_a_re_run_alone_is_logged_with_its_oom_and_what_the_gpu_held(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job re-run alone holds its GPU from new jobs until it ends (a batch's stalls on an
+    H200 RL step): the log says which allocation failed and what the GPU held then."""
+
+    async def scenario() -> None:
+        m, _ = new_manager(tmp_path)
+        m.memory.set_total(-1, 100 * GB)
+        job = m.submit(job_spec())
+        xp = await start_process(m, "c-x", hello=False)
+        await xp.send(hello=job_channel_pb2.Hello(worker_id="c-x", pid=1, device_index=-1))
+        assert (await xp.receive()).assign.job_id == job.job_id
+        x = m.running[job.job_id]
+        x.crowded = True
+        oom = job_pb2.EvalResult(verdict=job_pb2.VERDICT_OUT_OF_MEMORY)
+        oom.error.message = "CUDA out of memory. Tried to allocate 6.00 GiB\nmore of it"
+        with caplog.at_level("INFO", logger="kerneleval.jobs"):
+            assert m._retry_alone(x, oom)
+        (record,) = [r for r in caplog.records if r.getMessage().startswith("job re-run alone")]
+        assert record.why == "CUDA out of memory. Tried to allocate 6.00 GiB"  # type: ignore[attr-defined]
+        assert "memory" in record.gpus and "queue" in record.gpus  # type: ignore[attr-defined]
+        xp.writer.close()
+
+    run_async(scenario)

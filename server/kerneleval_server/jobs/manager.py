@@ -528,7 +528,14 @@ class JobManager:
             "kerneleval: ran out of GPU memory while other jobs held some of it: runs again "
             f"with GPU {job.device_index} to itself (still attempt {job.attempt_count})",
         )
-        log.info("job re-run alone after running out of memory", extra={"job_id": job.job_id})
+        # Which allocation failed, and what the GPU held then: what a re-run alone costs a
+        # batch (its GPU takes no new job until it ends) is worth finding the cause of.
+        why = (result.error.message or result.compilation_error).strip().splitlines()
+        log.info(
+            "job re-run alone after running out of memory",
+            extra={"job_id": job.job_id, "why": why[0][:300] if why else "",
+                   "gpus": self.waits.gpus()},
+        )  # fmt: skip
         job.attempt_count -= 1  # the run alone is the same attempt
         self.requeue(job)
         self.dispatch()
