@@ -8,6 +8,7 @@ are the host's wall clock.
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import sys
@@ -49,7 +50,8 @@ def windows_in_log(log: Path) -> dict[int, list[tuple[float, float]]]:
             entry = json.loads(line)
         except ValueError:
             continue
-        when = time.mktime(time.strptime(entry["time"][:19], "%Y-%m-%dT%H:%M:%S"))
+        # The log's times are UTC: seconds since the epoch, as time.time() says them.
+        when = calendar.timegm(time.strptime(entry["time"][:19], "%Y-%m-%dT%H:%M:%S"))
         when += float("0." + entry["time"][20:23])
         device = int(entry["device_index"])
         if entry["message"] == "timing window opened":

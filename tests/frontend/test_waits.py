@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
@@ -190,6 +191,18 @@ def test_a_judge_is_admitted_when_only_shares_hold_the_gpu_even_past_its_footpri
     assert m.memory.holds(0, "d0-j0") and runs[0].record.gpu_held_on is None  # type: ignore[union-attr]
 
 
+async def _running_with_admission(tmp_path: Path) -> tuple[Any, Any, Running]:
+    """A manager whose (CPU) GPU admits by memory, and a job running on its process "c-x":
+    (the manager, that process's end of its channel, the job's Running)."""
+    m, _ = new_manager(tmp_path)
+    m.memory.set_total(-1, 100 * GB)
+    job = m.submit(job_spec())
+    xp = await start_process(m, "c-x", hello=False)
+    await xp.send(hello=job_channel_pb2.Hello(worker_id="c-x", pid=1, device_index=-1))
+    assert (await xp.receive()).assign.job_id == job.job_id
+    return m, xp, m.running[job.job_id]
+
+
 def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path) -> None:
     """A judge started ahead counts as using its GPU, so a job re-run alone waits for it; its
     kernel, not yet admitted, waits for that job: both for ever. When the GPU is held for a
@@ -197,13 +210,7 @@ def test_a_judge_started_ahead_leaves_a_gpu_held_for_a_job_alone(tmp_path: Path)
     memory already stays (that kernel finishes its check)."""
 
     async def scenario() -> None:
-        m, _ = new_manager(tmp_path)
-        m.memory.set_total(-1, 100 * GB)
-        job = m.submit(job_spec())
-        xp = await start_process(m, "c-x", hello=False)
-        await xp.send(hello=job_channel_pb2.Hello(worker_id="c-x", pid=1, device_index=-1))
-        assert (await xp.receive()).assign.job_id == job.job_id
-        x = m.running[job.job_id]
+        m, xp, x = await _running_with_admission(tmp_path)
         procs = {}
         for name in ("c-j1", "c-j2"):
             procs[name] = await start_process(m, name)
@@ -237,13 +244,7 @@ def test_a_re_run_alone_is_logged_with_its_oom_and_what_the_gpu_held(
     H200 RL step): the log says which allocation failed and what the GPU held then."""
 
     async def scenario() -> None:
-        m, _ = new_manager(tmp_path)
-        m.memory.set_total(-1, 100 * GB)
-        job = m.submit(job_spec())
-        xp = await start_process(m, "c-x", hello=False)
-        await xp.send(hello=job_channel_pb2.Hello(worker_id="c-x", pid=1, device_index=-1))
-        assert (await xp.receive()).assign.job_id == job.job_id
-        x = m.running[job.job_id]
+        m, xp, x = await _running_with_admission(tmp_path)
         x.crowded = True
         oom = job_pb2.EvalResult(verdict=job_pb2.VERDICT_OUT_OF_MEMORY)
         oom.error.message = "CUDA out of memory. Tried to allocate 6.00 GiB\nmore of it"

@@ -16,8 +16,8 @@ is timed OK, and the next tenants are judged right.
 
 from __future__ import annotations
 
-import calendar
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +38,10 @@ from test_hostile_jobs import (
     wait_job,
 )
 from test_hostile_jobs import pytestmark as hostile_marks
+from test_hostile_timing_more import MATMUL_REFERENCE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
+from test_cpu_timing import windows_in_log  # noqa: E402
 
 pytestmark = [*hostile_marks, pytest.mark.timeout(180)]
 
@@ -49,23 +53,7 @@ TOLERANCE_S = 0.1  # the freeze's and thaw's round trips, the log's milliseconds
 
 # The honest tenant's timed job: a matmul of a few milliseconds a call on the host, so that its
 # window lasts a good part of a second.
-REFERENCE = """
-import torch
-
-
-class Model(torch.nn.Module):
-    def forward(self, x):
-        return x @ x.T
-
-
-def get_inputs():
-    return [torch.randn(256, 2048)]
-
-
-def get_init_inputs():
-    return []
-"""
-
+REFERENCE = MATMUL_REFERENCE
 HONEST = REFERENCE.replace("class Model(", "class ModelNew(")
 
 SPINNER = """
@@ -128,30 +116,6 @@ def stub(svc: ServiceProcess) -> Iterator[kernel_eval_service_pb2_grpc.KernelEva
         yield kernel_eval_service_pb2_grpc.KernelEvalServiceStub(ch)
 
 
-def windows_in_log(log: Path, device: int) -> list[tuple[float, float]]:
-    """The device's timing windows, (opened, closed) in seconds since the epoch, as the front
-    end logged them: opened once the others are frozen, closed once they are thawed."""
-    spans: list[tuple[float, float]] = []
-    opened: float | None = None
-    for line in log.read_text(errors="replace").splitlines():
-        if "timing window" not in line:
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("device_index") != device:
-            continue
-        when = calendar.timegm(time.strptime(entry["time"][:19], "%Y-%m-%dT%H:%M:%S"))
-        when += int(entry["time"][20:23]) / 1e3
-        if entry["message"] == "timing window opened" and opened is None:
-            opened = when  # opened again for its judge's drive of the kernel: the same one
-        elif entry["message"] == "timing window closed" and opened is not None:
-            spans.append((opened, when))
-            opened = None
-    return spans
-
-
 def wait_for_log(stub, job_id: str, text: str) -> None:  # type: ignore[no-untyped-def]
     stream = stub.Watch(pb.WatchRequest(job_id=job_id), timeout=60)
     try:
@@ -199,7 +163,7 @@ def test_a_hostile_job_is_frozen_in_another_jobs_window_however_it_warmed(stub, 
     stalls = [tuple(x) for x in spun["stalls"]]
 
     # Every window of its GPU while it spun lies within one of its stalls: frozen throughout.
-    windows = windows_in_log(svc.log_path, ran.job.device_index)
+    windows = windows_in_log(svc.log_path).get(ran.job.device_index, [])
     during = [w for w in windows if w[0] < life[1] and w[1] > life[0]]
     print(f"spun {life}, stalls {stalls}, windows meanwhile {during}")
     assert during, f"no window while it spun {life}: {windows}"
