@@ -299,6 +299,7 @@ def step(
     refused = []
     windows = timing_windows(svc)
     log_from = svc.log.stat().st_size if svc.log.exists() else 0
+    first: float | None = None  # seconds to the first verdict
     t0 = time.perf_counter()
     watch = Progress(svc, t0, lambda: len(finished) + len(refused), len(specs))
     with watch, svc.client() as c:
@@ -310,6 +311,7 @@ def step(
                 events.setdefault(i, []).append(be.event)
                 if be.event.HasField("finished"):
                     finished[i] = be.event.finished
+                    first = first if first is not None else time.perf_counter() - t0
             if len(finished) + len(refused) >= len(specs):
                 break
     wall = time.perf_counter() - t0
@@ -337,8 +339,18 @@ def step(
         "wall_s": wall, "finished": len(finished), "refused": refused, "jobs": jobs,
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
-        "alone_reruns": alone_reruns(svc, log_from),
+        "alone_reruns": alone_reruns(svc, log_from), "first_verdict_s": first or 0.0,
     }  # fmt: skip
+
+
+def pool_now(svc: C.Service) -> dict[str, float]:
+    """What the service holds ready between steps: its job processes alive (warm ones waiting,
+    standing judges) and the GPUs' memory in use."""
+    with svc.client() as c:
+        devices = c.list_devices()
+    used = sum(d.memory_used_bytes for d in devices)
+    return {"processes": sum(1 for d in devices for w in d.workers if w.pid),
+            "memory_used_mib": used / 2**20}  # fmt: skip
 
 
 def alone_reruns(svc: C.Service, offset: int) -> list[dict[str, str]]:
@@ -398,25 +410,32 @@ def one_config(
     log = root / "service.log"
     if log.exists():  # an earlier configuration's: its readiness line is not this service's
         log.rename(root / f"service-{time.time_ns()}.log")
+    t_boot = time.perf_counter()
     svc = C.Service(flags, root=root, nvml="none" if smoke else "real").start()
     try:
         run["pch_s"] = 0.0 if smoke else wait_for_pch(svc, 400)
         svc.wait_workers(wpd * max(1, len(devices)))
+        run["pool_ready_s"] = time.perf_counter() - t_boot
         # A first candidate of each backend, untimed: the GPU's and the build processes' first
         # work (a step of a running RL loop never meets a cold service).
         warm = plan(len(backends), f"ok={len(backends)}", backends, args.seed)
         warm_specs = specs_for(warm, f"warm-{time.time_ns()}", smoke, args.timeout_s)
+        t_warm = time.perf_counter()
         warm_step = step(svc, warm_specs, warm, expected)
         run["warm_verdicts"] = [j["verdict"] for j in warm_step["jobs"]]
+        # The cold start: service start to the first verdict (of the warm-up's candidates).
+        run["cold_start_s"] = t_warm - t_boot + warm_step["first_verdict_s"]
         for n in range(args.steps):
             tag = f"step{n}-{time.time_ns()}"
             specs = specs_for(planned, tag, smoke, args.timeout_s)
+            pool = pool_now(svc)  # what it held ready, as a loop's next step finds it
             counter = StartCounter(svc)
             try:
                 result = step(svc, specs, planned, expected)
             finally:
                 counter.close()
             result["processes_started"] = counter.count
+            result["pool_before"] = pool
             print(json.dumps({"flags": run["flags"]} | {k: v for k, v in result.items()
                                                         if k != "jobs"}), flush=True)  # fmt: skip
             run["steps"].append(result)
@@ -445,6 +464,16 @@ def config_row(run: dict[str, Any]) -> list[Any]:
             ", ".join(str(len(s.get("alone_reruns", []))) for s in steps),
             run.get("windows", {}).get("open_ms", 0.0),
             run.get("windows", {}).get("held_ms", 0.0)]  # fmt: skip
+
+
+def cold_row(run: dict[str, Any]) -> list[Any]:
+    """One configuration's cold start (the headers are made only on a fresh state folder: the
+    first configuration's) and its pool before each step (pool_now)."""
+    pools = [s.get("pool_before", {}) for s in run["steps"]]
+    return [run["flags"] or "(defaults)", run.get("pch_s", 0.0), run.get("pool_ready_s", 0.0),
+            run.get("cold_start_s", 0.0),
+            ", ".join(str(p.get("processes", "-")) for p in pools),
+            ", ".join(f"{p.get('memory_used_mib', 0.0):.0f}" for p in pools)]  # fmt: skip
 
 
 def main() -> int:
@@ -559,8 +588,15 @@ def main() -> int:
                          f"memory beside others; the first: {alone[0]['why'][:200]}")  # fmt: skip
     if "cut_after_steps" in data:
         notes.append(f"cut at its time limit after {data['cut_after_steps']} of {args.steps} steps")
+    tables.insert(1, (
+        "the cold start (service start to the first verdict, on the state folder as the "
+        "configuration found it) and what the service held ready before each step",
+        ["service flags", "headers made s", "pool ready s", "first verdict s",
+         "processes before each step", "GPU memory before each step (MiB)"],
+        [cold_row(r) for r in runs],
+    ))  # fmt: skip
     if len(configs) > 1:
-        tables.insert(1, (
+        tables.insert(2, (
             "configurations of the service, one after the other on one state folder",
             ["service flags", "steps", "wall s", "median s", "as planted",
              "waiting for a process (share)", "window held (share of wall)",

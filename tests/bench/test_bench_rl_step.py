@@ -88,3 +88,12 @@ def test_a_configurations_row_summarizes_its_steps() -> None:
     assert row == ["--freeze-warming false", 2, "30.0, 20.0", 25.0, "64, 63", 0.5, 0.6,
                    "150, 140", "1, 0", 1.5, 480.0]  # fmt: skip
     assert R.config_row({"flags": "", "steps": steps[:1]})[0] == "(defaults)"
+
+
+def test_a_cold_row_says_the_start_and_the_pool_before_each_step() -> None:
+    """Issue 44's report: the cold start (service start to the first verdict) as its own row,
+    and what the service held ready (processes, GPU memory) before each step."""
+    run = {"flags": "", "pch_s": 69.0, "pool_ready_s": 80.5, "cold_start_s": 95.25,
+           "steps": [{"pool_before": {"processes": 19, "memory_used_mib": 9000.4}},
+                     {"pool_before": {"processes": 21, "memory_used_mib": 10500.0}}]}  # fmt: skip
+    assert R.cold_row(run) == ["(defaults)", 69.0, 80.5, 95.25, "19, 21", "9000, 10500"]
