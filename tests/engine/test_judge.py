@@ -9,7 +9,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from kerneleval.v1 import kernel_pb2
 from kerneleval_server.engine import (
     EngineConfig,
     Outcome,
+    PathMeasure,
     Recorder,
     compare,
     gpumode,
@@ -131,6 +132,7 @@ def test_a_reference_time_given_by_the_front_end_is_not_measured_again(engine_di
 def served_judge(
     engine_dir: Path, spec: kernel_pb2.JobSpec, reporter: RecordingReporter,
     reference_time: tuple[V.RuntimeStats, float] | None = None,
+    path_measures: Sequence[PathMeasure] = (),
 ) -> Outcome:  # fmt: skip
     """judge_job driving the kernel's timed calls, served by a thread on a socket pair."""
     fd = os.memfd_create("record")
@@ -148,7 +150,7 @@ def served_judge(
         final = judge_job(
             spec, reporter, EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
             share_fd=mine.fileno(), share_max_bytes=LIMIT, kernel_serves=True,
-            reference_time=reference_time,
+            reference_time=reference_time, path_measures=path_measures,
         )  # fmt: skip
         server.join(timeout=60)
         return final
@@ -187,6 +189,29 @@ def test_a_standing_judge_measures_its_own_path_once_with_the_kernel_frozen(
     reporter = RecordingReporter()
     served_judge(engine_dir, spec, reporter, given)
     assert reporter.phases().count(V.PHASE_PROFILING) == 2
+
+
+def test_a_fresh_judge_given_earlier_judges_path_measures_takes_none(engine_dir: Path) -> None:
+    """Issue 44: the front end keeps the judges' measures of their own path (per GPU and
+    reference) and gives them to the reference's next judges. A fresh judge given one that
+    fits its outputs opens no window for a measure of its own where the reference's time is
+    given (its kernel's window only) and takes none; one for other outputs does not fit."""
+    spec = job(source(TORCH, ADD_NEW), source(TORCH, ADD_MODEL), perf_trial_count=4)
+    given = (V.RuntimeStats(median_ms=1.0, trial_count=100), 3.0)
+    judge.forget_kept()
+    (taken,) = served_judge(engine_dir, spec, RecordingReporter(), given).path_measures
+    assert taken.ns > 0 and taken.output_bytes == (4 * 64 * 4,), taken
+    judge.forget_kept()  # a fresh judge
+    reporter = RecordingReporter()
+    again = served_judge(engine_dir, spec, reporter, given, path_measures=[taken])
+    assert again.result.verdict == V.VERDICT_OK and not again.path_measures, again
+    phases = [p for p in reporter.phases() if p != V.PHASE_COMPILING]
+    assert phases == [V.PHASE_VALIDATING, V.PHASE_PROFILING]
+    judge.forget_kept()
+    other = taken._replace(output_bytes=(8,))
+    third = served_judge(engine_dir, spec, RecordingReporter(), given, path_measures=[other])
+    assert len(third.path_measures) == 1
+    judge.forget_kept()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU times: a host without a GPU")

@@ -22,11 +22,12 @@ from kerneleval_server.jobs.builds import prebuild
 REFERENCE = "class Model: the eager reference (host code)"
 
 
-def _judging_service(root: Path, workers_per_device: int) -> Iterator[object]:
-    """The judging fake engine's service with --judge-launches, and a stub of it."""
+def _judging_service(root: Path, workers_per_device: int, *flags: str) -> Iterator[object]:
+    """The judging fake engine's service with --judge-launches (and `flags`), and a stub."""
     service: ServiceProcess = fake_engine_service(
         root, "--workers-per-device", str(workers_per_device), "--build-processes", "1",
-        "--build-pch", "false", "--judge-launches", "true", engine="fe_fake_engine_judges",
+        "--build-pch", "false", "--judge-launches", "true", *flags,
+        engine="fe_fake_engine_judges",
     )  # fmt: skip
     try:
         service.start()
@@ -255,3 +256,29 @@ def test_a_reference_timed_by_one_judge_is_given_to_the_next_jobs(stub) -> None:
         assert not note(job, "reference time given") and profiled(events) == 2, job.result
         assert job.result.reference_runtime.median_ms not in (0, measured)
         assert not job.result.HasField("reference_runtime_age")
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["judge-ahead", "judge-after"])
+def test_a_judges_measure_of_its_own_path_is_the_next_judges(
+    stub: object, tmp_path: Path, ahead: bool
+) -> None:
+    """Issue 44: what a judge measured of its own path (JobOutcome.path_measures) the front
+    end keeps per GPU and reference, and gives to the reference's next judges
+    (JudgeRequest.path_measures: a judge started ahead gets them with its job, one started
+    after the kernel with its request), which then take none of their own."""
+    service = None if ahead else _judging_service(tmp_path, 2, "--judge-ahead", "false")
+    try:
+        on = stub if service is None else next(service)
+        spec = launch_spec()
+        spec.reference.source_code = f"{REFERENCE}, its path measured once"
+        first, _ = evaluate(on, spec)
+        assert first.result.verdict == job_pb2.VERDICT_OK, first
+        assert note(first, "path measures given: 0"), first.result.notes
+        spec.kernel.source_code = json.dumps({"do": "build", "code": uuid.uuid4().hex})
+        later, _ = evaluate(on, spec)
+        assert later.result.verdict == job_pb2.VERDICT_OK, later
+        assert note(later, "path measures given: 1"), later.result.notes
+        assert (", ahead)" in note(later, "judged by")) == ahead, later.result.notes
+    finally:
+        if service is not None:
+            service.close()

@@ -32,7 +32,7 @@ from .device import DeviceLimits  # noqa: E402
 from .judge import judge_job  # noqa: E402
 from .record import Recorder  # noqa: E402
 from .runner import Options, run_job  # noqa: E402
-from .types import EngineConfig, NullReporter, Outcome, Reporter  # noqa: E402
+from .types import EngineConfig, NullReporter, Outcome, PathMeasure, Reporter  # noqa: E402
 
 __all__ = [
     "DeviceLimits",
@@ -40,6 +40,7 @@ __all__ = [
     "NullReporter",
     "Options",
     "Outcome",
+    "PathMeasure",
     "Recorder",
     "Reporter",
     "build_job",

@@ -279,7 +279,7 @@ def _build(node: Any, it: Iterator[Any]) -> Any:
     """share_rebuild's walk (a module function: see _flatten_into)."""
     if node == "t":
         return next(it)
-    (kind, items), = node.items()
+    ((kind, items),) = node.items()
     if kind == "dict":
         return {k: _build(v, it) for k, v in items}
     built = [_build(v, it) for v in items]
@@ -367,9 +367,7 @@ class Job(Protocol):
     @property
     def judged_elsewhere(self) -> bool: ...
     def _timed_by_judge(self) -> bool: ...
-    def _refuse_rewritten_timers(
-        self, timers_changed: Callable[..., list[str]] = ...
-    ) -> None: ...
+    def _refuse_rewritten_timers(self, timers_changed: Callable[..., list[str]] = ...) -> None: ...
     def _guard(
         self, who: str = "", side: job_pb2.Side | None = None
     ) -> contextlib.AbstractContextManager[None]: ...

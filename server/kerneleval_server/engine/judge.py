@@ -22,7 +22,7 @@ import random
 import secrets
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -49,7 +49,7 @@ from .stops import REFERENCE_PREFIX, stopped_by_a_source, unexpected_error
 from .stops import Abandoned as _Abandoned
 from .stops import SafeReporter as _SafeReporter
 from .stops import Stop as _Stop
-from .types import EngineConfig, Outcome, Reporter
+from .types import EngineConfig, Outcome, PathMeasure, Reporter
 
 MakeArgs = Callable[[int], TrialArgs]
 SIDE_UNSPECIFIED = job_pb2.SIDE_UNSPECIFIED
@@ -101,6 +101,7 @@ def judge_job(
     go: Go | None = None,
     kernel_serves: bool = False,
     kernel_must_serve: bool = False,
+    path_measures: Sequence[PathMeasure] = (),
 ) -> Outcome:
     """The job's final result: `candidate` (the kernel's process's report, verdict OK) with
     every verdict replaced by this process's. Never raises for what either source does.
@@ -112,7 +113,10 @@ def judge_job(
     trials' inputs first, then `go()` waits for the kernel's report (`candidate`, `kernel_gone`
     and `reference_time` are its), after which nothing differs.
     `kernel_serves`: the kernel's process serves its timed calls (it said so);
-    `kernel_must_serve`: it was given them to serve (JudgeRequest.kernel_timed_by_judge)."""
+    `kernel_must_serve`: it was given them to serve (JudgeRequest.kernel_timed_by_judge).
+    `path_measures`: earlier judges' measures of their own path on this GPU for this
+    reference (the front end keeps them: JudgeRequest.path_measures); with those that fit,
+    this judge takes none (Outcome.path_measures: those it took)."""
     job = _Judge(spec, _SafeReporter(reporter), config)
     job.start_from(candidate)
     job.record_max = record_max_bytes
@@ -123,6 +127,8 @@ def judge_job(
     job.kernel_must_serve = kernel_must_serve
     job.share_room = 0
     job.validating = False
+    job.given_paths = list(path_measures)
+    job.taken_paths = []
     try:
         with preserved_torch_state(), loader.forgetting_modules():
             job.judge(candidate, record_fd)
@@ -138,7 +144,7 @@ def judge_job(
     if job.result.verdict != job_pb2.VERDICT_OK:
         job.result.ClearField("runtime")  # a time is only given with a verdict of OK
     job.result.notes.extend(n for n in job.notes if n not in job.result.notes)  # once each
-    return Outcome(result=job.result, context_poisoned=job.poisoned)
+    return Outcome(result=job.result, context_poisoned=job.poisoned, path_measures=job.taken_paths)
 
 
 def _inputs_key(spec: kernel_pb2.JobSpec) -> bytes:
@@ -178,6 +184,8 @@ class _Judge(_Job):
     reference_time: tuple[job_pb2.RuntimeStats, float] | None  # an earlier job's, its age
     go: Go | None  # started ahead: waits for the kernel's report
     kernel_serves: bool  # the kernel's process waits for its timed calls (timed_calls.py)
+    given_paths: list[PathMeasure]  # earlier judges' measures of their path (the front end's)
+    taken_paths: list[PathMeasure]  # this job's own
     kernel_must_serve: bool  # it was given them to serve (the front end's assignment)
     spent: _Stopwatch  # where its timed phase's time went (said in the result's notes)
 
@@ -250,6 +258,9 @@ class _Judge(_Job):
             sizes = tuple(o.numel() * o.element_size() for o in outs)
             path_key = (str(self.dev), flush.lead_kind, sizes)
             measures = _own_paths.setdefault(path_key, [])
+            given = [m.ns for m in self.given_paths if (m.lead, m.output_bytes) == path_key[1:]]
+            if given:  # the front end's are every judge's of the reference here, this one's too
+                measures[:] = given[-OWN_PATH_MEASURES:]
             self.spent.lap("reference")
             reference, compiled_times = self._reference_calls(
                 ref, make_args, base, compiled, measure_path=not measures
@@ -264,6 +275,7 @@ class _Judge(_Job):
                 # does not stand for the rest of its life.
                 measures.append(timed_calls.own_path_ns(self.dev, outs, flush.lead))
                 del measures[:-OWN_PATH_MEASURES]
+                self.taken_paths.append(PathMeasure(flush.lead_kind, sizes, measures[-1]))
                 self.spent.lap("calibration")
             own_path = int(statistics.median(measures))
             self._time_kernel_outside(

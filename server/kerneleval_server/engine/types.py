@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kerneleval.v1 import job_pb2
 
@@ -46,6 +46,16 @@ class EngineConfig:
     timed_by_judge: bool = False
 
 
+class PathMeasure(NamedTuple):
+    """A judge's measure of what a call of no work costs its own process on its GPU
+    (timed_calls.own_path_ns), for outputs of these sizes after this lead (the internal
+    channel's PathMeasure)."""
+
+    lead: str
+    output_bytes: tuple[int, ...]
+    ns: int
+
+
 @dataclass
 class Outcome:
     result: job_pb2.EvalResult
@@ -56,6 +66,9 @@ class Outcome:
     # The kernel checked, its timed calls its judge's (EngineConfig.timed_by_judge): serves
     # them on the record's socket (its descriptor the argument) until the judge stops it.
     serve: Callable[[int], None] | None = None
+    # A judge's measures of its own path taken for this job: the front end keeps them for
+    # the reference's next judges on the GPU (judge_job's `path_measures`).
+    path_measures: list[PathMeasure] = field(default_factory=list)
 
 
 class NullReporter:

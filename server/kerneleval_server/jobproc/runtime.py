@@ -825,6 +825,8 @@ def _run_one(
                 go=go if assign.judge.ahead else None,
                 **({"kernel_serves": True} if assign.judge.kernel_serves else {}),
                 **({"kernel_must_serve": True} if assign.judge.kernel_timed_by_judge else {}),
+                **({"path_measures": _path_measures(engine, assign.judge)}
+                   if assign.judge.path_measures else {}),
             )  # fmt: skip
         else:
             if assign.record_max_bytes and record_fd >= 0:
@@ -875,6 +877,10 @@ def _run_one(
         peak_memory_bytes=peak,
         shared_bytes=shared,
         serves_timed_calls=serving,
+        path_measures=[
+            job_channel_pb2.PathMeasure(lead=m.lead, output_bytes=m.output_bytes, ns=m.ns)
+            for m in getattr(outcome, "path_measures", ())
+        ],
     )
     outcome_msg.window_drain.FromNanoseconds(int(reporter.window_drain[0] * 1e9))
     channel.send(job_channel_pb2.JobProcessMessage(outcome=outcome_msg))
@@ -921,6 +927,12 @@ def _judge_go(
         return None
     r = go.request
     return r.candidate, r.kernel_gone, _reference_time(r), r.kernel_serves, r.kernel_timed_by_judge
+
+
+def _path_measures(engine: ModuleType, judge: job_channel_pb2.JudgeRequest) -> list[Any]:
+    """Earlier judges' measures of their own path, as the engine takes them."""
+    make = engine.PathMeasure
+    return [make(m.lead, tuple(m.output_bytes), m.ns) for m in judge.path_measures]
 
 
 def _reference_time(judge: job_channel_pb2.JudgeRequest) -> tuple[Any, float] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Protocol
 
 from kerneleval.internal.v1 import job_channel_pb2
@@ -34,6 +34,7 @@ from kerneleval_server.jobs.builds import prebuild
 from kerneleval_server.jobs.events import EventHub
 from kerneleval_server.jobs.gpu_use import GpuUse
 from kerneleval_server.jobs.judge_record import Record
+from kerneleval_server.jobs.path_measures import PathMeasures
 from kerneleval_server.jobs.reference_times import ReferenceTimes
 from kerneleval_server.jobs.running import Running
 from kerneleval_server.jobs.scheduler import GpuGate
@@ -146,8 +147,11 @@ def judge_request(
     kernel: job_pb2.EvalResult,
     kernel_gone: bool,
     reference_time: tuple[job_pb2.RuntimeStats, float] | None = None,
+    paths: Iterable[job_channel_pb2.PathMeasure] = (),
 ) -> job_channel_pb2.JudgeRequest:
-    request = job_channel_pb2.JudgeRequest(candidate=kernel, kernel_gone=kernel_gone)
+    request = job_channel_pb2.JudgeRequest(
+        candidate=kernel, kernel_gone=kernel_gone, path_measures=paths
+    )
     if reference_time is not None:
         request.reference_runtime.CopyFrom(reference_time[0])
         request.reference_runtime_age_s = reference_time[1]
@@ -205,6 +209,7 @@ class Judges:
         self.exit_grace_s = exit_grace_s  # a job process's exit after its outcome, at most
         self.kill_fallback_s = kill_fallback_s  # a kill the watchdog never confirms
         self.times = ReferenceTimes(m.config.reference_time_reuse_s)
+        self.paths = PathMeasures()  # judges' measures of their own path, for the next ones
         self.given_time: set[str] = set()  # jobs whose judge was given an earlier time
 
     def forget(self, job_id: str) -> None:
@@ -250,7 +255,9 @@ class Judges:
             sent = judge.assign(
                 run.job.job_id, spec, run.job.attempt_count,
                 record_fd=record.fd, record_max_bytes=record.max_bytes,
-                judge=job_channel_pb2.JudgeRequest(ahead=True),
+                judge=job_channel_pb2.JudgeRequest(
+                    ahead=True, path_measures=self.paths.given(device, record.reference_key)
+                ),
                 share_fd=record.share_ours, share_max_bytes=record.share_max_bytes,
             )  # fmt: skip
         except FrameError:
@@ -364,11 +371,14 @@ class Judges:
         self._seal_and_queue(run.job.job_id, 0)
 
     def judged(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
-        """The judge's outcome: a reference it timed itself is kept for the next judges."""
+        """The judge's outcome: a reference it timed itself, and the measures of its own path
+        it took, are kept for the next judges."""
+        device = run.proc.device_index if run.proc is not None else -1
         if outcome.job_id not in self.given_time and run.record is not None:
             outcome.result.ClearField("reference_runtime_age")  # no earlier time was given
-            device = run.proc.device_index if run.proc is not None else -1
             self.times.learn(device, run.job.spec, run.record.reference_key, outcome.result)
+        if run.record is not None:
+            self.paths.learn(device, run.record.reference_key, outcome.path_measures)
         self.given_time.discard(outcome.job_id)
 
     def kernel_exited(self, run: Running) -> None:
@@ -541,7 +551,10 @@ class Judges:
             return
         job = run.job
         known = self.times.known(proc.device_index, job.spec, run.record.reference_key)
-        request = judge_request(run.record.kernel_outcome.result, run.kernel_proc is None, known)
+        paths = self.paths.given(proc.device_index, run.record.reference_key)
+        request = judge_request(
+            run.record.kernel_outcome.result, run.kernel_proc is None, known, paths
+        )
         request.kernel_serves = run.kernel_serves and run.kernel_proc is not None
         request.kernel_timed_by_judge = run.record.timed_by_judge
         ahead = run.ahead is proc
