@@ -133,6 +133,23 @@ def _memfd_buffer(like: torch.Tensor, fd: int | None = None) -> _Buffer:
     return _Buffer(view, fd, device_share.MEMFD, max(nbytes, 1), mapped.close)
 
 
+# Device memory this process made for the timed calls' buffers, through the VMM API and so
+# outside torch's allocator: the judge's arguments and outputs, gigabytes where the inputs
+# are. The front end learns what a problem's jobs need of a GPU from what each job process
+# reports (fleet/gpu_memory.py), which were torch's figures only (judge.py adds these).
+_made = {"now": 0, "peak": 0}
+
+
+def reset_made() -> None:
+    """A job starts: its peak of made buffers from what is still held."""
+    _made["peak"] = _made["now"]
+
+
+def made_peak_bytes() -> int:
+    """The most device memory this process's timed-call buffers held since reset_made."""
+    return _made["peak"]
+
+
 def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _Buffer:
     """Device memory both processes map: made and exported here (fd None), or imported."""
     vmm = device_share._cuda()
@@ -150,7 +167,9 @@ def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _B
         vmm._call("cuMemExportToShareableHandle", ctypes.byref(out), handle,
                   device_share._POSIX_FD, ctypes.c_ulonglong(0))  # fmt: skip
         fd = out.value
+        made = size
     else:
+        made = 0
         handle = ctypes.c_ulonglong()
         vmm._call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd),
                   device_share._POSIX_FD)  # fmt: skip
@@ -159,9 +178,13 @@ def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _B
     raw = vmm._bytes_at(ptr, max(nbytes, 1), device)
     view = raw[:nbytes].view(like.dtype).view(like.shape)
 
+    _made["now"] += made
+    _made["peak"] = max(_made["peak"], _made["now"])
+
     def release() -> None:
         torch.cuda.synchronize(device)
         vmm._unmap(ptr, size)
+        _made["now"] -= made
 
     return _Buffer(view, fd, device_share.CUDA_VMM, size, release)
 
