@@ -15,8 +15,10 @@ process gives its memory back only then) or, for a launch process, until its out
   memory beside others, its jobs check with the GPU to themselves until a peak is learned
   (the first that ends OK or INCORRECT).
 - A learned footprint is the median of the last FOOTPRINT_SAMPLES peaks of jobs that ended
-  OK or INCORRECT. Job processes report their own peak (torch's reserved memory), and a
-  candidate's code runs there, so a report is a claim: one job cannot move the median,
+  OK or INCORRECT. Job processes report their own peak (torch's reserved memory, with what
+  they hand over by descriptor and a judge's timed-call buffers: device memory outside
+  torch's allocator), and a candidate's code runs there, so a report is a claim: one job
+  cannot move the median,
   a majority that inflates it only makes its own problem's jobs check fewer at a time, and
   a footprint over the budget means "alone" (admitted only on an otherwise unreserved GPU).
 - A job re-run alone (it ran out of memory beside others) reserves the whole budget.
