@@ -609,6 +609,22 @@ class Postgres:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+def log_records(path: Path, offset: int = 0) -> list[dict[str, Any]]:
+    """The JSON records of a service's log (from byte `offset`), lines that are none left out."""
+    if not path.exists():
+        return []
+    with path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def add_service_flags(ap: argparse.ArgumentParser) -> None:
     """The service's choices a benchmark compares arms of: a kernel compared with an eager
     reference, and any other flag (service_flags gives the service's flags)."""

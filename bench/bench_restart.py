@@ -37,7 +37,6 @@ Results: <out>/bench_restart.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import re
@@ -256,17 +255,6 @@ def wait_for_moment(batch: Batch, need: int, patience_s: float, timeout_s: float
         time.sleep(0.005)
 
 
-def log_records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
 RERUN = re.compile(r"job (\S+) re-runs at the next start: (.*)")
 DRAINED = re.compile(r"drained in ([0-9.]+) s")
 
@@ -406,7 +394,7 @@ def drain_part(args: argparse.Namespace, smoke: bool, flags: list[str]) -> dict[
         batch.join(30)
         out["stream_ended"] = batch.ended
         out["refused"] = batch.refused
-        said = drain_lines(log_records(svc.log))
+        said = drain_lines(C.log_records(svc.log))
         out["drain_log"] = said["lines"]
         out["drained_s"] = said["drained_s"]
         print(f"drain: exited {out['exit_code']} after {out['stop_s']:.2f} s "
@@ -713,7 +701,7 @@ def warm_part(args: argparse.Namespace, smoke: bool, flags: list[str]) -> dict[s
                 t = time.monotonic()
                 svc.stop(timeout=120)
                 out["clean_stop_s"] = time.monotonic() - t
-        pch_lines = [str(r.get("message", "")) for r in log_records(svc.log)
+        pch_lines = [str(r.get("message", "")) for r in C.log_records(svc.log)
                      if str(r.get("message", "")).startswith("kerneleval pch:")]  # fmt: skip
         out["pch_log"] = pch_lines[-6:]
     finally:

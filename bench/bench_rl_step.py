@@ -44,7 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import _segments as S  # noqa: E402
 from bench_build_service import wait_for_pch  # noqa: E402
-from bench_throughput import StartCounter, timing_windows, window_costs, window_fraction  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    StartCounter,
+    pool_now,
+    timing_windows,
+    window_costs,
+    window_fraction,
+)
 from kerneleval.kernelbench import job_from_sources, kernelbench_options  # noqa: E402
 from kerneleval.v1 import job_pb2, kernel_pb2  # noqa: E402
 
@@ -343,35 +349,15 @@ def step(
     }  # fmt: skip
 
 
-def pool_now(svc: C.Service) -> dict[str, float]:
-    """What the service holds ready between steps: its job processes alive (warm ones waiting,
-    standing judges) and the GPUs' memory in use."""
-    with svc.client() as c:
-        devices = c.list_devices()
-    used = sum(d.memory_used_bytes for d in devices)
-    return {"processes": sum(1 for d in devices for w in d.workers if w.pid),
-            "memory_used_mib": used / 2**20}  # fmt: skip
-
-
 def alone_reruns(svc: C.Service, offset: int) -> list[dict[str, str]]:
     """The step's jobs re-run alone after running out of memory beside others (the service's
     log from `offset`): each holds its GPU from new jobs until it ends, which shows as starts
     in bursts. What failed, and what the GPU held then."""
-    if not svc.log.exists():
-        return []
-    with svc.log.open("rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-    out = []
-    for line in text.splitlines():
-        if "re-run alone" not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        out.append({k: str(rec.get(k, "")) for k in ("time", "job_id", "why", "gpus")})
-    return out
+    return [
+        {k: str(rec.get(k, "")) for k in ("time", "job_id", "why", "gpus")}
+        for rec in C.log_records(svc.log, offset)
+        if str(rec.get("message", "")).startswith("job re-run alone")
+    ]
 
 
 PROGRESS_S = 15.0

@@ -30,7 +30,6 @@ Results: <out>/bench_throughput_<kind>_<workers per device>wpd.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -112,11 +111,8 @@ def window_costs(svc: C.Service) -> dict[str, float]:
     CloseWindow round trips (freeze and thaw, GPU conditions read) and the time held; with
     how many were held and for how long in all (a batch's windows are its bound)."""
     values: dict[str, list[float]] = {"open_ms": [], "close_ms": [], "held_ms": []}
-    if svc.log.exists():
-        for line in svc.log.read_text(errors="replace").splitlines():
-            if '"timing window ' not in line:
-                continue
-            rec = json.loads(line)
+    for rec in C.log_records(svc.log):
+        if str(rec.get("message", "")).startswith("timing window "):
             for key, got in values.items():
                 if key in rec:
                     got.append(float(rec[key]))
@@ -205,20 +201,24 @@ class StartCounter:
         self._client.close()
 
 
+def pool_now(svc: C.Service) -> dict[str, float]:
+    """The service's job processes alive (warm ones waiting, standing judges, busy ones) and
+    the GPUs' memory in use."""
+    with svc.client() as c:
+        devices = c.list_devices()
+    used = sum(d.memory_used_bytes for d in devices)
+    return {"processes": sum(1 for d in devices for w in d.workers if w.pid),
+            "memory_used_mib": used / 2**20}  # fmt: skip
+
+
 def pool_memory(svc: C.Service, processes: int, timeout: float = 120.0) -> dict[str, Any]:
     """Device memory in use once `processes` job processes are up (all idle, warm)."""
     deadline = time.monotonic() + timeout
-    with svc.client() as c:
-        while True:
-            devices = c.list_devices()
-            live = sum(1 for d in devices for w in d.workers if w.pid)
-            if live >= processes or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        time.sleep(2.0)  # the last ones finish their warm-up
-        used = sum(d.memory_used_bytes for d in c.list_devices())
-    return {"processes": live, "memory_used_mib": used / 2**20,
-            "per_process_mib": used / 2**20 / max(live, 1)}  # fmt: skip
+    while pool_now(svc)["processes"] < processes and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2.0)  # the last ones finish their warm-up
+    pool = pool_now(svc)
+    return pool | {"per_process_mib": pool["memory_used_mib"] / max(pool["processes"], 1)}
 
 
 def sequential(svc: C.Service, specs: list[kernel_pb2.JobSpec]) -> dict[str, Any]:
