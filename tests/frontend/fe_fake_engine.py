@@ -21,7 +21,8 @@ The kernel source is a JSON command:
       its window starts as if the GPU stayed busy with others' queued work for b seconds
       (DrainStatus busy, then not busy). With "peak": n it reports n bytes as its peak device
       memory (the front end learns its problem's footprint from it: jobs with the same
-      reference share one).
+      reference share one); with "outside": n, n bytes more it made outside torch's
+      allocator (Outcome.outside_allocator_bytes, which the job process adds to its peak).
   {"do": "spin", "cpu_seconds": c}
       burns c seconds of CPU in its compile phase (which asks for no GPU), noting the wall
       time every few ms; the notes hold "stall <start> <end>", its longest pause (a job process
@@ -71,6 +72,7 @@ class Outcome:
     result: job_pb2.EvalResult
     context_poisoned: bool = False
     peak_memory_bytes: int = 0
+    outside_allocator_bytes: int = 0
 
 
 def configure_process_environment() -> None:
@@ -235,4 +237,7 @@ def run_job(spec: Any, reporter: Any, config: EngineConfig, prebuilt: Any = ()) 
     _record(result, "profile", start, time.time())
     result.verdict = job_pb2.VERDICT_OK
     result.correctness = True
-    return Outcome(result, peak_memory_bytes=int(cmd.get("peak", 0)))
+    return Outcome(
+        result, peak_memory_bytes=int(cmd.get("peak", 0)),
+        outside_allocator_bytes=int(cmd.get("outside", 0)),
+    )  # fmt: skip

@@ -130,8 +130,9 @@ def _overlap(x: tuple[float, float], y: tuple[float, float]) -> bool:
 def test_jobs_of_a_problem_that_fills_the_gpu_check_one_at_a_time(svc: ServiceProcess) -> None:
     """GPU memory admission (fleet/gpu_memory.py): once a problem's jobs were seen to hold
     600 kB of the fake GPU's 1 MB (0.85 of it may be held), two of its jobs never use the GPU
-    at once; the second says what it waits for. Jobs of a problem seen to hold 100 kB still
-    check together."""
+    at once; the second says what it waits for, as where 500 kB of those 600 were made
+    outside torch's allocator (a judge's timed-call buffers). Jobs of a problem seen to hold
+    100 kB still check together."""
     stub = kernel_eval_service_pb2_grpc.KernelEvalServiceStub(svc.channel())
     svc.wait_serving()
     tag = str(time.time_ns())
@@ -158,6 +159,10 @@ def test_jobs_of_a_problem_that_fills_the_gpu_check_one_at_a_time(svc: ServicePr
     a, b = (_spans(j) for j in big)
     gpu_use = [(s["check"][0], s["profile"][1]) for s in (a, b)]
     assert not _overlap(*gpu_use), gpu_use
+    assert any("waits for 0.6 MiB of GPU 0's memory" in t for t in logs), logs
+    outside, logs = run_two({**cmd, "peak": 100_000, "outside": 500_000}, f"outside {tag}")
+    a, b = (_spans(j) for j in outside)
+    assert not _overlap((a["check"][0], a["profile"][1]), (b["check"][0], b["profile"][1]))
     assert any("waits for 0.6 MiB of GPU 0's memory" in t for t in logs), logs
     small, logs = run_two({**cmd, "peak": 100_000}, f"small {tag}")
     assert all(j.result.verdict == job_pb2.VERDICT_OK for j in small)

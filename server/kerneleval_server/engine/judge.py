@@ -147,22 +147,8 @@ def judge_job(
     job.result.notes.extend(n for n in job.notes if n not in job.result.notes)  # once each
     return Outcome(
         result=job.result, context_poisoned=job.poisoned, path_measures=job.taken_paths,
-        peak_memory_bytes=_peak_with_buffers(),
+        outside_allocator_bytes=timed_calls.made_peak_bytes(),
     )  # fmt: skip
-
-
-def _peak_with_buffers() -> int:
-    """The job's peak device memory with the timed calls' buffers this judge made (outside
-    torch's allocator: gigabytes where the inputs are, which the front end's admission did
-    not count), or 0 where it made none (the job process reads torch's own)."""
-    made = timed_calls.made_peak_bytes()
-    if not made or not torch.cuda.is_available():
-        return 0
-    try:
-        stats = torch.cuda.memory_stats_as_nested_dict()  # flat stats: ~0.5 ms more
-        return int(stats["reserved_bytes"]["all"]["peak"]) + made
-    except Exception:  # noqa: BLE001 - a failing context reports nothing
-        return 0
 
 
 def _inputs_key(spec: kernel_pb2.JobSpec) -> bytes:

@@ -63,6 +63,10 @@ class Outcome:
     # Peak device memory, where the engine knows better than torch's allocator; 0: the job
     # process reads the allocator's.
     peak_memory_bytes: int = 0
+    # Device memory the engine made outside torch's allocator at most at once (a judge's
+    # timed-call buffers: gigabytes where the inputs are): the job process adds it to the
+    # peak it reports, as it does a record's shared bytes.
+    outside_allocator_bytes: int = 0
     # The kernel checked, its timed calls its judge's (EngineConfig.timed_by_judge): serves
     # them on the record's socket (its descriptor the argument) until the judge stops it.
     serve: Callable[[int], None] | None = None

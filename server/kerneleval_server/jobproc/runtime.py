@@ -858,7 +858,9 @@ def _run_one(
         if not (serving and fd == share_fd):  # the record: closed, so that it can be sealed
             os.close(fd)
     shared = recorder.shared_bytes if recorder is not None else 0
-    peak += shared  # device memory outside torch's allocator, held until the process exits
+    # Device memory outside torch's allocator: handed over (held until the process exits),
+    # and a judge's timed-call buffers.
+    peak += shared + getattr(outcome, "outside_allocator_bytes", 0)
     reusable = (
         not last
         and not poisoned
