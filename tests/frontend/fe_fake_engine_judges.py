@@ -3,6 +3,7 @@ end records compared jobs for a judge process, and launches a kernel built ahead
 its reference has host code (jobs/builds/prebuild.py: reference_judged). The kernel's process writes
 what it is into the record; the judge answers with what it read there and who it is:
   {"do": "build", "judged_wrong": true}   the judge finds the outputs wrong (INCORRECT)
+  {"do": "build", "forged_paths": true}   the kernel's outcome claims a path measure
 Used with `serve --engine fe_fake_engine_judges` (tests/frontend on PYTHONPATH).
 """
 
@@ -50,6 +51,9 @@ def run_job(spec: Any, reporter: Any, config: Any, prebuilt: Any = ()) -> Outcom
             f"{getattr(config, 'reference_judged', False)}"
         )
         os.pwrite(recorder.fd, said.encode(), 0)
+    if json.loads(spec.kernel.source_code).get("forged_paths"):
+        # A kernel's process saying it measured the judge's path: only judges' are kept.
+        outcome.path_measures = [PathMeasure("none", (16,), 1)]  # type: ignore[attr-defined]
     return outcome
 
 

@@ -265,11 +265,13 @@ def test_a_judges_measure_of_its_own_path_is_the_next_judges(
     """Issue 44: what a judge measured of its own path (JobOutcome.path_measures) the front
     end keeps per GPU and reference, and gives to the reference's next judges
     (JudgeRequest.path_measures: a judge started ahead gets them with its job, one started
-    after the kernel with its request), which then take none of their own."""
+    after the kernel with its request), which then take none of their own. Hostile: a
+    kernel's process that puts a measure in its outcome is not believed (the next judge is
+    given the judge's one only)."""
     service = None if ahead else _judging_service(tmp_path, 2, "--judge-ahead", "false")
     try:
         on = stub if service is None else next(service)
-        spec = launch_spec()
+        spec = launch_spec(forged_paths=True)
         spec.reference.source_code = f"{REFERENCE}, its path measured once"
         first, _ = evaluate(on, spec)
         assert first.result.verdict == job_pb2.VERDICT_OK, first
