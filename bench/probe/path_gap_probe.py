@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "server"))
 
 from kerneleval.v1 import kernel_pb2  # noqa: E402
+from kerneleval_server.engine import time_bound as tb  # noqa: E402
 from kerneleval_server.engine import timed_calls as tc  # noqa: E402
 from kerneleval_server.engine.inputs import TrialArgs  # noqa: E402
 
@@ -135,7 +136,7 @@ def one(
     )  # fmt: skip
     ours.close()
     try:
-        calib = tc.calibrate(driver, first)
+        calib = tb.calibrate(driver, first)
         own = driver.own_path_ns(flush.lead)
         tc.warm_up(lambda: driver.call(first).outside_ns / 1e6, 3)
         inside, outside = [], []
@@ -147,11 +148,11 @@ def one(
             r = driver.call(args(n, 1 + i))
             inside.append(r.inside_ns)
             outside.append(r.outside_ns)
-        late = tc.calibrate(driver, first)  # after: does it drift?
+        late = tb.calibrate(driver, first)  # after: does it drift?
     finally:
         driver.close()
         proc.wait(30)
-    d = tc.decide(inside, outside, calib, cpu=DEV.type != "cuda", own_path_ns=own)
+    d = tb.decide(inside, outside, calib, cpu=DEV.type != "cuda", own_path_ns=own)
     c = float(np.median(calib))
     gaps = [o - c - i for o, i in zip(outside, inside, strict=True)]
     us = lambda v: round(float(v) / 1e3, 1)  # noqa: E731

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from kerneleval.v1 import kernel_pb2
+from kerneleval_server.engine import time_bound as tb
 from kerneleval_server.engine import timed_calls as tc
 from kerneleval_server.engine.inputs import TrialArgs
 
@@ -103,8 +104,8 @@ def _session(kind: str, tmp_path: Path) -> tuple[tc.Driver, subprocess.Popen[byt
     return driver, proc
 
 
-def _run(driver: tc.Driver, calls: int) -> tuple[tc.Decision, list[bool]]:
-    calib = tc.calibrate(driver, _args(1), 10)
+def _run(driver: tc.Driver, calls: int) -> tuple[tb.Decision, list[bool]]:
+    calib = tb.calibrate(driver, _args(1), 10)
     results, right = [], []
     for i in range(calls):
         args = _args(100 + i)
@@ -112,7 +113,7 @@ def _run(driver: tc.Driver, calls: int) -> tuple[tc.Decision, list[bool]]:
         results.append(r)
         right.append(torch.equal(r.outputs[0], args.values[0] + args.values[1]))
     inside, outside = [r.inside_ns for r in results], [r.outside_ns for r in results]
-    return tc.decide(inside, outside, calib, cpu=True), right
+    return tb.decide(inside, outside, calib, cpu=True), right
 
 
 def _end(driver: tc.Driver, proc: subprocess.Popen[bytes]) -> None:
@@ -193,12 +194,12 @@ def test_a_dear_calibration_is_capped_at_the_drivers_own_measure() -> None:
     calib = [20 * ms + k * 1000 for k in range(10)]  # slowed on purpose
     outside = [20 * ms + 100_000] * 8  # the real calls: 20 ms of work and the path
     inside = [100_000] * 8  # claims of 0.1 ms
-    fooled = tc.decide(inside, outside, calib, cpu=True)
+    fooled = tb.decide(inside, outside, calib, cpu=True)
     assert not fooled.flagged  # without the cap, the lie agrees with the lowered bound
-    caught = tc.decide(inside, outside, calib, cpu=True, own_path_ns=50_000)
+    caught = tb.decide(inside, outside, calib, cpu=True, own_path_ns=50_000)
     assert caught.flagged and caught.calibration_capped
     assert min(caught.times_ms) > 17.0
-    honest = tc.decide([20 * ms] * 8, outside, [100_000 + k for k in range(10)], cpu=True,
+    honest = tb.decide([20 * ms] * 8, outside, [100_000 + k for k in range(10)], cpu=True,
                        own_path_ns=50_000)  # fmt: skip
     assert not honest.flagged and not honest.calibration_capped
 
@@ -273,7 +274,7 @@ class _SpanDriver:
 
 @pytest.mark.parametrize(
     ("span_ms", "calls"),
-    [(0.4, tc.CALIBRATION_CALLS), (4.0, 5), (17.0, tc.CALIBRATION_LEAST)],
+    [(0.4, tb.CALIBRATION_CALLS), (4.0, 5), (17.0, tb.CALIBRATION_LEAST)],
 )
 def test_a_costly_path_is_calibrated_with_fewer_calls_of_no_work(
     span_ms: float, calls: int
@@ -281,7 +282,7 @@ def test_a_costly_path_is_calibrated_with_fewer_calls_of_no_work(
     # A path of gigabytes' copies (~17 ms a call) takes CALIBRATION_LEAST calls, a tiny one
     # CALIBRATION_CALLS: the calibration's share of a window stays small either way.
     driver = _SpanDriver(span_ms)
-    spans = tc.calibrate(driver, None)  # type: ignore[arg-type]
+    spans = tb.calibrate(driver, None)  # type: ignore[arg-type]
     assert driver.calls == calls == len(spans)
     assert set(spans) == {driver.span_ns}
 

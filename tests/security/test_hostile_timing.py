@@ -211,7 +211,7 @@ def test_a_swapped_clock_is_timed_by_the_judges_bound(stub, svc) -> None:  # typ
 
 def test_slowed_calls_of_no_work_do_not_lower_the_bound(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """The path's cost is measured through the candidate's process, which may slow it: it is
-    capped at what the judge measures of that work itself (timed_calls.decide)."""
+    capped at what the judge measures of that work itself (time_bound.decide)."""
     ran = run_job(stub, _spec("calls-of-no-work-slowed"), svc)
     r = ran.job.result
     assert r.verdict == job_pb2.VERDICT_OK, ran.describe()

@@ -319,7 +319,7 @@ class ModelNew(torch.nn.Module):
 def test_uneven_calls_of_no_work_do_not_widen_the_tolerance(stub, svc) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """The tolerance counts the calls of no work's spread (p90 - p10), which their server
     makes: every other one slowed by a second would let any claim through. The spread is
-    taken at most the slack of the cap on their cost (timed_calls.decide)."""
+    taken at most the slack of the cap on their cost (time_bound.decide)."""
     ran = run_job(stub, _spec(SPREAD, "spread"), svc)
     r = ran.job.result
     _not_forged(ran)

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import compare, integrity, record, tamper, timed_calls, timing
+from . import compare, integrity, record, tamper, time_bound, timed_calls, timing
 from .backends import BuildContext
 from .backends import gpumode as backend
 from .inputs import TrialArgs, mix_seed, seed_all
@@ -891,7 +891,7 @@ class _GpuModeJudge(_GpuModeRun):
         """One benchmark case's session (timed_calls.Driver): its shared data laid out as a
         first variant's, the shared outputs as the kernel's recorded output on the case;
         calibration, warm-up, then each call on the data of a fresh variant written into the
-        shared leaves; the case's time (timed_calls.decide) into `result`. What it says."""
+        shared leaves; the case's time (time_bound.decide) into `result`. What it says."""
 
         job: Any = self.job
         n = job.opts.perf_trials
@@ -916,7 +916,7 @@ class _GpuModeJudge(_GpuModeRun):
         finished = False
         try:
             base = _leaf_args(leaves)
-            calibration = timed_calls.calibrate(driver, base)
+            calibration = time_bound.calibrate(driver, base)
             timed_calls.warm_up(lambda: driver.call(base).outside_ns / 1e6, job.opts.warmup)
             for k in range(n):
                 data = self._matching_variant(ref, case, signature)
@@ -938,7 +938,7 @@ class _GpuModeJudge(_GpuModeRun):
             job._kernel_failed_timed(f"{case.label}: {e}")
         finally:
             driver.close(more=finished and not last)
-        decision = timed_calls.decide(
+        decision = time_bound.decide(
             inside, outside, calibration, cpu=job.dev.type != "cuda", own_path_ns=own_path
         )
         cuda = job.dev.type == "cuda"

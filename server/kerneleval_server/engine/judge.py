@@ -38,6 +38,7 @@ from . import (
     precision,
     record,
     tamper,
+    time_bound,
     timed_calls,
     timing,
 )
@@ -319,7 +320,7 @@ class _Judge(_Job):
             self._kernel_failed_timed(str(e))
         spent.lap("buffers")
         try:
-            calibration = timed_calls.calibrate(driver, first)
+            calibration = time_bound.calibrate(driver, first)
             spent.lap("calibration")
             timed_calls.warm_up(lambda: driver.call(first).outside_ns / 1e6, self.opts.warmup)
             spent.lap("warmup")
@@ -347,7 +348,7 @@ class _Judge(_Job):
         finally:
             driver.close()
         spent.lap("buffers")
-        decision = timed_calls.decide(
+        decision = time_bound.decide(
             inside, outside, calibration, cpu=self.dev.type != "cuda", own_path_ns=own_path
         )
         source = (

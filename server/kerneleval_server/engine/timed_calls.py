@@ -21,7 +21,7 @@ judge), through memory the two share:
 - the server (the candidate's process, `serve`) runs the candidate on views of the shared
   arguments and copies what it returns into the shared outputs, and reports the call's own
   device time (CUDA events around it; the host clock on the CPU): a claim, accepted only
-  where it agrees with the driver's bound (`decide`).
+  where it agrees with the driver's bound (time_bound.py's `decide`).
 Everything the server writes is hostile: the driver reads only the control block's words
 (their values bounded) and copies of the outputs, and never a byte of the server's otherwise.
 """
@@ -39,7 +39,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -83,21 +83,6 @@ class CallResult:
     outside_ns: int  # the driver's span: go, done seen, outputs copied (inputs written before)
     inside_ns: int  # the server's claim of the call's own time
     outputs: list[torch.Tensor]  # the driver's copies of the shared outputs
-
-
-@dataclass
-class Decision:
-    """The kernel's time from its calls: the server's claims where they agree with the
-    driver's bound, else the bound (`flagged`)."""
-
-    times_ms: list[float]
-    flagged: bool
-    tolerance_us: float
-    gap_us: float  # median of (outside - calibration) - inside, per call
-    calibration_us: float  # median outside span of a call of no work (at most the cap)
-    outside_ms: list[float] = field(default_factory=list)
-    calibration_capped: bool = False  # the calls of no work took longer than the cap
-    calibration_measured_us: float = 0.0  # their median, before the cap
 
 
 # ---- shared memory ------------------------------------------------------------------------
@@ -407,7 +392,7 @@ def own_path_ns(
     context to the server's and back: on an H200 that is most of its cost, ~0.35 ms), the
     server's lead and its copy of the outputs, and this side's copy of them (median of
     `runs`; `outputs`: tensors like the session's shared outputs). A server that slows its
-    calls of no work to lower the bound is capped at this plus PATH_SLACK_NS (`decide`), so
+    calls of no work to lower the bound is capped at this plus its slack (time_bound.decide), so
     it is measured while the kernel's process is frozen (the judge's window for the
     reference): one that runs meanwhile could take the host's cores, or the GPU, and raise
     the cap as far as it likes."""
@@ -512,89 +497,7 @@ def _jsonable(v: Any) -> Any:
     raise TimedCallError(f"an argument of type {type(v).__name__} cannot be sent to a timed call")
 
 
-def calibrate(
-    driver: Driver, inputs: Any, calls: int = 0, least: int = 0, enough_ms: float = 0.0
-) -> list[int]:  # fmt: skip
-    """Spans of calls of no work through the same path: what the path itself costs. `calls`
-    of them (CALIBRATION_CALLS), but no more than `least` (CALIBRATION_LEAST) once
-    `enough_ms` (CALIBRATION_ENOUGH_MS) have passed in them."""
-    calls = calls or CALIBRATION_CALLS
-    least = least or CALIBRATION_LEAST
-    enough_ns = (enough_ms or CALIBRATION_ENOUGH_MS) * 1e6
-    spans: list[int] = []
-    while len(spans) < calls and (len(spans) < least or sum(spans) < enough_ns):
-        spans.append(driver.call(inputs, noop=True).outside_ns)
-    return spans
-
-
-def decide(
-    inside_ns: Sequence[int], outside_ns: Sequence[int], calibration_ns: Sequence[int],
-    cpu: bool = False, own_path_ns: int | None = None,
-) -> Decision:  # fmt: skip
-    """The kernel's times: its claims where their median agrees with the bound (each call's
-    outside span less the path's median cost) within the tolerance, else the bound, flagged.
-    The path's cost is measured through the server, which may slow its calls of no work to
-    lower the bound: it is taken at most `own_path_ns` (Driver.own_path_ns) plus
-    PATH_SLACK_NS and PATH_SLACK_SHARE of it (CPU_PATH_SLACK_NS on the CPU).
-    The tolerance: the path's own spread (p90 - p10 of the calibration, at most that slack)
-    plus TOLERANCE_SHARE of the bound's median plus PATH_SHARE of the path's cost, at least
-    TOLERANCE_FLOOR_US; on
-    the CPU (`cpu`: host wall-clock, two processes' wake-ups on shared cores) 10% and at least
-    CPU_TOLERANCE_FLOOR_US. A claim over the bound is taken as it is: a candidate may only
-    make itself slower."""
-    calib = measured = float(np.median(calibration_ns)) if len(calibration_ns) else 0.0
-    spread = (
-        float(np.percentile(calibration_ns, 90) - np.percentile(calibration_ns, 10))
-        if len(calibration_ns) > 2
-        else 0.0
-    )
-    capped = False
-    if own_path_ns is not None:
-        slack = CPU_PATH_SLACK_NS if cpu else PATH_SLACK_NS + PATH_SLACK_SHARE * own_path_ns
-        cap = own_path_ns + slack
-        capped = calib > cap
-        calib = min(calib, cap)
-        # The spread too is the server's to make: calls of no work slowed by turns would
-        # widen the tolerance past any claim. Honest ones stay within the slack of the cap.
-        spread = min(spread, slack)
-    bound = [max(0.0, o - calib) for o in outside_ns]
-    gap = float(np.median([b - i for b, i in zip(bound, inside_ns, strict=True)]))
-    floor, share = (CPU_TOLERANCE_FLOOR_US, 0.10) if cpu else (TOLERANCE_FLOOR_US, TOLERANCE_SHARE)
-    tolerance = max(floor * 1e3, spread + share * float(np.median(bound)) + PATH_SHARE * calib)
-    flagged = gap > tolerance
-    chosen = bound if flagged else [float(i) for i in inside_ns]
-    return Decision(
-        times_ms=[t / 1e6 for t in chosen],
-        flagged=flagged,
-        tolerance_us=tolerance / 1e3,
-        gap_us=gap / 1e3,
-        calibration_us=calib / 1e3,
-        outside_ms=[b / 1e6 for b in bound],
-        calibration_capped=capped,
-        calibration_measured_us=measured / 1e3,
-    )
-
-
-# An honest kernel's claim sits under the bound by up to ~8% of it on an H200 (level-1
-# problems whose calls write gigabytes of inputs: bench/README.md "outside-timing"), and a
-# tiny one's by ~15-20 us: below these, two of ten honest problems were flagged.
-TOLERANCE_FLOOR_US = 25.0
-TOLERANCE_SHARE = 0.08
-# A call's path costs more than a call of no work by what the candidate's own GPU work does to
-# it (the switch back to the judge's context after real kernels, not after a copy): honest
-# GPU MODE kernels of 30-500 us (reference-kernels' pmpp tasks on an H200) read up to 66 us
-# more under their bound than the rest of the tolerance allowed, with paths of 430-470 us.
-PATH_SHARE = 0.25
-CPU_TOLERANCE_FLOOR_US = 1000.0  # a sleeping process's wake-up on a loaded host: up to ~1 ms
-# What the path of a call of no work may cost beyond the driver's own measure of it: on an
-# H200 (levels 1-3 of KernelBench, bench/README.md "outside-timing") honest calls of no work
-# took from 13 us less to 134 us more than that measure, the most where the outputs are
-# gigabytes (the server copies them from memory of its own, the driver from the shared).
-# On the CPU, the wake-ups of two processes on shared cores.
-PATH_SLACK_NS = 40_000
-PATH_SLACK_SHARE = 0.02
 NO_SWITCH_NS = 600_000  # the switches' cost where no second context could be made to measure
-CPU_PATH_SLACK_NS = 2_000_000
 
 
 # ---- the server: the candidate's process ---------------------------------------------------
@@ -826,14 +729,6 @@ class _Meta:
 
 # ---- what the judge's drivers share (engine/judge.py, engine/gpumode.py) ---------------
 
-CALIBRATION_CALLS = 10  # calls of no work: what the path of a timed call costs by itself
-# ... but only this many once CALIBRATION_ENOUGH_MS have passed in them: a path that copies
-# gigabytes costs ~17 ms a call of no work on an H200 (KernelBench's elementwise level-1
-# problems: 170 ms of an RL step's ~500 ms window per job), and varies by far less than its
-# tolerance (a quarter of it); the median of 4 is as good there as of 10. (The cap on it,
-# the judge's own measure, does not depend on how many there are.)
-CALIBRATION_LEAST = 4
-CALIBRATION_ENOUGH_MS = 20.0
 # Warm-up calls past the options' count (until timing.WARMUP_MS), at most: each goes through
 # the timed calls' path, whose own cost is tens of microseconds.
 MAX_WARMUP_CALLS = 200
