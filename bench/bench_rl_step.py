@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -294,6 +295,83 @@ class Progress(threading.Thread):
                 print("    " + line[:600], flush=True)
 
 
+class GpuMemorySampler(threading.Thread):
+    """While a step runs: every SAMPLE_S, each process's GPU memory as nvidia-smi reads it,
+    summed by what the service says the process is (busy with a job, idle, a spare, a
+    standing judge; "other" where its pid is not a job process's). What admission reserves
+    is a claim of jobs' peaks; this is what the GPU holds. Nothing where nvidia-smi is not."""
+
+    def __init__(self, svc: C.Service) -> None:
+        super().__init__(daemon=True)
+        self.svc = svc
+        self.stop = threading.Event()
+        self.samples: list[dict[str, float]] = []
+
+    def __enter__(self) -> GpuMemorySampler:
+        if shutil.which("nvidia-smi"):
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                     "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=5, check=True).stdout  # fmt: skip
+                with self.svc.client() as c:
+                    devices = c.list_devices()
+            except Exception:  # noqa: BLE001 - a sample missed is a sample fewer
+                continue
+            role = {}
+            for d in devices:
+                for w in d.workers:
+                    role[w.pid] = ("standing judge" if w.standing_judge else "spare" if w.spare
+                                   else "busy" if w.job_id else "idle")  # fmt: skip
+            sample: dict[str, float] = {}
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip().isdigit() and mib.strip().isdigit():
+                    r = role.get(int(pid), "other")
+                    sample[r] = sample.get(r, 0.0) + int(mib)
+                    sample["processes"] = sample.get("processes", 0) + 1
+            sample["total"] = sum(v for k, v in sample.items() if k != "processes")
+            self.samples.append(sample)
+
+    def summary(self) -> dict[str, Any]:
+        """The sample of the most memory held, and each role's median."""
+        if not self.samples:
+            return {}
+        top = max(self.samples, key=lambda x: x.get("total", 0.0))
+        roles = sorted({k for x in self.samples for k in x})
+        return {"samples": len(self.samples), "at_most_mib": top,
+                "median_mib": {r: statistics.median(x.get(r, 0.0) for x in self.samples)
+                               for r in roles}}  # fmt: skip
+
+
+SAMPLE_S = 0.5
+
+
+def learned_footprints(svc: C.Service, offset: int) -> dict[str, dict[str, float]]:
+    """Per side of a job (its kernel's process, its judge), the peaks its processes reported
+    and the footprints admission learned from them (the service's log from `offset`)."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for rec in C.log_records(svc.log, offset):
+        if rec.get("message") == "GPU memory learned":
+            side = by.setdefault(str(rec.get("side")), {"peak_mib": [], "footprint_mib": []})
+            side["peak_mib"].append(float(rec.get("peak_mib", 0)))
+            side["footprint_mib"].append(float(rec.get("footprint_mib", 0)))
+    return {
+        side: {"count": len(v["peak_mib"]), "peak_median_mib": statistics.median(v["peak_mib"]),
+               "peak_max_mib": max(v["peak_mib"]),
+               "footprint_max_mib": max(v["footprint_mib"])}
+        for side, v in by.items()
+    }  # fmt: skip
+
+
 def step(
     svc: C.Service,
     specs: list[kernel_pb2.JobSpec],
@@ -308,7 +386,8 @@ def step(
     first: float | None = None  # seconds to the first verdict
     t0 = time.perf_counter()
     watch = Progress(svc, t0, lambda: len(finished) + len(refused), len(specs))
-    with watch, svc.client() as c:
+    sampler = GpuMemorySampler(svc)
+    with watch, sampler, svc.client() as c:
         for be in c.run_batch(specs, max_in_flight=len(specs)):
             i = int(be.request_tag)
             if be.error is not None:
@@ -346,6 +425,7 @@ def step(
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
         "alone_reruns": alone_reruns(svc, log_from), "first_verdict_s": first or 0.0,
+        "gpu_memory": sampler.summary(), "footprints": learned_footprints(svc, log_from),
     }  # fmt: skip
 
 

@@ -28,6 +28,9 @@ _FIELDS = (
     "held_ms",
     "why",  # what a job's run said where the service acted on it (a re-run alone: its OOM)
     "gpus",  # the GPUs' memory holders, gate and processes then (waits.py Waits.gpus)
+    "side",  # a job's process: its kernel's or its judge's (a footprint learned: gpu_use.py)
+    "peak_mib",
+    "footprint_mib",
 )
 
 

@@ -185,13 +185,27 @@ class GpuUse:
             and not outcome.context_poisoned
             and outcome.result.verdict in (job_pb2.VERDICT_OK, job_pb2.VERDICT_INCORRECT)
         ):
-            self.m.memory.learn(self.memory_key(run), outcome.peak_memory_bytes)
+            key = self.memory_key(run)
+            self.m.memory.learn(key, outcome.peak_memory_bytes)
+            log.info(
+                "GPU memory learned",
+                extra={"job_id": run.job.job_id, "side": "judge" if run.judged_now else "kernel",
+                       "peak_mib": outcome.peak_memory_bytes >> 20,
+                       "footprint_mib": (self.m.memory.footprint(key) or 0) >> 20},
+            )  # fmt: skip
 
     @staticmethod
-    def memory_key(run: Running) -> str:
+    def memory_key(run: Running, judge: bool | None = None) -> str:
+        """What a job's process needs is learned per problem and per side: a judge (the
+        reference's outputs, the timed calls' buffers, the kernel's outputs it maps) and the
+        kernel's process of one job hold different amounts at once, and one median of both
+        sides' peaks under-reserved the larger (H200, the RL step: 15 re-runs alone a step).
+        `judge`: the run's process is its judge (default: whether the job is being judged)."""
         if not run.memory_key:
             run.memory_key = problem_key(run.job.spec)
-        return run.memory_key
+        if judge is None:
+            judge = bool(run.judged_now)
+        return run.memory_key + ("/judge" if judge else "")
 
     def use(self, run: Running) -> None:
         """Admitted to its GPU's memory: the job asks the GPU gate for its phase."""

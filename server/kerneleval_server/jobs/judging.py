@@ -245,7 +245,7 @@ class Judges:
         )  # fmt: skip
         if judge is None:
             return
-        key = self.m.gpu_use.memory_key(run)
+        key = self.m.gpu_use.memory_key(run, judge=True)
         need = self.m.memory.footprint(key)
         if need is not None and need > AHEAD_MAX_FOOTPRINT:
             return
