@@ -532,6 +532,19 @@ def config_row(run: dict[str, Any]) -> list[Any]:
             run.get("windows", {}).get("held_ms", 0.0)]  # fmt: skip
 
 
+def memory_row(run: dict[str, Any], i: int) -> list[Any]:
+    """One step's GPU memory: learned_footprints and GpuMemorySampler's summary."""
+    st = run["steps"][i]
+    sides = st.get("footprints", {})
+    top = st.get("gpu_memory", {}).get("at_most_mib", {})
+    return [run["flags"] or "(defaults)", i,
+            sides.get("kernel", {}).get("peak_median_mib", "-"),
+            sides.get("judge", {}).get("peak_median_mib", "-"),
+            top.get("total", "-"), top.get("busy", 0), top.get("standing judge", 0),
+            top.get("idle", 0) + top.get("spare", 0), top.get("other", 0),
+            len(st.get("alone_reruns", []))]  # fmt: skip
+
+
 def cold_row(run: dict[str, Any]) -> list[Any]:
     """One configuration's cold start (the headers are made only on a fresh state folder: the
     first configuration's) and its pool before each step (pool_now)."""
@@ -660,6 +673,14 @@ def main() -> int:
         ["service flags", "headers made s", "pool ready s", "first verdict s",
          "processes before each step", "GPU memory before each step (MiB)"],
         [cold_row(r) for r in runs],
+    ))  # fmt: skip
+    tables.append((
+        "GPU memory during each step: the peaks job processes reported (what admission learns"
+        " its footprints from), by side, and the most the GPU held (nvidia-smi, every "
+        f"{SAMPLE_S} s) with its share by role then, MiB",
+        ["service flags", "step", "kernel peak (median)", "judge peak (median)", "GPU at most",
+         "busy", "standing judges", "idle + spare", "other (leaving)", "re-runs alone"],
+        [memory_row(r, i) for r in runs for i in range(len(r["steps"]))],
     ))  # fmt: skip
     if len(configs) > 1:
         tables.insert(2, (

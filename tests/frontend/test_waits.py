@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from kerneleval.internal.v1 import job_channel_pb2
 from kerneleval.v1 import job_pb2
+from kerneleval_server.fleet.gpu_memory import serving_bytes
 from kerneleval_server.fleet.job_processes import JobProcess
 from kerneleval_server.jobs import judge_record
 from kerneleval_server.jobs import waits as waits_mod
@@ -189,6 +190,49 @@ def test_a_judge_is_admitted_when_only_shares_hold_the_gpu_even_past_its_footpri
     m.memory.release(0, "d0-busy")
     assert m.gpu_use.admit(runs[0])  # 72 GB of shares + 20 > 85: admitted all the same
     assert m.memory.holds(0, "d0-j0") and runs[0].record.gpu_held_on is None  # type: ignore[union-attr]
+
+
+def test_a_kernels_process_serving_its_judge_holds_memory_and_its_judge_still_goes(
+    tmp_path: Path,
+) -> None:
+    """A kernel's process that stays to serve its judge's timed calls still holds the outputs
+    it handed over and makes a call's outputs again in each call: that much stays held until
+    it exits (given back at its outcome, the RL step's next jobs ran out of memory beside
+    it on an H200). Its judge is admitted beside such processes when nothing else holds
+    the GPU, as beside shares; then the next judge waits for it."""
+
+    async def scenario() -> None:
+        m, _ = new_manager(tmp_path)
+        m.memory.set_total(0, 100 * GB)  # budget 85 GB
+        judges = [_judged_run(m, f"J{i}", _worker(f"d0-j{i}"), 20 * GB) for i in range(3)]
+        m.memory.learn(m.gpu_use.memory_key(judges[0]), 40 * GB)
+        for i, run in enumerate(judges):
+            kernel = _worker(f"d0-k{i}")
+            m.job_processes.by_id[kernel.worker_id] = kernel
+            run.kernel_proc, run.kernel_serves = kernel, True
+            run.record.gpu_held_on = None  # type: ignore[union-attr]
+            m.running[run.job.job_id] = run
+            m.processes.after_outcome(
+                kernel, run,
+                job_channel_pb2.JobOutcome(job_id=run.job.job_id, serves_timed_calls=True,
+                                           shared_bytes=20 * GB),
+                judge=False,
+            )  # fmt: skip
+        serving = serving_bytes(20 * GB)
+        assert m.memory.usage(0) == (3 * serving, int(100 * GB * 0.85), 3)
+        assert m.memory.only_shares(0)
+        other = Running(job=job_pb2.Job(job_id="N", spec=job_spec(), device_index=0),
+                        proc=_worker("d0-n"), timeout_s=10.0)  # fmt: skip
+        m.memory.learn(m.gpu_use.memory_key(other), 10 * GB)
+        m.running["N"] = other
+        assert not m.gpu_use.admit(other)  # 3 x 40.5 GB held: no room for a new job's 10 GB
+        assert m.gpu_use.admit(judges[0])  # past the budget, but only serving processes hold it
+        assert not m.gpu_use.admit(judges[1])  # now a judge holds memory that it gives back
+        m.memory.release(0, "d0-j0")
+        m.memory.release(0, "d0-k0")  # its kernel's process exited
+        assert m.gpu_use.admit(judges[1])
+
+    run_async(scenario)
 
 
 async def _running_with_admission(tmp_path: Path) -> tuple[Any, Any, Running]:

@@ -283,6 +283,7 @@ class _Judge(_Job):
                 self.taken_paths.append(PathMeasure(flush.lead_kind, sizes, measures[-1]))
                 self.spent.lap("calibration")
             own_path = int(statistics.median(measures))
+            del outs  # only the outputs' shapes from here (_time_kernel_outside)
             self._time_kernel_outside(
                 cand, ref, first, ref_out, flush, own_path, make_args, self.spent
             )
@@ -302,7 +303,9 @@ class _Judge(_Job):
         on inputs made here from trial numbers it cannot foresee, written into the shared
         arguments after the last call was answered; a share of them, picked at random,
         checked against the reference on the same inputs; its time its own claim only where
-        that agrees with this process's clock, else that clock's bound (flagged)."""
+        that agrees with this process's clock, else that clock's bound (flagged).
+        `ref_out` is emptied: only its shapes are needed, and a GB problem's judge held each
+        of its tensors several times over (H200: 61 GB at the median for 6.4 GB tensors)."""
         self.reporter.drive_kernel()
         spent.lap("waiting for the window")
         n = self.opts.perf_trials
@@ -312,9 +315,11 @@ class _Judge(_Job):
         inside: list[int] = []
         outside: list[int] = []
         try:
+            likes = [timed_calls.shape_of(_like(o)) for o in ref_out]
+            ref_out.clear()
             driver = timed_calls.Driver(
-                self.share_fd, first, [_like(o) for o in ref_out], self.dev,
-                prepare=flush.enqueue, lead=flush.lead_kind,
+                self.share_fd, first, likes, self.dev, prepare=flush.enqueue,
+                lead=flush.lead_kind,
             )  # fmt: skip
         except timed_calls.TimedCallError as e:
             self._kernel_failed_timed(str(e))
@@ -342,6 +347,7 @@ class _Judge(_Job):
                     first_checked = i == min(picked)
                     self._check_timed_call(i, call.outputs, ref, pristine, names, first_checked)
                     spent.lap("checks")
+                del args, pristine  # before the next call's are made, not after
                 self._progress(i + 1, n)
         except timed_calls.TimedCallError as e:
             self._kernel_failed_timed(str(e))
@@ -391,7 +397,10 @@ class _Judge(_Job):
         """A timed call's outputs against the reference on its inputs; `precision_too` (the
         first call checked): the lower-precision check as well, as on the first correctness
         trial (a kernel may compute in lower precision only once its check is over)."""
-        precision_too = precision_too and ref.kind == "model" and self.opts.check_precision
+        precision_too = (
+            precision_too and ref.kind == "model" and self.opts.check_precision
+            and self._float64_fits(ref, args, outputs)
+        )  # fmt: skip
         pristine = args.clone() if precision_too else None  # the reference may write them
         ref_start = time.perf_counter()
         ref_out = self._run(ref, args, REFERENCE_PREFIX)
@@ -409,6 +418,16 @@ class _Judge(_Job):
                 "(a cache, a lazy or an unfinished result, or memory read before it was "
                 "written, such as torch.empty's)"
             )
+
+    def _float64_fits(self, ref: Program, args: TrialArgs, outputs: list[Any]) -> bool:
+        """Whether a float64 run of the reference on these inputs is within the
+        lower-precision check's budget (precision.py), so that the inputs' copy it runs on
+        is worth making (over it, a GB problem's judge held one more copy for nothing)."""
+        instance = getattr(ref, "instance", None)
+        if not isinstance(instance, torch.nn.Module):
+            return True  # the check says why it is skipped
+        limit = min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
+        return precision.float64_bytes(instance, args.model_inputs(), outputs) <= limit
 
     def _check_timed_precision(
         self, ref: Program, pristine: TrialArgs, got: list[Any], ref_out: list[Any],

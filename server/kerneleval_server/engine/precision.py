@@ -165,6 +165,14 @@ def float64_run(
     return gold
 
 
+def float64_bytes(instance: torch.nn.Module, inputs: list[Any], outputs: list[Any]) -> int:
+    """The least a float64 run takes: float64 copies of the weights, the inputs and the
+    outputs."""
+    state = [*instance.parameters(), *instance.buffers()]
+    tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+    return 2 * (_nbytes(state) + _nbytes(_flat(inputs)) + _nbytes(tensors))
+
+
 def _skip(why: str) -> Check:
     return Check(note=f"lower-precision check skipped: {why}")
 
@@ -191,9 +199,7 @@ def _float64_run(
         return Gold(outputs=ref_out, terms=0), True
     if not isinstance(instance, torch.nn.Module):
         return Gold(done=_skip("the reference is not a torch.nn.Module")), True
-    state = [*instance.parameters(), *instance.buffers()]
-    # At least float64 copies of the weights, the inputs and the outputs.
-    need = 2 * (_nbytes(state) + _nbytes(_flat(inputs)) + _nbytes(tensors))
+    need = float64_bytes(instance, inputs, tensors)
     small = need <= SMALL_RUN_BYTES
     budget = max_bytes
     free = None if small else _free_bytes(device)

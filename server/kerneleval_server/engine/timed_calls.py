@@ -103,7 +103,7 @@ class _Buffer:
     release: Callable[[], None]
 
 
-def _memfd_buffer(like: torch.Tensor, fd: int | None = None) -> _Buffer:
+def _memfd_buffer(like: torch.Tensor | _Meta, fd: int | None = None) -> _Buffer:
     nbytes = like.numel() * like.element_size()
     if fd is None:
         fd = os.memfd_create("kerneleval-timed-call", os.MFD_CLOEXEC)
@@ -135,7 +135,7 @@ def made_peak_bytes() -> int:
     return _made["peak"]
 
 
-def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _Buffer:
+def _cuda_buffer(like: torch.Tensor | _Meta, fd: int | None = None, size: int = 0) -> _Buffer:
     """Device memory both processes map: made and exported here (fd None), or imported."""
     vmm = device_share._cuda()
     device = like.device
@@ -174,7 +174,7 @@ def _cuda_buffer(like: torch.Tensor, fd: int | None = None, size: int = 0) -> _B
     return _Buffer(view, fd, device_share.CUDA_VMM, size, release)
 
 
-def _buffer_like(like: torch.Tensor) -> _Buffer:
+def _buffer_like(like: torch.Tensor | _Meta) -> _Buffer:
     like = like.detach()
     return _cuda_buffer(like) if like.device.type == "cuda" else _memfd_buffer(like)
 
@@ -241,7 +241,7 @@ def _peer_gone(sock_fd: int) -> bool:
 class Driver:
     """Drives one kernel's timed calls in the server's process (module docstring)."""
 
-    def __init__(self, sock_fd: int, args: Any, outputs_like: Sequence[torch.Tensor],
+    def __init__(self, sock_fd: int, args: Any, outputs_like: Sequence[torch.Tensor | _Meta],
                  device: torch.device, answer_s: float = 60.0,
                  prepare: Callable[[], None] | None = None,
                  lead: str = LEAD_NONE,
@@ -703,11 +703,16 @@ def _receive_layout(
 def _import(desc: dict[str, Any], fd: int, device: torch.device) -> _Buffer:
     like = torch.empty(desc["shape"], dtype=_DTYPES[desc["dtype"]], device="meta")
     if desc["kind"] == device_share.CUDA_VMM:
-        buf = _cuda_buffer(_Meta(like, device), fd, int(desc["size"]))  # type: ignore[arg-type]
+        buf = _cuda_buffer(_Meta(like, device), fd, int(desc["size"]))
     else:
-        buf = _memfd_buffer(_Meta(like, torch.device("cpu")), fd)  # type: ignore[arg-type]
+        buf = _memfd_buffer(_Meta(like, torch.device("cpu")), fd)
     os.close(fd)
     return buf
+
+
+def shape_of(like: torch.Tensor) -> _Meta:
+    """What a shared buffer like `like` needs of it, without holding its memory."""
+    return _Meta(like, like.device)
 
 
 class _Meta:

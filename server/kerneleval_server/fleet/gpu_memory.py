@@ -22,6 +22,9 @@ process gives its memory back only then) or, for a launch process, until its out
   a majority that inflates it only makes its own problem's jobs check fewer at a time, and
   a footprint over the budget means "alone" (admitted only on an otherwise unreserved GPU).
 - A job re-run alone (it ran out of memory beside others) reserves the whole budget.
+- A kernel's process that serves its judge's timed calls holds less than its checks did
+  (`serving_bytes`), held as a judge's shares are: a judge is admitted beside them when
+  nothing else is held, since its kernel's process waits for it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ from kerneleval.v1 import kernel_pb2
 
 FOOTPRINT_SAMPLES = 16  # peaks kept per problem
 KNOWN_PROBLEMS = 4096  # problems remembered, least recently used forgotten
+# What a process holds for its CUDA context and libraries beside its tensors (an H200's idle
+# job process: 0.4-0.6 GiB as nvidia-smi reads it).
+PROCESS_BYTES = 512 << 20
+
+
+def serving_bytes(shared_bytes: int) -> int:
+    """What a kernel's process holds while it serves its judge's timed calls: the outputs it
+    handed over (mapped, until it exits), the outputs its code makes again in each call, and
+    its context."""
+    return 2 * shared_bytes + PROCESS_BYTES
 
 
 def problem_key(spec: kernel_pb2.JobSpec) -> str:
@@ -132,17 +145,19 @@ class GpuMemory:
         dev.holders[worker_id] = _Holder(key, need)
         return True
 
-    def hold(self, device: int, holder: str, nbytes: int) -> None:
-        """Memory no job process holds that stays used until `release(device, holder)`: a
-        judged kernel's outputs handed over by descriptor, on the GPU until its judge has
-        read them. Held whatever else is, as the process that made it held it."""
+    def hold(self, device: int, holder: str, nbytes: int, key: str = "") -> None:
+        """Memory that stays used until `release(device, holder)`, held whatever else is, as
+        the process that made it held it: a judged kernel's outputs handed over by
+        descriptor, on the GPU until its judge has read them; a kernel's process serving its
+        judge's calls. `key`: a problem's, for a job admitted beside these (not one of them)."""
         dev = self._devices.get(device)
         if dev is not None and dev.budget > 0 and nbytes > 0:
-            dev.holders[holder] = _Holder("", min(nbytes, dev.budget))
+            dev.holders[holder] = _Holder(key, min(nbytes, dev.budget))
 
     def only_shares(self, device: int) -> bool:
-        """Nothing but memory held by `hold` (judged kernels' outputs waiting for their
-        judges) is held on the GPU: no running job will give any back."""
+        """Nothing but what `hold` holds without a key (judged kernels' outputs waiting for
+        their judges, kernels' processes serving them) is held on the GPU: no running job
+        will give any back."""
         dev = self._devices.get(device)
         return dev is not None and all(h.key == "" for h in dev.holders.values())
 

@@ -122,8 +122,11 @@ class GpuUse:
             return self._admit_with_shares(run, shares)
         if self._judges_a_serving_kernel(run):
             # Its kernel's process waits for it (and a job alone waits for that process to
-            # exit): it is not held back by a GPU held for a job alone.
-            return self.m.memory.admit(device, worker_id, self.memory_key(run))
+            # exit): it is not held back by a GPU held for a job alone, nor, for ever, by
+            # processes that wait for their judges as its own does.
+            return self.m.memory.admit(
+                device, worker_id, self.memory_key(run)
+            ) or self._admit_beside_shares(run, 0)
         if held_devices is None:
             held_devices = self.m.held_devices()
         held = held_devices.get(device)
@@ -170,12 +173,21 @@ class GpuUse:
         if memory.admit(device, worker_id, self.memory_key(run)):
             record.gpu_held_on = None
             return True
-        if memory.only_shares(device):
-            memory.hold(device, worker_id, max(size, memory.footprint(self.memory_key(run)) or 0))
+        if self._admit_beside_shares(run, size):
             record.gpu_held_on = None
             return True
         memory.hold(device, holder, size)  # still theirs: the judge waits with the others
         return False
+
+    def _admit_beside_shares(self, run: Running, size: int) -> bool:
+        """A judge admitted when nothing but shares and serving kernels' processes hold its
+        GPU's memory (its problem's footprint, at least `size`), which only judges let go."""
+        memory, device = self.m.memory, run.proc.device_index
+        if not memory.only_shares(device):
+            return False
+        key = self.memory_key(run)
+        memory.hold(device, run.proc.worker_id, max(size, memory.footprint(key) or 0), key)
+        return True
 
     def learn(self, run: Running, outcome: job_channel_pb2.JobOutcome) -> None:
         """What the job's problem needs of a GPU's memory, from a run that went to its end

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from kerneleval.internal.v1 import job_channel_pb2
 
 from kerneleval_server import metrics as metrics_mod
-from kerneleval_server.fleet.gpu_memory import GpuMemory
+from kerneleval_server.fleet.gpu_memory import GpuMemory, serving_bytes
 from kerneleval_server.fleet.job_processes import JobProcess, JobProcessTable
 from kerneleval_server.fleet.watchdog import WatchdogLike
 from kerneleval_server.jobs.builds.paths import BuildPaths
@@ -152,12 +152,16 @@ class ProcessKeeper:
             proc.gone = True
             if outcome.serves_timed_calls and run.record is not None and not judge:
                 # It stays, for its judge's timed calls; it is watched to its exit once the
-                # job is done with it (judging.drop_record). Its slot goes to a spare all the same,
-                # and its memory to its judge's admission: it let go of its checks' tensors,
-                # and what its calls use is the judge's (timed_calls.py); held apart, the
-                # judges its processes wait for would wait for them (seen on an H200).
+                # job is done with it (judging.drop_record). Its slot goes to a spare all the same.
+                # It let go of its checks' tensors, but it still holds the outputs it handed
+                # over and makes a call's outputs again in each call: that much stays held
+                # (uncounted, it ran the next jobs out of memory: H200, the RL step), as memory
+                # a judge is admitted beside when nothing else is held (GpuMemory.only_shares),
+                # or the judges its process waits for would wait for it.
                 run.kernel_serves = True
-                self.m.memory.release(proc.device_index, proc.worker_id)
+                self.m.memory.hold(
+                    proc.device_index, proc.worker_id, serving_bytes(run.record.shared_bytes)
+                )
             else:
                 self.watch_exit(proc)
             self.set_job(proc.worker_id, outcome.job_id, finished=True)
