@@ -689,6 +689,41 @@ def test_untimed_the_kernels_process_leaves_the_comparison_to_its_judge(
     assert _ref_runs() > 0 and not own.result.HasField("runtime")
 
 
+def test_timed_by_its_judge_the_kernels_process_leaves_the_comparison_to_it(
+    engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timed by its judge, the kernel's process runs no reference either (its tensors took a
+    third of a GB problem's process): the judge compares before it drives any timed call,
+    so a wrong kernel is INCORRECT with no time (its process served nothing), and an honest
+    one is judged and timed."""
+    monkeypatch.setattr(builtins, "KE_REF_RUNS", 0, raising=False)
+    wrong = ADD_NEW.replace("a + b", "a - b")
+    spec = job(source(TORCH, wrong), source(TORCH, COUNTED_REF), perf_trial_count=3)
+    fd = os.memfd_create("record")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        recorder = Recorder(fd, LIMIT, theirs.fileno(), LIMIT)
+        cfg = EngineConfig(work_dir=engine_dir, recorder=recorder, timed_by_judge=True)
+        own = run_job(spec, RecordingReporter(), cfg)
+        assert own.result.verdict == V.VERDICT_OK and own.serve is not None, own.result
+        assert _ref_runs() == 0 and own.result.validation.trial_count == 0
+        final = judge_job(
+            spec, RecordingReporter(), EngineConfig(work_dir=engine_dir), own.result, fd, LIMIT,
+            share_fd=mine.fileno(), share_max_bytes=LIMIT, kernel_serves=True,
+        )  # fmt: skip
+        assert final.result.verdict == V.VERDICT_INCORRECT, final.result
+        assert not final.result.HasField("runtime") and _ref_runs() > 0
+    finally:
+        os.close(fd)
+        mine.close()
+        theirs.close()
+    monkeypatch.setattr(builtins, "KE_REF_RUNS", 0)
+    honest = served_judge(engine_dir, job(source(TORCH, ADD_NEW), source(TORCH, COUNTED_REF),
+                                          perf_trial_count=3), RecordingReporter())  # fmt: skip
+    assert honest.result.verdict == V.VERDICT_OK and honest.result.runtime.timed_from_outside
+    assert _ref_runs() > 0  # in its judge
+
+
 # Correct, but computed into its input and handed back: the input itself.
 IN_PLACE_NEW = """
 import torch

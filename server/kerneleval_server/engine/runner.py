@@ -479,10 +479,17 @@ class _Job:
         recorded = isinstance(cand, RecordedProgram)
         for t in range(trials):
             # Outputs its judge will compare (they fit the record so far), of a job that times
-            # nothing: the reference does not run here, nor is anything compared (the judge
-            # does both anyway). A timed job compares here too: an incorrect kernel is not
-            # timed (its timing window would hold the GPU for nothing).
-            judged = self.judged_elsewhere and not recorded and self.opts.perf_trials == 0
+            # nothing or that its judge times: the reference does not run here, nor is
+            # anything compared (the judge does both anyway, and checks before it times: an
+            # incorrect kernel holds no window). A job that times itself compares here too:
+            # an incorrect kernel is not timed (its window would hold the GPU for nothing).
+            # (Run here as well, the reference's tensors took a third of a GB problem's
+            # process, and the GPU's memory bounds how many jobs check at once: H200, the
+            # RL step.)
+            judged = (
+                self.judged_elsewhere and not recorded
+                and (self.opts.perf_trials == 0 or self._timed_by_judge())
+            )  # fmt: skip
             ref_out: list[Any] | None = None
             ref_args: TrialArgs | None = None  # made when the reference runs here
             if t in self.ahead:
