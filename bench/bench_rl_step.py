@@ -26,6 +26,7 @@ Results: <out>/bench_rl_step_<N>gpu.json and .md.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -298,8 +299,10 @@ class Progress(threading.Thread):
 class GpuMemorySampler(threading.Thread):
     """While a step runs: every SAMPLE_S, each process's GPU memory as nvidia-smi reads it,
     summed by what the service says the process is (busy with a job, idle, a spare, a
-    standing judge; "other" where its pid is not a job process's). What admission reserves
-    is a claim of jobs' peaks; this is what the GPU holds. Nothing where nvidia-smi is not."""
+    standing judge idle or judging; "other" where its pid is not a job process's), and how
+    many processes of each role there are ("n busy": job slots in use). What admission
+    reserves is a claim of jobs' peaks; this is what the GPU holds. Nothing where nvidia-smi
+    is not."""
 
     def __init__(self, svc: C.Service) -> None:
         super().__init__(daemon=True)
@@ -327,18 +330,24 @@ class GpuMemorySampler(threading.Thread):
             except Exception:  # noqa: BLE001 - a sample missed is a sample fewer
                 continue
             role = {}
+            sample: dict[str, float] = {}
             for d in devices:
                 for w in d.workers:
-                    role[w.pid] = ("standing judge" if w.standing_judge else "spare" if w.spare
-                                   else "busy" if w.job_id else "idle")  # fmt: skip
-            sample: dict[str, float] = {}
+                    r = role[w.pid] = (
+                        ("judging" if w.job_id else "standing judge") if w.standing_judge
+                        else "spare" if w.spare else "busy" if w.job_id else "idle"
+                    )  # fmt: skip
+                    # How many of each: a job slot idle while jobs queue waits for a process.
+                    sample["n " + r] = sample.get("n " + r, 0) + 1
             for line in out.splitlines():
                 pid, _, mib = line.partition(",")
                 if pid.strip().isdigit() and mib.strip().isdigit():
                     r = role.get(int(pid), "other")
                     sample[r] = sample.get(r, 0.0) + int(mib)
                     sample["processes"] = sample.get("processes", 0) + 1
-            sample["total"] = sum(v for k, v in sample.items() if k != "processes")
+            sample["total"] = sum(
+                v for k, v in sample.items() if k != "processes" and not k.startswith("n ")
+            )
             self.samples.append(sample)
 
     def summary(self) -> dict[str, Any]:
@@ -506,9 +515,19 @@ def one_config(
                                                         if k != "jobs"}), flush=True)  # fmt: skip
             run["steps"].append(result)
         run["service_log_tail"] = svc.tail()[-3000:]
+        keep_log(svc.log, args.out, run["flags"])
         run["windows"] = window_costs(svc)  # with the warm-up's few windows
     finally:
         svc.stop()
+
+
+def keep_log(log: Path, out: str, flags: str) -> None:
+    """The service's log, gzipped beside the results: each job's and process's life in it
+    (when each started, waited, was judged, exited) is what a slow step is read from."""
+    slug = re.sub(r"[^a-z0-9]+", "-", flags.lower()).strip("-") or "defaults"
+    if log.exists():
+        with open(log, "rb") as f, gzip.open(Path(out) / f"service-{slug}.log.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
 
 
 def config_row(run: dict[str, Any]) -> list[Any]:
@@ -540,9 +559,10 @@ def memory_row(run: dict[str, Any], i: int) -> list[Any]:
     return [run["flags"] or "(defaults)", i,
             sides.get("kernel", {}).get("peak_median_mib", "-"),
             sides.get("judge", {}).get("peak_median_mib", "-"),
-            top.get("total", "-"), top.get("busy", 0), top.get("standing judge", 0),
-            top.get("idle", 0) + top.get("spare", 0), top.get("other", 0),
-            len(st.get("alone_reruns", []))]  # fmt: skip
+            top.get("total", "-"), top.get("busy", 0), top.get("judging", 0),
+            top.get("standing judge", 0), top.get("idle", 0) + top.get("spare", 0),
+            top.get("other", 0), len(st.get("alone_reruns", [])),
+            st.get("gpu_memory", {}).get("median_mib", {}).get("n busy", "-")]  # fmt: skip
 
 
 def cold_row(run: dict[str, Any]) -> list[Any]:
@@ -679,7 +699,8 @@ def main() -> int:
         " its footprints from), by side, and the most the GPU held (nvidia-smi, every "
         f"{SAMPLE_S} s) with its share by role then, MiB",
         ["service flags", "step", "kernel peak (median)", "judge peak (median)", "GPU at most",
-         "busy", "standing judges", "idle + spare", "other (leaving)", "re-runs alone"],
+         "busy", "standing judges judging", "standing judges idle", "idle + spare",
+         "other (leaving)", "re-runs alone", "processes busy with a job (median count)"],
         [memory_row(r, i) for r in runs for i in range(len(r["steps"]))],
     ))  # fmt: skip
     if len(configs) > 1:

@@ -1197,9 +1197,9 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
 ) -> None:
     """--judge-ahead: a standing judge of the reference runs it while the kernel runs. A
     forger whose own process passes it (a patched comparison, zeros out) is judged there:
-    INCORRECT. A kernel that fails in its own process (timed, it is compared there first) ends
-    its job before its outputs are in: its judge, started ahead, leaves it, keeps nothing of it
-    and stands. The next tenant of that reference is judged ahead by the same process, right,
+    INCORRECT. A wrong kernel is judged there too (its judge times it: its own process
+    compares nothing). A kernel that fails in its own process ends its job before its outputs
+    are in: its judge, started ahead, leaves it, keeps nothing of it and stands. The next tenant of that reference is judged ahead by the same process, right,
     and so are the tenants after."""
     reference = hs.REFERENCE + "\n# a reference of this test's own: its own standing judge\n"
     honest, wrong_source = hs.victim_source(wrong=False), hs.victim_source(wrong=True)
@@ -1214,7 +1214,13 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
     wrong_spec = spec(wrong_source, reference=reference, client_tag="eve-ahead", perf_trials=1)
     wrong = run_job(stub, wrong_spec, svc)
     assert wrong.verdict == job_pb2.VERDICT_INCORRECT, wrong.describe()
-    assert "judged by" not in wrong.logs, wrong.describe()  # ended in its own process
+    assert AHEAD in wrong.logs and _judge_of(wrong) == judge, wrong.describe()
+    _idle(svc, judge)
+    failing = honest.replace("return x.clone()", "raise RuntimeError('eve fails here')")
+    assert failing != honest
+    failed = run_job(stub, spec(failing, reference=reference, client_tag="eve-fails"), svc)
+    assert failed.verdict == job_pb2.VERDICT_RUNTIME_ERROR, failed.describe()
+    assert "judged by" not in failed.logs, failed.describe()  # ended in its own process
     _idle(svc, judge)  # it left the job and stands
     after = run_job(stub, spec(honest, reference=reference, client_tag="alice-ahead-2"), svc)
     assert after.verdict == job_pb2.VERDICT_OK and after.job.result.correctness, after.describe()
