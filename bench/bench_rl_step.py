@@ -348,20 +348,40 @@ class GpuMemorySampler(threading.Thread):
             sample["total"] = sum(
                 v for k, v in sample.items() if k != "processes" and not k.startswith("n ")
             )
+            sample["t"] = time.time()  # the jobs' events' clock: queued_at() reads it
             self.samples.append(sample)
 
-    def summary(self) -> dict[str, Any]:
-        """The sample of the most memory held, and each role's median."""
+    def summary(self, queued: list[tuple[float, float]]) -> dict[str, Any]:
+        """The sample of the most memory held, each role's median, and, over the samples
+        while a job of the step waited for its process (`queued`: each job's queued and first
+        started times), the median count of processes of each role: busy ones under the job
+        processes per GPU with none ready says jobs wait for processes to start; ready ones
+        beside a full count says they wait for a job slot."""
         if not self.samples:
             return {}
         top = max(self.samples, key=lambda x: x.get("total", 0.0))
-        roles = sorted({k for x in self.samples for k in x})
+        roles = sorted({k for x in self.samples for k in x} - {"t"})
+        waiting = [x for x in self.samples if any(q <= x["t"] < st for q, st in queued)]
+        counts = sorted(r for r in roles if r.startswith("n "))
         return {"samples": len(self.samples), "at_most_mib": top,
                 "median_mib": {r: statistics.median(x.get(r, 0.0) for x in self.samples)
-                               for r in roles}}  # fmt: skip
+                               for r in roles},
+                "while_jobs_wait": {"samples": len(waiting)} | {
+                    r: statistics.median(x.get(r, 0.0) for x in waiting)
+                    for r in counts if waiting}}  # fmt: skip
 
 
 SAMPLE_S = 0.5
+
+
+def queued_at(events: dict[int, list[job_pb2.JobEvent]]) -> list[tuple[float, float]]:
+    """Each job's (queued, first started) times on its events' clock (seconds since the epoch);
+    a job that never started waited to its last event."""
+    out = []
+    for evs in events.values():
+        started = [C.ts(e.time) for e in evs if e.HasField("started")]
+        out.append((C.ts(evs[0].time), started[0] if started else C.ts(evs[-1].time)))
+    return out
 
 
 def learned_footprints(svc: C.Service, offset: int) -> dict[str, dict[str, float]]:
@@ -434,7 +454,8 @@ def step(
         "as_planted": sum(j["as_planted"] for j in jobs),
         "timing_window_fraction": window_fraction(windows, after, wall),
         "alone_reruns": alone_reruns(svc, log_from), "first_verdict_s": first or 0.0,
-        "gpu_memory": sampler.summary(), "footprints": learned_footprints(svc, log_from),
+        "gpu_memory": sampler.summary(queued_at(events)),
+        "footprints": learned_footprints(svc, log_from),
     }  # fmt: skip
 
 
@@ -556,13 +577,15 @@ def memory_row(run: dict[str, Any], i: int) -> list[Any]:
     st = run["steps"][i]
     sides = st.get("footprints", {})
     top = st.get("gpu_memory", {}).get("at_most_mib", {})
+    wait = st.get("gpu_memory", {}).get("while_jobs_wait", {})
     return [run["flags"] or "(defaults)", i,
             sides.get("kernel", {}).get("peak_median_mib", "-"),
             sides.get("judge", {}).get("peak_median_mib", "-"),
             top.get("total", "-"), top.get("busy", 0), top.get("judging", 0),
             top.get("standing judge", 0), top.get("idle", 0) + top.get("spare", 0),
             top.get("other", 0), len(st.get("alone_reruns", [])),
-            st.get("gpu_memory", {}).get("median_mib", {}).get("n busy", "-")]  # fmt: skip
+            "/".join(str(wait.get(f"n {r}", 0)) for r in ("busy", "idle", "spare", "judging"))
+            if wait.get("samples") else "-"]  # fmt: skip
 
 
 def cold_row(run: dict[str, Any]) -> list[Any]:
@@ -700,7 +723,8 @@ def main() -> int:
         f"{SAMPLE_S} s) with its share by role then, MiB",
         ["service flags", "step", "kernel peak (median)", "judge peak (median)", "GPU at most",
          "busy", "standing judges judging", "standing judges idle", "idle + spare",
-         "other (leaving)", "re-runs alone", "processes busy with a job (median count)"],
+         "other (leaving)", "re-runs alone",
+         "while jobs wait for a process: busy / ready / spare / judging (median counts)"],
         [memory_row(r, i) for r in runs for i in range(len(r["steps"]))],
     ))  # fmt: skip
     if len(configs) > 1:
