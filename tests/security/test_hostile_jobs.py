@@ -1199,8 +1199,9 @@ def test_a_judge_started_ahead_trusts_nothing_of_the_kernel_and_is_left_by_a_fai
     forger whose own process passes it (a patched comparison, zeros out) is judged there:
     INCORRECT. A wrong kernel is judged there too (its judge times it: its own process
     compares nothing). A kernel that fails in its own process ends its job before its outputs
-    are in: its judge, started ahead, leaves it, keeps nothing of it and stands. The next tenant of that reference is judged ahead by the same process, right,
-    and so are the tenants after."""
+    are in: its judge, started ahead, leaves it, keeps nothing of it and stands. The next
+    tenant of that reference is judged ahead by the same process, right, and so are the
+    tenants after."""
     reference = hs.REFERENCE + "\n# a reference of this test's own: its own standing judge\n"
     honest, wrong_source = hs.victim_source(wrong=False), hs.victim_source(wrong=True)
     first = run_job(stub, spec(honest, reference=reference, client_tag="alice-ahead-1"), svc)
