@@ -126,7 +126,7 @@ def test_list_and_nested_values_of_a_case_travel_as_they_are_written() -> None:
     assert (tag.key, tag.value.string_value) == ("tag", "a")
     assert none.WhichOneof("value") == "list_value" and len(none.list_value.values) == 0
     # What the engine gives generate_input: lists as tuples (GPU MODE's harness does so).
-    from kerneleval_server.engine.gpumode import cases
+    from kerneleval_server.engine.gpumode_cases import cases
 
     (c,) = cases("test", [case], None)
     assert c.kwargs == {"m": (96, 128), "g": 2, "opts": {"scale": (0.5, 2), "tag": "a"},
@@ -459,17 +459,17 @@ def test_walks_over_a_nest_hold_nothing_once_done() -> None:
     import weakref
 
     import torch
-    from kerneleval_server.engine import gpumode as engine_gpumode
+    from kerneleval_server.engine import gpumode_nest
 
     gc.collect()
     gc.disable()
     try:
         data = (torch.ones(4), [torch.ones(2), {"k": torch.ones(3)}], 7)
         gone = [weakref.ref(t) for t in (data[0], data[1][0], data[1][1]["k"])]
-        leaves, tree = engine_gpumode.share_layout(data)
-        rebuilt = engine_gpumode.share_rebuild(leaves, tree)
-        out, structure = engine_gpumode.flatten(rebuilt)
-        assert engine_gpumode.rebuild(out, structure) == rebuilt
+        leaves, tree = gpumode_nest.share_layout(data)
+        rebuilt = gpumode_nest.share_rebuild(leaves, tree)
+        out, structure = gpumode_nest.flatten(rebuilt)
+        assert gpumode_nest.rebuild(out, structure) == rebuilt
         del data, leaves, tree, rebuilt, out, structure
         assert [r() for r in gone] == [None, None, None]
     finally:

@@ -1,5 +1,5 @@
 """A GPU MODE job judged outside its submission's process (issue 13): the submission's process
-runs custom_kernel on every case and records its output (engine/gpumode.py: flatten); the
+runs custom_kernel on every case and records its output (engine/gpumode_nest.py: flatten); the
 judge, which imports the task's reference and shared modules only, makes each case's data again
 from its seed, rebuilds the output and asks check_implementation, then times ref_kernel. What
 the submission's process says of the cases does not count; a record no process of the service
@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_helpers import V
 from kerneleval.gpumode import task_case
-from kerneleval_server.engine import Recorder, gpumode
+from kerneleval_server.engine import Recorder, gpumode_nest
 from kerneleval_server.engine import record as rec
 from test_gpumode import DOUBLE, DOUBLE_REFERENCE, inline_spec, task_spec
 from test_judge import judged
@@ -126,14 +126,14 @@ def test_a_record_the_service_never_writes_is_tampering(
     "nest", ["", "tt", "(t", "(t,)", "[t,(t)]]", "x", "(" * 40 + "t" + ")" * 40, "t" * 70000]
 )
 def test_rebuild_refuses_what_flatten_never_writes(nest: str) -> None:
-    with pytest.raises(gpumode.StructureError):
-        gpumode.rebuild([1, 2], nest)
+    with pytest.raises(gpumode_nest.StructureError):
+        gpumode_nest.rebuild([1, 2], nest)
 
 
 def test_flatten_and_rebuild_round_trip() -> None:
     for output in [1, (1, 2), [1, (2, [3])], (), ([], 1), {"a": 1}]:
-        leaves, nest = gpumode.flatten(output)
-        assert gpumode.rebuild(leaves, nest) == output
+        leaves, nest = gpumode_nest.flatten(output)
+        assert gpumode_nest.rebuild(leaves, nest) == output
 
 
 def test_cases_past_a_full_record_are_judged_where_they_ran_as_the_result_says(
@@ -155,10 +155,10 @@ def test_an_fp8_output_and_its_nest_survive_the_record() -> None:
     fd = os.memfd_create("record")
     try:
         x = torch.randn(8).to(torch.float8_e4m3fn)
-        leaves, nest = gpumode.flatten((x, [x]))
+        leaves, nest = gpumode_nest.flatten((x, [x]))
         assert Recorder(fd, LIMIT).record(0, leaves, structure=nest)
         (trial,) = rec.read(fd)
-        back = gpumode.rebuild(trial.values, trial.structure)
+        back = gpumode_nest.rebuild(trial.values, trial.structure)
         assert isinstance(back, tuple) and isinstance(back[1], list)
         assert torch.equal(back[1][0].view(torch.uint8), x.view(torch.uint8))
     finally:

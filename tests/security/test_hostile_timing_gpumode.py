@@ -1,12 +1,11 @@
 """Issue 40 for GPU MODE tasks: a KERNEL_TYPE_GPU_MODE job's kernel is timed from outside its
-process as a compared ModelNew is (tests/security/test_hostile_timing.py), one session of
-timed calls per benchmark case (engine/gpumode.py, engine/timed_calls.py), through the public
-API of a real service. Its judge makes each call's data from a secret variant of the case's
-seed, checks a random quarter with the task's check_implementation and bounds every call
-with its own clock: a swapped clock is timed by that bound (flagged), a cache is found wrong,
-an honest kernel is timed by its own clock unflagged; each is followed by the next tenants,
-judged right. A task whose data the calls cannot carry is timed in its own process, as the
-result says.
+process as a compared ModelNew is (tests/security/test_hostile_timing.py), one session of timed
+calls per benchmark case (engine/gpumode_judge_timing.py, engine/timed_calls.py), through the
+public API of a real service. Its judge makes each call's data from a secret variant of the
+case's seed, checks a random quarter with the task's check_implementation and bounds every call
+with its own clock: a swapped clock is timed by that bound (flagged), a cache is found wrong, an
+honest kernel is timed by its own clock unflagged; each is followed by the next tenants, judged
+right. A task whose data the calls cannot carry is timed in its own process, as the result says.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from . import (
     compare,
     device_share,
     errors,
-    gpumode,
+    gpumode_judge,
     integrity,
     loader,
     precision,
@@ -210,7 +210,7 @@ class _Judge(_Job):
                     "compile_baseline: a GPU MODE task's reference is no Model: "
                     "no torch.compile baseline"
                 )
-            gpumode.judge(self, ctx, lambda: self._read(fd), self._fitted)
+            gpumode_judge.judge(self, ctx, lambda: self._read(fd), self._fitted)
             return
         ref = self._build(self.spec.reference, "reference", ctx)
         self.notes.extend(ctx.notes)

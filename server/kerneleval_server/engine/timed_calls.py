@@ -732,7 +732,7 @@ class _Meta:
         return self
 
 
-# ---- what the judge's drivers share (engine/judge.py, engine/gpumode.py) ---------------
+# ---- what the judge's drivers share (engine/judge.py, engine/gpumode_judge_timing.py) --
 
 # Warm-up calls past the options' count (until timing.WARMUP_MS), at most: each goes through
 # the timed calls' path, whose own cost is tens of microseconds.

@@ -110,8 +110,8 @@ def times_kernel(spec: kernel_pb2.JobSpec, prebuilt: object) -> bool:
     """Whether the judge of a job drives and times its kernel's calls in the kernel's process
     (engine/timed_calls.py; AssignJob.timed_by_judge): every timed job whose kernel's host code
     runs there (not a launch of kernels built ahead: its own path). A GPU MODE task's too, one
-    session per benchmark case (engine/gpumode.py); one whose data cannot be shared is timed
-    in its own process, as its result says."""
+    session per benchmark case (engine/gpumode_judge_timing.py); one whose data cannot be
+    shared is timed in its own process, as its result says."""
     return is_timed(spec.options) and not prebuilt
 
 
