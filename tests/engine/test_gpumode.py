@@ -443,12 +443,14 @@ def test_load_inline_submission_cannot_run_here_and_was_not_compiled(run) -> Non
 
 
 def test_run_job_forgets_the_shared_modules(run) -> None:
+    import os
     import sys
 
     out, _ = run(task_spec(perf_trial_count=0))
     assert out.result.verdict == V.VERDICT_OK
     assert "task" not in sys.modules and "utils" not in sys.modules
-    assert not any("gpumode" in p for p in sys.path)
+    # The shared modules' folder (work_dir/gpumode/<pid>_<n>), not a checkout named so.
+    assert not any(f"{os.sep}gpumode{os.sep}" in p for p in sys.path)
 
 
 def test_walks_over_a_nest_hold_nothing_once_done() -> None:
