@@ -1,4 +1,4 @@
-"""A launch process's hygiene between jobs (jobproc.runtime._clean_for_next_job), on a GPU.
+"""A launch process's hygiene between jobs (jobproc.hygiene._clean_for_next_job), on a GPU.
 
 A launch process runs job after job: device memory one job used must hold nothing of it when
 the next job allocates (with the same seed, a job's inputs and outputs are the next job's
@@ -20,7 +20,7 @@ from pathlib import Path
 
 CHILD = r"""
 import json, sys, torch
-from kerneleval_server.jobproc import runtime
+from kerneleval_server.jobproc import hygiene
 clean = sys.argv[1] == "clean"
 PATTERN = 0x5EED1234
 sizes = [1 << 20, 3 << 20, 16 << 20]  # int32 elements
@@ -28,7 +28,7 @@ held = torch.ones(1 << 20, device="cuda")  # the process's own, allocated across
 bufs = [torch.full((n,), PATTERN, dtype=torch.int32, device="cuda") for n in sizes]
 torch.cuda.synchronize()
 del bufs
-ok = runtime._clean_for_next_job() if clean else (torch.cuda.empty_cache() or True)
+ok = hygiene._clean_for_next_job() if clean else (torch.cuda.empty_cache() or True)
 found = 0
 for n in sizes:
     y = torch.empty((n,), dtype=torch.int32, device="cuda")

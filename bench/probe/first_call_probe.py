@@ -1,7 +1,7 @@
 """First call of a small Triton kernel in a warmed process (CUDA, cuBLAS, a Triton kernel run
 before): with an empty Triton cache, with the files a previous process compiled copied as
 they are (Triton's group files still name the old folder: a miss), and seeded the way the
-service seeds a job's cache (jobproc.runtime.seed_compile_cache points them at the new one).
+service seeds a job's cache (jobproc.job_dirs.seed_compile_cache points them at the new one).
 Needs PYTHONPATH=server for the last.
 
     python3 bench/probe/first_call_probe.py
@@ -97,7 +97,7 @@ def main() -> None:
     from pathlib import Path
 
     from kerneleval.internal.v1 import job_channel_pb2
-    from kerneleval_server.jobproc.runtime import seed_compile_cache
+    from kerneleval_server.jobproc.job_dirs import seed_compile_cache
 
     root = tempfile.mkdtemp()
     for label in ("empty cache", "copied cache", "seeded cache", "seeded cache again"):

@@ -1,4 +1,4 @@
-"""After a job process's warm-up (jobproc/runtime.warm_up), what a job's first use of the
+"""After a job process's warm-up (jobproc/startup.warm_up), what a job's first use of the
 engine's GPU paths still costs per output dtype: input generation, the outputs' poison, the
 comparison (over compare.HOST_COMPARE_MAX elements: on the GPU). CUDA loads a kernel on its
 first launch; a job that pays that in its timing window holds the GPU alone the longer.
@@ -15,7 +15,7 @@ import time
 
 import torch
 from kerneleval.v1 import dtype_pb2, kernel_pb2
-from kerneleval_server.jobproc.runtime import load_engine, warm_up
+from kerneleval_server.jobproc.startup import load_engine, warm_up
 
 DTYPES = {
     "float32": dtype_pb2.DTYPE_FLOAT32,

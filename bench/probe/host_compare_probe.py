@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from kerneleval_server.jobproc.runtime import load_engine, warm_up
+from kerneleval_server.jobproc.startup import load_engine, warm_up
 
 
 def torch_compare(c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float) -> list[float]:
@@ -77,7 +77,8 @@ def main() -> None:
         "copy 3 arguments (no longer in a judge)": lambda: [t.clone() for t in (a, b, c)],
         "poison an output (no longer in a judge)": lambda: c.clone().fill_(float("nan")),
         "2 inputs checked for writes (no longer in a judge)": lambda: (
-            torch.equal(a, a2), torch.equal(b, b2)
+            torch.equal(a, a2),
+            torch.equal(b, b2),
         ),
     }
     results: dict[str, list[float]] = {name: [] for name in steps}

@@ -58,9 +58,9 @@ def test_a_job_process_reports_its_peak_memory_as_torch_counts_it() -> None:
     """The runtime's peak (what memory admission learns a problem needs) read from the nested
     statistics, not the flattened ones: the same number."""
     import torch
-    from kerneleval_server.jobproc import runtime
+    from kerneleval_server.jobproc import hygiene
 
-    runtime._reset_peak_memory()
+    hygiene._reset_peak_memory()
     block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    assert runtime._peak_memory() == torch.cuda.max_memory_reserved() >= 64 << 20
+    assert hygiene._peak_memory() == torch.cuda.max_memory_reserved() >= 64 << 20
     del block

@@ -18,7 +18,7 @@ from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import job_pb2, kernel_pb2
 from kerneleval_server.framing import encode, recv_frame
 from kerneleval_server.jobproc import GATED_PHASES, MAX_LOG_LINE_BYTES
-from kerneleval_server.jobproc.runtime import _truncate
+from kerneleval_server.jobproc.channel import _truncate
 
 
 def _spec(code: str) -> kernel_pb2.JobSpec:
@@ -146,7 +146,7 @@ def test_zygote_loads_what_every_job_would_pay_for_before_it_forks() -> None:
     are loaded and Triton's own hash is computed, so a forked job process pays neither."""
     probe = """
 import json, os, sys
-from kerneleval_server.jobproc.runtime import PREIMPORTED, load_engine
+from kerneleval_server.jobproc.startup import PREIMPORTED, load_engine
 load_engine()
 from triton.runtime.cache import triton_key
 pid = os.fork()
@@ -176,7 +176,7 @@ import json, os, sys, tempfile
 from pathlib import Path
 from kerneleval.v1 import kernel_pb2
 from kerneleval_server.jobproc import warm_job
-from kerneleval_server.jobproc.runtime import load_engine, warm_up
+from kerneleval_server.jobproc.startup import load_engine, warm_up
 engine, _ = load_engine()
 model = kernel_pb2.JobSpec()
 model.kernel.type = model.reference.type = kernel_pb2.KERNEL_TYPE_TORCH
@@ -210,7 +210,7 @@ def test_warm_up_job_passes_through_the_real_engine() -> None:
     Triton's interpreter."""
     probe = """
 from kerneleval_server.jobproc import warm_job
-from kerneleval_server.jobproc.runtime import load_engine
+from kerneleval_server.jobproc.startup import load_engine
 from kerneleval_server.spec.validation import validate_spec
 assert validate_spec(warm_job.spec()) == []
 engine, _ = load_engine()
@@ -233,7 +233,7 @@ def test_the_warm_up_job_compares_its_outputs_on_the_device() -> None:
     the host is made too. Each comparison's size, through the real engine."""
     probe = """
 from kerneleval_server.jobproc import warm_job
-from kerneleval_server.jobproc.runtime import load_engine
+from kerneleval_server.jobproc.startup import load_engine
 engine, _ = load_engine()
 compare = engine.compare
 sizes = []
@@ -318,10 +318,11 @@ def test_a_judges_grant_asked_for_with_its_go_is_not_lost_to_its_let_go() -> Non
     from kerneleval.v1 import job_pb2
     from kerneleval_server.framing import encode
     from kerneleval_server.jobproc import runtime
+    from kerneleval_server.jobproc.channel import _Channel, _Reporter
 
     ours, theirs = socket.socketpair()
-    channel = runtime._Channel(theirs)
-    reporter = runtime._Reporter(channel, "j")
+    channel = _Channel(theirs)
+    reporter = _Reporter(channel, "j")
     channel.grant_event("j", job_pb2.PHASE_VALIDATING).set()  # its check ahead, granted
     reporter._granted.add(job_pb2.PHASE_VALIDATING)
     real_send = channel.send
@@ -361,10 +362,10 @@ def test_a_grant_sent_with_the_next_job_is_kept_through_the_last_ones_cleanup() 
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import job_pb2
     from kerneleval_server.framing import encode
-    from kerneleval_server.jobproc import runtime
+    from kerneleval_server.jobproc.channel import _Channel, _Reporter
 
     ours, theirs = socket.socketpair()
-    channel = runtime._Channel(theirs)
+    channel = _Channel(theirs)
     threading.Thread(target=channel.read_loop, daemon=True).start()
     channel.grant_event("done", job_pb2.PHASE_VALIDATING).set()  # the last job's, used
     for msg in (
@@ -382,7 +383,7 @@ def test_a_grant_sent_with_the_next_job_is_kept_through_the_last_ones_cleanup() 
     channel.accept_next("done")
     assert not channel.grant_event("done", job_pb2.PHASE_VALIDATING).is_set()
     checked = threading.Thread(
-        target=runtime._Reporter(channel, "next").phase,
+        target=_Reporter(channel, "next").phase,
         args=(job_pb2.PHASE_VALIDATING,),
         daemon=True,
     )
@@ -401,10 +402,10 @@ def test_a_grant_for_a_finished_job_that_comes_late_is_not_kept() -> None:
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import job_pb2
     from kerneleval_server.framing import encode
-    from kerneleval_server.jobproc import runtime
+    from kerneleval_server.jobproc.channel import _Channel
 
     ours, theirs = socket.socketpair()
-    channel = runtime._Channel(theirs)
+    channel = _Channel(theirs)
     threading.Thread(target=channel.read_loop, daemon=True).start()
 
     def send(msg: job_channel_pb2.FrontendMessage) -> None:
@@ -441,12 +442,12 @@ def test_a_grant_asked_for_ahead_is_the_one_its_phase_waits_for() -> None:
     from kerneleval.internal.v1 import job_channel_pb2
     from kerneleval.v1 import job_pb2
     from kerneleval_server.framing import FdFrameReader, encode
-    from kerneleval_server.jobproc import runtime
+    from kerneleval_server.jobproc.channel import _Channel, _Reporter
 
     ours, theirs = socket.socketpair()
-    channel = runtime._Channel(theirs)
+    channel = _Channel(theirs)
     threading.Thread(target=channel.read_loop, daemon=True).start()
-    reporter = runtime._Reporter(channel, "j1")
+    reporter = _Reporter(channel, "j1")
     reporter.ask_ahead(job_pb2.PHASE_PROFILING)  # only VALIDATING is asked for ahead
     reporter.ask_ahead(job_pb2.PHASE_VALIDATING)
     reader = FdFrameReader(ours)

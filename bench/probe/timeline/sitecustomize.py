@@ -68,17 +68,13 @@ WRAP = {
         "JobProcess._send_with_fds",
     ],
     # job processes
-    "kerneleval_server.jobproc.runtime": [
-        "_run_one",
-        "_job_dirs",
-        "_judge_go",
-        "compile_cache_added",
+    "kerneleval_server.jobproc.runtime": ["_run_one", "_judge_go", "_launch_only"],
+    "kerneleval_server.jobproc.channel": ["_Reporter.phase", "_Reporter.let_go"],
+    "kerneleval_server.jobproc.job_dirs": ["_job_dirs", "compile_cache_added"],
+    "kerneleval_server.jobproc.hygiene": [
         "_clean_for_next_job",
-        "_Reporter.phase",
-        "_Reporter.let_go",
         "_reset_peak_memory",
         "_peak_memory",
-        "_launch_only",
     ],
     "kerneleval_server.engine.runner": [
         "run_job",

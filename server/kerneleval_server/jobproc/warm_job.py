@@ -85,7 +85,7 @@ def run(engine: ModuleType) -> job_pb2.EvalResult:
     try:
         outcome = engine.run_job(spec(), engine.NullReporter(), engine.EngineConfig(work_dir=work))
         result: job_pb2.EvalResult = outcome.result
-        import torch  # only in a job process with a GPU (runtime.warm_up)
+        import torch  # only in a job process with a GPU (startup.warm_up)
 
         small = torch.ones(8)  # a small output's comparison, on the host
         engine.compare.compare_outputs([small], [small.clone()], ["out"], None, None)

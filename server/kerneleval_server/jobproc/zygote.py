@@ -57,8 +57,8 @@ from . import (
     SETUP_FAILED_EXIT,
     TRITON_CACHE_ENV,
     WORKER_ID_ENV,
-    runtime,
     sandbox,
+    startup,
 )
 
 CHANNEL_FD = 3
@@ -327,7 +327,7 @@ def serve(sock: socket.socket) -> int:
     first_for_the_oom_killer()
     reader = FdFrameReader(sock)
     try:
-        _, configured_env = runtime.load_engine()
+        _, configured_env = startup.load_engine()
         job_main, warm_up = resolve_job_main(os.environ.get(JOB_MAIN_ENV) or DEFAULT_JOB_MAIN)
     except Exception:  # noqa: BLE001 - the watchdog sees the exit and logs stderr
         traceback.print_exc()
@@ -348,7 +348,7 @@ def serve(sock: socket.socket) -> int:
         # after every synchronize: builds take what those leave.
         os.nice(int(os.environ.get(BUILD_NICE_ENV, "0") or 0))
     zygote = Zygote(request.config, configured_env, job_main, warm_up)
-    versions = runtime.library_versions()
+    versions = startup.library_versions()
     _send(
         sock,
         zygote_pb2.ZygoteEvent(

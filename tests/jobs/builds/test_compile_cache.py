@@ -9,7 +9,7 @@ from pathlib import Path
 from kerneleval.internal.v1 import job_channel_pb2 as jc
 from kerneleval.v1 import kernel_pb2
 from kerneleval_server.jobproc import MAX_CACHE_FILES
-from kerneleval_server.jobproc.runtime import compile_cache_added, seed_compile_cache
+from kerneleval_server.jobproc.job_dirs import compile_cache_added, seed_compile_cache
 from kerneleval_server.jobs.builds.compile_cache import CompileCache, cache_key, check_files
 
 
