@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from engine_helpers import ADD_MODEL, TORCH, V, gpu, job, needs_gpu, source
-from kerneleval_server.engine import integrity, runner, tamper, timing
+from kerneleval_server.engine import integrity, job_timing, tamper, timing
 
 COPY_REF = """
 import torch
@@ -83,8 +83,9 @@ def test_a_persisting_l2_found_at_timed_trials_is_flagged_once(run, monkeypatch)
         t.persisting_l2_bytes, t.persisting_l2_resets = 8 << 20, 4
         return t
 
-    # The runner binds timing.measure at import (engine/tamper.py): replace its default.
-    monkeypatch.setattr(runner._Job._measure, "__defaults__", (None, measure, tamper.check_timers))
+    # The job's timing binds timing.measure at import (engine/tamper.py): replace its default.
+    defaults = (None, measure, tamper.check_timers)
+    monkeypatch.setattr(job_timing._JobTiming._measure, "__defaults__", defaults)
     honest = ADD_MODEL.replace("class Model(", "class ModelNew(")
     out, _ = run(job(source(TORCH, honest), source(TORCH, ADD_MODEL)))
     r = out.result

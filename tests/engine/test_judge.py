@@ -625,7 +625,7 @@ def test_a_recorded_output_stays_where_its_judge_compares_it() -> None:
     comparison and the precision check run there: no copy to the device and back); larger
     ones go to the job's device (here `meta`, which any host tensor can go to)."""
     from kerneleval_server.engine import record
-    from kerneleval_server.engine.runner import RecordedProgram, where_compared
+    from kerneleval_server.engine.job_correctness import RecordedProgram, where_compared
 
     device = torch.device("meta")
     small = torch.ones(compare.HOST_COMPARE_MAX)

@@ -76,6 +76,8 @@ WRAP = {
         "_reset_peak_memory",
         "_peak_memory",
     ],
+    # _Job's methods, wrapped on _Job: most are inherited from the classes it is built on
+    # (engine/job_base.py, job_correctness.py, job_timing.py), under the same labels.
     "kerneleval_server.engine.runner": [
         "run_job",
         "_Job.__init__",

@@ -70,8 +70,8 @@ class TrialArgs:
     is_meta: list[bool]
     from_get_inputs: bool = False
     # The seed torch's generators get right before each run on these arguments (the
-    # reference's in its judge, the kernel's in its process: runner._Job._run and the timed
-    # calls' server), so that a forward that draws random numbers (dropout in training mode)
+    # reference's in its judge, the kernel's in its process: job_base._JobBase._run and the
+    # timed calls' server), so that a forward that draws random numbers (dropout in training mode)
     # draws the same ones on both sides. None: not seeded.
     seed: int | None = None
 

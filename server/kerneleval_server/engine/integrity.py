@@ -11,7 +11,7 @@ candidate's host code, that code could suppress them (never add them to another 
 - output_aliases_reference: an output shares memory with the reference's outputs (found and
   returned, not computed).
 - replayed_outputs: a timed trial, picked at random, ran on new inputs written in place
-  before it, and its outputs did not match the reference's on them (runner._ReplayCheck):
+  before it, and its outputs did not match the reference's on them (job_timing._ReplayCheck):
   results computed earlier were handed back. The job is also INCORRECT.
 - faster_than_memory: the median is below the time the GPU needs just to write the outputs
   (those beyond its L2 cache) at its peak memory bandwidth, a floor no honest kernel beats.

@@ -44,8 +44,9 @@ from . import (
 )
 from .backends import Program
 from .inputs import TrialArgs
+from .job_correctness import RecordedProgram, where_compared
 from .runner import Job as _Job
-from .runner import RecordedProgram, preserved_torch_state, where_compared
+from .runner import preserved_torch_state
 from .stops import REFERENCE_PREFIX, stopped_by_a_source, unexpected_error
 from .stops import Abandoned as _Abandoned
 from .stops import SafeReporter as _SafeReporter
@@ -433,9 +434,9 @@ class _Judge(_Job):
         self, ref: Program, pristine: TrialArgs, got: list[Any], ref_out: list[Any],
         names: list[str], ref_seconds: float,
     ) -> None:  # fmt: skip
-        """lower_precision on a timed call's outputs (runner._check_precision on a float64 run
-        of these inputs, not the first trial's); never fails the job. A skip already said in
-        the check is not said again."""
+        """lower_precision on a timed call's outputs (job_correctness._check_precision on a
+        float64 run of these inputs, not the first trial's); never fails the job. A skip
+        already said in the check is not said again."""
         try:
             gold = self._float64_run(ref, pristine, ref_out, ref_seconds)
             with torch.no_grad():
@@ -612,7 +613,7 @@ class _Judge(_Job):
         self, cand: RecordedProgram, ref: Program, make_args: MakeArgs, replay: record.Trial | None
     ) -> None:
         """The timed trial that ran on fresh inputs: its recorded outputs against the
-        reference on those inputs (runner._ReplayCheck writes them in the kernel's process)."""
+        reference on those inputs (job_timing._ReplayCheck writes them in the kernel's process)."""
         if self.opts.perf_trials < 2:
             return
         if replay is None:

@@ -1,7 +1,7 @@
 """How a job stops early, and how what stopped it becomes its verdict: the engine's stop
 exceptions, the reporter that tells the reporter's own failures apart, and the verdicts of a
 failed build, an unexpected error or an invalid spec. Shared by the paths that run a job
-(runner.py, gpumode.py, judge.py, build.py), below all of them."""
+(runner.py and its job's classes, gpumode.py, judge.py, build.py), below all of them."""
 
 from __future__ import annotations
 

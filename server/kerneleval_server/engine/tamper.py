@@ -26,7 +26,8 @@ that arming costs nothing on the job's path):
    ctypes.cdata (from_address), ctypes.addressof and ctypes.string_at are left alone: torch's
    inductor and NVML check use them, and so does timing.py (libcudart).
 2. A snapshot, taken by `prepare()` (or `arm()`), of every name the timing relies on (time's
-   and builtins' functions, the engine's timing, runner, integrity and tamper modules and their
+   and builtins' functions, the engine's timing, runner (with job_base, job_correctness and
+   job_timing, the modules of its job's classes), integrity and tamper modules and their
    classes, the numpy and torch.cuda functions timing calls, job_pb2) and of those functions'
    code and defaults. `check_timers()` answers what differs now; the engine calls it right after
    the candidate's timed trials, and any difference means the time is not to be believed.
@@ -55,6 +56,10 @@ _ENGINE_MODULES = (
     "kerneleval_server.engine",
     "kerneleval_server.engine.timing",
     "kerneleval_server.engine.runner",
+    # runner's _Job is built on a class of each (job_base.py says how)
+    "kerneleval_server.engine.job_base",
+    "kerneleval_server.engine.job_correctness",
+    "kerneleval_server.engine.job_timing",
     "kerneleval_server.engine.integrity",
     "kerneleval_server.engine.tamper",
 )
@@ -192,9 +197,9 @@ def arm() -> None:
 def check_timers(job: object = None, snapshot: _Snapshot | tuple[()] = (), /) -> list[str]:
     """What differs from the snapshot `arm()` took: names replaced or removed, functions whose
     code or defaults changed, modules or classes given another type or bases; with `job`, its
-    instance attributes that hide its class's methods. Empty when nothing changed (and when
-    not armed). Bind it before job code runs (a default argument): a name looked up later is
-    the candidate's to replace."""
+    instance attributes that hide its class's methods (those it inherits included). Empty when
+    nothing changed (and when not armed). Bind it before job code runs (a default argument): a
+    name looked up later is the candidate's to replace."""
     changed: list[str] = []
     if not snapshot:
         return changed
@@ -215,7 +220,8 @@ def check_timers(job: object = None, snapshot: _Snapshot | tuple[()] = (), /) ->
         if bases is not None and obj.__bases__ != bases:
             changed.append(f"{label}: its base classes were changed")
     if job is not None:
-        methods = type(job).__dict__
+        # runner._Job's methods are defined on the classes it is built on (job_base.py)
+        methods = {name for kind in type(job).__mro__[:-1] for name in vars(kind)}
         hidden = sorted(k for k in getattr(job, "__dict__", {}) if k in methods)
         changed.extend(
             f"{type(job).__name__}.{k} is hidden by an instance attribute" for k in hidden
