@@ -30,6 +30,9 @@ def test_an_allocator_assertion_while_out_of_memory_is_out_of_memory() -> None:
     runner.unexpected_error(result, _raised(RuntimeError(NVML_OOM), "engine.py"), {})
     assert result.verdict == job_pb2.VERDICT_OUT_OF_MEMORY
     assert "internal engine error" not in result.error.message
+    # said as what it is, not as torch's request for a bug report
+    assert result.error.message.startswith("CUDA out of memory (torch's allocator could not")
+    assert "INTERNAL ASSERT" not in result.error.message, result.error.message
 
 
 def test_an_exception_from_a_sources_file_is_that_sources_failure() -> None:

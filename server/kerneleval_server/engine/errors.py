@@ -147,6 +147,7 @@ def classify(exc: BaseException, source_files: tuple[str, ...] = ()) -> Failure:
         traceback=kernel_traceback(exc, source_files)[-16000:],
     )
     if _is_oom(exc):
+        message = _NVML_OOM.sub(_NVML_OOM_SAID, message)
         info.message = (message[:6000] + "\n" + allocator_numbers()).strip()
         _release_cache()
         return Failure(job_pb2.VERDICT_OUT_OF_MEMORY, info)
@@ -182,6 +183,18 @@ def needs_missing_cuda(message: str) -> bool:
     """The code asked for CUDA where there is none: it cannot run here, it did not fail.
     (Torch says these only then; CUDA is not asked, which a build process must not do.)"""
     return any(m in message for m in _NO_CUDA_MESSAGES)
+
+
+# torch's allocator describes an OOM with NVML's list of the GPU's processes; where NVML does
+# not start (a job's sandbox) it asserts instead, and the assertion is all the message says.
+_NVML_OOM = re.compile(
+    r"NVML_SUCCESS == DriverAPI::get\(\)->nvmlInit_v2_\(\) INTERNAL ASSERT FAILED at "
+    r'"[^"]*CUDACachingAllocator\.cpp":\d+, please report a bug to PyTorch\. ?'
+)
+_NVML_OOM_SAID = (
+    "CUDA out of memory (torch's allocator could not allocate; its own report of that reads "
+    "NVML, which a job's sandbox does not reach)"
+)
 
 
 def _is_oom(exc: BaseException) -> bool:
