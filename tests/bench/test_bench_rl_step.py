@@ -97,3 +97,27 @@ def test_a_cold_row_says_the_start_and_the_pool_before_each_step() -> None:
            "steps": [{"pool_before": {"processes": 19, "memory_used_mib": 9000.4}},
                      {"pool_before": {"processes": 21, "memory_used_mib": 10500.0}}]}  # fmt: skip
     assert R.cold_row(run) == ["(defaults)", 69.0, 80.5, 95.25, "19, 21", "9000, 10500"]
+
+
+def test_the_memory_sampler_says_the_fullest_gpu_and_the_processes_while_jobs_wait() -> None:
+    """Issue 44: what the GPU held (nvidia-smi, by role) at its fullest, and, only over the
+    samples while a job of the step waited for its process, the median count of each role
+    (slots full beside ready processes, or processes short)."""
+    sampler = R.GpuMemorySampler.__new__(R.GpuMemorySampler)
+    sampler.samples = [
+        {"busy": 90.0, "judging": 40.0, "total": 130.0, "n busy": 16, "n idle": 3, "t": 10.0},
+        {"busy": 50.0, "total": 50.0, "n busy": 12, "n idle": 0, "t": 11.0},
+        {"busy": 10.0, "total": 10.0, "n busy": 2, "n idle": 9, "t": 30.0},  # none waits
+    ]
+    summary = sampler.summary([(9.0, 11.5), (9.5, 10.5)])
+    assert summary["at_most_mib"]["total"] == 130.0
+    assert summary["while_jobs_wait"] == {"samples": 2, "n busy": 14.0, "n idle": 1.5}
+    run = {"flags": "", "steps": [{
+        "footprints": {"kernel": {"peak_median_mib": 26404.0},
+                       "judge": {"peak_median_mib": 49186.0}},
+        "gpu_memory": summary, "alone_reruns": [{}],
+    }]}  # fmt: skip
+    row = R.memory_row(run, 0)
+    assert row[:6] == ["(defaults)", 0, 26404.0, 49186.0, 130.0, 90.0]
+    assert row[6] == 40.0 and row[-2] == 1 and row[-1] == "14.0/1.5/0/0"
+    assert R.queued_at({}) == []
