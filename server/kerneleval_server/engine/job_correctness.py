@@ -215,14 +215,18 @@ class _JobCorrectness(_JobBase):
         if c.note:
             self.notes.append(c.note)
 
+    def _float64_budget(self) -> int:
+        """The most a float64 run of the reference may take (precision.py)."""
+        return min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
+
     def _float64_run(
         self, ref: Program, pristine: TrialArgs, ref_out: list[Any], ref_seconds: float
     ) -> precision.Gold:
         with self._cpu_shim(), torch.no_grad():
             return precision.float64_run(
                 getattr(ref, "instance", None), pristine.model_inputs(), ref_out,
-                max_bytes=min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes),
-                device=self.dev, ref_seconds=ref_seconds, sync=self._sync,
+                max_bytes=self._float64_budget(), device=self.dev, ref_seconds=ref_seconds,
+                sync=self._sync,
             )  # fmt: skip
 
     def _float64_ahead(

@@ -427,8 +427,8 @@ class _Judge(_Job):
         instance = getattr(ref, "instance", None)
         if not isinstance(instance, torch.nn.Module):
             return True  # the check says why it is skipped
-        limit = min(precision.MAX_BYTES, self.config.limits.max_total_tensor_bytes)
-        return precision.float64_bytes(instance, args.model_inputs(), outputs) <= limit
+        need = precision.float64_bytes(instance, args.model_inputs(), outputs)
+        return need <= self._float64_budget()
 
     def _check_timed_precision(
         self, ref: Program, pristine: TrialArgs, got: list[Any], ref_out: list[Any],
