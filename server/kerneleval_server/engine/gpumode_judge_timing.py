@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from kerneleval.v1 import job_pb2, kernel_pb2
 
-from . import integrity, record, tamper, time_bound, timed_calls, timing
+from . import record, tamper, time_bound, timed_calls, timing
 from .backends import gpumode as backend
 from .gpumode import GENERATE, REF_KERNEL, _GpuModeRun, geometric_means
 from .gpumode_cases import VARIANT_SEED_MASK, Case, seed_globals
@@ -217,11 +217,7 @@ class _JudgeTiming(_GpuModeRun):
         )
         result.runtime.timed_from_outside = True
         if decision.flagged:
-            job._flag([integrity.flag(
-                integrity.TIME_OUTSIDE_BOUND,
-                f"{case.label}: its own times were {decision.gap_us:.1f} us a call under the "
-                f"judge's bound (tolerance {decision.tolerance_us:.1f} us): timed by that bound",
-            )])  # fmt: skip
+            job._flag([decision.flag(case.label)])
         said = (
             f"{case.label}: the path's own cost {decision.calibration_us:.1f} us a call, the "
             f"kernel's clock within {decision.gap_us:.1f} us of the judge's (tolerance "

@@ -384,11 +384,7 @@ class _Judge(_Job):
                 "work allows: taken at that measure"
             )
         if decision.flagged:
-            self._flag([integrity.flag(
-                integrity.TIME_OUTSIDE_BOUND,
-                f"its own times were {decision.gap_us:.1f} us a call under the judge's bound "
-                f"(tolerance {decision.tolerance_us:.1f} us): timed by that bound",
-            )])  # fmt: skip
+            self._flag([decision.flag()])
         self.notes.append(said)
 
     def _check_timed_call(

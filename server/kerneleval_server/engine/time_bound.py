@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from kerneleval.v1 import job_pb2
 
+from . import integrity
 from .timed_calls import Driver
 
 CALIBRATION_CALLS = 10  # calls of no work: what the path of a timed call costs by itself
@@ -56,6 +58,16 @@ class Decision:
     outside_ms: list[float] = field(default_factory=list)
     calibration_capped: bool = False  # the calls of no work took longer than the cap
     calibration_measured_us: float = 0.0  # their median, before the cap
+
+    def flag(self, where: str = "") -> job_pb2.IntegrityFlag:
+        """The flag of a time taken at the bound (`flagged`); `where`: which of the job's
+        timings (a GPU MODE case's label), said first."""
+        return integrity.flag(
+            integrity.TIME_OUTSIDE_BOUND,
+            f"{where}{': ' if where else ''}its own times were {self.gap_us:.1f} us a call "
+            f"under the judge's bound (tolerance {self.tolerance_us:.1f} us): timed by that "
+            "bound",
+        )
 
 
 def calibrate(
