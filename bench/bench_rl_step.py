@@ -261,19 +261,16 @@ def phases(events: list[job_pb2.JobEvent]) -> dict[str, float]:
     }
 
 
-class Progress(threading.Thread):
-    """While a step runs: every PROGRESS_S, how many verdicts are in, and what the service
-    log says jobs have waited long for (jobs/waits.py), so that a stall says what it waits for
-    as it happens, not after the run is cut."""
+class WhileStep(threading.Thread):
+    """A thread that does its `tick` every `period` seconds while a step runs (a `with`)."""
 
-    def __init__(self, svc: C.Service, t0: float, done: Any, count: int) -> None:
+    period = 1.0
+
+    def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.svc, self.t0, self.done, self.count = svc, t0, done, count
         self.stop = threading.Event()
-        log = svc.root / "service.log"
-        self.log, self.offset = log, log.stat().st_size if log.exists() else 0
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Any:
         self.start()
         return self
 
@@ -281,22 +278,41 @@ class Progress(threading.Thread):
         self.stop.set()
 
     def run(self) -> None:
-        while not self.stop.wait(PROGRESS_S):
-            lines = []
-            if self.log.exists():
-                with open(self.log, errors="replace") as f:
-                    f.seek(self.offset)
-                    text = f.read()
-                    self.offset = f.tell()
-                lines = [ln for ln in text.splitlines() if "has waited" in ln or "waited" in ln
-                         and "never came" in ln]  # fmt: skip
-            print(f"  {time.perf_counter() - self.t0:6.1f} s: {self.done()}/{self.count} "
-                  "verdicts in", flush=True)  # fmt: skip
-            for line in lines[-12:]:
-                print("    " + line[:600], flush=True)
+        while not self.stop.wait(self.period):
+            self.tick()
+
+    def tick(self) -> None:
+        raise NotImplementedError
 
 
-class GpuMemorySampler(threading.Thread):
+class Progress(WhileStep):
+    """While a step runs: every PROGRESS_S, how many verdicts are in, and what the service
+    log says jobs have waited long for (jobs/waits.py), so that a stall says what it waits for
+    as it happens, not after the run is cut."""
+
+    def __init__(self, svc: C.Service, t0: float, done: Any, count: int) -> None:
+        super().__init__()
+        self.period = PROGRESS_S
+        self.svc, self.t0, self.done, self.count = svc, t0, done, count
+        log = svc.root / "service.log"
+        self.log, self.offset = log, log.stat().st_size if log.exists() else 0
+
+    def tick(self) -> None:
+        lines = []
+        if self.log.exists():
+            with open(self.log, errors="replace") as f:
+                f.seek(self.offset)
+                text = f.read()
+                self.offset = f.tell()
+            lines = [ln for ln in text.splitlines() if "has waited" in ln or "waited" in ln
+                     and "never came" in ln]  # fmt: skip
+        print(f"  {time.perf_counter() - self.t0:6.1f} s: {self.done()}/{self.count} "
+              "verdicts in", flush=True)  # fmt: skip
+        for line in lines[-12:]:
+            print("    " + line[:600], flush=True)
+
+
+class GpuMemorySampler(WhileStep):
     """While a step runs: every SAMPLE_S, each process's GPU memory as nvidia-smi reads it,
     summed by what the service says the process is (busy with a job, idle, a spare, a
     standing judge idle or judging; "other" where its pid is not a job process's), and how
@@ -305,9 +321,9 @@ class GpuMemorySampler(threading.Thread):
     is not."""
 
     def __init__(self, svc: C.Service) -> None:
-        super().__init__(daemon=True)
+        super().__init__()
+        self.period = SAMPLE_S
         self.svc = svc
-        self.stop = threading.Event()
         self.samples: list[dict[str, float]] = []
 
     def __enter__(self) -> GpuMemorySampler:
@@ -315,41 +331,37 @@ class GpuMemorySampler(threading.Thread):
             self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-
-    def run(self) -> None:
-        while not self.stop.wait(SAMPLE_S):
-            try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                     "--format=csv,noheader,nounits"],
-                    capture_output=True, text=True, timeout=5, check=True).stdout  # fmt: skip
-                with self.svc.client() as c:
-                    devices = c.list_devices()
-            except Exception:  # noqa: BLE001 - a sample missed is a sample fewer
-                continue
-            role = {}
-            sample: dict[str, float] = {}
-            for d in devices:
-                for w in d.workers:
-                    r = role[w.pid] = (
-                        ("judging" if w.job_id else "standing judge") if w.standing_judge
-                        else "spare" if w.spare else "busy" if w.job_id else "idle"
-                    )  # fmt: skip
-                    # How many of each: a job slot idle while jobs queue waits for a process.
-                    sample["n " + r] = sample.get("n " + r, 0) + 1
-            for line in out.splitlines():
-                pid, _, mib = line.partition(",")
-                if pid.strip().isdigit() and mib.strip().isdigit():
-                    r = role.get(int(pid), "other")
-                    sample[r] = sample.get(r, 0.0) + int(mib)
-                    sample["processes"] = sample.get("processes", 0) + 1
-            sample["total"] = sum(
-                v for k, v in sample.items() if k != "processes" and not k.startswith("n ")
-            )
-            sample["t"] = time.time()  # the jobs' events' clock: queued_at() reads it
-            self.samples.append(sample)
+    def tick(self) -> None:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                 "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=5, check=True).stdout  # fmt: skip
+            with self.svc.client() as c:
+                devices = c.list_devices()
+        except Exception:  # noqa: BLE001 - a sample missed is a sample fewer
+            return
+        role = {}
+        sample: dict[str, float] = {}
+        for d in devices:
+            for w in d.workers:
+                r = role[w.pid] = (
+                    ("judging" if w.job_id else "standing judge") if w.standing_judge
+                    else "spare" if w.spare else "busy" if w.job_id else "idle"
+                )  # fmt: skip
+                # How many of each: a job slot idle while jobs queue waits for a process.
+                sample["n " + r] = sample.get("n " + r, 0) + 1
+        for line in out.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().isdigit():
+                r = role.get(int(pid), "other")
+                sample[r] = sample.get(r, 0.0) + int(mib)
+                sample["processes"] = sample.get("processes", 0) + 1
+        sample["total"] = sum(
+            v for k, v in sample.items() if k != "processes" and not k.startswith("n ")
+        )
+        sample["t"] = time.time()  # the jobs' events' clock: queued_at() reads it
+        self.samples.append(sample)
 
     def summary(self, queued: list[tuple[float, float]]) -> dict[str, Any]:
         """The sample of the most memory held, each role's median, and, over the samples
