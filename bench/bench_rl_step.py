@@ -559,6 +559,7 @@ def keep_log(log: Path, out: str, flags: str) -> None:
     (when each started, waited, was judged, exited) is what a slow step is read from."""
     slug = re.sub(r"[^a-z0-9]+", "-", flags.lower()).strip("-") or "defaults"
     if log.exists():
+        Path(out).mkdir(parents=True, exist_ok=True)  # the results are written after
         with open(log, "rb") as f, gzip.open(Path(out) / f"service-{slug}.log.gz", "wb") as g:
             shutil.copyfileobj(f, g)
 
